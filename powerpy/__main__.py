@@ -1,0 +1,5 @@
+import sys
+
+from powerpy.cli import main
+
+sys.exit(main())

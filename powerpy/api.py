@@ -1,0 +1,93 @@
+"""The notebook-facing API: ``load`` a file, then generate, stream or score text."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from powerpy.generate import Response, generate, stream_generate
+from powerpy.gguf_io import GGUFFile, read_gguf
+from powerpy.loader import load_weights, model_args
+from powerpy.model import Model
+from powerpy.sampling import SamplingParams
+from powerpy.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LLM:
+    """A loaded model with its tokenizer. Keep it alive while its weights are in use: the
+    weights are memory-mapped from ``file``."""
+
+    model: Model
+    tokenizer: Tokenizer
+    file: GGUFFile
+    path: Path
+    load_seconds: float
+
+    def tokenize(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text`` (special tokens parsed, BOS per the file)."""
+        return self.tokenizer.encode(text, add_bos=add_bos)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling) -> str:
+        """Generated text; ``sampling`` takes the fields of ``SamplingParams``."""
+        return generate(self, prompt, max_tokens, SamplingParams(**sampling))
+
+    def stream(
+        self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling
+    ) -> Iterator[Response]:
+        """Stream ``Response`` records; ``sampling`` takes the fields of ``SamplingParams``."""
+        return stream_generate(self, prompt, max_tokens, SamplingParams(**sampling))
+
+    def logits(self, prompt: str | Sequence[int]) -> torch.Tensor:
+        """Logits (T, n_vocab) f32 of every position of ``prompt`` in one fresh pass."""
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        cache = self.model.new_cache(len(ids))
+        return self.model.forward(torch.tensor(ids, dtype=torch.long), cache, all_logits=True)
+
+    @property
+    def sparsity(self):
+        """Per-layer predicted sparsity counters (``SparsityStats``) of the tokens run so far."""
+        return self.model.sparsity
+
+
+def load(
+    path: str | Path | None = None,
+    *,
+    threshold: float | None = None,
+    weight_format: str = "auto",
+    progress: bool = False,
+) -> LLM:
+    """Load a GGUF (dense) or PWRI (sparse) model.
+
+    Args:
+        path: model file; None loads the default model (SmolLM2-135M-Instruct).
+        threshold: predictor threshold; None uses the file's powerinfer.sparse_threshold or 0.0.
+        weight_format: "auto", "f32" or "raw" (see ``loader.load_weights``).
+        progress: show a progress bar while loading.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is malformed or not a supported model.
+    """
+    from powerpy.models import default_model_path
+
+    path = Path(path) if path is not None else default_model_path()
+    t0 = time.perf_counter()
+    gf = read_gguf(path)
+    args = model_args(gf)
+    tokenizer = Tokenizer.from_gguf_kv(gf.kv)
+    weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
+    model = Model(args, weights, threshold=threshold)
+    dt = time.perf_counter() - t0
+    log.debug("loaded %s in %.2f s", path, dt)
+    return LLM(model, tokenizer, gf, path, dt)

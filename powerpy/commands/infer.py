@@ -1,0 +1,136 @@
+"""`powerpy infer`: stream a continuation of a prompt, llama.cpp style."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("infer", help="generate text from a GGUF or PowerInfer (PWRI) model")
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", default="Once upon a time", help="prompt text")
+    p.add_argument("-f", "--file", help="read the prompt from this file")
+    p.add_argument(
+        "-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until full)"
+    )
+    p.add_argument("-c", "--ctx-size", type=int, default=0, help="context size (0: prompt + n)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-last-n", type=int, default=64)
+    p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
+    p.add_argument("--no-display-prompt", action="store_true", help="print only generated text")
+    p.set_defaults(func=run)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by the commands that load a model."""
+    p.add_argument("-m", "--model", help="model file (default: the embedded SmolLM2-135M)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    p.add_argument(
+        "--sparse-threshold",
+        type=float,
+        default=None,
+        help=f"predictor threshold (default: env {THRESHOLD_ENV}, then the file's key, then 0)",
+    )
+    p.add_argument("--dense", action="store_true", help="ignore the predictors (dense FFN)")
+    p.add_argument(
+        "--weight-format", choices=("auto", "f32", "raw"), default="auto", help=argparse.SUPPRESS
+    )
+    p.add_argument("--vram-budget", type=float, default=None, help="GPU budget in GiB (PWRI)")
+    p.add_argument("--reset-gpu-index", action="store_true", help="regenerate the .gpuidx")
+    p.add_argument("--disable-gpu-index", action="store_true", help="keep all FFN rows on CPU")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="dense GGUF only")
+
+
+def threshold_from(args: argparse.Namespace) -> float | None:
+    """CLI flag > env LLAMA_SPARSE_PRED_THRESHOLD > the file's key (None)."""
+    if args.sparse_threshold is not None:
+        return args.sparse_threshold
+    env = os.environ.get(THRESHOLD_ENV)
+    if env is None or env.strip() == "":
+        return None
+    try:
+        return float(env)
+    except ValueError:
+        raise ValueError(f"{THRESHOLD_ENV}={env!r} is not a number") from None
+
+
+def load_from_args(args: argparse.Namespace):
+    """Load the model named by the shared options, printing load time to stderr."""
+    import torch
+
+    from powerpy.api import load
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    llm = load(
+        args.model,
+        threshold=threshold_from(args),
+        weight_format=args.weight_format,
+        progress=sys.stderr.isatty(),
+    )
+    if llm.model.args.sparse and args.n_gpu_layers > 0:
+        raise ValueError(
+            f"{llm.path}: -ngl/--n-gpu-layers is ignored by sparse (PWRI) models; "
+            "use --vram-budget GiB to put hot neurons and dense parts on the GPU"
+        )
+    if args.dense:
+        llm.model.sparse_enabled = False
+    return llm
+
+
+def run(args: argparse.Namespace) -> int:
+    from powerpy.sampling import SamplingParams
+
+    llm = load_from_args(args)
+    a = llm.model.args
+    mode = "sparse" if llm.model.sparse_enabled else "dense"
+    print(
+        f"model: {llm.path.name} ({a.arch}, {a.n_layer} layers, {mode}, "
+        f"threshold {llm.model.threshold:g}), load {llm.load_seconds:.2f} s",
+        file=sys.stderr,
+    )
+    prompt = args.prompt
+    if args.file:
+        with open(args.file, encoding="utf-8") as fh:
+            prompt = fh.read()
+    params = SamplingParams(
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        repeat_last_n=args.repeat_last_n,
+        seed=None if args.seed < 0 else args.seed,
+    )
+    if not args.no_display_prompt:
+        sys.stdout.write(prompt)
+    last = None
+    n_ctx = args.ctx_size or None
+    from powerpy.generate import stream_generate
+
+    for last in stream_generate(llm, prompt, args.n_predict, params, n_ctx=n_ctx):
+        sys.stdout.write(last.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if last is not None:
+        print(
+            f"load: {llm.load_seconds:.2f} s | prompt: {last.prompt_tokens} tokens, "
+            f"{last.prompt_tps:.2f} tok/s | decode: {last.generation_tokens} tokens, "
+            f"{last.generation_tps:.2f} tok/s",
+            file=sys.stderr,
+        )
+    if llm.model.sparse_enabled:
+        frac = llm.sparsity.active_fraction()
+        print(
+            f"predicted active neurons: {100 * float(frac.mean()):.1f}% (mean over layers)",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,201 @@
+"""GGUF/PWRI constants: magics, metadata keys, tensor names and ggml type tables. Data only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+# --- container ---------------------------------------------------------------------------------
+GGUF_MAGIC = b"GGUF"  # dense model
+PWRI_MAGIC = b"PWRI"  # PowerInfer sparse model, also the .gpuidx container
+GGUF_VERSIONS = (2, 3)
+GGUF_DEFAULT_ALIGNMENT = 32
+GPUIDX_SUFFIX = ".generated.gpuidx"
+
+
+class GGUFValueType(IntEnum):
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+# --- ggml tensor types ----------------------------------------------------------------------------
+class GGMLType(IntEnum):
+    """powerpy's own type ids. Files map onto these through the per-magic tables below."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    I8 = 16
+    I16 = 17
+    I32 = 18
+    BF16 = 30
+
+
+@dataclass(frozen=True)
+class TypeTraits:
+    block_size: int  # elements per block
+    type_size: int  # bytes per block
+
+
+TYPE_TRAITS: dict[GGMLType, TypeTraits] = {
+    GGMLType.F32: TypeTraits(1, 4),
+    GGMLType.F16: TypeTraits(1, 2),
+    GGMLType.BF16: TypeTraits(1, 2),
+    GGMLType.Q4_0: TypeTraits(32, 18),
+    GGMLType.Q4_1: TypeTraits(32, 20),
+    GGMLType.Q5_0: TypeTraits(32, 22),
+    GGMLType.Q5_1: TypeTraits(32, 24),
+    GGMLType.Q8_0: TypeTraits(32, 34),
+    GGMLType.Q8_1: TypeTraits(32, 40),
+    GGMLType.Q2_K: TypeTraits(256, 84),
+    GGMLType.Q3_K: TypeTraits(256, 110),
+    GGMLType.Q4_K: TypeTraits(256, 144),
+    GGMLType.Q5_K: TypeTraits(256, 176),
+    GGMLType.Q6_K: TypeTraits(256, 210),
+    GGMLType.Q8_K: TypeTraits(256, 292),
+    GGMLType.I8: TypeTraits(1, 1),
+    GGMLType.I16: TypeTraits(1, 2),
+    GGMLType.I32: TypeTraits(1, 4),
+}
+
+_SHARED_IDS = {t.value: t for t in GGMLType if t.value <= 15 and t.value not in (4, 5)}
+
+# File type id -> GGMLType. PWRI files use PowerInfer's ggml (I8/I16/I32 = 16/17/18);
+# GGUF files use upstream ggml, where 16..23 are IQ types we do not support.
+PWRI_TYPE_IDS: dict[int, GGMLType] = {
+    **_SHARED_IDS,
+    16: GGMLType.I8,
+    17: GGMLType.I16,
+    18: GGMLType.I32,
+}
+GGUF_TYPE_IDS: dict[int, GGMLType] = {
+    **_SHARED_IDS,
+    24: GGMLType.I8,
+    25: GGMLType.I16,
+    26: GGMLType.I32,
+    30: GGMLType.BF16,
+}
+
+# Types whose values powerpy can decode (quants.dequantize).
+DEQUANT_TYPES = frozenset(
+    {
+        GGMLType.F32,
+        GGMLType.F16,
+        GGMLType.BF16,
+        GGMLType.Q8_0,
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.Q6_K,
+        GGMLType.I8,
+        GGMLType.I16,
+        GGMLType.I32,
+    }
+)
+
+
+def row_bytes(n_cols: int, ggml_type: GGMLType) -> int:
+    """Bytes of one row of ``n_cols`` elements; raises ValueError if not whole blocks."""
+    tr = TYPE_TRAITS[ggml_type]
+    if n_cols % tr.block_size:
+        raise ValueError(f"{n_cols} elements is not a multiple of {ggml_type.name} blocks")
+    return n_cols // tr.block_size * tr.type_size
+
+
+# --- metadata keys -------------------------------------------------------------------------------
+class Keys:
+    ARCHITECTURE = "general.architecture"
+    NAME = "general.name"
+    ALIGNMENT = "general.alignment"
+    FILE_TYPE = "general.file_type"
+
+    # per-architecture keys: format with arch, e.g. CONTEXT_LENGTH.format(arch="llama")
+    CONTEXT_LENGTH = "{arch}.context_length"
+    EMBEDDING_LENGTH = "{arch}.embedding_length"
+    BLOCK_COUNT = "{arch}.block_count"
+    FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
+    ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
+    ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+    HEAD_COUNT = "{arch}.attention.head_count"
+    HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
+    RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+    VOCAB_SIZE = "{arch}.vocab_size"
+
+    SPARSE_THRESHOLD = "powerinfer.sparse_threshold"  # FLOAT32, PWRI only, no arch prefix
+    # powerpy's marker for a SiLU (SwiGLU) model sparsified by magnitude labels (CATS/TEAL-style)
+    SPARSE_ACTIVATION = "powerpy.sparse_activation"  # STRING: "relu" (default) or "silu"
+
+    TOKENIZER_MODEL = "tokenizer.ggml.model"
+    TOKENIZER_PRE = "tokenizer.ggml.pre"
+    TOKENS = "tokenizer.ggml.tokens"
+    SCORES = "tokenizer.ggml.scores"
+    TOKEN_TYPE = "tokenizer.ggml.token_type"
+    MERGES = "tokenizer.ggml.merges"
+    BOS_ID = "tokenizer.ggml.bos_token_id"
+    EOS_ID = "tokenizer.ggml.eos_token_id"
+    UNK_ID = "tokenizer.ggml.unknown_token_id"
+    PAD_ID = "tokenizer.ggml.padding_token_id"
+    ADD_BOS = "tokenizer.ggml.add_bos_token"
+    ADD_EOS = "tokenizer.ggml.add_eos_token"
+    ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
+    CHAT_TEMPLATE = "tokenizer.chat_template"
+
+    # .generated.gpuidx
+    GPUIDX_ARCH = "generic.gpu_index"
+    GPUIDX_BLOCK_COUNT = "generic.gpu_index.block_count"
+    SPLIT_VRAM_CAPACITY = "split.vram_capacity"
+
+
+# --- tensor names (GGUF) --------------------------------------------------------------------------
+class Names:
+    TOKEN_EMBD = "token_embd.weight"
+    OUTPUT_NORM = "output_norm.weight"
+    OUTPUT = "output.weight"
+    ROPE_FREQS = "rope_freqs.weight"
+
+    ATTN_NORM = "blk.{l}.attn_norm.weight"
+    ATTN_Q = "blk.{l}.attn_q.weight"
+    ATTN_K = "blk.{l}.attn_k.weight"
+    ATTN_V = "blk.{l}.attn_v.weight"
+    ATTN_OUTPUT = "blk.{l}.attn_output.weight"
+    FFN_NORM = "blk.{l}.ffn_norm.weight"
+    FFN_GATE = "blk.{l}.ffn_gate.weight"
+    FFN_UP = "blk.{l}.ffn_up.weight"
+    FFN_DOWN = "blk.{l}.ffn_down.weight"  # dense files: (n_embd, n_ff) numpy shape
+    FFN_DOWN_T = "blk.{l}.ffn_down_t.weight"  # PWRI files: (n_ff, n_embd) numpy shape
+    FC1 = "blk.{l}.fc1.weight"  # predictor (H, n_embd)
+    FC2 = "blk.{l}.fc2.weight"  # predictor (n_ff, H)
+
+    GPU_IDX = "blk.{l}.gpu_idx"
+    GPU_BUCKET = "blk.{l}.gpu_bucket"
+
+
+# Token types of tokenizer.ggml.token_type
+class TokenType(IntEnum):
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6

@@ -1,0 +1,203 @@
+"""LLaMA-family transformer over GGUF-named weights: RMSNorm, ggml RoPE, GQA attention, KV cache.
+
+The model never opens files: ``loader.load`` hands it weights. Args, weights and per-step state
+(``KVCache``) are separate objects. The FFN of each block is delegated to an ``FFNRunner`` so the
+hybrid runtime can replace the CPU-only one without touching the attention code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from powerpy.config import ModelArgs
+from powerpy.sparse_ffn import ffn_dense, ffn_masked, ffn_rows, glu, predict, rows_sum
+from powerpy.weights import Weight
+
+
+# ----------------------------------------------------------------------------------- weights
+@dataclass
+class Block:
+    attn_norm: Tensor  # (n_embd,) f32
+    attn_q: Weight  # (n_embd, n_embd)
+    attn_k: Weight  # (n_embd_gqa, n_embd)
+    attn_v: Weight  # (n_embd_gqa, n_embd)
+    attn_output: Weight  # (n_embd, n_embd)
+    ffn_norm: Tensor  # (n_embd,) f32
+    ffn_gate: Weight  # (n_ff, n_embd)
+    ffn_up: Weight  # (n_ff, n_embd)
+    ffn_down_t: Weight  # (n_ff, n_embd): row j is neuron j's output
+    fc1: Weight | None = None  # (H, n_embd) predictor
+    fc2: Weight | None = None  # (n_ff, H)
+
+
+@dataclass
+class Weights:
+    token_embd: Weight  # (n_vocab, n_embd)
+    output_norm: Tensor  # (n_embd,)
+    output: Weight  # (n_vocab, n_embd); token_embd itself when tied
+    blk: list[Block]
+
+
+# ----------------------------------------------------------------------------------- state
+class KVCache:
+    """Per-layer keys and values for ``n_ctx`` positions."""
+
+    def __init__(self, args: ModelArgs, n_ctx: int, dtype: torch.dtype = torch.float32) -> None:
+        shape = (args.n_layer, n_ctx, args.n_head_kv, args.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.n_ctx = n_ctx
+        self.pos = 0  # number of positions filled
+
+    def reset(self) -> None:
+        self.pos = 0
+
+
+@dataclass
+class SparsityStats:
+    """Predicted-active neuron counts per layer, accumulated over the tokens run."""
+
+    n_ff: int
+    active: np.ndarray  # (n_layer,) int64: sum of active neurons over tokens
+    tokens: np.ndarray  # (n_layer,) int64: tokens gated by the predictor
+    last: np.ndarray = field(init=False)  # (n_layer,) active fraction of the last token
+
+    def __post_init__(self) -> None:
+        self.last = np.zeros(len(self.active))
+
+    @classmethod
+    def empty(cls, n_layer: int, n_ff: int) -> SparsityStats:
+        return cls(n_ff, np.zeros(n_layer, np.int64), np.zeros(n_layer, np.int64))
+
+    def record(self, layer: int, act: Tensor) -> None:
+        counts = act.sum(dim=1)  # (T,)
+        self.active[layer] += int(counts.sum())
+        self.tokens[layer] += act.shape[0]
+        self.last[layer] = float(counts[-1]) / self.n_ff
+
+    def active_fraction(self) -> np.ndarray:
+        """Mean predicted-active fraction per layer (NaN where no token was gated)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return self.active / (self.tokens * self.n_ff)
+
+    def reset(self) -> None:
+        self.active[:] = 0
+        self.tokens[:] = 0
+        self.last[:] = 0
+
+
+# FFN observer: (layer, ffn_inp (T, n_embd) pre-norm, h (T, n_ff) true activation) -> None
+Observer = Callable[[int, Tensor, Tensor], None]
+
+
+class FFNRunner(Protocol):
+    def __call__(self, layer: int, blk: Block, x: Tensor, ffn_inp: Tensor) -> Tensor: ...
+
+
+# ----------------------------------------------------------------------------------- maths
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_tables(args: ModelArgs, pos0: int, n: int) -> tuple[Tensor, Tensor]:
+    """cos/sin (n, n_rot/2) for positions pos0..pos0+n-1, ggml NORM mode."""
+    inv = args.rope_base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
+    ang = torch.arange(pos0, pos0 + n, dtype=torch.float64)[:, None] * inv[None]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, n_rot: int) -> Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) of the first n_rot dims: x (T, heads, head_dim)."""
+    xr = x[..., :n_rot].reshape(*x.shape[:-1], n_rot // 2, 2)
+    x0, x1 = xr[..., 0], xr[..., 1]  # (T, heads, n_rot/2)
+    c, s = cos[:, None], sin[:, None]
+    rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    return torch.cat((rot, x[..., n_rot:]), dim=-1) if n_rot < x.shape[-1] else rot
+
+
+# ----------------------------------------------------------------------------------- model
+class Model:
+    """A LLaMA-family decoder. Call ``forward(tokens, cache)`` to get logits."""
+
+    def __init__(self, args: ModelArgs, weights: Weights, threshold: float | None = None):
+        self.args = args
+        self.weights = weights
+        self.threshold = args.sparse_threshold if threshold is None else float(threshold)
+        # Predictor-gated FFN where the file has predictors; False runs the dense reference.
+        self.sparse_enabled = args.sparse and all(b.fc1 is not None for b in weights.blk)
+        self.sparsity = SparsityStats.empty(args.n_layer, args.n_ff)
+        self.observer: Observer | None = None
+        self.ffn_runner: FFNRunner = self.cpu_ffn
+
+    def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype = torch.float32) -> KVCache:
+        """A fresh KV cache for up to ``n_ctx`` positions (default: training context, ≤ 4096)."""
+        return KVCache(self.args, n_ctx or min(self.args.n_ctx_train, 4096), dtype)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, cache: KVCache, *, all_logits: bool = False) -> Tensor:
+        """Run tokens (T,) int64 at positions cache.pos..; return logits (T or 1, n_vocab) f32."""
+        a, w = self.args, self.weights
+        n = tokens.shape[0]
+        if cache.pos + n > cache.n_ctx:
+            raise ValueError(
+                f"context is full: {cache.pos} + {n} tokens exceed n_ctx {cache.n_ctx}"
+            )
+        x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd)
+        cos, sin = rope_tables(a, cache.pos, n)
+        for l, blk in enumerate(w.blk):
+            ffn_inp = x + self.attention(
+                l, blk, rms_norm(x, blk.attn_norm, a.rms_eps), cache, cos, sin
+            )
+            x = ffn_inp + self.ffn_runner(
+                l, blk, rms_norm(ffn_inp, blk.ffn_norm, a.rms_eps), ffn_inp
+            )
+        cache.pos += n
+        if not all_logits:
+            x = x[-1:]
+        return w.output.linear(rms_norm(x, w.output_norm, a.rms_eps))
+
+    def attention(
+        self, l: int, blk: Block, x: Tensor, cache: KVCache, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        a = self.args
+        n, p0 = x.shape[0], cache.pos
+        q = blk.attn_q.linear(x).view(n, a.n_head, a.head_dim)
+        k = blk.attn_k.linear(x).view(n, a.n_head_kv, a.head_dim)
+        v = blk.attn_v.linear(x).view(n, a.n_head_kv, a.head_dim)
+        q, k = apply_rope(q, cos, sin, a.n_rot), apply_rope(k, cos, sin, a.n_rot)
+        cache.k[l, p0 : p0 + n] = k
+        cache.v[l, p0 : p0 + n] = v
+        keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
+        vals = cache.v[l, : p0 + n].transpose(0, 1).float()
+        mask = None
+        if n > 1:  # query i sees keys 0..p0+i
+            mask = torch.ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, vals, attn_mask=mask, enable_gqa=a.n_head != a.n_head_kv
+        )  # (n_head, T, head_dim)
+        return blk.attn_output.linear(out.transpose(0, 1).reshape(n, a.n_embd))
+
+    def cpu_ffn(self, l: int, blk: Block, x: Tensor, ffn_inp: Tensor) -> Tensor:
+        """FFN on the CPU: x (T, n_embd) normed input, ffn_inp its pre-norm value (T, n_embd)."""
+        variant = self.args.ffn_variant
+        act = None
+        if self.sparse_enabled and blk.fc1 is not None:
+            act = predict(ffn_inp, blk.fc1, blk.fc2) >= self.threshold  # (T, n_ff)
+            self.sparsity.record(l, act)
+        if self.observer is not None:
+            h = glu(blk.ffn_gate.linear(x), blk.ffn_up.linear(x), variant)  # (T, n_ff)
+            self.observer(l, ffn_inp, h)
+            return rows_sum(h if act is None else h * act, blk.ffn_down_t)
+        if act is None:
+            return ffn_dense(x, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant)
+        if x.shape[0] == 1:
+            idx = act[0].nonzero().squeeze(1)
+            return ffn_rows(x[0], blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant, idx)[None]
+        return ffn_masked(x, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant, act)
