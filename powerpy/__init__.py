@@ -25,6 +25,9 @@ _LAZY = {
     "Response": "powerpy.generate",
     "SamplingParams": "powerpy.sampling",
     "read_gguf": "powerpy.gguf_io",
+    "Placement": "powerpy.placement",
+    "build_hybrid": "powerpy.runtime",
+    "enable_hybrid": "powerpy.runtime",
 }
 
 __all__ = sorted(_LAZY)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from powerpy.loader import load_weights, model_args
 from powerpy.model import Model
 from powerpy.sampling import SamplingParams
 from powerpy.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from powerpy.runtime import HybridRuntime
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,7 @@ class LLM:
     file: GGUFFile
     path: Path
     load_seconds: float
+    runtime: HybridRuntime | None = None  # set when a hybrid placement is applied
 
     def tokenize(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text`` (special tokens parsed, BOS per the file)."""
@@ -66,6 +71,9 @@ def load(
     threshold: float | None = None,
     weight_format: str = "auto",
     progress: bool = False,
+    vram_budget: float | None = None,
+    device: str | None = None,
+    n_ctx: int | None = None,
 ) -> LLM:
     """Load a GGUF (dense) or PWRI (sparse) model.
 
@@ -74,6 +82,13 @@ def load(
         threshold: predictor threshold; None uses the file's powerinfer.sparse_threshold or 0.0.
         weight_format: "auto", "f32" or "raw" (see ``loader.load_weights``).
         progress: show a progress bar while loading.
+        vram_budget: PWRI models: hybrid CPU-accelerator placement for this many GiB
+            (``powerpy.runtime.enable_hybrid``; its summary is ``llm.runtime.summary()``). The
+            GPU index is reused or generated per spec §10.3; for the other index options call
+            ``enable_hybrid`` on a model loaded without a budget.
+        device: the accelerator: "cuda[:N]", "cpu" (emulated) or None (CUDA when present,
+            else CPU-only with ``llm.runtime`` None).
+        n_ctx: context the accelerator KV cache is reserved for (default min(2048, training)).
 
     Raises:
         FileNotFoundError: no such file.
@@ -88,6 +103,11 @@ def load(
     tokenizer = Tokenizer.from_gguf_kv(gf.kv)
     weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
     model = Model(args, weights, threshold=threshold)
-    dt = time.perf_counter() - t0
-    log.debug("loaded %s in %.2f s", path, dt)
-    return LLM(model, tokenizer, gf, path, dt)
+    llm = LLM(model, tokenizer, gf, path, 0.0)
+    if vram_budget is not None:
+        from powerpy.runtime import enable_hybrid
+
+        llm.runtime = enable_hybrid(llm, vram_budget, device=device, n_ctx=n_ctx)
+    llm.load_seconds = time.perf_counter() - t0
+    log.debug("loaded %s in %.2f s", path, llm.load_seconds)
+    return llm

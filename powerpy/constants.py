@@ -160,6 +160,20 @@ class Keys:
     ADD_EOS = "tokenizer.ggml.add_eos_token"
     ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
     CHAT_TEMPLATE = "tokenizer.chat_template"
+    # further special-token ids read by the tokenizer (all optional)
+    EOT_ID = "tokenizer.ggml.eot_token_id"
+    EOM_ID = "tokenizer.ggml.eom_token_id"
+    SEP_ID = "tokenizer.ggml.seperator_token_id"  # sic: the GGUF spelling
+    MASK_ID = "tokenizer.ggml.mask_token_id"
+    FIM_PRE_ID = "tokenizer.ggml.fim_pre_token_id"
+    FIM_SUF_ID = "tokenizer.ggml.fim_suf_token_id"
+    FIM_MID_ID = "tokenizer.ggml.fim_mid_token_id"
+    FIM_PAD_ID = "tokenizer.ggml.fim_pad_token_id"
+    FIM_REP_ID = "tokenizer.ggml.fim_rep_token_id"
+    FIM_SEP_ID = "tokenizer.ggml.fim_sep_token_id"
+    PREFIX_ID = "tokenizer.ggml.prefix_token_id"  # deprecated alias of FIM_PRE_ID
+    SUFFIX_ID = "tokenizer.ggml.suffix_token_id"  # deprecated alias of FIM_SUF_ID
+    MIDDLE_ID = "tokenizer.ggml.middle_token_id"  # deprecated alias of FIM_MID_ID
 
     # .generated.gpuidx
     GPUIDX_ARCH = "generic.gpu_index"

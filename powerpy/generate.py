@@ -80,7 +80,7 @@ def stream_generate(
     if max_tokens < 0:
         max_tokens = llm.model.args.n_ctx_train - len(ids)
     cache = llm.model.new_cache(n_ctx or len(ids) + max(max_tokens, 1))
-    decoder = tok.stream_decoder()
+    decoder = tok.stream_decoder(strip_leading_space=False)
     t0 = time.perf_counter()
     t_first = t0
     n = 0

@@ -7,6 +7,7 @@ hybrid runtime can replace the CPU-only one without touching the attention code.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -19,6 +20,8 @@ from torch import Tensor
 from powerpy.config import ModelArgs
 from powerpy.sparse_ffn import ffn_dense, ffn_masked, ffn_rows, glu, predict, rows_sum
 from powerpy.weights import Weight
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------- weights
@@ -49,10 +52,16 @@ class Weights:
 class KVCache:
     """Per-layer keys and values for ``n_ctx`` positions."""
 
-    def __init__(self, args: ModelArgs, n_ctx: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        n_ctx: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
         shape = (args.n_layer, n_ctx, args.n_head_kv, args.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.n_ctx = n_ctx
         self.pos = 0  # number of positions filled
 
@@ -135,10 +144,25 @@ class Model:
         self.sparsity = SparsityStats.empty(args.n_layer, args.n_ff)
         self.observer: Observer | None = None
         self.ffn_runner: FFNRunner = self.cpu_ffn
+        # Where new caches live: runtime.build_hybrid sets these when the placement puts the KV
+        # cache on the accelerator (caches longer than kv_max_ctx stay on the host).
+        self.kv_device: torch.device | None = None
+        self.kv_dtype = torch.float32
+        self.kv_max_ctx = 0
 
-    def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype = torch.float32) -> KVCache:
+    def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """A fresh KV cache for up to ``n_ctx`` positions (default: training context, ≤ 4096)."""
-        return KVCache(self.args, n_ctx or min(self.args.n_ctx_train, 4096), dtype)
+        n_ctx = n_ctx or min(self.args.n_ctx_train, 4096)
+        if self.kv_device is not None and n_ctx <= self.kv_max_ctx:
+            return KVCache(self.args, n_ctx, dtype or self.kv_dtype, self.kv_device)
+        if self.kv_device is not None:
+            log.warning(
+                "a %d-position KV cache exceeds the %d placed on %s: it stays on the host",
+                n_ctx,
+                self.kv_max_ctx,
+                self.kv_device,
+            )
+        return KVCache(self.args, n_ctx, dtype or torch.float32)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, cache: KVCache, *, all_logits: bool = False) -> Tensor:
@@ -149,40 +173,49 @@ class Model:
             raise ValueError(
                 f"context is full: {cache.pos} + {n} tokens exceed n_ctx {cache.n_ctx}"
             )
-        x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd)
+        x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
         cos, sin = rope_tables(a, cache.pos, n)
         for l, blk in enumerate(w.blk):
-            ffn_inp = x + self.attention(
-                l, blk, rms_norm(x, blk.attn_norm, a.rms_eps), cache, cos, sin
-            )
-            x = ffn_inp + self.ffn_runner(
-                l, blk, rms_norm(ffn_inp, blk.ffn_norm, a.rms_eps), ffn_inp
-            )
+            # Hybrid placements: each step runs where its weights are and the residual stream
+            # follows (every .to is a no-op when the tensor is already there, e.g. CPU-only).
+            x = x.to(blk.attn_norm.device)
+            cos, sin = cos.to(blk.attn_q.device), sin.to(blk.attn_q.device)
+            att = self.attention(l, blk, rms_norm(x, blk.attn_norm, a.rms_eps), cache, cos, sin)
+            ffn_inp = x + att.to(x.device)
+            xn = rms_norm(ffn_inp.to(blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
+            x = ffn_inp + self.ffn_runner(l, blk, xn, ffn_inp)  # runner: on ffn_inp's device
         cache.pos += n
         if not all_logits:
             x = x[-1:]
-        return w.output.linear(rms_norm(x, w.output_norm, a.rms_eps))
+        x = rms_norm(x.to(w.output_norm.device), w.output_norm, a.rms_eps)
+        return w.output.linear(x.to(w.output.device)).cpu()  # logits on the host
 
     def attention(
         self, l: int, blk: Block, x: Tensor, cache: KVCache, cos: Tensor, sin: Tensor
     ) -> Tensor:
         a = self.args
         n, p0 = x.shape[0], cache.pos
-        q = blk.attn_q.linear(x).view(n, a.n_head, a.head_dim)
-        k = blk.attn_k.linear(x).view(n, a.n_head_kv, a.head_dim)
-        v = blk.attn_v.linear(x).view(n, a.n_head_kv, a.head_dim)
-        q, k = apply_rope(q, cos, sin, a.n_rot), apply_rope(k, cos, sin, a.n_rot)
-        cache.k[l, p0 : p0 + n] = k
-        cache.v[l, p0 : p0 + n] = v
+        q = blk.attn_q.linear(x.to(blk.attn_q.device)).view(n, a.n_head, a.head_dim)
+        k = blk.attn_k.linear(x.to(blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
+        v = blk.attn_v.linear(x.to(blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
+        q = apply_rope(q, cos.to(q.device), sin.to(q.device), a.n_rot)
+        k = apply_rope(k, cos.to(k.device), sin.to(k.device), a.n_rot)
+        cache.k[l, p0 : p0 + n].copy_(k)  # copy_: the cache may live on another device
+        cache.v[l, p0 : p0 + n].copy_(v)
         keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
         vals = cache.v[l, : p0 + n].transpose(0, 1).float()
         mask = None
         if n > 1:  # query i sees keys 0..p0+i
-            mask = torch.ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)
+            mask = torch.ones(n, p0 + n, dtype=torch.bool, device=keys.device).tril(diagonal=p0)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, vals, attn_mask=mask, enable_gqa=a.n_head != a.n_head_kv
-        )  # (n_head, T, head_dim)
-        return blk.attn_output.linear(out.transpose(0, 1).reshape(n, a.n_embd))
+            q.to(keys.device).transpose(0, 1),
+            keys,
+            vals,
+            attn_mask=mask,
+            enable_gqa=a.n_head != a.n_head_kv,
+        )  # (n_head, T, head_dim), where the cache is
+        out = out.transpose(0, 1).reshape(n, a.n_embd)
+        return blk.attn_output.linear(out.to(blk.attn_output.device))
 
     def cpu_ffn(self, l: int, blk: Block, x: Tensor, ffn_inp: Tensor) -> Tensor:
         """FFN on the CPU: x (T, n_embd) normed input, ffn_inp its pre-norm value (T, n_embd)."""

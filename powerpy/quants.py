@@ -202,9 +202,7 @@ _DECODERS: dict[GGMLType, Callable[[np.ndarray, np.ndarray], None]] = {
 }
 
 # Every type dequantize() accepts (a superset of constants.DEQUANT_TYPES).
-SUPPORTED_TYPES: frozenset[GGMLType] = frozenset(
-    {*_PLAIN_DTYPES, GGMLType.BF16, *_DECODERS}
-)
+SUPPORTED_TYPES: frozenset[GGMLType] = frozenset({*_PLAIN_DTYPES, GGMLType.BF16, *_DECODERS})
 
 
 def _check_type(ggml_type: GGMLType | int) -> GGMLType:
@@ -320,7 +318,8 @@ def quantize_q8_0(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
         b = blocks[i : i + step]  # (nb, 32)
         d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)  # (nb, 1)
         q = _round_half_away(b * _inverse_or_zero(d)).astype(np.int8)
-        out[i : i + step, 0:2] = d.astype("<f2").view(np.uint8)
+        with np.errstate(over="ignore", under="ignore"):  # fp16 inf / subnormal, as in ggml
+            out[i : i + step, 0:2] = d.astype("<f2").view(np.uint8)
         out[i : i + step, 2:] = q.view(np.uint8)
     return out.reshape(*shape[:-1], shape[-1] // 32 * 34)
 
@@ -350,7 +349,8 @@ def quantize_q4_0(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
         d = np.take_along_axis(b, imax, axis=1) / np.float32(-8)  # (nb, 1)
         q = np.trunc(b * _inverse_or_zero(d) + np.float32(8.5))
         q = np.clip(q, 0, 15).astype(np.uint8)  # (nb, 32)
-        out[i : i + step, 0:2] = d.astype("<f2").view(np.uint8)
+        with np.errstate(over="ignore", under="ignore"):  # fp16 inf / subnormal, as in ggml
+            out[i : i + step, 0:2] = d.astype("<f2").view(np.uint8)
         out[i : i + step, 2:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
     return out.reshape(*shape[:-1], shape[-1] // 32 * 18)
 
@@ -365,7 +365,9 @@ def _quantize_bf16(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
     return np.ascontiguousarray(bits).view(np.uint8).reshape(*arr.shape[:-1], arr.shape[-1] * 2)
 
 
-QUANTIZE_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0})
+QUANTIZE_TYPES = frozenset(
+    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0}
+)
 
 
 def quantize(x: npt.ArrayLike, ggml_type: GGMLType | int) -> npt.NDArray[np.uint8]:

@@ -2,17 +2,121 @@
 
 FFN matrices are neuron-major ``(n_ff, n_embd)`` (gate, up and down_t), so the sparse FFN is a
 row gather: ``gather_linear`` computes selected rows of ``W @ x`` and ``gather_axpy`` sums
-selected rows scaled by ``h``. Quantized weights keep their raw ggml blocks.
+selected rows scaled by ``h``; :func:`glu_rows` fuses the gate and up passes. Quantized weights
+keep their raw ggml blocks and are never dequantized as a whole (resident memory stays close to
+the file size): rows are decoded on the fly.
+
+On CPU, with contiguous rows, the methods call the native kernels of :mod:`powerpy.kernels`
+(f32 accumulation, OpenMP on ``torch.get_num_threads()`` threads). Elsewhere, or when the
+kernels are unavailable or disabled, they use the fastest torch formulation measured on CPU
+(``cpu-kernels.md``): ``index_select(out=)`` into a reused buffer plus ``F.linear``, and
+``embedding_bag`` for the weighted row sum. All results are f32.
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from powerpy import kernels
 from powerpy.constants import TYPE_TRAITS, GGMLType
+
+# Batches up to this size use the native multi-vector GEMM (weights read once, decoded in
+# registers); larger ones dequantize tiles of rows and call BLAS.
+KERNEL_GEMM_MAX_T = 8
+# Rows of f32 per dequantized tile in the chunked (T > KERNEL_GEMM_MAX_T or fallback) paths.
+TILE_ELEMENTS = 1 << 21  # 8 MiB of f32
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KERNEL_QUANTS = (GGMLType.Q8_0, GGMLType.Q4_0)
+_TORCH_QUANTS = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+_GLU_VARIANTS = ("reglu", "drelu", "swiglu", "relu")
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+_scratch = threading.local()
+
+
+def _scratch_rows(k: int, cols: int, dtype: torch.dtype) -> Tensor:
+    """A reused CPU ``(k, cols)`` buffer (per thread and dtype); valid until the next call.
+
+    Fresh multi-MB allocations page-fault on every call (cpu-kernels.md section 4).
+    """
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    n = k * cols
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < n:
+        buf = bufs[dtype] = torch.empty(max(n, 1 << 16), dtype=dtype)
+    return buf[:n].view(k, cols)
+
+
+def _kernel_ok(t: Tensor) -> bool:
+    return t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+
+
+def _as_x(x: Tensor, cols: int) -> Tensor:
+    # x: (cols,) or (1, cols) -> (cols,)
+    if x.numel() != cols:
+        raise ValueError(f"x has {x.numel()} elements, the matrix has {cols} columns")
+    return x.reshape(cols)
+
+
+def _as_idx(idx: Tensor) -> Tensor:
+    return idx if idx.dtype == torch.int64 else idx.to(torch.int64)
+
+
+def _tiled_linear(lib: kernels.KernelLibrary, m: kernels.Matrix, x: Tensor) -> Tensor:
+    """``x @ W.T`` for larger batches: decode tiles of rows to f32 and multiply with BLAS.
+
+    x (T, cols) -> (T, rows) f32; only one tile of f32 rows exists at a time.
+    """
+    x = x.float()
+    out_t = torch.empty(m.nrows, x.shape[0], dtype=torch.float32)  # (rows, T)
+    step = max(16, TILE_ELEMENTS // max(m.cols, 1))
+    for s in range(0, m.nrows, step):
+        n = min(step, m.nrows - s)
+        tile = lib.dequant_rows(m, None, s, n, out=_scratch_rows(n, m.cols, torch.float32))
+        torch.mm(tile, x.t(), out=out_t[s : s + n])
+    return out_t.t().contiguous()
+
+
+def dequantize_rows_torch(raw: Tensor, ggml_type: GGMLType, cols: int) -> Tensor:
+    """Decode raw ggml rows with torch ops (any device): raw (n, row_bytes) -> (n, cols) f32.
+
+    Q8_0, Q4_0 and the float types run on the tensor's device; other types go through
+    ``powerpy.quants.dequantize`` (numpy, on the CPU).
+    """
+    n = raw.shape[0]
+    if ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        dt = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16}.get(
+            ggml_type, torch.bfloat16
+        )
+        return raw.contiguous().view(dt).reshape(n, cols).float()
+    if ggml_type == GGMLType.Q8_0:
+        b = raw.reshape(n, cols // 32, 34)  # (n, blocks, d:2 + qs:32)
+        d = b[..., :2].contiguous().view(torch.float16).float()  # (n, blocks, 1)
+        q = b[..., 2:].contiguous().view(torch.int8).float()  # (n, blocks, 32)
+        return (q * d).reshape(n, cols)
+    if ggml_type == GGMLType.Q4_0:
+        b = raw.reshape(n, cols // 32, 18)  # (n, blocks, d:2 + qs:16)
+        d = b[..., :2].contiguous().view(torch.float16).float()  # (n, blocks, 1)
+        qs = b[..., 2:].to(torch.int16)  # (n, blocks, 16)
+        q = torch.cat([(qs & 15) - 8, (qs >> 4) - 8], dim=-1).float()  # (n, blocks, 32)
+        return (q * d).reshape(n, cols)
+    from powerpy.quants import dequantize
+
+    arr = dequantize(raw.cpu().numpy(), ggml_type, (n, cols))
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(raw.device)
+
+
+# ---- dense ---------------------------------------------------------------------------------------
 
 
 class DenseWeight:
@@ -21,6 +125,7 @@ class DenseWeight:
     def __init__(self, w: Tensor) -> None:
         assert w.dim() == 2, w.shape
         self.w = w  # (rows, cols)
+        self._mat: kernels.Matrix | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -34,38 +139,101 @@ class DenseWeight:
     def device(self) -> torch.device:
         return self.w.device
 
+    def _kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
+        if self.w.dtype not in _FLOAT_DTYPES or not _kernel_ok(self.w):
+            return None
+        lib = kernels.library()
+        if lib is None:
+            return None
+        if self._mat is None:
+            self._mat = kernels.Matrix.of_dense(self.w)
+        return lib, self._mat
+
     def linear(self, x: Tensor) -> Tensor:
-        """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32."""
+        """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,))."""
+        if x.dim() == 1:
+            return self.linear(x[None])[0]
+        kern = self._kernel()
         if self.w.dtype == torch.float32:
-            return F.linear(x, self.w)
-        return F.linear(x.to(self.w.dtype), self.w).float()
+            if kern is not None and x.shape[0] == 1:  # MKL sgemv reads at ~22 GB/s, this ~32
+                return kern[0].gemm(kern[1], x)
+            return F.linear(x.float(), self.w)
+        if kern is None:
+            return F.linear(x.to(self.w.dtype), self.w).float()
+        if x.shape[0] <= KERNEL_GEMM_MAX_T:
+            return kern[0].gemm(kern[1], x)
+        return _tiled_linear(kern[0], kern[1], x)
 
     def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
         """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) int64 -> (k,) f32."""
-        rows = torch.index_select(self.w, 0, idx)  # (k, cols)
-        return F.linear(x.to(rows.dtype)[None], rows)[0].float()
+        x = _as_x(x, self.w.shape[1])
+        k = idx.numel()
+        if k == 0:
+            return x.new_zeros(0, dtype=torch.float32)
+        kern = self._kernel()
+        if kern is not None:
+            return kern[0].gather_gemv(kern[1], x, idx)
+        idx = _as_idx(idx)
+        xw = x.to(self.w.dtype)[None]  # (1, cols)
+        if 2 * k >= self.w.shape[0]:  # a dense pass is cheaper than gathering half the rows
+            return F.linear(xw, self.w)[0].index_select(0, idx).float()
+        if self.w.device.type == "cpu":
+            rows = torch.index_select(
+                self.w, 0, idx, out=_scratch_rows(k, self.w.shape[1], self.w.dtype)
+            )  # (k, cols)
+        else:
+            rows = torch.index_select(self.w, 0, idx)  # (k, cols)
+        return F.linear(xw, rows)[0].float()
 
-    def gather_axpy(self, h: Tensor, idx: Tensor) -> Tensor:
-        """``sum_j h[j] * W[idx[j]]``: h (k,) f32, idx (k,) -> (cols,) f32."""
-        out = F.embedding_bag(
-            idx[None], self.w, per_sample_weights=h.to(self.w.dtype)[None], mode="sum"
-        )
-        return out[0].float()
+    def gather_axpy(self, h: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
+        """``sum_j h[j] * W[idx[j]]``: h (k,) f32, idx (k,) -> (cols,) f32.
+
+        Args:
+            h: (k,) weights; rows with ``h[j] == 0`` may be skipped.
+            idx: (k,) row ids.
+            out: optional (cols,) f32 tensor to add the sum into (returned).
+        """
+        k = idx.numel()
+        cols = self.w.shape[1]
+        kern = self._kernel()
+        if kern is not None and (out is None or (out.is_contiguous() and out.device.type == "cpu")):
+            if out is not None and out.dtype != torch.float32:
+                out.add_(kern[0].gather_axpy(kern[1], h, idx))
+                return out
+            return kern[0].gather_axpy(kern[1], h, idx, out=out)
+        if k == 0:
+            res = torch.zeros(cols, dtype=torch.float32, device=self.w.device)
+        else:
+            bag = F.embedding_bag(
+                _as_idx(idx)[None], self.w, per_sample_weights=h.to(self.w.dtype)[None],
+                mode="sum",
+            )  # fmt: skip
+            res = bag[0].float()  # (cols,)
+        if out is None:
+            return res
+        return out.add_(res)
 
     def take_rows(self, idx: Tensor) -> DenseWeight:
-        return DenseWeight(torch.index_select(self.w, 0, idx).contiguous())
+        """A new weight made of rows ``idx`` (contiguous)."""
+        return DenseWeight(torch.index_select(self.w, 0, _as_idx(idx)).contiguous())
 
     def dequantize(self) -> Tensor:
+        """The matrix as f32 (rows, cols)."""
         return self.w.float()
 
     def to(self, device: torch.device | str) -> DenseWeight:
         return DenseWeight(self.w.to(device))
 
 
+# ---- quantized -----------------------------------------------------------------------------------
+
+
 class QuantWeight:
     """Raw ggml blocks ``(rows, row_bytes)`` uint8 of a quantized ``(rows, cols)`` matrix.
 
-    This is the portable fallback: it dequantizes only the rows it touches.
+    Q8_0 and Q4_0 run on the native kernels (CPU) or decode with torch ops (any device); other
+    types decode the rows they touch through ``powerpy.quants``. Nothing here dequantizes the
+    whole matrix at once except :meth:`dequantize`.
     """
 
     def __init__(self, raw: Tensor, ggml_type: GGMLType, cols: int) -> None:
@@ -75,6 +243,7 @@ class QuantWeight:
         self.raw = raw  # (rows, row_bytes)
         self.ggml_type = ggml_type
         self.cols = cols
+        self._mat: kernels.Matrix | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -88,30 +257,99 @@ class QuantWeight:
     def device(self) -> torch.device:
         return self.raw.device
 
+    def _kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
+        if self.ggml_type not in _KERNEL_QUANTS or not _kernel_ok(self.raw):
+            return None
+        lib = kernels.library()
+        if lib is None:
+            return None
+        if self._mat is None:
+            self._mat = kernels.Matrix.of_quant(self.raw, self.ggml_type, self.cols)
+        return lib, self._mat
+
     def _rows_f32(self, raw: Tensor) -> Tensor:
-        from powerpy.quants import dequantize
+        # raw (n, row_bytes) -> (n, cols) f32
+        return dequantize_rows_torch(raw, self.ggml_type, self.cols)
 
-        arr = dequantize(raw.cpu().numpy(), self.ggml_type, (raw.shape[0], self.cols))
-        return torch.from_numpy(np.ascontiguousarray(arr)).to(raw.device)
+    def _tile_rows(self) -> int:
+        return max(16, TILE_ELEMENTS // max(self.cols, 1))
 
-    def linear(self, x: Tensor, chunk: int = 4096) -> Tensor:
-        out = x.new_empty(x.shape[0], self.shape[0])
-        for s in range(0, self.shape[0], chunk):
-            out[:, s : s + chunk] = F.linear(x, self._rows_f32(self.raw[s : s + chunk]))
-        return out
+    def linear(self, x: Tensor) -> Tensor:
+        """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)).
+
+        Small batches read the blocks once with the native GEMM; larger ones (and the
+        fallback) decode tiles of rows to f32 and multiply with BLAS, so no full f32 copy of
+        the matrix ever exists.
+        """
+        if x.dim() == 1:
+            return self.linear(x[None])[0]
+        x = x.float()
+        rows, T = self.raw.shape[0], x.shape[0]
+        kern = self._kernel()
+        if kern is not None and T <= KERNEL_GEMM_MAX_T:
+            return kern[0].gemm(kern[1], x)
+        if kern is not None:
+            return _tiled_linear(kern[0], kern[1], x)
+        out_t = torch.empty(rows, T, dtype=torch.float32, device=self.raw.device)  # (rows, T)
+        step = self._tile_rows()
+        for s in range(0, rows, step):
+            tile = self._rows_f32(self.raw[s : s + step])  # (n, cols)
+            torch.mm(tile, x.t(), out=out_t[s : s + step])
+        return out_t.t().contiguous()
 
     def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
-        return F.linear(x[None], self._rows_f32(torch.index_select(self.raw, 0, idx)))[0]
+        """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) int64 -> (k,) f32."""
+        x = _as_x(x, self.cols).float()
+        k = idx.numel()
+        if k == 0:
+            return x.new_zeros(0)
+        kern = self._kernel()
+        if kern is not None:
+            return kern[0].gather_gemv(kern[1], x, idx)
+        idx = _as_idx(idx)
+        out = torch.empty(k, dtype=torch.float32, device=self.raw.device)
+        step = self._tile_rows()
+        for s in range(0, k, step):
+            rows = self._rows_f32(torch.index_select(self.raw, 0, idx[s : s + step]))
+            out[s : s + step] = F.linear(x[None], rows)[0]
+        return out
 
-    def gather_axpy(self, h: Tensor, idx: Tensor) -> Tensor:
-        return h @ self._rows_f32(torch.index_select(self.raw, 0, idx))
+    def gather_axpy(self, h: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
+        """``sum_j h[j] * W[idx[j]]``: h (k,) f32, idx (k,) -> (cols,) f32.
+
+        Args:
+            h: (k,) weights; rows with ``h[j] == 0`` may be skipped.
+            idx: (k,) row ids.
+            out: optional (cols,) f32 tensor to add the sum into (returned).
+        """
+        kern = self._kernel()
+        if kern is not None and (out is None or (out.is_contiguous() and out.device.type == "cpu")):
+            if out is not None and out.dtype != torch.float32:
+                out.add_(kern[0].gather_axpy(kern[1], h, idx))
+                return out
+            return kern[0].gather_axpy(kern[1], h, idx, out=out)
+        idx = _as_idx(idx)
+        h = h.float()
+        res = torch.zeros(self.cols, dtype=torch.float32, device=self.raw.device)
+        step = self._tile_rows()
+        for s in range(0, idx.numel(), step):
+            rows = self._rows_f32(torch.index_select(self.raw, 0, idx[s : s + step]))
+            res += h[s : s + step] @ rows  # (cols,)
+        if out is None:
+            return res
+        return out.add_(res)
 
     def take_rows(self, idx: Tensor) -> QuantWeight:
+        """A new weight made of rows ``idx`` (raw blocks copied, not re-quantized)."""
         return QuantWeight(
-            torch.index_select(self.raw, 0, idx).contiguous(), self.ggml_type, self.cols
+            torch.index_select(self.raw, 0, _as_idx(idx)).contiguous(), self.ggml_type, self.cols
         )
 
     def dequantize(self) -> Tensor:
+        """The whole matrix as f32 (rows, cols): a full copy, for tests and tools."""
+        kern = self._kernel()
+        if kern is not None:
+            return kern[0].dequant_rows(kern[1], None)
         return self._rows_f32(self.raw)
 
     def to(self, device: torch.device | str) -> QuantWeight:
@@ -121,8 +359,54 @@ class QuantWeight:
 Weight = DenseWeight | QuantWeight
 
 
-def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: str) -> Tensor:
-    """h over rows ``idx``: x (cols,), idx (k,) -> (k,) f32 (torch fallback)."""
-    from powerpy.sparse_ffn import glu
+# ---- fused gate/up pass --------------------------------------------------------------------------
 
-    return glu(gate.gather_linear(x, idx), up.gather_linear(x, idx), variant)
+
+def _activate(g: Tensor | None, u: Tensor, variant: str) -> Tensor:
+    if variant == "reglu":
+        return torch.relu(g) * u
+    if variant == "drelu":
+        return torch.relu(g) * torch.relu(u)
+    if variant == "swiglu":
+        return F.silu(g) * u
+    return torch.relu(u)
+
+
+def glu_rows(x: Tensor, gate: Weight | None, up: Weight, idx: Tensor, variant: str) -> Tensor:
+    """Activated FFN intermediate of neurons ``idx``: ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``.
+
+    Args:
+        x: (n_embd,) FFN input.
+        gate: (n_ff, n_embd) gate weight, or None for ``"relu"``.
+        up: (n_ff, n_embd) up weight.
+        idx: (k,) neuron ids.
+        variant: ``"reglu"`` relu(g)·u (LLaMA/ProSparse), ``"drelu"`` relu(g)·relu(u) (Bamboo),
+            ``"swiglu"`` silu(g)·u, or ``"relu"`` relu(u) (no gate; Falcon/OPT).
+
+    Returns:
+        (k,) f32. One fused pass over the gate and up rows when the native kernels apply.
+
+    Raises:
+        ValueError: unknown variant, or a gated variant without ``gate``.
+    """
+    if variant not in _GLU_VARIANTS:
+        raise ValueError(f"unknown GLU variant {variant!r}; expected one of {_GLU_VARIANTS}")
+    if gate is None and variant != "relu":
+        raise ValueError(f"variant {variant!r} needs a gate weight")
+    if variant == "relu":
+        gate = None
+    k = idx.numel()
+    if k == 0:
+        return torch.zeros(0, dtype=torch.float32, device=up.device)
+    ku = up._kernel()
+    if ku is not None:
+        kg = gate._kernel() if gate is not None else None
+        same = kg is not None and (kg[1].code, kg[1].nrows, kg[1].cols) == (
+            ku[1].code,
+            ku[1].nrows,
+            ku[1].cols,
+        )
+        if gate is None or same:
+            return ku[0].glu(kg[1] if kg is not None else None, ku[1], x, idx, variant)
+    g = gate.gather_linear(x, idx) if gate is not None else None
+    return _activate(g, up.gather_linear(x, idx), variant)

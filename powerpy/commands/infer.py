@@ -43,9 +43,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--weight-format", choices=("auto", "f32", "raw"), default="auto", help=argparse.SUPPRESS
     )
-    p.add_argument("--vram-budget", type=float, default=None, help="GPU budget in GiB (PWRI)")
+    p.add_argument(
+        "--vram-budget",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="PWRI: hybrid CPU-GPU placement within GIB of VRAM (negative: free VRAM - 256 MiB)",
+    )
     p.add_argument("--reset-gpu-index", action="store_true", help="regenerate the .gpuidx")
     p.add_argument("--disable-gpu-index", action="store_true", help="keep all FFN rows on CPU")
+    p.add_argument(  # dev/test: "cpu" emulates the accelerator on the CPU
+        "--accel-device", default=None, help=argparse.SUPPRESS
+    )
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="dense GGUF only")
 
 
@@ -86,6 +95,22 @@ def load_from_args(args: argparse.Namespace):
     return llm
 
 
+def setup_hybrid(llm, args: argparse.Namespace, n_ctx: int) -> None:
+    """--vram-budget: place the model (spec §10) and print the placement summary to stderr."""
+    from powerpy.runtime import enable_hybrid
+
+    llm.runtime = enable_hybrid(
+        llm,
+        args.vram_budget,
+        device=args.accel_device,
+        n_ctx=n_ctx,
+        reset_gpu_index=args.reset_gpu_index,
+        disable_gpu_index=args.disable_gpu_index,
+    )
+    if llm.runtime is not None:
+        print(llm.runtime.summary(), file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from powerpy.sampling import SamplingParams
 
@@ -110,10 +135,16 @@ def run(args: argparse.Namespace) -> int:
         repeat_last_n=args.repeat_last_n,
         seed=None if args.seed < 0 else args.seed,
     )
+    n_ctx = args.ctx_size or None
+    if args.vram_budget is not None:
+        # KV reserved for -c, else for 2048 positions (gen-gpuidx's default, so its index is
+        # reused) or what this prompt needs if more
+        n_prompt = len(llm.tokenize(prompt))
+        need = n_prompt + args.n_predict if args.n_predict > 0 else a.n_ctx_train
+        setup_hybrid(llm, args, args.ctx_size or max(min(2048, a.n_ctx_train), need))
     if not args.no_display_prompt:
         sys.stdout.write(prompt)
     last = None
-    n_ctx = args.ctx_size or None
     from powerpy.generate import stream_generate
 
     for last in stream_generate(llm, prompt, args.n_predict, params, n_ctx=n_ctx):

@@ -1,0 +1,151 @@
+"""`powerpy gen-gpuidx`: solve the hot-neuron placement and write ``<model>.generated.gpuidx``.
+
+Reads the model header only (never its weights), the activation statistics beside it, runs the
+dense offload pass for the VRAM budget, turns what is left into a neuron capacity, solves, and
+writes a PowerInfer-compatible index (``powerinfer-format.md`` §7, §8, §10). The work is done by
+``powerpy.gpuidx.generate_gpuidx``; this module parses arguments and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``gen-gpuidx`` subcommand to the powerpy CLI."""
+    p = subparsers.add_parser(
+        "gen-gpuidx",
+        help="solve the hot-neuron GPU placement and write <model>.generated.gpuidx",
+        description=(
+            "Solve which FFN neurons go to the GPU for a VRAM budget and write a "
+            "PowerInfer-compatible .gpuidx (in process; no `python -m powerinfer`)."
+        ),
+    )
+    p.add_argument("-m", "--model", required=True, help="PowerInfer model (.powerinfer.gguf)")
+    p.add_argument(
+        "--vram-budget",
+        type=float,
+        required=True,
+        metavar="GIB",
+        help="VRAM budget in GiB (negative: all free VRAM minus 256 MiB; needs CUDA)",
+    )
+    p.add_argument(
+        "--activation", metavar="DIR", help="activation_{i}.pt directory (default: beside model)"
+    )
+    p.add_argument("--ctx", type=int, default=2048, help="context length of the KV cache")
+    p.add_argument("--batch", type=int, default=256, help="group size in neurons")
+    p.add_argument(
+        "--threshold", type=int, default=0, help="smallest non-zero neuron count per layer"
+    )
+    p.add_argument(
+        "--capacity-model",
+        choices=("exact", "powerinfer"),
+        default="exact",
+        help="neurons per byte: exact row sizes, or PowerInfer's 4.5-factor formula (parity)",
+    )
+    p.add_argument(
+        "--compat-lexicographic",
+        action="store_true",
+        help="pair statistics files with layers in string order, like upstream bug #247",
+    )
+    p.add_argument(
+        "--tie-break",
+        choices=("stable", "torch"),
+        default="stable",
+        help="equal statistics at the cut: lower index wins, or torch.topk's choice (upstream)",
+    )
+    p.add_argument(
+        "--method", choices=("auto", "ilp", "greedy", "dp"), default="auto", help="solver"
+    )
+    p.add_argument("--output", "-o", help="output path (default: <model>.generated.gpuidx)")
+    p.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds")
+    p.add_argument("--memory-f32", action="store_true", help="f32 KV cache (4 bytes per value)")
+    p.set_defaults(func=run)
+
+
+def _free_vram() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``gen-gpuidx``; returns the exit code (errors raise ValueError/FileNotFoundError)."""
+    from powerpy.budget import ModelDims, budget_bytes
+    from powerpy.gguf_io import read_gguf
+    from powerpy.gpuidx import default_gpuidx_path, generate_gpuidx
+    from powerpy.stats import lexicographic_pairing, load_activation_stats
+
+    model_path = Path(args.model)
+    if not model_path.is_file():
+        raise FileNotFoundError(f"model file not found: {model_path}")
+    output = Path(args.output) if args.output else default_gpuidx_path(model_path)
+    if output.exists() and os.path.samefile(output, model_path):
+        raise ValueError(f"--output {output} is the model file; refusing to overwrite it")
+    if args.ctx <= 0 or args.batch <= 0 or args.threshold < 0 or args.time_limit <= 0:
+        raise ValueError("--ctx, --batch and --time-limit must be > 0 and --threshold >= 0")
+    free = _free_vram() if args.vram_budget < 0 else None
+    if args.vram_budget < 0 and free is None:
+        raise ValueError(
+            f"--vram-budget {args.vram_budget:g} means all free VRAM, but no CUDA device is "
+            f"available; give the budget in GiB"
+        )
+    budget = budget_bytes(args.vram_budget, free_vram=free)
+    activation = Path(args.activation) if args.activation else model_path.parent / "activation"
+    mode = "upstream" if args.capacity_model == "powerinfer" else "exact"
+
+    with read_gguf(model_path) as model:
+        if not model.sparse:
+            raise ValueError(
+                f"{model_path} is a dense GGUF (magic {model.magic!r}); gen-gpuidx needs a "
+                f"PowerInfer (PWRI) model"
+            )
+        dims = ModelDims.from_gguf(model)
+        stats = load_activation_stats(activation, dims.n_layer, dims.n_ff)
+        export = None
+        if args.compat_lexicographic:
+            export = [stats[k] for k in lexicographic_pairing(dims.n_layer)]
+        t0 = time.perf_counter()
+        report = generate_gpuidx(
+            model,
+            stats,
+            budget,
+            n_ctx=args.ctx,
+            kv_elem_bytes=4 if args.memory_f32 else 2,
+            capacity_mode=mode,
+            batch=args.batch,
+            threshold=args.threshold,
+            time_limit=args.time_limit,
+            method=args.method,
+            export_stats=export,
+            tie_break=args.tie_break,
+        )
+        seconds = time.perf_counter() - t0
+    report.index.write(output)
+
+    print(f"model      {model_path} ({dims.arch}, {dims.n_layer} layers, n_ff {dims.n_ff})")
+    print(f"statistics {activation}{' (lexicographic pairing)' if export else ''}")
+    print(report.plan.summary())
+    print(
+        f"capacity   {report.capacity} neurons ({args.capacity_model} mode, "
+        f"{dims.neuron_bytes} bytes/neuron, batch {args.batch}, threshold {args.threshold})"
+    )
+    if report.solve is not None:
+        s = report.solve
+        print(
+            f"solver     {s.method}{'' if s.optimal else ' (not proven optimal)'} in "
+            f"{s.seconds:.3f} s ({seconds:.3f} s with export)"
+        )
+    print(report.format_table())
+    print(f"hot rows   {report.split_bytes} bytes; remaining budget {report.remaining_after} bytes")
+    if report.reason:
+        print(f"empty placement: {report.reason}")
+    print(f"wrote {output}")
+    return 0

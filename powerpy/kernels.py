@@ -1,0 +1,419 @@
+"""Native CPU kernels (powerpy/csrc/sparse_ffn.cpp): build on first use, load with ctypes.
+
+The library is compiled with the system C++ compiler (``-O3 -march=native -fopenmp``) into a
+per-user cache, ``$XDG_CACHE_HOME/powerpy/kernels`` (default ``~/.cache/powerpy/kernels``), under
+a name that hashes the source, the flags, the compiler version and the CPU flags, so a cache
+shared between machines never hands a binary to a CPU it was not built for. Builds go to a
+temporary file that is renamed into place, under a file lock, so concurrent processes neither
+race nor see half-written files.
+
+When no compiler is found or the build fails, :func:`available` returns False and logs the
+reason once; callers (``powerpy.weights``) then use their torch code paths. :func:`set_enabled`
+switches the kernels off (for example from a CLI flag). Every kernel runs on
+``torch.get_num_threads()`` OpenMP threads, so ``torch.set_num_threads`` controls them too
+(the library binds to torch's own ``libgomp.so.1``, so there is one thread pool).
+
+The wrappers here take CPU tensors and check shapes; ``powerpy.weights`` decides when to call
+them. Weight matrices are passed as ``(rows, row_bytes)`` uint8 views or float tensors whose
+rows are contiguous (``stride(1) == 1``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from powerpy.constants import GGMLType
+
+logger = logging.getLogger(__name__)
+
+ABI_VERSION = 1
+SOURCE = Path(__file__).parent / "csrc" / "sparse_ffn.cpp"
+DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+# dtype codes of the C library (enum DType)
+DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    GGMLType.F32: 0,
+    GGMLType.F16: 1,
+    GGMLType.BF16: 2,
+    GGMLType.Q8_0: 3,
+    GGMLType.Q4_0: 4,
+}
+# GLU variants (enum Variant): h = act(gate·x, up·x)
+VARIANTS = {"reglu": 0, "drelu": 1, "swiglu": 2, "relu": 3}
+SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
+
+_ERR_INDEX, _ERR_ARG = 1, 2
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel library could not be compiled or loaded."""
+
+
+# ---- library wrapper -----------------------------------------------------------------------------
+
+_i64, _i32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "pp_abi_version": ([], _i32),
+    "pp_simd_level": ([], _i32),
+    "pp_set_tuning": ([_i64, _i64], None),
+    # dtype, W, ld, nrows, cols, x, idx, k, out, nthreads
+    "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32], _i32),
+    # dtype, W, ld, nrows, cols, h, idx, k, out, accumulate, nthreads
+    "pp_gather_axpy": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
+    # dtype, G, ldg, U, ldu, nrows, cols, x, idx, k, variant, out, nthreads
+    "pp_glu_gemv": (
+        [_i32, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _i64, _i32, _p, _i32],
+        _i32,
+    ),
+    # dtype, W, ld, nrows, cols, x, ldx, T, out, ldo, nthreads
+    "pp_gemm": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32], _i32),
+    # dtype, W, ld, nrows, cols, idx, k, out, nthreads
+    "pp_dequant_rows": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
+}
+
+
+def _check(status: int, what: str, idx: Tensor | None = None, nrows: int = 0) -> None:
+    if status == 0:
+        return
+    if status == _ERR_INDEX:
+        bad = idx[(idx < 0) | (idx >= nrows)] if idx is not None else idx
+        raise IndexError(f"{what}: row index out of range for {nrows} rows: {bad[:8].tolist()}")
+    raise ValueError(f"{what}: invalid arguments (status {status})")
+
+
+def _idx_arg(idx: Tensor | None) -> tuple[Tensor | None, int]:
+    if idx is None:
+        return None, 0
+    if idx.dtype != torch.int64 or not idx.is_contiguous():
+        idx = idx.to(torch.int64).contiguous()
+    return idx, idx.data_ptr()
+
+
+def _f32(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+
+
+@dataclass
+class Matrix:
+    """A CPU weight matrix as the kernels see it: rows of ``row_bytes`` at a stride of ``ld``.
+
+    ``data`` is the tensor that owns the memory (kept alive by this object); ``code`` is the
+    C dtype code; ``cols`` the number of logical elements per row.
+    """
+
+    data: Tensor
+    code: int
+    nrows: int
+    cols: int
+    ld: int  # row stride in bytes
+
+    @staticmethod
+    def of_dense(w: Tensor) -> Matrix:
+        # w: (rows, cols) f32/f16/bf16 on CPU, stride(1) == 1
+        return Matrix(w, DTYPE_CODES[w.dtype], w.shape[0], w.shape[1], w.stride(0) * w.itemsize)
+
+    @staticmethod
+    def of_quant(raw: Tensor, ggml_type: GGMLType, cols: int) -> Matrix:
+        # raw: (rows, row_bytes) uint8 on CPU, stride(1) == 1
+        return Matrix(raw, DTYPE_CODES[ggml_type], raw.shape[0], cols, raw.stride(0))
+
+
+class KernelLibrary:
+    """The loaded shared library with tensor-level wrappers.
+
+    All wrappers take CPU tensors; ``x``/``h`` are converted to contiguous f32 and ``idx`` to
+    int64 when needed. Outputs are new f32 tensors unless ``out`` is given.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(self._lib, name)
+            fn.argtypes = argtypes
+            fn.restype = restype
+        version = self._lib.pp_abi_version()
+        if version != ABI_VERSION:
+            raise KernelBuildError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
+        self.simd = SIMD_NAMES.get(self._lib.pp_simd_level(), "?")
+
+    def set_tuning(self, prefetch_bytes: int = -1, min_bytes_per_thread: int = -1) -> None:
+        """Process-wide knobs: prefetch reach in bytes; work per thread before adding threads."""
+        self._lib.pp_set_tuning(prefetch_bytes, min_bytes_per_thread)
+
+    def gather_gemv(self, w: Matrix, x: Tensor, idx: Tensor | None, k: int | None = None) -> Tensor:
+        """``out[j] = W[idx[j]] · x``: x (cols,) -> (k,) f32; ``idx=None`` means all rows."""
+        x = _f32(x)
+        assert x.numel() == w.cols, (x.shape, w.cols)
+        idx, ip = _idx_arg(idx)
+        k = w.nrows if idx is None else idx.numel()
+        out = torch.empty(k, dtype=torch.float32)
+        st = self._lib.pp_gather_gemv(
+            w.code, w.data.data_ptr(), w.ld, w.nrows, w.cols, x.data_ptr(), ip, k,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        _check(st, "gather_gemv", idx, w.nrows)
+        return out
+
+    def gather_axpy(
+        self, w: Matrix, h: Tensor, idx: Tensor | None, out: Tensor | None = None
+    ) -> Tensor:
+        """``out (+)= sum_j h[j] * W[idx[j]]``: h (k,) -> (cols,) f32; rows with h[j]==0 skipped.
+
+        With ``out`` (f32, contiguous, (cols,)) the sum is added into it; otherwise a new tensor.
+        """
+        h = _f32(h)
+        idx, ip = _idx_arg(idx)
+        k = h.numel()
+        assert idx is None and k == w.nrows or idx is not None and idx.numel() == k
+        accumulate = out is not None
+        if out is None:
+            out = torch.empty(w.cols, dtype=torch.float32)
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == w.cols
+        st = self._lib.pp_gather_axpy(
+            w.code, w.data.data_ptr(), w.ld, w.nrows, w.cols, h.data_ptr(), ip, k,
+            out.data_ptr(), int(accumulate), torch.get_num_threads(),
+        )  # fmt: skip
+        _check(st, "gather_axpy", idx, w.nrows)
+        return out
+
+    def glu(self, gate: Matrix | None, up: Matrix, x: Tensor, idx: Tensor, variant: str) -> Tensor:
+        """Fused ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``: -> (k,) f32 (see VARIANTS)."""
+        x = _f32(x)
+        assert x.numel() == up.cols, (x.shape, up.cols)
+        idx, ip = _idx_arg(idx)
+        k = up.nrows if idx is None else idx.numel()
+        code = VARIANTS[variant]
+        if gate is not None:
+            assert (gate.code, gate.nrows, gate.cols) == (up.code, up.nrows, up.cols)
+        out = torch.empty(k, dtype=torch.float32)
+        st = self._lib.pp_glu_gemv(
+            up.code, gate.data.data_ptr() if gate is not None else None,
+            gate.ld if gate is not None else 0, up.data.data_ptr(), up.ld, up.nrows, up.cols,
+            x.data_ptr(), ip, k, code, out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        _check(st, "glu", idx, up.nrows)
+        return out
+
+    def gemm(self, w: Matrix, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """Dense ``x @ W.T`` for small batches: x (T, cols) -> (T, rows) f32, W read once."""
+        x = _f32(x)
+        assert x.dim() == 2 and x.shape[1] == w.cols, (x.shape, w.cols)
+        T = x.shape[0]
+        if out is None:
+            out = torch.empty(T, w.nrows, dtype=torch.float32)
+        assert out.dtype == torch.float32 and out.shape == (T, w.nrows) and out.stride(1) == 1
+        st = self._lib.pp_gemm(
+            w.code, w.data.data_ptr(), w.ld, w.nrows, w.cols, x.data_ptr(), x.stride(0), T,
+            out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        _check(st, "gemm")
+        return out
+
+    def dequant_rows(
+        self, w: Matrix, idx: Tensor | None, start: int = 0, count: int | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:  # fmt: skip
+        """Rows as f32: ``W[idx]`` or, with ``idx=None``, rows ``start:start+count`` -> (k, cols)."""
+        idx, ip = _idx_arg(idx)
+        if idx is None:
+            count = w.nrows - start if count is None else count
+            assert 0 <= start and start + count <= w.nrows, (start, count, w.nrows)
+            k, base = count, w.data.data_ptr() + start * w.ld
+        else:
+            k, base = idx.numel(), w.data.data_ptr()
+        if out is None:
+            out = torch.empty(k, w.cols, dtype=torch.float32)
+        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (k, w.cols)
+        st = self._lib.pp_dequant_rows(
+            w.code, base, w.ld, w.nrows if idx is not None else k, w.cols, ip, k,
+            out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        _check(st, "dequant_rows", idx, w.nrows)
+        return out
+
+
+# ---- build and cache -----------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/powerpy/kernels``, or ``~/.cache/powerpy/kernels``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "powerpy" / "kernels"
+
+
+def find_compiler() -> str | None:
+    """The first C++ compiler on PATH (g++, c++, clang++), or None."""
+    for name in ("g++", "c++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_id(compiler: str) -> str:
+    try:
+        res = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+        return res.stdout.splitlines()[0] if res.stdout else compiler
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+
+
+def build(
+    source: Path = SOURCE,
+    flags: tuple[str, ...] = DEFAULT_FLAGS,
+    cache_dir: Path | None = None,
+    compiler: str | None = None,
+) -> KernelLibrary:
+    """Compile ``source`` (or reuse the cached build) and load it.
+
+    Args:
+        source: the C++ file.
+        flags: compiler flags; ``-march=...`` selects the SIMD level (tests build
+            ``-march=x86-64-v3`` and ``-march=x86-64`` variants to cover AVX2 and scalar code).
+        cache_dir: where builds are kept (default :func:`default_cache_dir`).
+        compiler: compiler executable (default :func:`find_compiler`).
+
+    Returns:
+        The loaded library.
+
+    Raises:
+        KernelBuildError: no compiler, a failed compile, or a library that will not load.
+    """
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
+    src = source.read_bytes()
+    key = hashlib.sha256()
+    for part in (src, " ".join(flags).encode(), _compiler_id(compiler).encode(),
+                 _cpu_flags().encode(), platform.machine().encode()):  # fmt: skip
+        key.update(part)
+        key.update(b"\0")
+    cache_dir = cache_dir or default_cache_dir()
+    target = cache_dir / f"{source.stem}-{key.hexdigest()[:20]}.so"
+    if not target.exists():
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KernelBuildError(f"cannot create kernel cache {cache_dir}: {e}") from e
+        with _FileLock(cache_dir / (target.name + ".lock")):
+            if not target.exists():  # another process may have built it while we waited
+                _compile(compiler, source, flags, target)
+    try:
+        return KernelLibrary(target)
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {target}: {e}") from e
+
+
+def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, *flags, "-o", tmp, str(source)]
+    logger.info("building powerpy kernels: %s", " ".join(cmd))
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+        if res.returncode != 0:
+            tail = "\n".join(res.stderr.strip().splitlines()[-20:])
+            raise KernelBuildError(f"{' '.join(cmd)} failed ({res.returncode}):\n{tail}")
+        os.replace(tmp, target)  # atomic: readers see the old name or a complete file
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+class _FileLock:
+    """An exclusive advisory lock on ``path`` (no-op where fcntl is unavailable)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def __enter__(self) -> _FileLock:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: the atomic rename alone keeps builds safe
+            return self
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            import fcntl
+
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+# ---- process-wide state --------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_enabled = True
+_library: KernelLibrary | None = None
+_failure: str | None = None  # why the build failed (logged once)
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the native kernels on or off for this process (off: torch code paths only)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def enabled() -> bool:
+    """Whether the native kernels are switched on (they may still be unavailable)."""
+    return _enabled
+
+
+def library() -> KernelLibrary | None:
+    """The loaded library, building it on first call; None when disabled or unavailable."""
+    global _library, _failure
+    if not _enabled:
+        return None
+    if _library is not None or _failure is not None:
+        return _library
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = build()
+                logger.debug("powerpy kernels: %s (%s)", _library.path, _library.simd)
+            except KernelBuildError as e:
+                _failure = str(e)
+                logger.warning("powerpy kernels unavailable, using torch fallback: %s", e)
+    return _library
+
+
+def available() -> bool:
+    """True when the native kernels are enabled and built (builds them on first call)."""
+    return library() is not None

@@ -1,0 +1,332 @@
+"""Activation profiler: per-neuron activation counts and predictor training samples.
+
+The model runs **dense** over non-overlapping windows of a text with ``Model.observer`` set, which
+hands over, per layer, the pre-norm FFN input ``ffn_inp`` (T, n_embd) and the true activation
+``h`` (T, n_ff). A neuron is *active* for a token when
+
+- ReLU-family models (``reglu``/``drelu``): ``h != 0`` (spec §14);
+- SiLU models (``swiglu``): ``|h| > t_l``, a per-layer magnitude threshold (CATS/TEAL-style).
+  ``t_l`` is the ``target_sparsity`` quantile of ``|h|`` in layer ``l``, calibrated on the first
+  windows of the run (or given), then fixed for the whole run, so the counts written here and the
+  labels a predictor is trained on use the same rule.
+
+Outputs (``write_profile``): ``activation_{i}.pt`` (1-D int64 counts of length n_ff, the input
+of ``gen-gpuidx``) and ``profile.json``. With ``dump_samples=N``, ``samples/`` holds per layer
+``x_{i}.npy`` (N, n_embd) fp16 (``ffn_inp``) and ``a_{i}.npy`` (N, n_ff) fp16 (``|h|``, where a
+nonzero ``h`` is never rounded to 0), as ``.npy`` memmaps; the N tokens are spread uniformly over
+the run. Memory stays bounded for any token count: windows stream through, counts accumulate, and
+samples go straight to the memmaps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from tqdm.auto import tqdm
+
+from powerpy.config import FFN_SWIGLU
+from powerpy.corpus import window_starts
+from powerpy.model import Model
+
+log = logging.getLogger(__name__)
+
+KIND_RELU = "relu"  # active iff h != 0
+KIND_SILU = "silu"  # active iff |h| > per-layer threshold
+PROFILE_JSON = "profile.json"
+SAMPLES_DIR = "samples"
+SAMPLES_META = "meta.json"
+CALIB_TOKENS = 2048  # tokens whose |h| sets the SiLU thresholds when none are given
+_CALIB_VALUES = 2_000_000  # |h| values per layer kept for the quantile
+_F16_TINY = float(np.finfo(np.float16).smallest_subnormal)
+
+
+def activation_kind(model: Model) -> str:
+    """"silu" for SwiGLU models (magnitude labels), "relu" for ReGLU/dReLU (exact zeros)."""
+    return KIND_SILU if model.args.ffn_variant == FFN_SWIGLU else KIND_RELU
+
+
+def active_mask(h: torch.Tensor, kind: str, threshold: float | None) -> torch.Tensor:
+    """Which neurons count as active: h (T, n_ff) -> bool (T, n_ff).
+
+    Args:
+        h: the true FFN activation.
+        kind: "relu" (``h != 0``) or "silu" (``|h| > threshold``).
+        threshold: the layer's magnitude threshold (SiLU only).
+    """
+    if kind == KIND_RELU:
+        return h != 0
+    assert threshold is not None, "SiLU labels need a magnitude threshold"
+    return h.abs() > threshold
+
+
+def abs_f16(h: torch.Tensor) -> torch.Tensor:
+    """``|h|`` in fp16 with nonzero values kept nonzero (no underflow to 0): (T, n_ff)."""
+    a = h.abs().clamp_max(65504.0)
+    return torch.where(h != 0, a.clamp_min(_F16_TINY), a).half()
+
+
+@dataclass
+class ProfileResult:
+    """What a profiling run measured."""
+
+    kind: str  # "relu" or "silu"
+    counts: list[npt.NDArray[np.int64]]  # per layer (n_ff,) active counts
+    n_tokens: int  # tokens run
+    thresholds: npt.NDArray[np.float64] | None  # (n_layer,) SiLU magnitude thresholds
+    target_sparsity: float | None
+    n_samples: int = 0  # tokens dumped per layer
+    samples_dir: Path | None = None
+    mean_abs: list[npt.NDArray[np.float64]] = field(default_factory=list)  # (n_ff,) mean |h|
+
+    def active_fraction(self) -> npt.NDArray[np.float64]:
+        """(n_layer,) mean fraction of active neurons per token."""
+        n_ff = len(self.counts[0])
+        return np.array([c.sum() / (self.n_tokens * n_ff) for c in self.counts])
+
+
+class _SampleWriter:
+    """Writes the sampled tokens' (ffn_inp, |h|) rows of every layer into .npy memmaps."""
+
+    def __init__(self, directory: Path, n_layer: int, n_embd: int, n_ff: int, picks: np.ndarray):
+        directory.mkdir(parents=True, exist_ok=True)
+        n = len(picks)
+        self.dir = directory
+        self.picks = picks  # (n,) ascending global token indices
+        self.x = [
+            np.lib.format.open_memmap(directory / f"x_{l}.npy", "w+", np.float16, (n, n_embd))
+            for l in range(n_layer)
+        ]
+        self.a = [
+            np.lib.format.open_memmap(directory / f"a_{l}.npy", "w+", np.float16, (n, n_ff))
+            for l in range(n_layer)
+        ]
+
+    def write(self, layer: int, pos0: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        """Store the rows of tokens pos0 … pos0+T-1 that were picked: x (T, n_embd), h (T, n_ff)."""
+        lo, hi = np.searchsorted(self.picks, [pos0, pos0 + x.shape[0]])
+        if lo == hi:
+            return
+        rows = torch.from_numpy(self.picks[lo:hi] - pos0)
+        self.x[layer][lo:hi] = x[rows].half().numpy()
+        self.a[layer][lo:hi] = abs_f16(h[rows]).numpy()
+
+    def close(self, meta: dict) -> None:
+        for m in self.x + self.a:
+            m.flush()
+        self.x, self.a = [], []
+        _write_json(self.dir / SAMPLES_META, meta)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def calibrate_thresholds(
+    abs_values: Sequence[torch.Tensor], target_sparsity: float
+) -> npt.NDArray[np.float64]:
+    """Per-layer magnitude thresholds: the ``target_sparsity`` quantile of each layer's ``|h|``.
+
+    Args:
+        abs_values: per layer, a 1-D sample of ``|h|`` values.
+        target_sparsity: fraction of values that should fall at or below the threshold.
+
+    Returns:
+        (n_layer,) thresholds.
+
+    Raises:
+        ValueError: the target is not in [0, 1).
+    """
+    if not 0.0 <= target_sparsity < 1.0:
+        raise ValueError(f"target sparsity {target_sparsity} must be in [0, 1)")
+    out = []
+    for v in abs_values:
+        v = v.float().flatten()
+        if v.numel() > _CALIB_VALUES:
+            v = v[torch.randperm(v.numel(), generator=torch.Generator().manual_seed(0))]
+            v = v[:_CALIB_VALUES]
+        out.append(float(np.quantile(v.numpy(), target_sparsity)))
+    return np.array(out, dtype=np.float64)
+
+
+def profile(
+    model: Model,
+    ids: Sequence[int] | npt.NDArray[np.integer],
+    *,
+    ctx: int = 256,
+    max_tokens: int | None = None,
+    target_sparsity: float | None = None,
+    thresholds: Sequence[float] | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
+    dump_samples: int = 0,
+    seed: int = 0,
+    progress: bool = False,
+) -> ProfileResult:
+    """Run the model dense over a text and count active neurons per layer.
+
+    Args:
+        model: the model; it runs dense (``sparse_enabled`` is restored afterwards).
+        ids: the text's tokens.
+        ctx: window length; windows are non-overlapping, each in a fresh context.
+        max_tokens: token budget; windows are spread evenly over the text (None: all).
+        target_sparsity: SiLU models: the quantile of ``|h|`` that sets each layer's threshold,
+            calibrated on the first ``CALIB_TOKENS`` tokens run. Ignored for ReLU models.
+        thresholds: SiLU models: explicit per-layer thresholds (overrides ``target_sparsity``).
+        dump_dir: where to write ``samples/`` (required when ``dump_samples`` > 0).
+        dump_samples: tokens per layer to dump for predictor training (0: none).
+        seed: RNG seed of the sample choice.
+        progress: show a tqdm bar.
+
+    Returns:
+        A ``ProfileResult``.
+
+    Raises:
+        ValueError: a SiLU model without ``target_sparsity`` or ``thresholds``; thresholds of the
+            wrong length; bad window settings (see ``corpus.window_starts``).
+    """
+    a = model.args
+    kind = activation_kind(model)
+    thr: np.ndarray | None = None
+    if kind == KIND_SILU:
+        if thresholds is not None:
+            thr = np.asarray(thresholds, dtype=np.float64)
+            if thr.shape != (a.n_layer,):
+                raise ValueError(f"got {thr.size} thresholds for a {a.n_layer}-layer model")
+        elif target_sparsity is None:
+            raise ValueError(
+                "a SiLU (SwiGLU) model has no exact zeros: give a target sparsity "
+                "(e.g. --target-sparsity 0.5) or per-layer thresholds"
+            )
+    arr = np.asarray(ids, dtype=np.int64)
+    starts = window_starts(len(arr), ctx, max_tokens)
+    n_total = len(starts) * ctx
+    writer = None
+    if dump_samples > 0:
+        if dump_dir is None:
+            raise ValueError("dump_samples needs a dump directory")
+        n = min(dump_samples, n_total)
+        picks = np.sort(np.random.default_rng(seed).choice(n_total, n, replace=False))
+        writer = _SampleWriter(Path(dump_dir) / SAMPLES_DIR, a.n_layer, a.n_embd, a.n_ff, picks)
+
+    counts = [torch.zeros(a.n_ff, dtype=torch.int64) for _ in range(a.n_layer)]
+    abs_sum = [torch.zeros(a.n_ff, dtype=torch.float64) for _ in range(a.n_layer)]
+    pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # calibration buffer
+    state = {"pos": 0}
+
+    def consume(l: int, pos0: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        t = None if thr is None else float(thr[l])
+        counts[l] += active_mask(h, kind, t).sum(0)
+        abs_sum[l] += h.abs().sum(0, dtype=torch.float64)
+        if writer is not None:
+            writer.write(l, pos0, x, h)
+
+    def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        if kind == KIND_SILU and thr is None:  # still calibrating: keep the window
+            pending.append((l, state["pos"], x.clone(), h.clone()))
+        else:
+            consume(l, state["pos"], x, h)
+
+    was_sparse, old_observer = model.sparse_enabled, model.observer
+    model.sparse_enabled, model.observer = False, observer
+    try:
+        bar = tqdm(total=n_total, desc="profile", unit="tok", disable=not progress)
+        for s in starts:
+            model.forward(torch.from_numpy(arr[s : s + ctx].copy()), model.new_cache(ctx))
+            state["pos"] += ctx
+            bar.update(ctx)
+            if thr is None and kind == KIND_SILU and (
+                state["pos"] >= CALIB_TOKENS or state["pos"] >= n_total
+            ):
+                per_layer = [[h.abs().flatten() for (l, _, _, h) in pending if l == k]
+                             for k in range(a.n_layer)]
+                thr = calibrate_thresholds([torch.cat(v) for v in per_layer], target_sparsity)
+                log.debug("calibrated thresholds on %d tokens: %s", state["pos"], thr)
+                for l, pos0, x, h in pending:
+                    consume(l, pos0, x, h)
+                pending.clear()
+        bar.close()
+    finally:
+        model.sparse_enabled, model.observer = was_sparse, old_observer
+
+    result = ProfileResult(
+        kind=kind,
+        counts=[c.numpy() for c in counts],
+        n_tokens=n_total,
+        thresholds=thr,
+        target_sparsity=target_sparsity if kind == KIND_SILU and thresholds is None else None,
+        mean_abs=[(s / n_total).numpy() for s in abs_sum],
+    )
+    if writer is not None:
+        result.n_samples = len(writer.picks)
+        result.samples_dir = writer.dir
+        writer.close(_meta(result, a.n_embd, a.n_ff))
+    return result
+
+
+def _meta(r: ProfileResult, n_embd: int, n_ff: int) -> dict:
+    return {
+        "kind": r.kind,
+        "n_layer": len(r.counts),
+        "n_embd": n_embd,
+        "n_ff": n_ff,
+        "n_tokens": r.n_tokens,
+        "n_samples": r.n_samples,
+        "target_sparsity": r.target_sparsity,
+        "thresholds": None if r.thresholds is None else [float(t) for t in r.thresholds],
+        "active_fraction": [float(f) for f in r.active_fraction()],
+    }
+
+
+def write_profile(result: ProfileResult, directory: str | os.PathLike[str]) -> list[Path]:
+    """Write ``activation_{i}.pt`` (int64 counts) and ``profile.json`` into ``directory``.
+
+    Args:
+        result: a profiling result.
+        directory: created if missing; each file is written atomically.
+
+    Returns:
+        The activation files in layer order.
+    """
+    from powerpy.stats import save_activation_stats
+
+    d = Path(directory)
+    paths = save_activation_stats(d, [torch.from_numpy(c) for c in result.counts])
+    _write_json(d / PROFILE_JSON, _meta(result, 0, len(result.counts[0])))
+    return paths
+
+
+def load_samples(directory: str | os.PathLike[str]) -> dict:
+    """The ``meta.json`` of a sample dump, with ``dir`` added.
+
+    Raises:
+        FileNotFoundError: the dump or its meta.json is missing.
+        ValueError: meta.json is not valid JSON.
+    """
+    d = Path(directory)
+    path = d / SAMPLES_META
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: dump samples with --dump-samples N")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    meta["dir"] = d
+    return meta
+
+
+def sample_arrays(meta: dict, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """Memory-mapped (x (N, n_embd) fp16, |h| (N, n_ff) fp16) of one layer of a sample dump."""
+    d = Path(meta["dir"])
+    return (
+        np.load(d / f"x_{layer}.npy", mmap_mode="r"),
+        np.load(d / f"a_{layer}.npy", mmap_mode="r"),
+    )

@@ -1,0 +1,482 @@
+"""Native sparse-FFN kernels and the weights.py methods vs float64 torch references.
+
+Kernel-only tests skip cleanly when no C++ compiler is available; the torch fallback is tested
+either way. Besides the native (-march=native) build, the AVX2 and scalar code paths are
+compiled as separate variants (x86-64 only) so that all three SIMD branches are exercised.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from powerpy import kernels, weights
+from powerpy.constants import GGMLType
+from powerpy.weights import DenseWeight, QuantWeight, glu_rows
+
+FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+QUANTS = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
+DTYPES = [*FLOATS, *QUANTS]
+VARIANTS = ["reglu", "drelu", "swiglu", "relu"]
+ROWS = 203  # odd, not a multiple of anything useful
+EPS = 2e-5  # tolerance relative to sum |w_i x_i| for f32-accumulated results
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+
+def quantize(w: np.ndarray, qt: GGMLType) -> np.ndarray:
+    """Raw ggml blocks (rows, row_bytes) uint8, via powerpy.quants when it is there."""
+    try:
+        from powerpy import quants
+
+        fn = {GGMLType.Q8_0: quants.quantize_q8_0, GGMLType.Q4_0: quants.quantize_q4_0}[qt]
+        raw = np.asarray(fn(w))
+        if raw.dtype == np.uint8 and raw.shape[0] == w.shape[0]:
+            return raw.reshape(w.shape[0], -1)
+    except (ImportError, AttributeError):
+        pass
+    import gguf
+
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(qt)))
+
+
+def dequantize_oracle(raw: np.ndarray, qt: GGMLType) -> np.ndarray:
+    import gguf
+
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(qt)))
+
+
+def make_weight(dtype: str, rows: int, cols: int, seed: int = 0):
+    """(weight object, its exact values as float64 (rows, cols))."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols), dtype=np.float32)
+    if dtype in FLOATS:
+        t = torch.from_numpy(w).to(FLOATS[dtype])
+        return DenseWeight(t), t.double()
+    raw = quantize(w, QUANTS[dtype])
+    exact = torch.from_numpy(dequantize_oracle(raw, QUANTS[dtype])).double()
+    return QuantWeight(torch.from_numpy(raw), QUANTS[dtype], cols), exact
+
+
+def cols_for(dtype: str) -> list[int]:
+    # 72: a tail after whole 32-element blocks; 96: an odd block count; 2048: a real width
+    return [72, 96, 2048] if dtype in FLOATS else [64, 96, 2048]
+
+
+def index_sets(rows: int, seed: int = 0) -> Iterator[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    for k in (0, 1, 7, 100, rows):
+        perm = torch.randperm(rows, generator=g)[:k]
+        yield perm  # unsorted
+        yield perm.sort().values
+    yield torch.tensor([5, 5, 0, rows - 1, 5])  # duplicates
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, eps: float = EPS) -> None:
+    err = (got.double() - ref).abs()
+    tol = eps * bound + 1e-30
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    bad = err > tol
+    assert not bad.any(), f"max err {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)
+
+
+# ---- libraries ---------------------------------------------------------------------------------
+
+_VARIANT_FLAGS = {
+    "avx2": ("-O2", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"),
+    "scalar": ("-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC", "-std=c++17"),
+}
+
+
+@pytest.fixture(scope="session")
+def variant_libs() -> dict[str, kernels.KernelLibrary | str]:
+    """The AVX2 and scalar builds, compiled concurrently (a library, or why it is missing)."""
+    if kernels.find_compiler() is None:
+        return dict.fromkeys(_VARIANT_FLAGS, "no C++ compiler")
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return dict.fromkeys(_VARIANT_FLAGS, "SIMD variants are x86-64 builds")
+    with ThreadPoolExecutor(len(_VARIANT_FLAGS)) as ex:
+        futures = {
+            name: ex.submit(kernels.build, flags=flags)  # cached like the native build
+            for name, flags in _VARIANT_FLAGS.items()
+        }
+    return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="session", params=["native", "avx2", "scalar"])
+def lib(request: pytest.FixtureRequest) -> kernels.KernelLibrary:
+    """Each SIMD variant of the kernel library (skipped without a compiler)."""
+    if request.param == "native":
+        native = kernels.library()
+        if native is None:
+            pytest.skip("native kernels unavailable")
+        return native
+    built = request.getfixturevalue("variant_libs")[request.param]
+    if isinstance(built, str):
+        pytest.skip(built)
+    return built
+
+
+@pytest.fixture
+def kernels_on() -> Iterator[None]:
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    yield
+
+
+@pytest.fixture
+def tiny_threads(lib: kernels.KernelLibrary) -> Iterator[None]:
+    """Let tiny test matrices use several threads (restores the default afterwards)."""
+    lib.set_tuning(min_bytes_per_thread=1)
+    yield
+    lib.set_tuning(min_bytes_per_thread=32768)
+
+
+def thread_configs(lib: kernels.KernelLibrary) -> Iterator[int]:
+    """1 thread with the default tuning, then 2 threads forced even on tiny matrices."""
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        yield 1
+        torch.set_num_threads(2)
+        lib.set_tuning(min_bytes_per_thread=1)
+        yield 2
+    finally:
+        lib.set_tuning(min_bytes_per_thread=32768)
+        torch.set_num_threads(saved)
+
+
+def matrix(wobj) -> kernels.Matrix:
+    if isinstance(wobj, DenseWeight):
+        return kernels.Matrix.of_dense(wobj.w)
+    return kernels.Matrix.of_quant(wobj.raw, wobj.ggml_type, wobj.cols)
+
+
+# ---- raw kernels vs float64 ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_gemv(lib, dtype) -> None:
+    for cols in cols_for(dtype):
+        wobj, w = make_weight(dtype, ROWS, cols, seed=cols)
+        m = matrix(wobj)
+        x = torch.randn(cols)
+        for _ in thread_configs(lib):
+            for idx in index_sets(ROWS):
+                got = lib.gather_gemv(m, x, idx)
+                close(got, w[idx] @ x.double(), w[idx].abs() @ x.double().abs())
+            full = lib.gather_gemv(m, x, None)  # dense GEMV over all rows
+            close(full, w @ x.double(), w.abs() @ x.double().abs())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_axpy(lib, dtype) -> None:
+    for cols in cols_for(dtype):
+        wobj, w = make_weight(dtype, ROWS, cols, seed=cols + 1)
+        m = matrix(wobj)
+        for _ in thread_configs(lib):
+            for idx in index_sets(ROWS):
+                h = torch.randn(idx.numel())
+                h[::3] = 0.0  # skipped rows
+                ref = h.double() @ w[idx]
+                bound = h.double().abs() @ w[idx].abs()
+                close(lib.gather_axpy(m, h, idx), ref, bound)
+                acc = torch.randn(cols)
+                got = lib.gather_axpy(m, h, idx, out=acc.clone())
+                close(got, ref + acc.double(), bound + acc.double().abs())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_glu(lib, dtype) -> None:
+    for cols in cols_for(dtype)[1:]:
+        gobj, g = make_weight(dtype, ROWS, cols, seed=2 * cols)
+        uobj, u = make_weight(dtype, ROWS, cols, seed=2 * cols + 1)
+        x = torch.randn(cols).double()
+        for _ in thread_configs(lib):
+            for idx in index_sets(ROWS):
+                gv, uv = g[idx] @ x, u[idx] @ x
+                gb, ub = g[idx].abs() @ x.abs(), u[idx].abs() @ x.abs()
+                for variant in VARIANTS:
+                    gate = None if variant == "relu" else matrix(gobj)
+                    ref = weights._activate(gv, uv, variant)
+                    got = lib.glu(gate, matrix(uobj), x.float(), idx, variant)
+                    bound = ub if variant == "relu" else gb * uv.abs() + (gv.abs() + gb) * ub
+                    close(got, ref, bound, eps=4 * EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemm(lib, dtype) -> None:
+    for cols in cols_for(dtype)[:2]:
+        wobj, w = make_weight(dtype, ROWS, cols, seed=3 * cols)
+        m = matrix(wobj)
+        for _ in thread_configs(lib):
+            for T in (1, 2, 3, 4, 5, 9):
+                x = torch.randn(T, cols)
+                close(lib.gemm(m, x), x.double() @ w.T, x.double().abs() @ w.abs().T)
+            # strided x and out (column block of a wider buffer)
+            xs = torch.randn(3, cols + 8)[:, 4 : 4 + cols]
+            out = torch.full((3, ROWS + 5), 7.0)
+            lib.gemm(m, xs, out=out[:, 2 : 2 + ROWS])
+            close(out[:, 2 : 2 + ROWS], xs.double() @ w.T, xs.double().abs() @ w.abs().T)
+            assert (out[:, :2] == 7).all() and (out[:, 2 + ROWS :] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequant_rows_exact(lib, dtype, tiny_threads) -> None:
+    for cols in cols_for(dtype):
+        wobj, w = make_weight(dtype, ROWS, cols, seed=4 * cols)
+        m = matrix(wobj)
+        assert torch.equal(lib.dequant_rows(m, None).double(), w)
+        idx = torch.tensor([3, 0, ROWS - 1, 3])
+        assert torch.equal(lib.dequant_rows(m, idx).double(), w[idx])
+        assert torch.equal(lib.dequant_rows(m, None, 10, 20).double(), w[10:30])
+
+
+def test_half_conversion_all_values(lib) -> None:
+    """Every f16 bit pattern (the scalar build converts in software)."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    m = kernels.Matrix.of_dense(bits.reshape(1, -1))
+    got = lib.dequant_rows(m, None)[0]
+    ref = bits.float()
+    assert torch.equal(got.isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    assert torch.equal(got[ok].view(torch.int32), ref[ok].view(torch.int32))  # -0.0 kept
+
+
+def test_strided_rows(lib) -> None:
+    """Rows of a wider buffer (row stride > cols) are read in place."""
+    base = torch.randn(ROWS, 160).to(torch.float16)
+    view = base[:, 32:128]  # (ROWS, 96), stride(0) = 160
+    m = kernels.Matrix.of_dense(view)
+    w, x, idx = view.double(), torch.randn(96), torch.tensor([1, 50, 7])
+    close(lib.gather_gemv(m, x, idx), w[idx] @ x.double(), w[idx].abs() @ x.double().abs())
+    h = torch.randn(3)
+    close(lib.gather_axpy(m, h, idx), h.double() @ w[idx], h.double().abs() @ w[idx].abs())
+
+
+def test_index_errors(lib) -> None:
+    wobj, _ = make_weight("q4_0", ROWS, 64)
+    m = matrix(wobj)
+    x = torch.randn(64)
+    for bad in (torch.tensor([0, ROWS]), torch.tensor([-1, 2])):
+        with pytest.raises(IndexError):
+            lib.gather_gemv(m, x, bad)
+        with pytest.raises(IndexError):
+            lib.gather_axpy(m, torch.ones(2), bad)
+        with pytest.raises(IndexError):
+            lib.glu(m, m, x, bad, "reglu")
+
+
+def test_axpy_deterministic(lib, threads) -> None:
+    torch.set_num_threads(2)
+    lib.set_tuning(min_bytes_per_thread=1)
+    try:
+        wobj, _ = make_weight("f16", ROWS, 2048)
+        m = matrix(wobj)
+        idx, h = torch.randperm(ROWS), torch.randn(ROWS)
+        first = lib.gather_axpy(m, h, idx)
+        for _ in range(5):
+            assert torch.equal(lib.gather_axpy(m, h, idx), first)
+    finally:
+        lib.set_tuning(min_bytes_per_thread=32768)
+
+
+# ---- weights.py: kernel path vs torch fallback vs float64 ---------------------------------------
+
+
+def fallback_eps(dtype: str) -> float:
+    # the torch fallback computes f16/bf16 rows in their own precision
+    return {"f16": 2e-3, "bf16": 2e-2}.get(dtype, EPS)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "kernel" and not kernels.available():
+        pytest.skip("native kernels unavailable")
+    kernels.set_enabled(request.param == "kernel")
+    yield request.param
+    kernels.set_enabled(True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weight_methods(dtype, path, threads) -> None:
+    eps = EPS if path == "kernel" else fallback_eps(dtype)
+    for cols in (64, 96):
+        wobj, w = make_weight(dtype, ROWS, cols, seed=5 * cols)
+        x = torch.randn(cols)
+        xd = x.double()
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            for idx in index_sets(ROWS):
+                wi = w[idx]
+                close(wobj.gather_linear(x, idx), wi @ xd, wi.abs() @ xd.abs(), eps)
+                h = torch.randn(idx.numel())
+                ref, bound = h.double() @ wi, h.double().abs() @ wi.abs()
+                close(wobj.gather_axpy(h, idx), ref, bound, eps)
+                acc = torch.randn(cols)
+                got = wobj.gather_axpy(h, idx, out=acc.clone())
+                close(got, ref + acc.double(), bound + acc.double().abs(), eps)
+            for T in (1, 3, 12):
+                xt = torch.randn(T, cols)
+                close(wobj.linear(xt), xt.double() @ w.T, xt.double().abs() @ w.abs().T, eps)
+            close(wobj.linear(x), w @ xd, w.abs() @ xd.abs(), eps)
+        assert torch.equal(wobj.dequantize().double(), w)
+        idx = torch.tensor([4, 1, 4])
+        assert torch.equal(wobj.take_rows(idx).dequantize().double(), w[idx])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_glu_rows(dtype, variant, path, threads) -> None:
+    eps = 4 * (EPS if path == "kernel" else fallback_eps(dtype))
+    gobj, g = make_weight(dtype, ROWS, 96, seed=11)
+    uobj, u = make_weight(dtype, ROWS, 96, seed=12)
+    x = torch.randn(96)
+    xd = x.double()
+    for nt in (1, 2):
+        torch.set_num_threads(nt)
+        for idx in index_sets(ROWS):
+            gv, uv = g[idx] @ xd, u[idx] @ xd
+            gb, ub = g[idx].abs() @ xd.abs(), u[idx].abs() @ xd.abs()
+            bound = ub if variant == "relu" else gb * uv.abs() + (gv.abs() + gb) * ub
+            got = glu_rows(x, None if variant == "relu" else gobj, uobj, idx, variant)
+            close(got, weights._activate(gv, uv, variant), bound, eps)
+
+
+def test_glu_rows_errors() -> None:
+    wobj, _ = make_weight("f32", 8, 64)
+    with pytest.raises(ValueError, match="variant"):
+        glu_rows(torch.randn(64), wobj, wobj, torch.tensor([1]), "gelu")
+    with pytest.raises(ValueError, match="gate"):
+        glu_rows(torch.randn(64), None, wobj, torch.tensor([1]), "reglu")
+
+
+def test_glu_rows_mixed_dtypes(kernels_on) -> None:
+    """Gate and up of different dtypes fall back to two gathers."""
+    gobj, g = make_weight("q8_0", ROWS, 64, seed=1)
+    uobj, u = make_weight("f16", ROWS, 64, seed=2)
+    x, idx = torch.randn(64), torch.tensor([3, 9, 100])
+    ref = torch.relu(g[idx] @ x.double()) * (u[idx] @ x.double())
+    torch.testing.assert_close(glu_rows(x, gobj, uobj, idx, "reglu").double(), ref, rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_and_fallback_agree(dtype, kernels_on) -> None:
+    wobj, w = make_weight(dtype, 300, 2048, seed=21)
+    x, idx = torch.randn(2048), torch.randperm(300)[:150]
+    h = torch.randn(150)
+    kern = (wobj.gather_linear(x, idx), wobj.gather_axpy(h, idx), wobj.linear(x[None]))
+    kernels.set_enabled(False)
+    try:
+        fb = (wobj.gather_linear(x, idx), wobj.gather_axpy(h, idx), wobj.linear(x[None]))
+    finally:
+        kernels.set_enabled(True)
+    eps = fallback_eps(dtype) + EPS
+    wi = w[idx]
+    close(kern[0], fb[0].double(), wi.abs() @ x.double().abs(), eps)
+    close(kern[1], fb[1].double(), h.double().abs() @ wi.abs(), eps)
+    close(kern[2], fb[2].double(), x.double().abs() @ w.abs().T, eps)
+
+
+def test_quant_kernel_equals_dequantize_then_f32(kernels_on) -> None:
+    """Q8_0/Q4_0 kernels match f32 math on the dequantized matrix within fp32 rounding."""
+    for dtype in QUANTS:
+        wobj, _ = make_weight(dtype, ROWS, 2048, seed=31)
+        deq = wobj.dequantize()  # (rows, cols) f32, exact
+        x, idx = torch.randn(2048), torch.randperm(ROWS)[:64]
+        h = torch.randn(64)
+        f32_gemv = torch.nn.functional.linear(x[None], deq[idx])[0]
+        close(wobj.gather_linear(x, idx), f32_gemv.double(), deq[idx].abs() @ x.abs(), 1e-5)
+        f32_axpy = h @ deq[idx]
+        close(wobj.gather_axpy(h, idx), f32_axpy.double(), h.abs() @ deq[idx].abs(), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+def test_torch_dequantize_matches_oracle(dtype) -> None:
+    wobj, w = make_weight(dtype, 17, 96)
+    got = weights.dequantize_rows_torch(wobj.raw, wobj.ggml_type, 96)
+    assert torch.equal(got.double(), w)
+
+
+# ---- build, cache and fallback -----------------------------------------------------------------
+
+
+def test_build_failure_raises(tmp_path: Path) -> None:
+    if kernels.find_compiler() is None:
+        pytest.skip("no C++ compiler")
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("this is not C++\n")
+    with pytest.raises(kernels.KernelBuildError, match="failed"):
+        kernels.build(source=bad, cache_dir=tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".so"]
+
+
+def test_no_compiler(tmp_path: Path) -> None:
+    with pytest.raises(kernels.KernelBuildError):
+        kernels.build(cache_dir=tmp_path, compiler=str(tmp_path / "no-such-g++"))
+
+
+def test_fallback_logged_once(monkeypatch, caplog) -> None:
+    def fail(*a, **k):
+        raise kernels.KernelBuildError("simulated")
+
+    monkeypatch.setattr(kernels, "build", fail)
+    monkeypatch.setattr(kernels, "_library", None)
+    monkeypatch.setattr(kernels, "_failure", None)
+    with caplog.at_level(logging.WARNING, logger="powerpy.kernels"):
+        assert not kernels.available()
+        assert not kernels.available()
+        wobj, w = make_weight("f16", 20, 64)
+        x = torch.randn(64)
+        close(wobj.gather_linear(x, torch.tensor([1, 2])), w[[1, 2]] @ x.double(),
+              w[[1, 2]].abs() @ x.double().abs(), 2e-3)  # fmt: skip
+    assert sum("simulated" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_set_enabled() -> None:
+    kernels.set_enabled(False)
+    try:
+        assert not kernels.available() and kernels.library() is None
+    finally:
+        kernels.set_enabled(True)
+
+
+def test_concurrent_builds_share_one_file(tmp_path: Path) -> None:
+    """Two builders of the same library: one compiles, the other waits and loads the result."""
+    if kernels.find_compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a compiler on x86-64")
+    flags = _VARIANT_FLAGS["scalar"][1:]  # -O0 default: fast to compile
+    libs: list[kernels.KernelLibrary] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            libs.append(kernels.build(flags=flags, cache_dir=tmp_path))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    assert len({lib.path for lib in libs}) == 1
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == [libs[0].path.name]
