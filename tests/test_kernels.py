@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -373,8 +374,9 @@ def test_glu_rows_mixed_dtypes(kernels_on) -> None:
     uobj, u = make_weight("f16", ROWS, 64, seed=2)
     x, idx = torch.randn(64), torch.tensor([3, 9, 100])
     ref = torch.relu(g[idx] @ x.double()) * (u[idx] @ x.double())
-    torch.testing.assert_close(glu_rows(x, gobj, uobj, idx, "reglu").double(), ref, rtol=1e-4,
-                               atol=1e-4)  # fmt: skip
+    torch.testing.assert_close(
+        glu_rows(x, gobj, uobj, idx, "reglu").double(), ref, rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -445,8 +447,12 @@ def test_fallback_logged_once(monkeypatch, caplog) -> None:
         assert not kernels.available()
         wobj, w = make_weight("f16", 20, 64)
         x = torch.randn(64)
-        close(wobj.gather_linear(x, torch.tensor([1, 2])), w[[1, 2]] @ x.double(),
-              w[[1, 2]].abs() @ x.double().abs(), 2e-3)  # fmt: skip
+        close(
+            wobj.gather_linear(x, torch.tensor([1, 2])),
+            w[[1, 2]] @ x.double(),
+            w[[1, 2]].abs() @ x.double().abs(),
+            2e-3,
+        )
     assert sum("simulated" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -480,3 +486,50 @@ def test_concurrent_builds_share_one_file(tmp_path: Path) -> None:
     assert not errors, errors
     assert len({lib.path for lib in libs}) == 1
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == [libs[0].path.name]
+
+
+# ---- tools/make_synthetic_model.py -------------------------------------------------------------
+
+
+def _synthetic_tool():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "make_synthetic_model.py"
+    spec = importlib.util.spec_from_file_location("make_synthetic_model", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("dtype", ["f32", "q4_0"])
+def test_synthetic_model(tmp_path: Path, dtype: str) -> None:
+    from powerpy.gguf_io import read_gguf
+
+    tool = _synthetic_tool()
+    out = tmp_path / "m" / "model.powerinfer.gguf"
+    argv = ["--shape", "tiny", "--dtype", dtype, "--powerlaw", "--layers", "2", "-o", str(out)]
+    assert tool.main([*argv, "--predictor-noise", "0"]) == 0
+    s = tool.SHAPES["tiny"]
+    with read_gguf(out) as gf:
+        assert gf.sparse
+        assert gf.kv["llama.block_count"] == 2 and gf.kv["llama.feed_forward_length"] == s.n_ff
+        assert len(gf.kv["tokenizer.ggml.tokens"]) == s.n_vocab
+        expect = GGMLType.Q4_0 if dtype == "q4_0" else GGMLType.F32
+        for name in ("blk.1.ffn_gate.weight", "blk.1.ffn_down_t.weight", "blk.1.fc2.weight"):
+            assert gf.tensors[name].ggml_type == expect
+        assert tuple(gf.tensors["blk.0.ffn_down_t.weight"].shape) == (s.n_ff, s.n_embd)
+        assert tuple(gf.tensors["blk.0.fc1.weight"].shape) == (s.hidden, s.n_embd)
+        gate = torch.from_numpy(np.array(gf.dequantize("blk.1.ffn_gate.weight")))
+        fc1 = torch.from_numpy(np.array(gf.dequantize("blk.1.fc1.weight")))
+        fc2 = torch.from_numpy(np.array(gf.dequantize("blk.1.fc2.weight")))
+    stats = [torch.load(out.parent / "activation" / f"activation_{i}.pt") for i in range(2)]
+    assert all(st.shape == (s.n_ff,) and abs(float(st.mean()) - 0.1) < 1e-3 for st in stats)
+    # With --predictor-noise 0 the predictor is the gate's sign: logit_j >= 0 iff gate_j·x >= 0
+    # for any state whose constant dimension 0 is C.
+    x = torch.randn(64, s.n_embd)
+    x[:, 0] = tool.C
+    logits = torch.relu(x @ fc1.T) @ fc2.T
+    g = x @ gate.T
+    agree = ((logits >= 0) == (g >= 0)).float().mean()
+    assert agree > (0.999 if dtype == "f32" else 0.95), agree

@@ -109,5 +109,4 @@ def test_greedy_continuation_agrees(f32_pair, prompt):
     want = _greedy_ref(ref, ids, 32, ours.tokenizer.eos_id)
     got = [r.token for r in ours.stream(ids, 32, temperature=0)]
     assert got == want, (ours.detokenize(got), ours.detokenize(want))
-    if "<|im_start|>" not in prompt:  # the chat prompt may legitimately end early
-        assert len(got) == 32
+    assert len(got) >= 8  # both may stop at end of text, but not trivially early

@@ -70,21 +70,108 @@ def timed(fn, n: int, budget_s: float, stat: str = "median") -> float:
     return min(times) if stat == "min" else statistics.median(times)
 
 
+def layer_fn(
+    method: str,
+    layers: list[list[Weight]],
+    downs: list | None,
+    x: torch.Tensor,
+    idxs: list[torch.Tensor],
+    all_rows: torch.Tensor,
+):
+    """A callable running one FFN layer (copy i % len(layers)) with the given method."""
+
+    def run(i: int) -> None:
+        g, u, d = layers[i % len(layers)]
+        idx = idxs[i % len(idxs)]
+        if method in ("kernel", "torch"):
+            kernels.set_enabled(method == "kernel")
+            h = glu_rows(x, g, u, idx, "reglu")
+            d.gather_axpy(h, idx)
+        elif method == "dense-k":
+            kernels.set_enabled(True)
+            h = torch.relu(g.linear(x[None])[0]) * u.linear(x[None])[0]
+            d.gather_axpy(h, all_rows)
+        elif downs is not None:  # dense torch, float
+            xw = x.to(g.w.dtype)[None]
+            h = torch.relu(F.linear(xw, g.w)) * F.linear(xw, u.w)
+            F.linear(h, downs[i % len(downs)])
+        else:  # dense torch, quantized: the fallback's tile dequantize + BLAS over all rows
+            kernels.set_enabled(False)
+            h = torch.relu(g.linear(x[None])) * u.linear(x[None])
+            d.gather_axpy(h[0], all_rows)
+
+    return run
+
+
+def bench_config(args: argparse.Namespace, shape: str, dtype: str, gen: torch.Generator) -> None:
+    """All thread counts and k for one (shape, dtype): prints a row per (threads, k)."""
+    n_embd, n_ff = SHAPES[shape]
+    one = random_weight(n_ff, n_embd, dtype, gen)
+    n_copies = min(args.max_copies, max(2, math.ceil(args.pool_gb * 1e9 / (3 * one.nbytes))))
+    layers = [
+        [one if i == 0 and j == 0 else random_weight(n_ff, n_embd, dtype, gen) for j in range(3)]
+        for i in range(n_copies)
+    ]
+    downs = None
+    if "dense" in args.methods and dtype in FLOAT:
+        # contiguous (n_embd, n_ff) down copy for F.linear(h, W_down); f32 uses the view
+        downs = [lay[2].w.t() if dtype == "f32" else lay[2].w.t().contiguous() for lay in layers]
+    x = torch.randn(n_embd, generator=gen)
+    all_rows = torch.arange(n_ff)
+    for nt in args.threads:
+        torch.set_num_threads(nt)
+        for frac in args.k:
+            k = max(1, round(frac * n_ff))
+            idxs = [torch.randperm(n_ff, generator=gen)[:k].sort().values for _ in range(16)]
+            touched = 3 * k * one.nbytes / n_ff
+            res: dict[str, float] = {}
+            for m in args.methods:
+                if m.startswith("dense") and frac < 1.0 and 1.0 in args.k:
+                    continue  # dense does not depend on k: reported once, at k=100%
+                run = layer_fn(m, layers, downs, x, idxs, all_rows)
+                res[m] = timed(run, args.iters, args.budget, args.stat)
+            kernels.set_enabled(True)
+            cells = []
+            for m in args.methods:
+                if m in res:
+                    b = 3 * one.nbytes if m.startswith("dense") else touched
+                    cells.append(f"{res[m] * 1e3:9.3f} {b / res[m] / 1e9:5.1f}")
+                else:
+                    cells.append(f"{'':9} {'':5}")
+            ratio = ""
+            if "kernel" in res and "torch" in res:
+                ratio = f"torch/kernel {res['torch'] / res['kernel']:.1f}x"
+            print(
+                f"{shape:5} {dtype:5} {nt:2d} {frac * 100:4.0f} " + " ".join(cells) + "  " + ratio,
+                flush=True,
+            )
+            _last[(shape, dtype, nt, frac)] = res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="+", default=["1b", "7b"], choices=list(SHAPES))
-    ap.add_argument("--dtype", nargs="+", default=["f32", "f16", "q8_0", "q4_0"])
+    ap.add_argument(
+        "--dtype", nargs="+", default=["f32", "f16", "q8_0", "q4_0"], choices=[*FLOAT, *QUANT]
+    )
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--k", nargs="+", type=float, default=[0.1, 0.25, 1.0], help="k / n_ff")
-    ap.add_argument("--methods", nargs="+", default=["kernel", "torch", "dense"])
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=["kernel", "torch", "dense"],
+        choices=["kernel", "torch", "dense", "dense-k"],
+    )
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--budget", type=float, default=0.6, help="seconds per cell (soft)")
     ap.add_argument("--pool-gb", type=float, default=1.2, help="total bytes of layer copies")
     ap.add_argument("--max-copies", type=int, default=24)
     ap.add_argument(
-        "--stat", default="median", choices=["median", "min"],
+        "--stat",
+        default="median",
+        choices=["median", "min"],
         help="min is robust when other processes share the CPU",
-    )  # fmt: skip
+    )
     ap.add_argument("--prefetch", type=int, default=-1, help="kernel prefetch reach (bytes)")
     args = ap.parse_args(argv)
 
@@ -96,93 +183,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kernels: {lib.simd}, {lib.path.name}")
         if args.prefetch >= 0:
             lib.set_tuning(prefetch_bytes=args.prefetch)
+    print(f"timing: {args.stat} of up to {args.iters} calls; ms per layer and GB/s of touched rows")
     gen = torch.Generator().manual_seed(0)
-    print(
-        f"{'shape':5} {'dtype':5} {'T':>2} {'k%':>4} "
-        + " ".join(f"{m + ' ms':>9} {'GB/s':>5}" for m in args.methods)
-        + "  ratios"
-    )
+    head = " ".join(f"{m + ' ms':>9} {'GB/s':>5}" for m in args.methods)
+    print(f"{'shape':5} {'dtype':5} {'T':>2} {'k%':>4} {head}  ratios")
     for shape in args.shape:
-        n_embd, n_ff = SHAPES[shape]
         for dtype in args.dtype:
-            one = random_weight(n_ff, n_embd, dtype, gen)
-            layer_bytes = 3 * one.nbytes
-            n_copies = min(args.max_copies, max(2, math.ceil(args.pool_gb * 1e9 / layer_bytes)))
-            layers = [
-                [one if i == 0 and j == 0 else random_weight(n_ff, n_embd, dtype, gen)
-                 for j in range(3)]
-                for i in range(n_copies)
-            ]  # fmt: skip
-            downs = None
-            if "dense" in args.methods and dtype in FLOAT:
-                # contiguous (n_embd, n_ff) down copy for F.linear(h, W_down); f32 uses a view
-                downs = [
-                    lay[2].w.t() if dtype == "f32" else lay[2].w.t().contiguous() for lay in layers
-                ]
-            x = torch.randn(n_embd, generator=gen)
-            all_rows = torch.arange(n_ff)
-            for nt in args.threads:
-                torch.set_num_threads(nt)
-                for frac in args.k:
-                    k = max(1, round(frac * n_ff))
-                    idxs = [
-                        torch.randperm(n_ff, generator=gen)[:k].sort().values for _ in range(16)
-                    ]
-                    touched = 3 * k * one.nbytes / n_ff
-                    res: dict[str, float] = {}
-                    for m in args.methods:
-                        if m == "dense" and frac < 1.0 and 1.0 in args.k:
-                            continue  # dense does not depend on k: report it once, at k=100%
-
-                        def run(i: int, m: str = m, k: int = k) -> None:
-                            g, u, d = layers[i % n_copies]
-                            idx = idxs[i % len(idxs)]
-                            if m in ("kernel", "torch"):
-                                kernels.set_enabled(m == "kernel")
-                                h = glu_rows(x, g, u, idx, "reglu")
-                                d.gather_axpy(h, idx)
-                            elif m == "dense-k":
-                                kernels.set_enabled(True)
-                                h = torch.relu(g.linear(x[None])[0]) * u.linear(x[None])[0]
-                                d.gather_axpy(h, all_rows)
-                            elif downs is not None:  # dense torch, float
-                                xw = x.to(g.w.dtype)[None]
-                                h = torch.relu(F.linear(xw, g.w)) * F.linear(xw, u.w)
-                                F.linear(h, downs[i % n_copies])
-                            else:  # dense torch, quantized: tile dequant + BLAS
-                                kernels.set_enabled(False)
-                                h = torch.relu(g.linear(x[None])) * u.linear(x[None])
-                                d.gather_axpy(h[0], all_rows)
-
-                        res[m] = timed(run, args.iters, args.budget, args.stat)
-                    kernels.set_enabled(True)
-                    cells = []
-                    for m in args.methods:
-                        if m in res:
-                            b = 3 * one.nbytes if m.startswith("dense") else touched
-                            cells.append(f"{res[m] * 1e3:9.3f} {b / res[m] / 1e9:5.1f}")
-                        else:
-                            cells.append(f"{'':9} {'':5}")
-                    ratios = []
-                    if "kernel" in res and "torch" in res:
-                        ratios.append(f"torch/kernel {res['torch'] / res['kernel']:.1f}x")
-                    print(
-                        f"{shape:5} {dtype:5} {nt:2d} {frac * 100:4.0f} "
-                        + " ".join(cells)
-                        + "  "
-                        + ", ".join(ratios),
-                        flush=True,
-                    )
-                    _last[(shape, dtype, nt, frac)] = res
-            del layers, downs, one
-    _print_summary(args)
+            bench_config(args, shape, dtype, gen)
+    _print_summary()
     return 0
 
 
 _last: dict[tuple[str, str, int, float], dict[str, float]] = {}
 
 
-def _print_summary(args: argparse.Namespace) -> None:
+def _print_summary() -> None:
     """Sparse vs dense speedups: each k<100% cell against the dense time of its config."""
     lines = []
     for (shape, dtype, nt, frac), res in _last.items():

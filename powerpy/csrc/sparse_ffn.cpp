@@ -232,21 +232,24 @@ struct Dec<DT_Q4_0> {
   static inline void block(const uint8_t* p, vf* w) {
     const float d = half_to_float(load_u16(p));
     const uint8_t* qs = p + 2;
-#if PP_SIMD >= 1
+#if PP_SIMD == 2
+    // Table lookup instead of int->float conversion: vpermps reads only the low 4 bits of
+    // each index lane, so the zero-extended byte selects its low nibble directly.
+    const __m512 lut = _mm512_mul_ps(
+        _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), v_set1(d));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)qs));
+    w[0] = _mm512_permutexvar_ps(q, lut);                         // elements 0..15
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);  // elements 16..31
+#elif PP_SIMD == 1
     const __m128i q = _mm_loadu_si128((const __m128i*)qs);
     const __m128i m4 = _mm_set1_epi8(15), k8 = _mm_set1_epi8(8);
     const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), k8);                     // elements 0..15
     const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), k8);  // 16..31
     const vf vd = v_set1(d);
-#if PP_SIMD == 2
-    w[0] = v_mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), vd);
-    w[1] = v_mul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), vd);
-#else
     w[0] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), vd);
     w[1] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))), vd);
     w[2] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vd);
     w[3] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi))), vd);
-#endif
 #else
     for (int j = 0; j < 16; ++j) {
       w[j] = (float)((int)(qs[j] & 15) - 8) * d;
@@ -575,6 +578,7 @@ template <int DT>
 int gemm_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
               int64_t ldx, int64_t T, float* out, int64_t ldo, int nthreads) {
   constexpr int G = VL == 16 ? 4 : 2;  // vectors per pass (register budget)
+  if (T == 1) return gemv_impl<DT>(W, ld, nrows, cols, x, nullptr, nrows, out, nthreads);
   const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
   const int nt = team_size(nthreads, nrows * (rb + T * 64));
   return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {

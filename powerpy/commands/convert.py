@@ -1,0 +1,46 @@
+"""`powerpy convert`: HF checkpoint or dense GGUF + predictors -> PowerInfer (PWRI) model file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="build a PowerInfer (PWRI) model from an HF checkpoint or a dense GGUF + predictors",
+    )
+    p.add_argument("src", help="HF LLaMA-family checkpoint directory, or a dense GGUF file")
+    p.add_argument("predictor_dir", help="directory with model_{i}.pt (+ optional config.json)")
+    p.add_argument("-o", "--outfile", required=True, help="output .powerinfer.gguf file")
+    p.add_argument("--outtype", choices=("f32", "f16", "q8_0", "q4_0"), default="f16")
+    p.add_argument("--vocab-gguf", help="copy the tokenizer from this GGUF (HF sources)")
+    p.add_argument(
+        "--vocab-pre", default="default", help="tokenizer.ggml.pre for a tokenizer.json BPE vocab"
+    )
+    p.add_argument(
+        "--activation",
+        choices=("relu", "silu"),
+        help="override the predictors' sparse_activation (default: their config.json)",
+    )
+    p.add_argument("--name", help="general.name (default: the source's)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from powerpy.convert import convert
+
+    out = convert(
+        args.src,
+        args.predictor_dir,
+        args.outfile,
+        outtype=args.outtype,
+        vocab_gguf=args.vocab_gguf,
+        vocab_pre=args.vocab_pre,
+        activation=args.activation,
+        name=args.name,
+        progress=sys.stderr.isatty(),
+    )
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
+    return 0

@@ -1,0 +1,89 @@
+"""`powerpy perplexity`: llama.cpp-style perplexity, dense and sparse side by side."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_text_args(p: argparse.ArgumentParser, *, file_flag: str, kjv_default: str) -> None:
+    """``FILE_FLAG FILE`` or ``--kjv [SPLIT]`` (mutually exclusive, one required)."""
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument(*file_flag.split("|"), dest="text", help="UTF-8 text file")
+    g.add_argument(
+        "--kjv",
+        nargs="?",
+        const=kjv_default,
+        choices=("train", "heldout", "all"),
+        help=f"the KJV Bible (split: train = Genesis-Philemon, heldout = Hebrews-Revelation; "
+        f"default {kjv_default})",
+    )
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    """-m, -t and the threshold override."""
+    p.add_argument("-m", "--model", help="model file (default: the sparse SmolLM2-135M)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    p.add_argument(
+        "--sparse-threshold",
+        type=float,
+        default=None,
+        help="predictor threshold (default: env LLAMA_SPARSE_PRED_THRESHOLD, the file's key, 0)",
+    )
+
+
+def load_model(args: argparse.Namespace):
+    """Load ``args.model`` (or the default model) with the shared options."""
+    import torch
+
+    from powerpy.api import load
+    from powerpy.commands.infer import threshold_from
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    return load(args.model, threshold=threshold_from(args), progress=sys.stderr.isatty())
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("perplexity", help="perplexity of a text (llama.cpp method), dense vs sparse")
+    add_load_args(p)
+    add_text_args(p, file_flag="-f|--file", kjv_default="heldout")
+    p.add_argument("-c", "--ctx", type=int, default=512, help="chunk length (default 512)")
+    p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
+    p.add_argument(
+        "--dense-too", action="store_true", help="also run the dense FFN and compare (PWRI models)"
+    )
+    p.add_argument("--dense", action="store_true", help="run the dense FFN only")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from powerpy.corpus import corpus_text
+    from powerpy.perplexity import perplexity
+
+    llm = load_model(args)
+    model = llm.model
+    text = corpus_text(args.text, args.kjv)
+    ids = llm.tokenize(text, add_bos=False)
+    bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None
+    src = args.text or f"KJV {args.kjv}"
+    print(
+        f"model: {llm.path.name} | text: {src}, {len(ids)} tokens | ctx {args.ctx}",
+        file=sys.stderr,
+    )
+    kw = dict(ctx=args.ctx, chunks=args.chunks, bos_id=bos, progress=sys.stderr.isatty())
+    results = []
+    sparse_ok = model.sparse_enabled and not args.dense
+    if args.dense or args.dense_too or not sparse_ok:
+        model.sparse_enabled = False
+        results.append(("dense", perplexity(model, ids, desc="dense", **kw)))
+    if sparse_ok:
+        model.sparse_enabled = True
+        results.append(("sparse", perplexity(model, ids, desc="sparse", **kw)))
+    base = results[0][1].ppl
+    print(f"{'run':<8}{'PPL':>10}{'vs dense':>10}{'skipped':>10}  chunks x scored")
+    for label, r in results:
+        rel = f"{100 * (r.ppl / base - 1):+.2f}%" if results[0][0] == "dense" else "-"
+        skip = f"{100 * r.sparsity:.1f}%" if r.sparsity is not None else "-"
+        print(f"{label:<8}{r.ppl:>10.4f}{rel:>10}{skip:>10}  {r.n_chunks} x {r.n_scored // r.n_chunks}")
+    return 0

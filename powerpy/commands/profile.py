@@ -1,0 +1,57 @@
+"""`powerpy profile`: per-neuron activation counts (activation_{i}.pt) and training samples."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from powerpy.commands.perplexity import add_load_args, add_text_args, load_model
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile", help="count neuron activations on a text (input of gen-gpuidx, training data)"
+    )
+    add_load_args(p)
+    add_text_args(p, file_flag="--text", kjv_default="train")
+    p.add_argument("-o", "--output", required=True, help="output directory")
+    p.add_argument("--tokens", type=int, default=None, help="tokens to run (default: all)")
+    p.add_argument("--ctx", type=int, default=256, help="window length (default 256)")
+    p.add_argument(
+        "--dump-samples", type=int, default=0, metavar="N",
+        help="dump N tokens per layer of (ffn_inp, |h|) as fp16 .npy for training",
+    )  # fmt: skip
+    p.add_argument(
+        "--target-sparsity", type=float, default=0.5,
+        help="SiLU models: per-layer |h| quantile counted as inactive (default 0.5)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from powerpy.corpus import corpus_text
+    from powerpy.profile import profile, write_profile
+
+    llm = load_model(args)
+    ids = llm.tokenize(corpus_text(args.text, args.kjv), add_bos=False)
+    res = profile(
+        llm.model,
+        ids,
+        ctx=args.ctx,
+        max_tokens=args.tokens,
+        target_sparsity=args.target_sparsity,
+        dump_dir=args.output,
+        dump_samples=args.dump_samples,
+        seed=args.seed,
+        progress=sys.stderr.isatty(),
+    )
+    paths = write_profile(res, args.output)
+    frac = res.active_fraction()
+    print(
+        f"profiled {res.n_tokens} tokens ({res.kind}): mean active {100 * frac.mean():.1f}% "
+        f"(layers {100 * frac.min():.1f}-{100 * frac.max():.1f}%); wrote {len(paths)} files "
+        f"to {args.output}" + (f", {res.n_samples} samples/layer" if res.n_samples else ""),
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,92 @@
+"""`powerpy train-predictors`: profile a model and train one predictor per layer (spec §14)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from powerpy.commands.perplexity import add_load_args, add_text_args, load_model
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train-predictors", help="train activation predictors (model_{i}.pt)")
+    add_load_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="UTF-8 training text")
+    src.add_argument(
+        "--kjv", nargs="?", const="train", choices=("train", "heldout", "all"),
+        help="the KJV Bible (default split: train = Genesis-Philemon)",
+    )  # fmt: skip
+    src.add_argument("--from-samples", help="reuse a sample dump (DIR/samples of `profile`)")
+    p.add_argument("-o", "--output", required=True, help="predictor directory")
+    hid = p.add_mutually_exclusive_group()
+    hid.add_argument("--hidden", type=int, default=128, help="predictor hidden size H")
+    hid.add_argument(
+        "--auto-hidden", action="store_true", help="smallest H per layer reaching --recall-target"
+    )
+    p.add_argument("--recall-target", type=float, default=0.9, help="for --auto-hidden")
+    p.add_argument(
+        "--target-sparsity", type=float, default=0.5,
+        help="SiLU models: per-layer |h| quantile labelled inactive (default 0.5)",
+    )  # fmt: skip
+    p.add_argument("--tokens", type=int, default=100_000, help="tokens to profile")
+    p.add_argument("--samples", type=int, default=None, help="samples/layer (default: all)")
+    p.add_argument("--ctx", type=int, default=256, help="profiling window")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--patience", type=int, default=5)
+    p.add_argument("--threshold", type=float, default=0.0, help="runtime predictor threshold")
+    p.add_argument("--work-dir", help="keep the sample dump here (default: temporary)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from powerpy.train import TrainOptions, train_from_samples, train_predictors
+
+    opts = TrainOptions(
+        hidden=args.hidden,
+        auto_hidden=args.auto_hidden,
+        recall_target=args.recall_target,
+        epochs=args.epochs,
+        patience=args.patience,
+        threshold=args.threshold,
+        seed=args.seed,
+    )
+    progress = sys.stderr.isatty()
+
+    def show(r) -> None:
+        print(
+            f"layer {r.layer:3d}  H {r.hidden:4d}  recall {r.recall:.4f}  precision "
+            f"{r.precision:.4f}  predicted-active {100 * r.pred_active:5.1f}%  true-active "
+            f"{100 * r.true_active:5.1f}%  ({r.epochs} epochs)",
+            flush=True,
+        )
+
+    if args.from_samples:
+        report = train_from_samples(args.from_samples, args.output, opts, progress=progress,
+                                    log_layer=show)  # fmt: skip
+    else:
+        from powerpy.corpus import corpus_text
+
+        llm = load_model(args)
+        ids = llm.tokenize(corpus_text(args.text, args.kjv), add_bos=False)
+        report, _ = train_predictors(
+            llm.model,
+            ids,
+            args.output,
+            opts,
+            tokens=args.tokens,
+            samples=args.samples,
+            ctx=args.ctx,
+            target_sparsity=args.target_sparsity,
+            work_dir=args.work_dir,
+            progress=progress,
+            log_layer=show,
+        )
+    s = report.summary()
+    print(
+        f"mean recall {s['recall_mean']:.4f} (min {s['recall_min']:.4f}), precision "
+        f"{s['precision_mean']:.4f}, predicted-active {100 * s['pred_active_mean']:.1f}%, "
+        f"true-active {100 * s['true_active_mean']:.1f}% -> {args.output}"
+    )
+    return 0

@@ -1,0 +1,177 @@
+"""Profiler counts against an independent forward, label consistency, and predictor training."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from powerpy.api import load
+from powerpy.cli import main
+from powerpy.constants import Keys
+from powerpy.convert import convert
+from powerpy.corpus import window_starts
+from powerpy.gguf_io import read_gguf
+from powerpy.profile import load_samples, profile, sample_arrays, write_profile
+from powerpy.stats import load_activation_stats
+from powerpy.tiny import TinySpec, write_tiny_model
+from powerpy.train import TrainOptions, train_from_samples, train_predictors
+
+SPEC = TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_pred_hidden=8)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: OpenMP synchronisation costs more than it saves on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+TEXT = (
+    "In the beginning God created the heaven and the earth. And the earth was without form, "
+    "and void; and darkness was upon the face of the deep. "
+) * 4
+
+
+def reference_ffn_preacts(t: dict[str, np.ndarray], tokens: list[int]) -> list[tuple]:
+    """Float64 numpy forward of one window (ggml RoPE); per layer (gate, up) pre-activations."""
+    d, nh, nkv = SPEC.n_embd, SPEC.n_head, SPEC.n_head_kv
+    hd, n = d // nh, len(tokens)
+
+    def rms(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + SPEC.rms_eps) * w
+
+    def rope(x):  # adjacent pairs
+        z = x[..., 0::2] + 1j * x[..., 1::2]
+        z = z * np.exp(1j * np.arange(n)[:, None, None] * 10000.0 ** (-np.arange(0, hd, 2) / hd))
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = z.real, z.imag
+        return out
+
+    g = {k: v.astype(np.float64) for k, v in t.items()}
+    x = g["token_embd.weight"][tokens]
+    out = []
+    for l in range(SPEC.n_layer):
+        p = f"blk.{l}."
+        h = rms(x, g[p + "attn_norm.weight"])
+        q = rope((h @ g[p + "attn_q.weight"].T).reshape(n, nh, hd))
+        k = rope((h @ g[p + "attn_k.weight"].T).reshape(n, nkv, hd))
+        v = (h @ g[p + "attn_v.weight"].T).reshape(n, nkv, hd)
+        att = np.zeros((n, nh, hd))
+        for head in range(nh):
+            s = q[:, head] @ k[:, head // (nh // nkv)].T / math.sqrt(hd)
+            s[np.triu_indices(n, 1)] = -np.inf
+            pr = np.exp(s - s.max(-1, keepdims=True))
+            att[:, head] = (pr / pr.sum(-1, keepdims=True)) @ v[:, head // (nh // nkv)]
+        x = x + att.reshape(n, d) @ g[p + "attn_output.weight"].T
+        h = rms(x, g[p + "ffn_norm.weight"])
+        gate, up = h @ g[p + "ffn_gate.weight"].T, h @ g[p + "ffn_up.weight"].T
+        out.append((gate, up))
+        x = x + (np.maximum(gate, 0) * up) @ g[p + "ffn_down_t.weight"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def relu_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("relu") / "tiny.powerinfer.gguf"
+    tensors = write_tiny_model(path, SPEC, sparse=True)  # PWRI llama: ReGLU
+    llm = load(path, weight_format="f32")
+    yield llm, tensors, path
+    llm.file.close()
+
+
+def test_relu_counts_equal_independent_forward(relu_model, tmp_path) -> None:
+    llm, tensors, _ = relu_model
+    ids = llm.tokenize(TEXT, add_bos=False)
+    ctx, budget = 32, 96
+    res = profile(llm.model, ids, ctx=ctx, max_tokens=budget, dump_dir=tmp_path,
+                  dump_samples=10_000)  # fmt: skip
+    assert res.kind == "relu" and res.n_tokens == 96 and res.n_samples == 96
+    want = [np.zeros(SPEC.n_ff, np.int64) for _ in range(SPEC.n_layer)]
+    for s in window_starts(len(ids), ctx, budget):
+        for l, (gate, up) in enumerate(reference_ffn_preacts(tensors, ids[s : s + ctx])):
+            want[l] += ((gate > 0) & (up != 0)).sum(0)
+    for l in range(SPEC.n_layer):
+        diff = np.abs(res.counts[l] - want[l])
+        assert diff.sum() <= 2, (l, np.flatnonzero(diff))  # fp32 vs fp64 sign flips at ~0 only
+    paths = write_profile(res, tmp_path / "act")
+    loaded = load_activation_stats(tmp_path / "act", SPEC.n_layer, SPEC.n_ff)
+    assert len(paths) == SPEC.n_layer
+    for l in range(SPEC.n_layer):
+        np.testing.assert_array_equal(loaded[l], res.counts[l])
+    # the dumped |h| gives exactly the counted labels
+    meta = load_samples(res.samples_dir)
+    for l in range(SPEC.n_layer):
+        _, a = sample_arrays(meta, l)
+        np.testing.assert_array_equal((np.asarray(a) != 0).sum(0), res.counts[l])
+
+
+def test_silu_labels_are_consistent(tmp_path) -> None:
+    path = tmp_path / "dense.gguf"
+    write_tiny_model(path, SPEC, sparse=False)  # dense llama: SwiGLU
+    llm = load(path)
+    ids = llm.tokenize(TEXT, add_bos=False)
+    with pytest.raises(ValueError, match="target sparsity"):
+        profile(llm.model, ids, ctx=32)
+    res = profile(llm.model, ids, ctx=32, target_sparsity=0.7, dump_dir=tmp_path,
+                  dump_samples=10_000)  # fmt: skip
+    assert res.kind == "silu" and res.thresholds.shape == (SPEC.n_layer,)
+    frac = res.active_fraction()
+    assert np.all(np.abs(frac - 0.3) < 0.05), frac  # calibrated on the run itself
+    meta = load_samples(res.samples_dir)
+    for l in range(SPEC.n_layer):
+        _, a = sample_arrays(meta, l)
+        labels = np.asarray(a).astype(np.float32) > meta["thresholds"][l]
+        mismatch = np.abs(labels.sum(0) - res.counts[l]).sum()
+        assert mismatch <= 0.002 * labels.size  # only fp16 rounding at the threshold
+    llm.file.close()
+
+
+def test_train_reaches_recall_and_converts(relu_model, tmp_path) -> None:
+    llm, _, path = relu_model
+    text = TEXT * 4 + "The LORD is my shepherd; I shall not want. " * 30
+    ids = llm.tokenize(text, add_bos=False)
+    opts = TrainOptions(hidden=64, epochs=30, patience=5, batch=256, lr=3e-3)
+    report, prof = train_predictors(llm.model, ids, tmp_path / "pred", opts, tokens=None, ctx=64)
+    s = report.summary()
+    assert s["recall_mean"] >= 0.9, report.layers
+    assert 0 < s["pred_active_mean"] < 1 and abs(s["true_active_mean"] - 0.5) < 0.2
+    cfg = json.loads((tmp_path / "pred" / "config.json").read_text())
+    assert cfg["sparse_threshold"] == 0.0 and "sparse_activation" not in cfg
+    sd = torch.load(tmp_path / "pred" / "model_1.pt", weights_only=True)
+    assert sd["fc1.weight"].dtype == torch.float16 and sd["fc1.weight"].shape == (64, 32)
+    assert (tmp_path / "pred" / "activation" / "activation_1.pt").is_file()
+
+    # the trained predictors gate a real PWRI model built by the converter
+    out = convert(path, tmp_path / "pred", tmp_path / "trained.powerinfer.gguf", outtype="f32")
+    with read_gguf(out) as gf:
+        assert gf.kv[Keys.SPARSE_THRESHOLD] == 0.0
+    m = load(out)
+    m.logits(ids[:40])
+    assert 0 < m.sparsity.active_fraction().mean() < 1
+    m.file.close()
+
+
+def test_cli_profile_and_train_from_samples(tmp_path, capsys) -> None:
+    path = tmp_path / "dense.gguf"
+    write_tiny_model(path, SPEC, sparse=False)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT * 3)
+    out = tmp_path / "prof"
+    rc = main(["profile", "-m", str(path), "--text", str(text), "--ctx", "64", "-o", str(out),
+               "--dump-samples", "300", "--target-sparsity", "0.6"])  # fmt: skip
+    assert rc == 0 and (out / "activation_1.pt").is_file() and (out / "profile.json").is_file()
+    rc = main(["train-predictors", "--from-samples", str(out / "samples"), "-o",
+               str(tmp_path / "pred"), "--hidden", "16", "--epochs", "2"])  # fmt: skip
+    assert rc == 0
+    cfg = json.loads((tmp_path / "pred" / "config.json").read_text())
+    assert cfg["sparse_activation"] == "silu" and len(cfg["magnitude_thresholds"]) == 2
+    assert "mean recall" in capsys.readouterr().out
+    # a SiLU predictor set converts into a file marked as SiLU
+    conv = tmp_path / "s.powerinfer.gguf"
+    assert main(["convert", str(path), str(tmp_path / "pred"), "-o", str(conv)]) == 0
+    with read_gguf(conv) as gf:
+        assert gf.kv[Keys.SPARSE_ACTIVATION] == "silu"

@@ -1,0 +1,297 @@
+"""Build powerpy's PowerInfer-native example, ``models/kjv-relu/``, end to end.
+
+Pipeline (each step a ``powerpy`` CLI command except training and the checks):
+
+1. ``tools/train_relu_model.py``: train the ReGLU LLaMA on the KJV train split (Genesis ..
+   Philemon), export an HF llama dir (``hidden_act: relu``) and a dense GGUF with the tokenizer.
+   Skipped when ``WORK/ckpt.pt`` already holds the finished run (``--retrain`` forces it).
+2. ``powerpy convert HF PLACEHOLDER --outtype f32``: a *bootstrap* PWRI file with all-zero
+   predictors. powerpy runs a dense llama GGUF with SiLU (upstream's dense path), so the ReLU
+   model can only be profiled as a PWRI file; profiling runs the FFN dense and ignores predictors.
+3. ``powerpy profile -m BOOTSTRAP --kjv train --dump-samples N``: activation counts
+   (``activation_{i}.pt``) and predictor training samples.
+4. ``powerpy train-predictors --from-samples``: one predictor per layer (spec §14).
+5. ``powerpy convert HF PREDICTORS --outtype f16``: the final ``kjv-relu.powerinfer.gguf``.
+6. ``powerpy gen-gpuidx --vram-budget`` (a few MiB): ``.generated.gpuidx`` beside the model.
+7. ``powerpy perplexity --kjv heldout --dense-too`` and ``powerpy infer -p "And God said"``.
+8. Checks in process: logits of the PWRI model at threshold -inf (and dense) against the
+   training model, per-layer predictor recall and skipped share on held-out text, true sparsity.
+
+Everything lands in ``--out`` (default ``models/kjv-relu``): the model, ``activation/``,
+``predictor/``, ``tokenizer.model``, and ``build_report.json`` with every figure. Intermediate
+files stay in ``--work`` (default ``build/kjv-relu``).
+
+Usage::
+
+    nice -n 10 python tools/build_relu_example.py            # train (or reuse) + pipeline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_NAME = "kjv-relu.powerinfer.gguf"
+PROMPT = "And God said"
+
+
+# ------------------------------------------------------------------------------ helpers
+def run(cmd: list[str], log: Path | None = None) -> str:
+    """Run a command with the repo on PYTHONPATH; echo and return its stdout+stderr."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    print("$ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    out = proc.stdout
+    print(out.rstrip() + f"\n  [{time.perf_counter() - t0:.1f} s]", flush=True)
+    if log is not None:
+        log.write_text(out)
+    if proc.returncode:
+        raise SystemExit(f"command failed with exit code {proc.returncode}: {' '.join(cmd)}")
+    return out
+
+
+def powerpy(*args: str) -> list[str]:
+    return [sys.executable, "-m", "powerpy", *args]
+
+
+def train_finished(work: Path) -> bool:
+    """Whether WORK holds a finished training run with its exports."""
+    report = work / "train_report.json"
+    return report.is_file() and (work / "hf" / "model.safetensors").is_file()
+
+
+def write_placeholder_predictors(directory: Path, n_layer: int, n_embd: int, n_ff: int) -> None:
+    """All-zero predictors (H = 32): every logit is 0 >= threshold 0, so every neuron runs."""
+    import torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for l in range(n_layer):
+        sd = {
+            "fc1.weight": torch.zeros(32, n_embd, dtype=torch.float16),
+            "fc2.weight": torch.zeros(n_ff, 32, dtype=torch.float16),
+        }
+        torch.save(sd, directory / f"model_{l}.pt")
+
+
+# ------------------------------------------------------------------------------ checks
+def load_training_model(work: Path):
+    """The trained ``ReluLlama`` from WORK/ckpt.pt (the trainer module loaded from tools/)."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "train_relu_model", REPO / "tools" / "train_relu_model.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["train_relu_model"] = mod
+    spec.loader.exec_module(mod)
+    state = torch.load(work / "ckpt.pt", weights_only=True)
+    model = mod.ReluLlama(mod.Hparams(**state["hparams"]))
+    model.load_state_dict(state["model"])
+    return model.eval(), mod
+
+
+def check_model(model_path: Path, work: Path, n_windows: int) -> dict:
+    """Logit agreement with the training model, predictor recall and sparsity on held-out text.
+
+    Returns figures for the report: max |logit diff| of the f16 PWRI model (dense, and gated at
+    threshold -inf) and of the f32 bootstrap against the training model; per-layer recall (share
+    of truly active neurons the predictor keeps), predicted-skipped share and true sparsity over
+    ``n_windows`` held-out windows of n_ctx tokens.
+    """
+    import numpy as np
+    import torch
+
+    import powerpy
+    from powerpy.corpus import kjv_text, windows
+
+    ref_model, mod = load_training_model(work)
+    n_ctx = ref_model.hp.n_ctx
+    llm = powerpy.load(model_path, weight_format="f32")
+    boot = powerpy.load(work / "bootstrap.powerinfer.gguf", weight_format="f32")
+    ids = llm.tokenize(kjv_text("heldout"), add_bos=False)
+    bos = llm.tokenizer.bos_id
+    m = llm.model
+    n_layer, n_ff = m.args.n_layer, m.args.n_ff
+    tp = np.zeros(n_layer)
+    true_active = np.zeros(n_layer)
+    pred_active = np.zeros(n_layer)
+    tokens = 0
+    diffs = {"pwri_f16_dense": 0.0, "pwri_f16_thr_-inf": 0.0, "bootstrap_f32_dense": 0.0}
+
+    def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        blk = m.weights.blk[l]
+        from powerpy.sparse_ffn import predict
+
+        act = predict(x, blk.fc1, blk.fc2) >= m.threshold  # (T, n_ff)
+        true = h != 0
+        tp[l] += float((act & true).sum())
+        true_active[l] += float(true.sum())
+        pred_active[l] += float(act.sum())
+
+    for i, w in enumerate(windows(ids, n_ctx - 1, (n_ctx - 1) * n_windows)):
+        window = torch.tensor([bos, *w.tolist()])
+        with torch.no_grad():
+            ref = ref_model(window[None])[0][0]
+        if i < 3:
+            for key, (lm, thr) in {
+                "pwri_f16_dense": (llm, None),
+                "pwri_f16_thr_-inf": (llm, -math.inf),
+                "bootstrap_f32_dense": (boot, None),
+            }.items():
+                lm.model.sparse_enabled = thr is not None
+                saved = lm.model.threshold
+                if thr is not None:
+                    lm.model.threshold = thr
+                got = lm.model.forward(window, lm.model.new_cache(n_ctx), all_logits=True)
+                lm.model.threshold = saved
+                diffs[key] = max(diffs[key], float((got - ref).abs().max()))
+        m.sparse_enabled = False  # true h from the dense FFN; the observer applies the predictor
+        m.observer = observer
+        m.forward(window, m.new_cache(n_ctx), all_logits=True)
+        m.observer = None
+        tokens += len(window)
+    m.sparse_enabled = True
+    recall = tp / np.maximum(true_active, 1)
+    return {
+        "max_abs_logit_diff_vs_training": diffs,
+        "heldout_tokens_checked": tokens,
+        "threshold": m.threshold,
+        "recall_per_layer": recall.tolist(),
+        "recall_mean": float(recall.mean()),
+        "predicted_skipped_per_layer": (1 - pred_active / (tokens * n_ff)).tolist(),
+        "predicted_skipped_mean": float((1 - pred_active / (tokens * n_ff)).mean()),
+        "true_sparsity_per_layer": (1 - true_active / (tokens * n_ff)).tolist(),
+        "true_sparsity_mean": float((1 - true_active / (tokens * n_ff)).mean()),
+    }
+
+
+def parse_perplexity(out: str) -> dict:
+    """{"dense": (ppl, skipped%), "sparse": ...} from `powerpy perplexity` output."""
+    res = {}
+    for line in out.splitlines():
+        m = re.match(r"(dense|sparse)\s+([\d.]+)\s+(\S+)\s+(\S+)", line)
+        if m:
+            res[m.group(1)] = {"ppl": float(m.group(2)), "skipped": m.group(4)}
+    return res
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=REPO / "models" / "kjv-relu")
+    p.add_argument("--work", type=Path, default=REPO / "build" / "kjv-relu")
+    p.add_argument("--retrain", action="store_true", help="train even if a finished run exists")
+    p.add_argument("--train-args", default="", help="extra arguments for the trainer")
+    p.add_argument("--hidden", type=int, default=128, help="predictor hidden size")
+    p.add_argument("--pred-threshold", type=float, default=0.0, help="runtime threshold")
+    p.add_argument("--samples", type=int, default=200_000, help="predictor samples per layer")
+    p.add_argument("--vram-budget", default="0.002", help="GiB for gen-gpuidx (a few MiB)")
+    p.add_argument("--check-windows", type=int, default=40, help="held-out windows to check")
+    args = p.parse_args(argv)
+    work, out = args.work, args.out
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    times = {}
+
+    t0 = time.perf_counter()
+    if args.retrain or not train_finished(work):
+        cmd = [sys.executable, "tools/train_relu_model.py", "--out", str(work)]
+        run(cmd + args.train_args.split(), work / "train.log")
+    times["train_and_export"] = time.perf_counter() - t0
+    train_report = json.loads((work / "train_report.json").read_text())
+    hp = train_report["hparams"]
+    n_ctx = str(hp["n_ctx"])
+
+    t0 = time.perf_counter()
+    boot, hf = work / "bootstrap.powerinfer.gguf", work / "hf"
+    write_placeholder_predictors(work / "placeholder", hp["n_layer"], hp["n_embd"], hp["n_ff"])
+    run(powerpy("convert", str(hf), str(work / "placeholder"), "-o", str(boot), "--outtype", "f32"))
+    prof = work / "profile"
+    run(
+        powerpy("profile", "-m", str(boot), "--kjv", "train", "-o", str(prof), "--ctx", n_ctx,
+                "--dump-samples", str(args.samples), "-t", "1"),
+        work / "profile.log",
+    )  # fmt: skip
+    pred = work / "predictor"
+    run(
+        powerpy("train-predictors", "-m", str(boot), "--from-samples", str(prof / "samples"),
+                "-o", str(pred), "--hidden", str(args.hidden), "--threshold",
+                str(args.pred_threshold), "-t", "1"),
+        work / "train_predictors.log",
+    )  # fmt: skip
+    times["profile_and_predictors"] = time.perf_counter() - t0
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = out / MODEL_NAME
+    run(powerpy("convert", str(hf), str(pred), "-o", str(model), "--outtype", "f16"))
+    for sub, src, pattern in (("activation", prof, "activation_*.pt"), ("predictor", pred, "*")):
+        dst = out / sub
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir()
+        for f in sorted(src.glob(pattern)):
+            if f.is_file() and f.suffix in (".pt", ".json"):
+                shutil.copy2(f, dst / f.name)
+    shutil.copy2(work / "tokenizer.model", out / "tokenizer.model")
+    gpuidx_out = run(
+        powerpy("gen-gpuidx", "-m", str(model), "--vram-budget", args.vram_budget,
+                "--ctx", n_ctx)
+    )  # fmt: skip
+
+    t0 = time.perf_counter()
+    ppl_out = run(
+        powerpy("perplexity", "-m", str(model), "--kjv", "heldout", "-c", n_ctx,
+                "--dense-too", "-t", "1"),
+        work / "perplexity.log",
+    )  # fmt: skip
+    times["perplexity"] = time.perf_counter() - t0
+    infer_out = run(
+        powerpy("infer", "-m", str(model), "-p", PROMPT, "-n", "40", "--temp", "0", "-t", "1")
+    )
+
+    checks = check_model(model, work, args.check_windows)
+    files = sorted(f for f in out.rglob("*") if f.is_file())
+    sizes = {str(f.relative_to(out)): f.stat().st_size for f in files}
+    report = {
+        "train": {
+            k: train_report[k]
+            for k in (
+                "hparams",
+                "train_config",
+                "n_params",
+                "train_seconds",
+                "tokens_seen",
+                "train_tokens",
+                "heldout_tokens",
+                "heldout",
+                "export_checks",
+            )
+        },  # fmt: skip
+        "times_seconds": {**times, "total": time.perf_counter() - t_start},
+        "perplexity_heldout": parse_perplexity(ppl_out),
+        "checks": checks,
+        "gen_gpuidx": gpuidx_out.strip().splitlines(),
+        "greedy_sample": infer_out.strip().splitlines(),
+        "files_bytes": sizes,
+        "total_bytes": sum(sizes.values()),
+    }
+    (out / "build_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({k: report[k] for k in ("perplexity_heldout", "checks", "total_bytes")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
