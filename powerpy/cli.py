@@ -13,6 +13,7 @@ COMMANDS = {
     "infer": "powerpy.commands.infer",
     "gen-gpuidx": "powerpy.commands.gen_gpuidx",
     "dump": "powerpy.commands.dump",
+    "bench": "powerpy.commands.bench",
     "convert": "powerpy.commands.convert",
     "profile": "powerpy.commands.profile",
     "train-predictors": "powerpy.commands.train_predictors",

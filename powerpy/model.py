@@ -19,6 +19,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.sparse_ffn import ffn_dense, ffn_masked, ffn_rows, glu, predict, rows_sum
+from powerpy.timing import PhaseTimer, phase
 from powerpy.weights import Weight
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,7 @@ class Model:
         self.sparsity = SparsityStats.empty(args.n_layer, args.n_ff)
         self.observer: Observer | None = None
         self.ffn_runner: FFNRunner = self.cpu_ffn
+        self.timer: PhaseTimer | None = None  # set by benchmarks for a per-phase breakdown
         # Where new caches live: runtime.build_hybrid sets these when the placement puts the KV
         # cache on the accelerator (caches longer than kv_max_ctx stay on the host).
         self.kv_device: torch.device | None = None
@@ -180,15 +182,18 @@ class Model:
             # follows (every .to is a no-op when the tensor is already there, e.g. CPU-only).
             x = x.to(blk.attn_norm.device)
             cos, sin = cos.to(blk.attn_q.device), sin.to(blk.attn_q.device)
-            att = self.attention(l, blk, rms_norm(x, blk.attn_norm, a.rms_eps), cache, cos, sin)
-            ffn_inp = x + att.to(x.device)
-            xn = rms_norm(ffn_inp.to(blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
-            x = ffn_inp + self.ffn_runner(l, blk, xn, ffn_inp)  # runner: on ffn_inp's device
+            with phase(self.timer, "attention"):
+                att = self.attention(l, blk, rms_norm(x, blk.attn_norm, a.rms_eps), cache, cos, sin)
+                ffn_inp = x + att.to(x.device)
+            with phase(self.timer, "ffn"):
+                xn = rms_norm(ffn_inp.to(blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
+                x = ffn_inp + self.ffn_runner(l, blk, xn, ffn_inp)  # runner: on ffn_inp's device
         cache.pos += n
         if not all_logits:
             x = x[-1:]
-        x = rms_norm(x.to(w.output_norm.device), w.output_norm, a.rms_eps)
-        return w.output.linear(x.to(w.output.device)).cpu()  # logits on the host
+        with phase(self.timer, "output"):
+            x = rms_norm(x.to(w.output_norm.device), w.output_norm, a.rms_eps)
+            return w.output.linear(x.to(w.output.device)).cpu()  # logits on the host
 
     def attention(
         self, l: int, blk: Block, x: Tensor, cache: KVCache, cos: Tensor, sin: Tensor
@@ -222,7 +227,8 @@ class Model:
         variant = self.args.ffn_variant
         act = None
         if self.sparse_enabled and blk.fc1 is not None:
-            act = predict(ffn_inp, blk.fc1, blk.fc2) >= self.threshold  # (T, n_ff)
+            with phase(self.timer, "predictor"):
+                act = predict(ffn_inp, blk.fc1, blk.fc2) >= self.threshold  # (T, n_ff)
             self.sparsity.record(l, act)
         if self.observer is not None:
             h = glu(blk.ffn_gate.linear(x), blk.ffn_up.linear(x), variant)  # (T, n_ff)

@@ -43,6 +43,7 @@ from powerpy.constants import Names
 from powerpy.model import Block, Model
 from powerpy.placement import Placement, fmt_bytes, resolve_placement
 from powerpy.sparse_ffn import ffn_masked, ffn_rows, glu, rows_sum
+from powerpy.timing import phase
 from powerpy.weights import Weight, glu_rows
 
 if TYPE_CHECKING:
@@ -194,7 +195,8 @@ class HybridFFN:
             raise ValueError("FFN observers need the CPU-only runner (Model.cpu_ffn)")
         act = None
         if m.sparse_enabled and blk.fc1 is not None and blk.fc2 is not None:
-            act = _predict(blk, ffn_inp) >= m.threshold  # (T, n_ff) bool
+            with phase(m.timer, "predictor"):
+                act = _predict(blk, ffn_inp) >= m.threshold  # (T, n_ff) bool
         return self.split_ffn(l, blk, x, act, out_device=ffn_inp.device)
 
     def split_ffn(
@@ -223,17 +225,19 @@ class HybridFFN:
         if hot.k:
             x_dev = x.to(self.device)
             act_dev = None if act is None else act.to(self.device)
-            with self._side_stream():
+            with self._side_stream(), phase(self.model.timer, "ffn_hot"):
                 y_hot = self._hot(hot, x_dev, act_dev)  # (T, n_embd), queued on the device
         x_host = x.to("cpu")  # waits for the predictor only, not for the hot part
         act_host = None if act is None else act.to("cpu")
         if act_host is not None:
             self.model.sparsity.record(l, act_host)
-        y_cold = self._cold(blk, hot, x_host, act_host)  # (T, n_embd) on the host
+        with phase(self.model.timer, "ffn_cold"):
+            y_cold = self._cold(blk, hot, x_host, act_host)  # (T, n_embd) on the host
         out_device = x.device if out_device is None else out_device
         if y_hot is None:
             return y_cold.to(out_device)
-        self._join()
+        with phase(self.model.timer, "ffn_hot_wait"):
+            self._join()
         if y_hot.device == out_device:
             return y_hot + y_cold.to(out_device)
         return y_hot.to(out_device) + y_cold

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--methods",
         nargs="+",
-        default=["kernel", "torch", "dense"],
+        default=["kernel", "torch", "dense", "dense-k"],
         choices=["kernel", "torch", "dense", "dense-k"],
     )
     ap.add_argument("--iters", type=int, default=30)
@@ -198,16 +198,22 @@ _last: dict[tuple[str, str, int, float], dict[str, float]] = {}
 
 
 def _print_summary() -> None:
-    """Sparse vs dense speedups: each k<100% cell against the dense time of its config."""
+    """Speedups of each sparse cell (k < 100%) over the dense runs of its configuration."""
     lines = []
     for (shape, dtype, nt, frac), res in _last.items():
-        dense = _last.get((shape, dtype, nt, 1.0), {}).get("dense")
-        if frac >= 1.0 or dense is None:
+        dense = _last.get((shape, dtype, nt, 1.0), {})
+        if frac >= 1.0 or not dense:
             continue
-        parts = [f"{m} {dense / res[m]:.1f}x" for m in ("kernel", "torch") if m in res]
+        parts = []
+        for m in ("kernel", "torch"):
+            for ref in ("dense", "dense-k"):
+                if m in res and ref in dense:
+                    parts.append(f"{m} vs {ref} {dense[ref] / res[m]:.1f}x")
+        if "kernel" in res and "torch" in res:
+            parts.append(f"kernel vs torch {res['torch'] / res['kernel']:.1f}x")
         lines.append(f"  {shape} {dtype} {nt}T k={frac * 100:.0f}%: " + ", ".join(parts))
     if lines:
-        print("speedup of sparse over dense torch:")
+        print("speedups (time ratios):")
         print("\n".join(lines))
 
 

@@ -1,0 +1,172 @@
+"""llama-bench-style measurements: prompt processing (pp) and token generation (tg) speed, bytes
+read per token against the memory-bandwidth ceiling (spec §15), and a per-phase breakdown."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from powerpy.api import LLM
+from powerpy.model import Model
+from powerpy.timing import PhaseTimer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchRow:
+    """One measured test of one mode (``sparse`` or ``dense``) of a model."""
+
+    mode: str
+    test: str  # "pp512", "tg128"
+    tokens: int
+    seconds: float
+    tok_s: float
+    bytes_per_token: float = 0.0  # tg only: weight + KV bytes touched per token
+    gb_s: float = 0.0  # effective bandwidth: bytes_per_token * tok_s
+    ceiling_share: float = 0.0  # gb_s / measured memory bandwidth
+    active_fraction: float = 1.0  # mean predicted-active FFN neurons
+    phases_ms: dict[str, float] = field(default_factory=dict)  # tg: ms per token per phase
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Memory read bandwidth in GB/s: best of ``repeats`` sums over an ``n_bytes`` buffer."""
+    buf = torch.ones(n_bytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return n_bytes / best / 1e9
+
+
+def _ffn_layer_bytes(model: Model, l: int) -> int:
+    b = model.weights.blk[l]
+    return b.ffn_gate.nbytes + b.ffn_up.nbytes + b.ffn_down_t.nbytes
+
+
+def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> dict[str, float]:
+    """Bytes one decode step reads, by category (spec §15's B_dense / B_sparse).
+
+    Args:
+        model: the model (its weights' storage sizes are used).
+        n_past: mean number of cached positions attended to.
+        active: (n_layer,) predicted-active FFN fraction per layer, or None for dense.
+    """
+    w, a = model.weights, model.args
+    out: dict[str, float] = {"attention": 0.0, "norms": 0.0, "ffn": 0.0, "predictor": 0.0}
+    for l, b in enumerate(w.blk):
+        out["attention"] += sum(m.nbytes for m in (b.attn_q, b.attn_k, b.attn_v, b.attn_output))
+        out["norms"] += 4 * (b.attn_norm.numel() + b.ffn_norm.numel())
+        frac = 1.0 if active is None else float(active[l])
+        out["ffn"] += frac * _ffn_layer_bytes(model, l)
+        if active is not None and b.fc1 is not None and b.fc2 is not None:
+            out["predictor"] += b.fc1.nbytes + b.fc2.nbytes
+    out["output"] = w.output.nbytes + 4 * w.output_norm.numel()
+    out["embedding_row"] = w.token_embd.nbytes / a.n_vocab
+    out["kv"] = 2 * a.n_layer * n_past * a.n_embd_gqa * 4
+    return out
+
+
+def _prompt(llm: LLM, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, llm.model.args.n_vocab, (n,), generator=g)
+
+
+def run_pp(llm: LLM, n_prompt: int) -> float:
+    """Seconds to prefill ``n_prompt`` tokens into a fresh cache."""
+    m = llm.model
+    tokens = _prompt(llm, n_prompt)
+    cache = m.new_cache(n_prompt)
+    t0 = time.perf_counter()
+    m.forward(tokens, cache)
+    return time.perf_counter() - t0
+
+
+def run_tg(llm: LLM, n_gen: int, timer: PhaseTimer | None = None) -> float:
+    """Seconds to decode ``n_gen`` tokens one by one from an empty cache (greedy feedback)."""
+    m = llm.model
+    cache = m.new_cache(n_gen + 1)
+    tok = torch.tensor([llm.tokenizer.bos_id if llm.tokenizer.bos_id is not None else 0])
+    m.forward(tok, cache)  # warm-up step, not timed
+    m.timer = timer
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n_gen):
+            tok = m.forward(tok, cache).argmax(-1)
+        return time.perf_counter() - t0
+    finally:
+        m.timer = None
+
+
+def bench_mode(
+    llm: LLM, mode: str, n_prompt: int, n_gen: int, bandwidth: float, repetitions: int = 1
+) -> list[BenchRow]:
+    """pp and tg rows for one mode ("sparse" or "dense"); best of ``repetitions``."""
+    m = llm.model
+    saved = m.sparse_enabled
+    m.sparse_enabled = mode == "sparse"
+    rows = []
+    try:
+        if n_prompt > 0:
+            secs = min(run_pp(llm, n_prompt) for _ in range(repetitions))
+            rows.append(BenchRow(mode, f"pp{n_prompt}", n_prompt, secs, n_prompt / secs))
+        if n_gen > 0:
+            best, best_timer, best_active = float("inf"), PhaseTimer(), None
+            for _ in range(repetitions):
+                timer = PhaseTimer()
+                m.sparsity.reset()
+                secs = run_tg(llm, n_gen, timer)
+                if secs < best:
+                    best, best_timer = secs, timer
+                    best_active = m.sparsity.active_fraction() if m.sparse_enabled else None
+            b = sum(bytes_per_token(m, n_gen / 2, best_active).values())
+            tps = n_gen / best
+            phases = {k: 1e3 * v / n_gen for k, v in best_timer.seconds.items()}
+            inner = sum(v for k, v in phases.items() if k in ("attention", "ffn", "output"))
+            phases["other"] = max(0.0, 1e3 * best / n_gen - inner)
+            rows.append(
+                BenchRow(
+                    mode,
+                    f"tg{n_gen}",
+                    n_gen,
+                    best,
+                    tps,
+                    bytes_per_token=b,
+                    gb_s=b * tps / 1e9,
+                    ceiling_share=b * tps / 1e9 / bandwidth,
+                    active_fraction=1.0 if best_active is None else float(np.mean(best_active)),
+                    phases_ms=phases,
+                )
+            )
+    finally:
+        m.sparse_enabled = saved
+    return rows
+
+
+def dispatch_overhead_ms(llm: LLM, n_gen: int = 32) -> float:
+    """Per-token time of a same-depth model with tiny matrices: the Python/dispatch floor."""
+    import tempfile
+    from pathlib import Path
+
+    from powerpy.api import load
+    from powerpy.tiny import TinySpec, write_tiny_model
+
+    a = llm.model.args
+    spec = TinySpec(n_embd=32, n_layer=a.n_layer, n_ff=64, n_head=2, n_head_kv=2, arch=a.arch)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "floor.gguf"
+        write_tiny_model(path, spec, sparse=a.sparse)
+        tiny = load(path)
+        tiny.model.sparse_enabled = llm.model.sparse_enabled
+        run_tg(tiny, 4)
+        secs = run_tg(tiny, n_gen)
+        tiny.file.close()
+    return 1e3 * secs / n_gen
