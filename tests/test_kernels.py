@@ -150,11 +150,17 @@ def tiny_threads(lib: kernels.KernelLibrary) -> Iterator[None]:
 
 
 def thread_configs(lib: kernels.KernelLibrary) -> Iterator[int]:
-    """1 thread with the default tuning, then 2 threads forced even on tiny matrices."""
+    """1 thread with the default tuning, then 2 threads forced even on tiny matrices.
+
+    The threading code is the same for every SIMD level, so only the native build runs the
+    2-thread pass (2-thread calls are slow on a busy shared machine).
+    """
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         yield 1
+        if lib is not kernels.library():
+            return
         torch.set_num_threads(2)
         lib.set_tuning(min_bytes_per_thread=1)
         yield 2

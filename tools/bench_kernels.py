@@ -16,8 +16,13 @@ GB/s = bytes of touched weight rows / time. Each call is timed alone; a cell rep
 median. Several copies of the layer (>= --pool-gb in total) and 16 random sorted index sets are
 cycled so that touched rows come from DRAM, not from the 32 MiB L3.
 
+On a machine shared with other busy processes, OpenMP's default active wait can make a
+2-thread call take 10+ ms (a spinning thread holds the core its partner needs); run with
+OMP_WAIT_POLICY=passive there (it costs ~60-80 us per parallel region instead) and --stat min.
+
 Example:
-    python tools/bench_kernels.py --shape 1b 7b --dtype f16 q4_0 --threads 1 2 --k 0.1 0.25 1
+    OMP_WAIT_POLICY=passive python tools/bench_kernels.py --shape 1b 7b --dtype f16 q4_0 \\
+        --threads 1 2 --k 0.1 0.25 1 --stat min
 """
 
 from __future__ import annotations
