@@ -58,23 +58,6 @@ ACTIVATIONS = ("relu", "silu")
 _PRED_RE = re.compile(r"model_(\d+)\.pt")
 _PRED_KEYS = ("fc1.weight", "fc2.weight")
 
-# HF name (per layer, after "model.layers.{l}.") -> GGUF template
-_HF_LAYER = {
-    "input_layernorm.weight": Names.ATTN_NORM,
-    "self_attn.q_proj.weight": Names.ATTN_Q,
-    "self_attn.k_proj.weight": Names.ATTN_K,
-    "self_attn.v_proj.weight": Names.ATTN_V,
-    "self_attn.o_proj.weight": Names.ATTN_OUTPUT,
-    "post_attention_layernorm.weight": Names.FFN_NORM,
-    "mlp.gate_proj.weight": Names.FFN_GATE,
-    "mlp.up_proj.weight": Names.FFN_UP,
-    "mlp.down_proj.weight": Names.FFN_DOWN_T,
-}
-_HF_GLOBAL = {
-    "model.embed_tokens.weight": Names.TOKEN_EMBD,
-    "model.norm.weight": Names.OUTPUT_NORM,
-    "lm_head.weight": Names.OUTPUT,
-}
 _HF_SKIP = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
@@ -132,8 +115,7 @@ def load_predictor_file(path: Path, *, mmap: bool = False) -> dict[str, torch.Te
         raise ValueError(f"{path}: expected a state dict of tensors, got {type(sd).__name__}")
     if sorted(sd) != sorted(_PRED_KEYS):
         raise ValueError(
-            f"{path}: a predictor must hold exactly fc1.weight and fc2.weight, found "
-            f"{sorted(sd)}"
+            f"{path}: a predictor must hold exactly fc1.weight and fc2.weight, found {sorted(sd)}"
         )
     return dict(sd)
 
@@ -285,7 +267,9 @@ def _hf_arch(src: _HFSource) -> dict[str, Any]:
     cfg, path = src.config, src.dir / "config.json"
     mt = cfg.get("model_type")
     if mt not in HF_MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {mt!r} is not supported (supported: {HF_MODEL_TYPES})")
+        raise ValueError(
+            f"{path}: model_type {mt!r} is not supported (supported: {HF_MODEL_TYPES})"
+        )
     n_embd = _hf_int(cfg, "hidden_size", path)
     n_head = _hf_int(cfg, "num_attention_heads", path)
     n_head_kv = _hf_int(cfg, "num_key_value_heads", path, n_head)
@@ -373,8 +357,11 @@ def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> di
         scores = np.array([sp.get_score(i) for i in range(n)], np.float32)
         kv[Keys.SCORES] = (scores, arr, GGUFValueType.FLOAT32)
         kv[Keys.TOKEN_TYPE] = (np.array(types, np.int32), arr, GGUFValueType.INT32)
-        for key, v in ((Keys.BOS_ID, sp.bos_id()), (Keys.EOS_ID, sp.eos_id()),
-                       (Keys.UNK_ID, sp.unk_id())):  # fmt: skip
+        for key, v in (
+            (Keys.BOS_ID, sp.bos_id()),
+            (Keys.EOS_ID, sp.eos_id()),
+            (Keys.UNK_ID, sp.unk_id()),
+        ):
             if v >= 0:
                 kv[key] = (v, u32)
         return kv
@@ -415,8 +402,10 @@ def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> di
     kv[Keys.MERGES] = (merges, arr, GGUFValueType.STRING)
     tc_path = directory / "tokenizer_config.json"
     tok_cfg = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
-    for key, role, cfg_key in ((Keys.BOS_ID, "bos_token", "bos_token_id"),
-                               (Keys.EOS_ID, "eos_token", "eos_token_id")):  # fmt: skip
+    for key, role, cfg_key in (
+        (Keys.BOS_ID, "bos_token", "bos_token_id"),
+        (Keys.EOS_ID, "eos_token", "eos_token_id"),
+    ):
         v = _special_id(tok_cfg, role, vocab)
         v = v if v is not None else config.get(cfg_key)
         if isinstance(v, int):
@@ -617,23 +606,22 @@ def convert(
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
     if not src_p.exists():
         raise FileNotFoundError(f"source {src_p} does not exist")
-    inputs = [src_p, pred_p] + ([Path(vocab_gguf)] if vocab_gguf else [])
     if out_p.is_dir():
         raise IsADirectoryError(f"output {out_p} is a directory")
+    inputs = [src_p, Path(vocab_gguf)] if vocab_gguf else [src_p]
+    for d in (src_p, pred_p):
+        if d.is_dir():
+            inputs += [f for f in d.iterdir() if f.is_file()]
     for p in inputs:
-        parent_clash = p.is_dir() and _same_file(out_p.parent, p) and out_p.exists()
-        if _same_file(out_p, p) or (parent_clash and _PRED_RE.fullmatch(out_p.name)):
+        if _same_file(out_p, p):
             raise ValueError(f"output {out_p} would overwrite the input {p}")
-    if src_p.is_dir():
-        for f in src_p.iterdir():
-            if _same_file(out_p, f):
-                raise ValueError(f"output {out_p} would overwrite the input {f}")
     if not out_p.parent.is_dir():
         raise FileNotFoundError(f"cannot write {out_p}: directory {out_p.parent} does not exist")
 
     if src_p.is_dir():
-        _convert_hf(src_p, pred_p, out_p, outtype, vocab_gguf, vocab_pre, activation, name,
-                    progress)  # fmt: skip
+        _convert_hf(
+            src_p, pred_p, out_p, outtype, vocab_gguf, vocab_pre, activation, name, progress
+        )
     else:
         _convert_gguf(src_p, pred_p, out_p, outtype, activation, name, progress)
     log.info("wrote %s", out_p)
@@ -674,7 +662,14 @@ def _convert_hf(
         plan: list[_Tensor] = []
         known = set()
 
-        def add(hf_name: str, gguf_name: str, expect: tuple[int, ...], fix=None) -> None:
+        def add(
+            hf_name: str,
+            gguf_name: str,
+            expect: tuple[int, ...],
+            n_head: int = 0,
+            transpose: bool = False,
+        ) -> None:
+            """Plan one tensor: permute q/k rows for ``n_head`` heads, or transpose."""
             if hf_name not in hf.shapes:
                 raise ValueError(f"{src}: tensor {hf_name!r} is missing")
             if hf.shapes[hf_name] != expect:
@@ -682,29 +677,30 @@ def _convert_hf(
                     f"{src}: tensor {hf_name!r} has shape {hf.shapes[hf_name]}, expected {expect}"
                 )
             known.add(hf_name)
-            shape = expect if fix is None or fix is not np.transpose else expect[::-1]
 
-            def load(hf_name: str = hf_name) -> np.ndarray:
+            def load() -> np.ndarray:
                 arr = hf.get(hf_name)
-                return arr if fix is None else np.ascontiguousarray(fix(arr))
+                if n_head:
+                    arr = permute_qk(arr, n_head)
+                return np.ascontiguousarray(arr.T) if transpose else arr
 
+            shape = expect[::-1] if transpose else expect
             plan.append(_Tensor(gguf_name, shape, out_type(shape, outtype), load))
 
         d, ff, gqa, nv = a["n_embd"], a["n_ff"], a["head_dim"] * a["n_head_kv"], a["vocab_size"]
+        nh, nkv = a["n_head"], a["n_head_kv"]
         add("model.embed_tokens.weight", Names.TOKEN_EMBD, (nv, d))
         for l in range(a["n_layer"]):
             p = f"model.layers.{l}."
-            qfix = lambda w, n=a["n_head"]: permute_qk(w, n)  # noqa: E731
-            kfix = lambda w, n=a["n_head_kv"]: permute_qk(w, n)  # noqa: E731
             add(p + "input_layernorm.weight", Names.ATTN_NORM.format(l=l), (d,))
-            add(p + "self_attn.q_proj.weight", Names.ATTN_Q.format(l=l), (d, d), qfix)
-            add(p + "self_attn.k_proj.weight", Names.ATTN_K.format(l=l), (gqa, d), kfix)
+            add(p + "self_attn.q_proj.weight", Names.ATTN_Q.format(l=l), (d, d), n_head=nh)
+            add(p + "self_attn.k_proj.weight", Names.ATTN_K.format(l=l), (gqa, d), n_head=nkv)
             add(p + "self_attn.v_proj.weight", Names.ATTN_V.format(l=l), (gqa, d))
             add(p + "self_attn.o_proj.weight", Names.ATTN_OUTPUT.format(l=l), (d, d))
             add(p + "post_attention_layernorm.weight", Names.FFN_NORM.format(l=l), (d,))
             add(p + "mlp.gate_proj.weight", Names.FFN_GATE.format(l=l), (ff, d))
             add(p + "mlp.up_proj.weight", Names.FFN_UP.format(l=l), (ff, d))
-            add(p + "mlp.down_proj.weight", Names.FFN_DOWN_T.format(l=l), (d, ff), np.transpose)
+            add(p + "mlp.down_proj.weight", Names.FFN_DOWN_T.format(l=l), (d, ff), transpose=True)
         add("model.norm.weight", Names.OUTPUT_NORM, (d,))
         if "lm_head.weight" in hf.shapes:
             add("lm_head.weight", Names.OUTPUT, (nv, d))

@@ -90,7 +90,9 @@ def kjv_text(split: str = "train", path: str | os.PathLike[str] | None = None) -
         raise ValueError(f"{path or kjv_path()}: no book {KJV_HOLDOUT_FIRST_BOOK!r} to split at")
     cut = names.index(KJV_HOLDOUT_FIRST_BOOK)
     chosen = {"train": books[:cut], "heldout": books[cut:], "all": books}[split]
-    parts = [book + "\n\n" + "\n\n".join(" ".join(vs) for vs in chapters) for book, chapters in chosen]
+    parts = [
+        book + "\n\n" + "\n\n".join(" ".join(vs) for vs in chapters) for book, chapters in chosen
+    ]
     return "\n\n".join(parts) + "\n"
 
 

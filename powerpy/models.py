@@ -98,7 +98,8 @@ def build_sparse_model(
 
     Args:
         source: the dense GGUF.
-        predictor_dir: ``model_{l}.pt`` + ``config.json`` (+ ``activation/``).
+        predictor_dir: ``model_{l}.pt`` or a ``predictors.q8.safetensors`` pack (see
+            ``train.pack_predictors``), ``config.json``, and optionally ``activation/``.
         cache: the cache directory (created).
         name: the model file's name.
 
@@ -120,12 +121,21 @@ def build_sparse_model(
         if model.is_file():  # another process built it while we waited
             return model
         from powerpy.convert import convert
+        from powerpy.train import PACK_FILE, unpack_predictors
 
         log.info("building the sparse default model into %s (one time, about a minute)", final)
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{SPARSE_PREFIX}-{key}.", dir=cache))
         try:
-            convert(source, predictor_dir, tmp / name, outtype=SPARSE_OUTTYPE, activation=None)
+            preds = predictor_dir
+            pack = predictor_dir / PACK_FILE
+            if pack.is_file():  # compact package data: expand next to the build
+                preds = tmp / ".predictors"
+                unpack_predictors(pack, preds)
+                if (predictor_dir / "config.json").is_file():
+                    shutil.copy2(predictor_dir / "config.json", preds / "config.json")
+            convert(source, preds, tmp / name, outtype=SPARSE_OUTTYPE, activation=None)
+            shutil.rmtree(tmp / ".predictors", ignore_errors=True)
             stats = predictor_dir / "activation"
             if stats.is_dir():
                 shutil.copytree(stats, tmp / "activation")

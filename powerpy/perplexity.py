@@ -114,7 +114,9 @@ def perplexity(
     arr = np.asarray(ids, dtype=np.int64)
     n = n_chunks_for(len(arr), ctx, chunks)
     if ctx > model.args.n_ctx_train:
-        raise ValueError(f"context {ctx} exceeds the model's training context {model.args.n_ctx_train}")
+        raise ValueError(
+            f"context {ctx} exceeds the model's training context {model.args.n_ctx_train}"
+        )
     model.sparsity.reset()
     total, count = 0.0, 0
     bar = tqdm(range(n), desc=desc, unit="chunk", disable=not progress)

@@ -5,17 +5,19 @@ hands over, per layer, the pre-norm FFN input ``ffn_inp`` (T, n_embd) and the tr
 ``h`` (T, n_ff). A neuron is *active* for a token when
 
 - ReLU-family models (``reglu``/``drelu``): ``h != 0`` (spec §14);
-- SiLU models (``swiglu``): ``|h| > t_l``, a per-layer magnitude threshold (CATS/TEAL-style).
-  ``t_l`` is the ``target_sparsity`` quantile of ``|h|`` in layer ``l``, calibrated on the first
-  windows of the run (or given), then fixed for the whole run, so the counts written here and the
-  labels a predictor is trained on use the same rule.
+- SiLU models (``swiglu``): ``|h_j| · ‖down_t[j]‖ > t_l``, a per-layer magnitude threshold on
+  the norm of the neuron's contribution to the FFN output (CATS/TEAL-style, weighted by the
+  output row so that neurons are ranked by what skipping them costs). ``t_l`` is the
+  ``target_sparsity`` quantile of that score in layer ``l``, calibrated on the first windows of
+  the run (or given), then fixed for the whole run, so the counts written here and the labels a
+  predictor is trained on use the same rule.
 
 Outputs (``write_profile``): ``activation_{i}.pt`` (1-D int64 counts of length n_ff, the input
 of ``gen-gpuidx``) and ``profile.json``. With ``dump_samples=N``, ``samples/`` holds per layer
 ``x_{i}.npy`` (N, n_embd) fp16 (``ffn_inp``) and ``a_{i}.npy`` (N, n_ff) fp16 (``|h|``, where a
-nonzero ``h`` is never rounded to 0), as ``.npy`` memmaps; the N tokens are spread uniformly over
-the run. Memory stays bounded for any token count: windows stream through, counts accumulate, and
-samples go straight to the memmaps.
+nonzero ``h`` is never rounded to 0), as ``.npy`` memmaps, plus ``down_norm.npy`` (n_layer, n_ff)
+f32; the N tokens are spread uniformly over the run. Memory stays bounded for any token count:
+windows stream through, counts accumulate, and samples go straight to the memmaps.
 """
 
 from __future__ import annotations
@@ -43,28 +45,50 @@ KIND_SILU = "silu"  # active iff |h| > per-layer threshold
 PROFILE_JSON = "profile.json"
 SAMPLES_DIR = "samples"
 SAMPLES_META = "meta.json"
+DOWN_NORM_FILE = "down_norm.npy"
 CALIB_TOKENS = 2048  # tokens whose |h| sets the SiLU thresholds when none are given
 _CALIB_VALUES = 2_000_000  # |h| values per layer kept for the quantile
 _F16_TINY = float(np.finfo(np.float16).smallest_subnormal)
 
 
 def activation_kind(model: Model) -> str:
-    """"silu" for SwiGLU models (magnitude labels), "relu" for ReGLU/dReLU (exact zeros)."""
+    """Kind "silu" for SwiGLU models (magnitude labels), "relu" for ReGLU/dReLU (exact zeros)."""
     return KIND_SILU if model.args.ffn_variant == FFN_SWIGLU else KIND_RELU
 
 
-def active_mask(h: torch.Tensor, kind: str, threshold: float | None) -> torch.Tensor:
+def down_norms(model: Model, chunk: int = 4096) -> list[torch.Tensor]:
+    """Per layer, the L2 norm of each neuron's output row ``‖ffn_down_t[j]‖``: (n_ff,) f32."""
+    out = []
+    for blk in model.weights.blk:
+        w = blk.ffn_down_t
+        parts = []
+        for s in range(0, w.shape[0], chunk):
+            rows = torch.arange(s, min(s + chunk, w.shape[0]))
+            parts.append(w.take_rows(rows).dequantize().float().norm(dim=1))
+        out.append(torch.cat(parts))
+    return out
+
+
+def magnitude_score(h: torch.Tensor, down_norm: torch.Tensor) -> torch.Tensor:
+    """SiLU ranking score ``|h_j| · ‖down_t[j]‖``: h (T, n_ff), down_norm (n_ff,) -> (T, n_ff)."""
+    return h.abs().float() * down_norm
+
+
+def active_mask(
+    h: torch.Tensor, kind: str, threshold: float | None, down_norm: torch.Tensor | None = None
+) -> torch.Tensor:
     """Which neurons count as active: h (T, n_ff) -> bool (T, n_ff).
 
     Args:
-        h: the true FFN activation.
-        kind: "relu" (``h != 0``) or "silu" (``|h| > threshold``).
+        h: the true FFN activation (or ``|h|``).
+        kind: "relu" (``h != 0``) or "silu" (``|h| · down_norm > threshold``).
         threshold: the layer's magnitude threshold (SiLU only).
+        down_norm: (n_ff,) output-row norms (SiLU only).
     """
     if kind == KIND_RELU:
         return h != 0
-    assert threshold is not None, "SiLU labels need a magnitude threshold"
-    return h.abs() > threshold
+    assert threshold is not None and down_norm is not None, "SiLU labels need a threshold"
+    return magnitude_score(h, down_norm) > threshold
 
 
 def abs_f16(h: torch.Tensor) -> torch.Tensor:
@@ -119,10 +143,11 @@ class _SampleWriter:
         self.x[layer][lo:hi] = x[rows].half().numpy()
         self.a[layer][lo:hi] = abs_f16(h[rows]).numpy()
 
-    def close(self, meta: dict) -> None:
+    def close(self, meta: dict, down_norm: list[torch.Tensor]) -> None:
         for m in self.x + self.a:
             m.flush()
         self.x, self.a = [], []
+        np.save(self.dir / DOWN_NORM_FILE, torch.stack(down_norm).numpy().astype(np.float32))
         _write_json(self.dir / SAMPLES_META, meta)
 
 
@@ -218,6 +243,7 @@ def profile(
         picks = np.sort(np.random.default_rng(seed).choice(n_total, n, replace=False))
         writer = _SampleWriter(Path(dump_dir) / SAMPLES_DIR, a.n_layer, a.n_embd, a.n_ff, picks)
 
+    dn = down_norms(model)
     counts = [torch.zeros(a.n_ff, dtype=torch.int64) for _ in range(a.n_layer)]
     abs_sum = [torch.zeros(a.n_ff, dtype=torch.float64) for _ in range(a.n_layer)]
     pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # calibration buffer
@@ -225,7 +251,7 @@ def profile(
 
     def consume(l: int, pos0: int, x: torch.Tensor, h: torch.Tensor) -> None:
         t = None if thr is None else float(thr[l])
-        counts[l] += active_mask(h, kind, t).sum(0)
+        counts[l] += active_mask(h, kind, t, dn[l]).sum(0)
         abs_sum[l] += h.abs().sum(0, dtype=torch.float64)
         if writer is not None:
             writer.write(l, pos0, x, h)
@@ -244,11 +270,15 @@ def profile(
             model.forward(torch.from_numpy(arr[s : s + ctx].copy()), model.new_cache(ctx))
             state["pos"] += ctx
             bar.update(ctx)
-            if thr is None and kind == KIND_SILU and (
-                state["pos"] >= CALIB_TOKENS or state["pos"] >= n_total
+            if (
+                thr is None
+                and kind == KIND_SILU
+                and (state["pos"] >= CALIB_TOKENS or state["pos"] >= n_total)
             ):
-                per_layer = [[h.abs().flatten() for (l, _, _, h) in pending if l == k]
-                             for k in range(a.n_layer)]
+                per_layer = [
+                    [magnitude_score(h, dn[k]).flatten() for (l, _, _, h) in pending if l == k]
+                    for k in range(a.n_layer)
+                ]
                 thr = calibrate_thresholds([torch.cat(v) for v in per_layer], target_sparsity)
                 log.debug("calibrated thresholds on %d tokens: %s", state["pos"], thr)
                 for l, pos0, x, h in pending:
@@ -270,7 +300,7 @@ def profile(
     if writer is not None:
         result.n_samples = len(writer.picks)
         result.samples_dir = writer.dir
-        writer.close(_meta(result))
+        writer.close(_meta(result), dn)
     return result
 
 
@@ -325,10 +355,12 @@ def load_samples(directory: str | os.PathLike[str]) -> dict:
     return meta
 
 
-def sample_arrays(meta: dict, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """Memory-mapped (x (N, n_embd) fp16, |h| (N, n_ff) fp16) of one layer of a sample dump."""
+def sample_arrays(meta: dict, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer of a sample dump: memory-mapped x (N, n_embd) fp16 and |h| (N, n_ff) fp16, and
+    the layer's output-row norms (n_ff,) f32."""
     d = Path(meta["dir"])
     return (
         np.load(d / f"x_{layer}.npy", mmap_mode="r"),
         np.load(d / f"a_{layer}.npy", mmap_mode="r"),
+        np.load(d / DOWN_NORM_FILE)[layer],
     )

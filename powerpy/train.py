@@ -42,9 +42,9 @@ from tqdm.auto import tqdm
 
 from powerpy.model import Model
 from powerpy.profile import (
-    KIND_RELU,
     KIND_SILU,
     ProfileResult,
+    active_mask,
     load_samples,
     profile,
     sample_arrays,
@@ -146,6 +146,13 @@ def _metrics(
     return recall, precision, pos / n, (tp + fn) / n
 
 
+def split_indices(n: int, opts: TrainOptions) -> tuple[Tensor, Tensor]:
+    """(held-out, training) sample indices: a seeded permutation, the first 5% held out."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(opts.seed))
+    n_val = max(1, int(round(n * opts.val_fraction)))
+    return perm[:n_val], perm[n_val:]
+
+
 def train_layer(
     x: Tensor,
     y: Tensor,
@@ -176,9 +183,7 @@ def train_layer(
     if n < 20:
         raise ValueError(f"{n} samples are too few to train a predictor (need at least 20)")
     g = torch.Generator().manual_seed(opts.seed)
-    perm = torch.randperm(n, generator=g)
-    n_val = max(1, int(round(n * opts.val_fraction)))
-    val, tr = perm[:n_val], perm[n_val:]
+    val, tr = split_indices(n, opts)
     x32 = x.float()
     xn = _rms_normalize(x32)
     scale = 1.0 / (xn[tr].std(0) + 1e-3)  # (n_embd,) folded into fc1 on export
@@ -223,7 +228,7 @@ def train_layer(
     _, b1, b2, _ = best
     with torch.no_grad():
         rec, prec, pa, ta = _metrics(x32[val], y[val], b1, b2, opts.threshold)
-    report = LayerReport(-1, hidden, rec, prec, pa, ta, epoch, len(tr), n_val)
+    report = LayerReport(-1, hidden, rec, prec, pa, ta, epoch, len(tr), len(val))
     return b1, b2, report
 
 
@@ -243,6 +248,188 @@ def train_layer_auto(
             best = out
     assert best is not None, "no hidden size to try"
     return best
+
+
+# ----------------------------------------------------------------------------------- calibration
+@dataclass
+class LayerCurve:
+    """Held-out trade-off of one layer's predictor: active fraction and lost energy per threshold.
+
+    ``lost[k]`` is the energy of the skipped contributions, ``Σ (|h_j| ‖down_t[j]‖)²`` over
+    neurons the predictor skips at threshold ``thr[k]``, divided by the residual-stream energy
+    ``Σ ‖ffn_inp‖²`` of the same tokens, so that layers compare on one scale.
+    """
+
+    thr: npt.NDArray[np.float64]  # (K,) descending runtime-logit thresholds
+    active: npt.NDArray[np.float64]  # (K,) predicted-active fraction, ascending
+    lost: npt.NDArray[np.float64]  # (K,) relative lost energy, descending
+
+
+def layer_curve(
+    x: Tensor, score: Tensor, fc1: Tensor, fc2: Tensor, *, points: int = 256, sign: float = -1.0
+) -> LayerCurve:
+    """The trade-off curve of one predictor on held-out samples.
+
+    Args:
+        x: (N, n_embd) raw ``ffn_inp``.
+        score: (N, n_ff) ``|h| · ‖down_t‖``.
+        fc1, fc2: the predictor as the runtime computes it.
+        points: curve resolution.
+        sign: only thresholds of this sign are usable (the global threshold's sign).
+
+    Returns:
+        The curve, restricted to thresholds of ``sign`` (strictly nonzero).
+    """
+    r = predictor_logits(x.float(), fc1.float(), fc2.float()).flatten()  # (N * n_ff,)
+    e = score.float().pow(2).flatten()
+    order = torch.argsort(r, descending=True)
+    r_sorted = r[order].double()
+    lost_tail = e[order].double().flip(0).cumsum(0).flip(0)  # energy of ranks k.. (skipped)
+    resid = float(x.float().pow(2).sum())
+    n = r.numel()
+    ks = torch.linspace(1, n - 1, points).round().long().unique()  # keep the top k
+    thr = r_sorted[ks - 1]  # keep r >= thr: exactly the first k (ties aside)
+    lost = lost_tail[ks] / resid
+    keep = (thr * sign) > 0
+    if not bool(keep.any()):  # no usable threshold: the closest one to zero
+        keep = torch.zeros_like(keep)
+        keep[-1 if sign < 0 else 0] = True
+    return LayerCurve(
+        thr=thr[keep].numpy(), active=(ks[keep].double() / n).numpy(), lost=lost[keep].numpy()
+    )
+
+
+def allocate(curves: Sequence[LayerCurve], target_active: float) -> list[int]:
+    """Per-layer curve points minimising total lost energy at a mean active fraction.
+
+    Lagrangian allocation: each layer takes the point minimising ``lost + λ·active``; ``λ`` is
+    bisected until the mean active fraction over layers is at most ``target_active`` (or as close
+    as the usable thresholds allow).
+
+    Returns:
+        One index into each curve.
+    """
+
+    def pick(lam: float) -> list[int]:
+        return [int(np.argmin(c.lost + lam * c.active)) for c in curves]
+
+    def mean_active(idx: list[int]) -> float:
+        return float(np.mean([c.active[i] for c, i in zip(curves, idx, strict=True)]))
+
+    lo, hi = 0.0, 1.0
+    while mean_active(pick(hi)) > target_active and hi < 1e6:
+        hi *= 4
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if mean_active(pick(mid)) > target_active:
+            lo = mid
+        else:
+            hi = mid
+    return pick(hi)
+
+
+def calibrate_predictors(
+    pred_dir: str | os.PathLike[str],
+    samples_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    skip_fraction: float,
+    *,
+    global_threshold: float = -1.0,
+    opts: TrainOptions = TrainOptions(),
+    progress: bool = False,
+) -> list[dict]:
+    """Give each layer its own operating point for a mean skipped fraction, folded into fc2.
+
+    PowerInfer has one global threshold. A layer's threshold ``t_l`` (same sign as the global
+    one) is folded into its predictor by scaling ``fc2`` by ``global_threshold / t_l > 0``, which
+    turns ``logit >= t_l`` into ``scaled logit >= global_threshold`` exactly. The ``t_l`` come from
+    :func:`allocate` over the held-out split of the training samples (the same split training
+    kept out), spending active neurons where skipping them loses most energy.
+
+    Args:
+        pred_dir: trained predictors (``model_{l}.pt``; may be calibrated already).
+        samples_dir: the profiler dump they were trained on.
+        out_dir: where the calibrated predictors and ``config.json`` go (may be ``pred_dir``).
+        skip_fraction: mean fraction of neurons to skip per token, over layers.
+        global_threshold: the runtime threshold written as ``sparse_threshold`` (nonzero).
+        opts: the training options (for the held-out split).
+        progress: a tqdm bar.
+
+    Returns:
+        Per-layer records (threshold, scale, planned active fraction, lost energy).
+
+    Raises:
+        ValueError: ``skip_fraction`` outside [0, 1) or a zero ``global_threshold``.
+    """
+    from powerpy.convert import load_predictor_file
+
+    if not 0.0 <= skip_fraction < 1.0:
+        raise ValueError(f"skip fraction {skip_fraction} must be in [0, 1)")
+    if global_threshold == 0.0:
+        raise ValueError("calibration needs a nonzero global threshold (its sign matters)")
+    meta = load_samples(samples_dir)
+    src, out = Path(pred_dir), Path(out_dir)
+    n_layer = int(meta["n_layer"])
+    preds, curves = [], []
+    for l in tqdm(range(n_layer), desc="calibrate", unit="layer", disable=not progress):
+        sd = load_predictor_file(src / PREDICTOR_FILE.format(l=l))
+        xa, aa, dn = sample_arrays(meta, l)
+        val, _ = split_indices(len(xa), opts)
+        idx = np.sort(val.numpy())
+        x = torch.from_numpy(np.asarray(xa[idx], dtype=np.float32))
+        score = torch.from_numpy(np.asarray(aa[idx], dtype=np.float32)) * torch.from_numpy(dn)
+        fc1, fc2 = sd["fc1.weight"].float(), sd["fc2.weight"].float()
+        preds.append((fc1, fc2))
+        curves.append(layer_curve(x, score, fc1, fc2, sign=float(np.sign(global_threshold))))
+    picks = allocate(curves, 1.0 - skip_fraction)
+    planned = float(np.mean([c.active[k] for c, k in zip(curves, picks, strict=True)]))
+    if planned > 1.0 - skip_fraction + 0.01:
+        log.warning(
+            "skip fraction %.3f is out of reach with a %s global threshold: planned %.3f (train "
+            "with a higher --target-sparsity)",
+            skip_fraction,
+            "negative" if global_threshold < 0 else "positive",
+            1.0 - planned,
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for l, (c, k) in enumerate(zip(curves, picks, strict=True)):
+        t = float(c.thr[k])
+        scale = global_threshold / t
+        fc1, fc2 = preds[l]
+        if not math.isfinite(scale) or float(fc2.abs().max()) * scale > 60000.0:
+            raise ValueError(
+                f"layer {l}: threshold {t:g} needs fc2 scale {scale:g} (fp16 overflow)"
+            )
+        save_predictor(out / PREDICTOR_FILE.format(l=l), fc1, fc2 * scale)
+        records.append(
+            {
+                "layer": l,
+                "threshold": t,
+                "scale": scale,
+                "active": float(c.active[k]),
+                "lost": float(c.lost[k]),
+            }
+        )
+    cfg_path = src / PREDICTOR_CONFIG
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+    cfg[CONFIG_THRESHOLD] = float(global_threshold)
+    cfg.setdefault("powerpy", {})["calibration"] = {
+        "skip_fraction": skip_fraction,
+        "planned_active": float(np.mean([r["active"] for r in records])),
+        "layers": records,
+    }
+    _atomic_json(cfg, out / PREDICTOR_CONFIG)
+    for r in records:
+        log.info(
+            "layer %2d: threshold %+.4f scale %.3f planned active %.3f lost energy %.5f",
+            r["layer"],
+            r["threshold"],
+            r["scale"],
+            r["active"],
+            r["lost"],
+        )
+    return records
 
 
 # ----------------------------------------------------------------------------------- files
@@ -303,14 +490,93 @@ def write_config(
     return path
 
 
+# ----------------------------------------------------------------------------------- packing
+PACK_FILE = "predictors.q8.safetensors"
+
+
+def pack_predictors(pred_dir: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
+    """Store a predictor directory's weights compactly: int8 rows with one fp16 scale per row.
+
+    The pack is a safetensors file (no pickle) with ``blk.{l}.fc{1,2}.q`` (int8) and
+    ``blk.{l}.fc{1,2}.scale`` (fp16, ``absmax / 127`` per row); it halves the size of fp16
+    ``model_{l}.pt`` files, for shipping predictors inside the package.
+
+    Args:
+        pred_dir: ``model_0.pt`` … (read with ``weights_only=True``).
+        out_file: the pack (written atomically).
+
+    Returns:
+        The pack path.
+
+    Raises:
+        ValueError: no predictors, or an unsafe/malformed file (named).
+    """
+    from safetensors.torch import save_file
+
+    from powerpy.convert import load_predictor_file
+
+    src, out = Path(pred_dir), Path(out_file)
+    tensors: dict[str, Tensor] = {}
+    l = 0
+    while (src / PREDICTOR_FILE.format(l=l)).is_file():
+        sd = load_predictor_file(src / PREDICTOR_FILE.format(l=l))
+        for key in ("fc1", "fc2"):
+            w = sd[f"{key}.weight"].float()  # (rows, cols)
+            scale = w.abs().amax(dim=1, keepdim=True) / 127.0  # (rows, 1)
+            scale = scale.half().float().clamp_min(1e-12)
+            tensors[f"blk.{l}.{key}.q"] = (w / scale).round().clamp(-127, 127).to(torch.int8)
+            tensors[f"blk.{l}.{key}.scale"] = scale.squeeze(1).half()
+        l += 1
+    if l == 0:
+        raise ValueError(f"{src}: no predictors (model_0.pt) to pack")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"n_layer": str(l), "format": "powerpy-q8-rows"})
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out
+
+
+def unpack_predictors(pack: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> int:
+    """Expand a pack written by :func:`pack_predictors` into fp16 ``model_{l}.pt`` files.
+
+    Returns:
+        The number of layers written.
+
+    Raises:
+        ValueError: the pack is malformed (missing layers or tensors).
+    """
+    from safetensors import safe_open
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with safe_open(str(pack), framework="pt") as f:
+        meta = f.metadata() or {}
+        try:
+            n_layer = int(meta["n_layer"])
+            for l in range(n_layer):
+                w = {
+                    k: f.get_tensor(f"blk.{l}.{k}.q").float()
+                    * f.get_tensor(f"blk.{l}.{k}.scale").float()[:, None]
+                    for k in ("fc1", "fc2")
+                }
+                save_predictor(out / PREDICTOR_FILE.format(l=l), w["fc1"], w["fc2"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{pack}: not a powerpy predictor pack ({e})") from None
+    return n_layer
+
+
 # ----------------------------------------------------------------------------------- pipeline
-def labels_for(a: np.ndarray, kind: str, threshold: float | None) -> Tensor:
-    """Bool labels (N, n_ff) from a dumped ``|h|`` array (fp16, nonzero kept nonzero)."""
-    t = torch.from_numpy(np.asarray(a))
-    if kind == KIND_RELU:
-        return t != 0
-    assert threshold is not None
-    return t.float() > threshold
+def labels_for(
+    a: np.ndarray, kind: str, threshold: float | None, down_norm: np.ndarray | None = None
+) -> Tensor:
+    """Bool labels (N, n_ff) from a dumped ``|h|`` array (fp16, nonzero kept nonzero), by the
+    profiler's rule (``profile.active_mask``)."""
+    t = torch.from_numpy(np.array(a))
+    dn = None if down_norm is None else torch.from_numpy(np.asarray(down_norm, np.float32))
+    return active_mask(t, kind, threshold, dn)
 
 
 def train_from_samples(
@@ -349,11 +615,12 @@ def train_from_samples(
     report = TrainReport(kind, magnitude_thresholds=thr)
     todo = list(range(n_layer)) if layers is None else list(layers)
     for l in tqdm(todo, desc="train", unit="layer", disable=not progress):
-        xa, aa = sample_arrays(meta, l)
-        x = torch.from_numpy(np.asarray(xa))
-        y = labels_for(aa, kind, None if thr is None else thr[l])
-        bar = tqdm(total=opts.epochs, desc=f"layer {l}", unit="ep", leave=False,
-                   disable=not progress)
+        xa, aa, dn = sample_arrays(meta, l)
+        x = torch.from_numpy(np.array(xa))
+        y = labels_for(aa, kind, None if thr is None else thr[l], dn)
+        bar = tqdm(
+            total=opts.epochs, desc=f"layer {l}", unit="ep", leave=False, disable=not progress
+        )
 
         def tick(epoch: int, recall: float, bar=bar) -> None:
             bar.update(1)
@@ -371,7 +638,12 @@ def train_from_samples(
             log_layer(r)
         log.info(
             "layer %2d: H %4d recall %.4f precision %.4f predicted-active %.3f true-active %.3f",
-            l, r.hidden, r.recall, r.precision, r.pred_active, r.true_active,
+            l,
+            r.hidden,
+            r.recall,
+            r.precision,
+            r.pred_active,
+            r.true_active,
         )
     write_config(out, report, opts, {"samples": int(meta["n_samples"]), **(extra_config or {})})
     return report
@@ -387,6 +659,7 @@ def train_predictors(
     samples: int | None = None,
     ctx: int = 256,
     target_sparsity: float = 0.5,
+    skip_fraction: float | None = None,
     work_dir: str | os.PathLike[str] | None = None,
     progress: bool = False,
     log_layer: Callable[[LayerReport], None] | None = None,
@@ -401,7 +674,9 @@ def train_predictors(
         tokens: tokens to run (spread over the text); None: the whole text.
         samples: tokens per layer to train on (default: all tokens run).
         ctx: profiling window.
-        target_sparsity: SiLU models: the per-layer ``|h|`` quantile labelled inactive.
+        target_sparsity: SiLU models: the per-layer score quantile labelled inactive.
+        skip_fraction: when set, calibrate per-layer operating points for this mean fraction
+            of skipped neurons (:func:`calibrate_predictors`).
         work_dir: where the sample dump goes (default: a temporary directory, removed after).
         progress: tqdm bars.
         log_layer: called with each layer's report.
@@ -434,9 +709,17 @@ def train_predictors(
         assert prof.samples_dir is not None
         extra = {"profile_tokens": prof.n_tokens, "target_sparsity": prof.target_sparsity}
         report = train_from_samples(
-            prof.samples_dir, out, opts, progress=progress, log_layer=log_layer,
+            prof.samples_dir,
+            out,
+            opts,
+            progress=progress,
+            log_layer=log_layer,
             extra_config=extra,
         )
+        if skip_fraction is not None:
+            calibrate_predictors(
+                out, prof.samples_dir, out, skip_fraction, opts=opts, progress=progress
+            )
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)

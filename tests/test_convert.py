@@ -121,8 +121,9 @@ def write_predictors(
 def vocab_gguf(tmp_path_factory) -> Path:
     """A tiny dense GGUF whose byte vocabulary the HF conversions copy."""
     path = tmp_path_factory.mktemp("vocab") / "vocab.gguf"
-    write_tiny_model(path, TinySpec(n_embd=D, n_ff=FF, n_layer=L, n_head=NH, n_head_kv=NKV),
-                     sparse=False)  # fmt: skip
+    write_tiny_model(
+        path, TinySpec(n_embd=D, n_ff=FF, n_layer=L, n_head=NH, n_head_kv=NKV), sparse=False
+    )
     return path
 
 
@@ -196,8 +197,9 @@ def test_hf_logits_match_rotate_half_reference(tmp_path, vocab_gguf, act) -> Non
     src = write_hf(tmp_path / "hf", t, act=act)
     cfg = {"sparse_activation": "silu"} if act == "silu" else None
     write_predictors(tmp_path / "pred", config=cfg)
-    out = convert(src, tmp_path / "pred", tmp_path / "m.powerinfer.gguf", outtype="f32",
-                  vocab_gguf=vocab_gguf)  # fmt: skip
+    out = convert(
+        src, tmp_path / "pred", tmp_path / "m.powerinfer.gguf", outtype="f32", vocab_gguf=vocab_gguf
+    )
     got = dense_logits(out, TOKENS)
     want = hf_reference_logits(t, TOKENS, act)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
@@ -243,9 +245,13 @@ def test_gguf_source_transposes_down_and_keeps_logits(tmp_path) -> None:
     spec = TinySpec(n_embd=D, n_ff=FF, n_layer=L, n_head=NH, n_head_kv=NKV)
     src = tmp_path / "dense.gguf"
     tensors = write_tiny_model(src, spec, sparse=False)
-    write_predictors(tmp_path / "pred", config={"sparse_threshold": 0.0, "sparse_activation": "silu"})
+    write_predictors(
+        tmp_path / "pred", config={"sparse_threshold": 0.0, "sparse_activation": "silu"}
+    )
     out = tmp_path / "sparse.powerinfer.gguf"
-    assert main(["convert", str(src), str(tmp_path / "pred"), "-o", str(out), "--outtype", "f32"]) == 0
+    assert (
+        main(["convert", str(src), str(tmp_path / "pred"), "-o", str(out), "--outtype", "f32"]) == 0
+    )
     with read_gguf(out) as gf:
         np.testing.assert_array_equal(
             gf.array(Names.FFN_DOWN_T.format(l=1)), tensors[Names.FFN_DOWN.format(l=1)].T
@@ -283,12 +289,16 @@ def test_predictor_mismatch_errors_name_file_and_numbers(tmp_path, vocab_gguf) -
     with pytest.raises(ValueError, match=r"found 1 predictors .* model has 2 layers"):
         convert(src, tmp_path / "few", tmp_path / "o.gguf", vocab_gguf=vocab_gguf)
     write_predictors(tmp_path / "shape")
-    torch.save({"fc1.weight": torch.zeros(H, D), "fc2.weight": torch.zeros(FF + 1, H)},
-               tmp_path / "shape" / "model_1.pt")  # fmt: skip
+    torch.save(
+        {"fc1.weight": torch.zeros(H, D), "fc2.weight": torch.zeros(FF + 1, H)},
+        tmp_path / "shape" / "model_1.pt",
+    )
     with pytest.raises(ValueError, match=rf"model_1\.pt: fc2.weight has shape \({FF + 1}, {H}\)"):
         convert(src, tmp_path / "shape", tmp_path / "o.gguf", vocab_gguf=vocab_gguf)
-    torch.save({"fc1.weight": torch.zeros(H, D), "fc2.weight": torch.zeros(FF, H), "b": torch.ones(1)},
-               tmp_path / "shape" / "model_1.pt")  # fmt: skip
+    torch.save(
+        {"fc1.weight": torch.zeros(H, D), "fc2.weight": torch.zeros(FF, H), "b": torch.ones(1)},
+        tmp_path / "shape" / "model_1.pt",
+    )
     with pytest.raises(ValueError, match=r"exactly fc1.weight and fc2.weight"):
         convert(src, tmp_path / "shape", tmp_path / "o.gguf", vocab_gguf=vocab_gguf)
 
@@ -343,6 +353,21 @@ def test_default_model_builds_once_and_reuses_cache(tmp_path, monkeypatch, caplo
     write_predictors(pred, config={"sparse_threshold": 0.0, "sparse_activation": "silu"}, seed=5)
     second = models.default_model_path()  # changed predictors: a new build
     assert second != first and second.is_file() and len(calls) == 2
+
+    # a packed (int8) predictor set builds too, and gates almost like the fp16 one
+    from powerpy.train import PACK_FILE, pack_predictors
+
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    pack_predictors(pred, packed / PACK_FILE)
+    (packed / "config.json").write_text((pred / "config.json").read_text())
+    monkeypatch.setattr(models, "SPARSE_DATA_DIR", packed)
+    third = models.default_model_path()
+    assert third.is_file() and len(calls) == 3
+    with read_gguf(second) as a, read_gguf(third) as b:
+        fc2a, fc2b = a.array(Names.FC2.format(l=1)), b.array(Names.FC2.format(l=1))
+        np.testing.assert_allclose(fc2b, fc2a, atol=np.abs(fc2a).max() / 127)
+        assert b.kv[Keys.SPARSE_ACTIVATION] == "silu"
 
     monkeypatch.setattr(models, "SPARSE_DATA_DIR", tmp_path / "missing")
     with pytest.raises(ValueError, match="could not build the sparse default model"):

@@ -18,7 +18,7 @@ from powerpy.gguf_io import read_gguf
 from powerpy.profile import load_samples, profile, sample_arrays, write_profile
 from powerpy.stats import load_activation_stats
 from powerpy.tiny import TinySpec, write_tiny_model
-from powerpy.train import TrainOptions, train_from_samples, train_predictors
+from powerpy.train import TrainOptions, calibrate_predictors, predictor_logits, train_predictors
 
 SPEC = TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_pred_hidden=8)
 
@@ -30,6 +30,8 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
 TEXT = (
     "In the beginning God created the heaven and the earth. And the earth was without form, "
     "and void; and darkness was upon the face of the deep. "
@@ -87,8 +89,9 @@ def test_relu_counts_equal_independent_forward(relu_model, tmp_path) -> None:
     llm, tensors, _ = relu_model
     ids = llm.tokenize(TEXT, add_bos=False)
     ctx, budget = 32, 96
-    res = profile(llm.model, ids, ctx=ctx, max_tokens=budget, dump_dir=tmp_path,
-                  dump_samples=10_000)  # fmt: skip
+    res = profile(
+        llm.model, ids, ctx=ctx, max_tokens=budget, dump_dir=tmp_path, dump_samples=10_000
+    )
     assert res.kind == "relu" and res.n_tokens == 96 and res.n_samples == 96
     want = [np.zeros(SPEC.n_ff, np.int64) for _ in range(SPEC.n_layer)]
     for s in window_starts(len(ids), ctx, budget):
@@ -105,7 +108,7 @@ def test_relu_counts_equal_independent_forward(relu_model, tmp_path) -> None:
     # the dumped |h| gives exactly the counted labels
     meta = load_samples(res.samples_dir)
     for l in range(SPEC.n_layer):
-        _, a = sample_arrays(meta, l)
+        _, a, _ = sample_arrays(meta, l)
         np.testing.assert_array_equal((np.asarray(a) != 0).sum(0), res.counts[l])
 
 
@@ -116,37 +119,54 @@ def test_silu_labels_are_consistent(tmp_path) -> None:
     ids = llm.tokenize(TEXT, add_bos=False)
     with pytest.raises(ValueError, match="target sparsity"):
         profile(llm.model, ids, ctx=32)
-    res = profile(llm.model, ids, ctx=32, target_sparsity=0.7, dump_dir=tmp_path,
-                  dump_samples=10_000)  # fmt: skip
+    res = profile(
+        llm.model, ids, ctx=32, target_sparsity=0.7, dump_dir=tmp_path, dump_samples=10_000
+    )
     assert res.kind == "silu" and res.thresholds.shape == (SPEC.n_layer,)
     frac = res.active_fraction()
     assert np.all(np.abs(frac - 0.3) < 0.05), frac  # calibrated on the run itself
     meta = load_samples(res.samples_dir)
     for l in range(SPEC.n_layer):
-        _, a = sample_arrays(meta, l)
-        labels = np.asarray(a).astype(np.float32) > meta["thresholds"][l]
+        _, a, dn = sample_arrays(meta, l)
+        labels = np.asarray(a).astype(np.float32) * dn > meta["thresholds"][l]
         mismatch = np.abs(labels.sum(0) - res.counts[l]).sum()
         assert mismatch <= 0.002 * labels.size  # only fp16 rounding at the threshold
     llm.file.close()
 
 
-def test_train_reaches_recall_and_converts(relu_model, tmp_path) -> None:
-    llm, _, path = relu_model
+@pytest.fixture(scope="module")
+def trained(relu_model, tmp_path_factory):
+    """Predictors trained on the tiny ReLU model, with the sample dump kept."""
+    llm, _, _ = relu_model
+    d = tmp_path_factory.mktemp("trained")
     text = TEXT * 4 + "The LORD is my shepherd; I shall not want. " * 30
     ids = llm.tokenize(text, add_bos=False)
-    opts = TrainOptions(hidden=64, epochs=30, patience=5, batch=256, lr=3e-3)
-    report, prof = train_predictors(llm.model, ids, tmp_path / "pred", opts, tokens=None, ctx=64)
+    opts = TrainOptions(hidden=64, epochs=20, patience=4, batch=256, lr=3e-3)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report, prof = train_predictors(
+            llm.model, ids, d / "pred", opts, tokens=None, ctx=64, work_dir=d / "work"
+        )
+    finally:
+        torch.set_num_threads(n)
+    return report, prof, d, ids, opts
+
+
+def test_train_reaches_recall_and_converts(relu_model, trained, tmp_path) -> None:
+    _, _, path = relu_model
+    report, _, d, ids, _ = trained
     s = report.summary()
     assert s["recall_mean"] >= 0.9, report.layers
     assert 0 < s["pred_active_mean"] < 1 and abs(s["true_active_mean"] - 0.5) < 0.2
-    cfg = json.loads((tmp_path / "pred" / "config.json").read_text())
+    cfg = json.loads((d / "pred" / "config.json").read_text())
     assert cfg["sparse_threshold"] == 0.0 and "sparse_activation" not in cfg
-    sd = torch.load(tmp_path / "pred" / "model_1.pt", weights_only=True)
+    sd = torch.load(d / "pred" / "model_1.pt", weights_only=True)
     assert sd["fc1.weight"].dtype == torch.float16 and sd["fc1.weight"].shape == (64, 32)
-    assert (tmp_path / "pred" / "activation" / "activation_1.pt").is_file()
+    assert (d / "pred" / "activation" / "activation_1.pt").is_file()
 
     # the trained predictors gate a real PWRI model built by the converter
-    out = convert(path, tmp_path / "pred", tmp_path / "trained.powerinfer.gguf", outtype="f32")
+    out = convert(path, d / "pred", tmp_path / "trained.powerinfer.gguf", outtype="f32")
     with read_gguf(out) as gf:
         assert gf.kv[Keys.SPARSE_THRESHOLD] == 0.0
     m = load(out)
@@ -155,17 +175,61 @@ def test_train_reaches_recall_and_converts(relu_model, tmp_path) -> None:
     m.file.close()
 
 
+def test_calibration_folds_per_layer_thresholds_into_fc2(trained, tmp_path) -> None:
+    _, prof, d, _, opts = trained
+    records = calibrate_predictors(d / "pred", prof.samples_dir, tmp_path / "cal", 0.35, opts=opts)
+    assert abs(np.mean([r["active"] for r in records]) - 0.65) < 0.02
+    cfg = json.loads((tmp_path / "cal" / "config.json").read_text())
+    assert cfg["sparse_threshold"] == -1.0 and len(cfg["powerpy"]["calibration"]["layers"]) == 2
+    meta = load_samples(prof.samples_dir)
+    for l, r in enumerate(records):
+        assert r["threshold"] < 0
+        x = torch.from_numpy(np.asarray(sample_arrays(meta, l)[0], dtype=np.float32))
+        raw = torch.load(d / "pred" / f"model_{l}.pt", weights_only=True)
+        cal = torch.load(tmp_path / "cal" / f"model_{l}.pt", weights_only=True)
+        z_raw = predictor_logits(x, raw["fc1.weight"].float(), raw["fc2.weight"].float())
+        z_cal = predictor_logits(x, cal["fc1.weight"].float(), cal["fc2.weight"].float())
+        agree = ((z_raw >= r["threshold"]) == (z_cal >= -1.0)).float().mean()
+        assert agree > 0.999  # equal up to the fp16 rounding of the scaled fc2
+
+
 def test_cli_profile_and_train_from_samples(tmp_path, capsys) -> None:
     path = tmp_path / "dense.gguf"
     write_tiny_model(path, SPEC, sparse=False)
     text = tmp_path / "t.txt"
     text.write_text(TEXT * 3)
     out = tmp_path / "prof"
-    rc = main(["profile", "-m", str(path), "--text", str(text), "--ctx", "64", "-o", str(out),
-               "--dump-samples", "300", "--target-sparsity", "0.6"])  # fmt: skip
+    rc = main(
+        [
+            "profile",
+            "-m",
+            str(path),
+            "--text",
+            str(text),
+            "--ctx",
+            "64",
+            "-o",
+            str(out),
+            "--dump-samples",
+            "300",
+            "--target-sparsity",
+            "0.6",
+        ]
+    )
     assert rc == 0 and (out / "activation_1.pt").is_file() and (out / "profile.json").is_file()
-    rc = main(["train-predictors", "--from-samples", str(out / "samples"), "-o",
-               str(tmp_path / "pred"), "--hidden", "16", "--epochs", "2"])  # fmt: skip
+    rc = main(
+        [
+            "train-predictors",
+            "--from-samples",
+            str(out / "samples"),
+            "-o",
+            str(tmp_path / "pred"),
+            "--hidden",
+            "16",
+            "--epochs",
+            "2",
+        ]
+    )
     assert rc == 0
     cfg = json.loads((tmp_path / "pred" / "config.json").read_text())
     assert cfg["sparse_activation"] == "silu" and len(cfg["magnitude_thresholds"]) == 2

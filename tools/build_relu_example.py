@@ -104,19 +104,20 @@ def load_training_model(work: Path):
     return model.eval(), mod
 
 
-def check_model(model_path: Path, work: Path, n_windows: int) -> dict:
+def check_model(model_path: Path, work: Path, n_windows: int | None) -> dict:
     """Logit agreement with the training model, predictor recall and sparsity on held-out text.
 
     Returns figures for the report: max |logit diff| of the f16 PWRI model (dense, and gated at
     threshold -inf) and of the f32 bootstrap against the training model; per-layer recall (share
     of truly active neurons the predictor keeps), predicted-skipped share and true sparsity over
-    ``n_windows`` held-out windows of n_ctx tokens.
+    ``n_windows`` held-out windows of n_ctx tokens (BOS + n_ctx - 1 text tokens; None: all).
     """
     import numpy as np
     import torch
 
     import powerpy
     from powerpy.corpus import kjv_text, windows
+    from powerpy.sparse_ffn import predict
 
     ref_model, mod = load_training_model(work)
     n_ctx = ref_model.hp.n_ctx
@@ -133,16 +134,16 @@ def check_model(model_path: Path, work: Path, n_windows: int) -> dict:
     diffs = {"pwri_f16_dense": 0.0, "pwri_f16_thr_-inf": 0.0, "bootstrap_f32_dense": 0.0}
 
     def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        # x: ffn_inp (T, n_embd), the predictor's input; h: true activation (T, n_ff)
         blk = m.weights.blk[l]
-        from powerpy.sparse_ffn import predict
-
         act = predict(x, blk.fc1, blk.fc2) >= m.threshold  # (T, n_ff)
         true = h != 0
         tp[l] += float((act & true).sum())
         true_active[l] += float(true.sum())
         pred_active[l] += float(act.sum())
 
-    for i, w in enumerate(windows(ids, n_ctx - 1, (n_ctx - 1) * n_windows)):
+    max_tokens = None if n_windows is None else (n_ctx - 1) * n_windows
+    for i, w in enumerate(windows(ids, n_ctx - 1, max_tokens)):
         window = torch.tensor([bos, *w.tolist()])
         with torch.no_grad():
             ref = ref_model(window[None])[0][0]
@@ -189,6 +190,28 @@ def parse_perplexity(out: str) -> dict:
     return res
 
 
+def same_tensors(a: Path, b: Path) -> bool:
+    """Whether two GGUF/PWRI files hold the same tensors (names, types and bytes)."""
+    import numpy as np
+
+    from powerpy.gguf_io import read_gguf
+
+    with read_gguf(a) as fa, read_gguf(b) as fb:
+        if set(fa.tensors) != set(fb.tensors):
+            return False
+        return all(
+            fa.tensors[n].ggml_type == fb.tensors[n].ggml_type
+            and np.array_equal(fa.raw(n), fb.raw(n))
+            for n in fa.tensors
+        )
+
+
+def rel(path: Path) -> str:
+    """``path`` relative to the repo when inside it (commands run from the repo root)."""
+    path = path.resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
 # ------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -198,46 +221,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-args", default="", help="extra arguments for the trainer")
     p.add_argument("--hidden", type=int, default=128, help="predictor hidden size")
     p.add_argument("--pred-threshold", type=float, default=0.0, help="runtime threshold")
+    p.add_argument("--profile-tokens", type=int, default=400_000, help="train tokens to profile")
     p.add_argument("--samples", type=int, default=200_000, help="predictor samples per layer")
     p.add_argument("--vram-budget", default="0.002", help="GiB for gen-gpuidx (a few MiB)")
-    p.add_argument("--check-windows", type=int, default=40, help="held-out windows to check")
+    p.add_argument("--check-windows", type=int, default=None, help="held-out windows (all)")
     args = p.parse_args(argv)
-    work, out = args.work, args.out
+    work, out = args.work.resolve(), args.out.resolve()
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     times = {}
 
+    # 1. train + export (or reuse)
     t0 = time.perf_counter()
     if args.retrain or not train_finished(work):
-        cmd = [sys.executable, "tools/train_relu_model.py", "--out", str(work)]
+        cmd = [sys.executable, "tools/train_relu_model.py", "--out", rel(work)]
         run(cmd + args.train_args.split(), work / "train.log")
     times["train_and_export"] = time.perf_counter() - t0
     train_report = json.loads((work / "train_report.json").read_text())
     hp = train_report["hparams"]
     n_ctx = str(hp["n_ctx"])
+    hf, dense, boot = rel(work / "hf"), rel(work / "kjv-relu.dense.gguf"), rel(work / "bootstrap")
 
+    # 2-4. bootstrap PWRI (zero predictors) -> profile -> predictors
     t0 = time.perf_counter()
-    boot, hf = work / "bootstrap.powerinfer.gguf", work / "hf"
-    write_placeholder_predictors(work / "placeholder", hp["n_layer"], hp["n_embd"], hp["n_ff"])
-    run(powerpy("convert", str(hf), str(work / "placeholder"), "-o", str(boot), "--outtype", "f32"))
-    prof = work / "profile"
-    run(
-        powerpy("profile", "-m", str(boot), "--kjv", "train", "-o", str(prof), "--ctx", n_ctx,
-                "--dump-samples", str(args.samples), "-t", "1"),
-        work / "profile.log",
-    )  # fmt: skip
-    pred = work / "predictor"
-    run(
-        powerpy("train-predictors", "-m", str(boot), "--from-samples", str(prof / "samples"),
-                "-o", str(pred), "--hidden", str(args.hidden), "--threshold",
-                str(args.pred_threshold), "-t", "1"),
-        work / "train_predictors.log",
-    )  # fmt: skip
+    boot += ".powerinfer.gguf"
+    placeholder, prof, pred = work / "placeholder", work / "profile", work / "predictor"
+    write_placeholder_predictors(placeholder, hp["n_layer"], hp["n_embd"], hp["n_ff"])
+    run(powerpy("convert", hf, rel(placeholder), "-o", boot, "--outtype", "f32"))
+    cmd = powerpy("profile", "-m", boot, "--kjv", "train", "-o", rel(prof), "--ctx", n_ctx)
+    cmd += ["--tokens", str(args.profile_tokens), "--dump-samples", str(args.samples), "-t", "1"]
+    run(cmd, work / "profile.log")
+    cmd = powerpy("train-predictors", "-m", boot, "--from-samples", rel(prof / "samples"))
+    cmd += ["-o", rel(pred), "--hidden", str(args.hidden), "-t", "1"]
+    run(cmd + ["--threshold", str(args.pred_threshold)], work / "train_predictors.log")
     times["profile_and_predictors"] = time.perf_counter() - t0
 
+    # 5. the PWRI model (HF source; the tokenizer keys come from the dense GGUF)
     out.mkdir(parents=True, exist_ok=True)
     model = out / MODEL_NAME
-    run(powerpy("convert", str(hf), str(pred), "-o", str(model), "--outtype", "f16"))
+    cmd = powerpy("convert", hf, rel(pred), "-o", rel(model), "--outtype", "f16")
+    run(cmd + ["--vocab-gguf", dense, "--name", "kjv-relu"])
+    from_gguf = work / "from-dense-gguf.powerinfer.gguf"
+    run(powerpy("convert", dense, rel(pred), "-o", rel(from_gguf), "--outtype", "f16"))
     for sub, src, pattern in (("activation", prof, "activation_*.pt"), ("predictor", pred, "*")):
         dst = out / sub
         shutil.rmtree(dst, ignore_errors=True)
@@ -246,45 +271,31 @@ def main(argv: list[str] | None = None) -> int:
             if f.is_file() and f.suffix in (".pt", ".json"):
                 shutil.copy2(f, dst / f.name)
     shutil.copy2(work / "tokenizer.model", out / "tokenizer.model")
-    gpuidx_out = run(
-        powerpy("gen-gpuidx", "-m", str(model), "--vram-budget", args.vram_budget,
-                "--ctx", n_ctx)
-    )  # fmt: skip
 
+    # 6-7. GPU index, perplexity, a greedy sample
+    cmd = powerpy("gen-gpuidx", "-m", rel(model), "--vram-budget", args.vram_budget)
+    gpuidx_out = run(cmd + ["--ctx", n_ctx])
     t0 = time.perf_counter()
-    ppl_out = run(
-        powerpy("perplexity", "-m", str(model), "--kjv", "heldout", "-c", n_ctx,
-                "--dense-too", "-t", "1"),
-        work / "perplexity.log",
-    )  # fmt: skip
+    cmd = powerpy("perplexity", "-m", rel(model), "--kjv", "heldout", "-c", n_ctx)
+    ppl_out = run(cmd + ["--dense-too", "-t", "1"], work / "perplexity.log")
     times["perplexity"] = time.perf_counter() - t0
-    infer_out = run(
-        powerpy("infer", "-m", str(model), "-p", PROMPT, "-n", "40", "--temp", "0", "-t", "1")
-    )
+    cmd = powerpy("infer", "-m", rel(model), "-p", PROMPT, "-n", "40", "--temp", "0", "-t", "1")
+    infer_out = run(cmd)
 
+    # 8. checks
     checks = check_model(model, work, args.check_windows)
-    files = sorted(f for f in out.rglob("*") if f.is_file())
+    checks["hf_and_dense_gguf_sources_convert_identically"] = same_tensors(model, from_gguf)
+    files = sorted(f for f in out.rglob("*") if f.is_file() and f.name != "build_report.json")
     sizes = {str(f.relative_to(out)): f.stat().st_size for f in files}
+    keys = ("hparams", "train_config", "n_params", "train_seconds", "tokens_seen", "train_tokens")
+    keys += ("heldout_tokens", "heldout", "export_checks", "greedy_sample")
     report = {
-        "train": {
-            k: train_report[k]
-            for k in (
-                "hparams",
-                "train_config",
-                "n_params",
-                "train_seconds",
-                "tokens_seen",
-                "train_tokens",
-                "heldout_tokens",
-                "heldout",
-                "export_checks",
-            )
-        },  # fmt: skip
+        "train": {k: train_report[k] for k in keys},
         "times_seconds": {**times, "total": time.perf_counter() - t_start},
         "perplexity_heldout": parse_perplexity(ppl_out),
         "checks": checks,
         "gen_gpuidx": gpuidx_out.strip().splitlines(),
-        "greedy_sample": infer_out.strip().splitlines(),
+        "infer": infer_out.strip().splitlines(),
         "files_bytes": sizes,
         "total_bytes": sum(sizes.values()),
     }

@@ -45,7 +45,9 @@ def load_model(args: argparse.Namespace):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("perplexity", help="perplexity of a text (llama.cpp method), dense vs sparse")
+    p = sub.add_parser(
+        "perplexity", help="perplexity of a text (llama.cpp method), dense vs sparse"
+    )
     add_load_args(p)
     add_text_args(p, file_flag="-f|--file", kjv_default="heldout")
     p.add_argument("-c", "--ctx", type=int, default=512, help="chunk length (default 512)")
@@ -85,5 +87,6 @@ def run(args: argparse.Namespace) -> int:
     for label, r in results:
         rel = f"{100 * (r.ppl / base - 1):+.2f}%" if results[0][0] == "dense" else "-"
         skip = f"{100 * r.sparsity:.1f}%" if r.sparsity is not None else "-"
-        print(f"{label:<8}{r.ppl:>10.4f}{rel:>10}{skip:>10}  {r.n_chunks} x {r.n_scored // r.n_chunks}")
+        per = r.n_scored // r.n_chunks
+        print(f"{label:<8}{r.ppl:>10.4f}{rel:>10}{skip:>10}  {r.n_chunks} x {per}")
     return 0

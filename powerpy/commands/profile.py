@@ -18,13 +18,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=None, help="tokens to run (default: all)")
     p.add_argument("--ctx", type=int, default=256, help="window length (default 256)")
     p.add_argument(
-        "--dump-samples", type=int, default=0, metavar="N",
+        "--dump-samples",
+        type=int,
+        default=0,
+        metavar="N",
         help="dump N tokens per layer of (ffn_inp, |h|) as fp16 .npy for training",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--target-sparsity", type=float, default=0.5,
+        "--target-sparsity",
+        type=float,
+        default=0.5,
         help="SiLU models: per-layer |h| quantile counted as inactive (default 0.5)",
-    )  # fmt: skip
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 

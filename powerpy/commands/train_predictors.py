@@ -14,9 +14,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="UTF-8 training text")
     src.add_argument(
-        "--kjv", nargs="?", const="train", choices=("train", "heldout", "all"),
+        "--kjv",
+        nargs="?",
+        const="train",
+        choices=("train", "heldout", "all"),
         help="the KJV Bible (default split: train = Genesis-Philemon)",
-    )  # fmt: skip
+    )
     src.add_argument("--from-samples", help="reuse a sample dump (DIR/samples of `profile`)")
     p.add_argument("-o", "--output", required=True, help="predictor directory")
     hid = p.add_mutually_exclusive_group()
@@ -26,22 +29,47 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--recall-target", type=float, default=0.9, help="for --auto-hidden")
     p.add_argument(
-        "--target-sparsity", type=float, default=0.5,
+        "--target-sparsity",
+        type=float,
+        default=0.5,
         help="SiLU models: per-layer |h| quantile labelled inactive (default 0.5)",
-    )  # fmt: skip
+    )
     p.add_argument("--tokens", type=int, default=100_000, help="tokens to profile")
     p.add_argument("--samples", type=int, default=None, help="samples/layer (default: all)")
     p.add_argument("--ctx", type=int, default=256, help="profiling window")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--patience", type=int, default=5)
     p.add_argument("--threshold", type=float, default=0.0, help="runtime predictor threshold")
+    p.add_argument(
+        "--skip-fraction",
+        type=float,
+        default=None,
+        help="calibrate per-layer operating points for this mean fraction of skipped neurons "
+        "(folded into fc2; the global threshold becomes --calibration-threshold)",
+    )
+    p.add_argument("--calibration-threshold", type=float, default=-1.0, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--calibrate-from",
+        metavar="PRED_DIR",
+        help="with --from-samples and --skip-fraction: only calibrate these trained predictors",
+    )
+    p.add_argument(
+        "--pack",
+        action="store_true",
+        help="also write OUTPUT/predictors.q8.safetensors (int8 rows, for shipping)",
+    )
     p.add_argument("--work-dir", help="keep the sample dump here (default: temporary)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from powerpy.train import TrainOptions, train_from_samples, train_predictors
+    from powerpy.train import (
+        TrainOptions,
+        calibrate_predictors,
+        train_from_samples,
+        train_predictors,
+    )
 
     opts = TrainOptions(
         hidden=args.hidden,
@@ -62,9 +90,41 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
 
+    if args.calibrate_from:
+        if not args.from_samples or args.skip_fraction is None:
+            raise ValueError("--calibrate-from needs --from-samples DIR and --skip-fraction F")
+        records = calibrate_predictors(
+            args.calibrate_from,
+            args.from_samples,
+            args.output,
+            args.skip_fraction,
+            global_threshold=args.calibration_threshold,
+            opts=opts,
+            progress=progress,
+        )
+        for r in records:
+            print(
+                f"layer {r['layer']:3d}  threshold {r['threshold']:+.4f}  planned active "
+                f"{100 * r['active']:5.1f}%  lost energy {r['lost']:.5f}"
+            )
+        mean = sum(r["active"] for r in records) / len(records)
+        print(f"planned mean active {100 * mean:.1f}% -> {args.output}")
+        _maybe_pack(args)
+        return 0
     if args.from_samples:
-        report = train_from_samples(args.from_samples, args.output, opts, progress=progress,
-                                    log_layer=show)  # fmt: skip
+        report = train_from_samples(
+            args.from_samples, args.output, opts, progress=progress, log_layer=show
+        )
+        if args.skip_fraction is not None:
+            calibrate_predictors(
+                args.output,
+                args.from_samples,
+                args.output,
+                args.skip_fraction,
+                global_threshold=args.calibration_threshold,
+                opts=opts,
+                progress=progress,
+            )
     else:
         from powerpy.corpus import corpus_text
 
@@ -79,10 +139,12 @@ def run(args: argparse.Namespace) -> int:
             samples=args.samples,
             ctx=args.ctx,
             target_sparsity=args.target_sparsity,
+            skip_fraction=args.skip_fraction,
             work_dir=args.work_dir,
             progress=progress,
             log_layer=show,
         )
+    _maybe_pack(args)
     s = report.summary()
     print(
         f"mean recall {s['recall_mean']:.4f} (min {s['recall_min']:.4f}), precision "
@@ -90,3 +152,13 @@ def run(args: argparse.Namespace) -> int:
         f"true-active {100 * s['true_active_mean']:.1f}% -> {args.output}"
     )
     return 0
+
+
+def _maybe_pack(args: argparse.Namespace) -> None:
+    if args.pack:
+        from pathlib import Path
+
+        from powerpy.train import PACK_FILE, pack_predictors
+
+        out = pack_predictors(args.output, Path(args.output) / PACK_FILE)
+        print(f"packed predictors: {out} ({out.stat().st_size / 2**20:.1f} MiB)")
