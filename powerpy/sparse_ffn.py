@@ -25,16 +25,14 @@ def glu(g: Tensor, u: Tensor, variant: str) -> Tensor:
     raise ValueError(f"unknown FFN variant {variant!r}")
 
 
-def rows_sum(h: Tensor, w: Weight, chunk: int = 2048) -> Tensor:
+def rows_sum(h: Tensor, w: Weight, chunk: int = 2048, small_batch: int = 8) -> Tensor:
     """``h @ W`` for a neuron-major W: h (T, n_ff) f32, W (n_ff, n_embd) -> (T, n_embd) f32."""
-    if isinstance(w, DenseWeight):
-        if w.w.dtype == torch.float32:
-            # (W^T h^T)^T: MKL's vector-times-matrix path (h @ W) is ~20x slower here
-            return (w.w.t() @ h.t()).t()
-        out = h.new_zeros(h.shape[0], w.shape[1])
-        for s in range(0, w.shape[0], chunk):
-            out += h[:, s : s + chunk] @ w.w[s : s + chunk].float()
-        return out
+    if isinstance(w, DenseWeight) and w.w.dtype == torch.float32:
+        # (W^T h^T)^T: MKL's vector-times-matrix path (h @ W) is ~20x slower here
+        return (w.w.t() @ h.t()).t()
+    if h.shape[0] <= small_batch:  # decode: the row-sum kernel over all rows reads W once
+        rows = torch.arange(w.shape[0], device=w.device)
+        return torch.stack([w.gather_axpy(h_t, rows) for h_t in h])
     out = h.new_zeros(h.shape[0], w.shape[1])
     for s in range(0, w.shape[0], chunk):
         rows = torch.arange(s, min(s + chunk, w.shape[0]), device=w.device)
