@@ -163,6 +163,9 @@ def default_model_path() -> Path:
         ValueError: the sparse model could not be built (the message names the dense fallback).
     """
     source = smollm2_path()
+    if not SPARSE_DATA_DIR.is_dir():
+        log.info("no sparse predictors shipped in %s: running the dense model", SPARSE_DATA_DIR)
+        return source
     cache = cache_dir()
     try:
         return build_sparse_model(source, SPARSE_DATA_DIR, cache)

@@ -1,7 +1,8 @@
 """Predictor training (spec §14): one ``fc2·relu(fc1·x)`` MLP per layer, no biases.
 
 Recipe: the query is the pre-norm FFN input ``ffn_inp``; labels are the profiler's "active" rule
-(``h != 0`` for ReLU models, ``|h| > t_l`` for SiLU models, see ``powerpy.profile``); loss is BCE
+(``h != 0`` for ReLU models, ``|h_j| · ‖down_t[j]‖ > t_l`` for SiLU models, see
+``powerpy.profile``); loss is BCE
 on logits with class weighting ``w = mean(y) + 0.005`` (positives weigh ``1 - w``, negatives
 ``w``); AdamW (lr 1e-3, weight decay 0.01), batch 1024, at most ``epochs`` epochs; the checkpoint
 with the best held-out recall (5% of the samples) is kept, training stops after ``patience``
@@ -18,6 +19,17 @@ computes:
   (``fc1 · diag(s)``), so the exported predictor takes raw ``ffn_inp`` as PowerInfer expects.
 
 Metrics are measured after export, on raw held-out inputs, with the runtime threshold.
+
+**Calibration** (optional, :func:`calibrate_predictors`). PowerInfer applies one global threshold
+to every layer. To spend a budget of active neurons where it matters, each layer gets its own
+threshold ``t_l`` on its held-out logits, chosen by a Lagrangian allocation that minimises the
+energy of the skipped contributions (relative to the residual stream) at a mean skipped fraction;
+``t_l`` is folded into ``fc2`` (scaled by ``global / t_l > 0``), so the file keeps one global
+``sparse_threshold``. Training on sparser labels than the operating point (for SmolLM2:
+``--target-sparsity 0.8``, calibrated to skip 20-50%) ranks the important neurons better.
+
+**Packing.** :func:`pack_predictors` stores predictors as int8 rows with fp16 row scales, half
+the size of fp16 ``model_{l}.pt``, for shipping them inside the package.
 """
 
 from __future__ import annotations
@@ -176,6 +188,18 @@ def train_layer(
     Raises:
         ValueError: fewer than 20 samples, or x and y disagree in length.
     """
+    # Training needs autograd whatever the caller's mode (a global no_grad, an inference block).
+    with torch.inference_mode(False), torch.enable_grad():
+        return _train_layer(x.clone(), y.clone(), hidden, opts, progress)
+
+
+def _train_layer(
+    x: Tensor,
+    y: Tensor,
+    hidden: int,
+    opts: TrainOptions,
+    progress: Callable[[int, float], None] | None,
+) -> tuple[Tensor, Tensor, LayerReport]:
     n, d = x.shape
     n_ff = y.shape[1]
     if y.shape[0] != n:
@@ -255,9 +279,10 @@ def train_layer_auto(
 class LayerCurve:
     """Held-out trade-off of one layer's predictor: active fraction and lost energy per threshold.
 
-    ``lost[k]`` is the energy of the skipped contributions, ``Σ (|h_j| ‖down_t[j]‖)²`` over
-    neurons the predictor skips at threshold ``thr[k]``, divided by the residual-stream energy
-    ``Σ ‖ffn_inp‖²`` of the same tokens, so that layers compare on one scale.
+    ``lost[k]`` is the energy of the skipped contributions, ``Σ_j (|h_j| ‖down_t[j]‖)²`` over
+    the neurons the predictor skips at threshold ``thr[k]``, relative to the token's
+    residual-stream energy ``‖ffn_inp‖²`` and averaged over tokens, so that layers compare on
+    one scale (and a few attention-sink tokens with huge norms do not dominate).
     """
 
     thr: npt.NDArray[np.float64]  # (K,) descending runtime-logit thresholds
@@ -281,12 +306,13 @@ def layer_curve(
         The curve, restricted to thresholds of ``sign`` (strictly nonzero).
     """
     r = predictor_logits(x.float(), fc1.float(), fc2.float()).flatten()  # (N * n_ff,)
-    e = score.float().pow(2).flatten()
+    resid = x.float().pow(2).sum(-1, keepdim=True)  # (N, 1) residual energy per token
+    e = (score.float().pow(2) / resid).flatten()  # per-token relative energy
     order = torch.argsort(r, descending=True)
     r_sorted = r[order].double()
     lost_tail = e[order].double().flip(0).cumsum(0).flip(0)  # energy of ranks k.. (skipped)
-    resid = float(x.float().pow(2).sum())
     n = r.numel()
+    resid = float(x.shape[0])  # mean over tokens
     ks = torch.linspace(1, n - 1, points).round().long().unique()  # keep the top k
     thr = r_sorted[ks - 1]  # keep r >= thr: exactly the first k (ties aside)
     lost = lost_tail[ks] / resid
