@@ -370,5 +370,9 @@ def test_default_model_builds_once_and_reuses_cache(tmp_path, monkeypatch, caplo
         assert b.kv[Keys.SPARSE_ACTIVATION] == "silu"
 
     monkeypatch.setattr(models, "SPARSE_DATA_DIR", tmp_path / "missing")
+    assert models.default_model_path() == models.smollm2_path()  # nothing shipped: dense
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    monkeypatch.setattr(models, "SPARSE_DATA_DIR", broken)
     with pytest.raises(ValueError, match="could not build the sparse default model"):
         models.default_model_path()
