@@ -624,7 +624,7 @@ def convert(
         )
     else:
         _convert_gguf(src_p, pred_p, out_p, outtype, activation, name, progress)
-    log.info("wrote %s", out_p)
+    log.debug("wrote %s", out_p)
     return out_p
 
 

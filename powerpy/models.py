@@ -123,7 +123,7 @@ def build_sparse_model(
         from powerpy.convert import convert
         from powerpy.train import PACK_FILE, unpack_predictors
 
-        log.info("building the sparse default model into %s (one time, about a minute)", final)
+        log.info("building the sparse default model into %s (one time, a few seconds)", final)
         t0 = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{SPARSE_PREFIX}-{key}.", dir=cache))
         try:

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +47,7 @@ SAMPLES_DIR = "samples"
 SAMPLES_META = "meta.json"
 DOWN_NORM_FILE = "down_norm.npy"
 CALIB_TOKENS = 2048  # tokens whose |h| sets the SiLU thresholds when none are given
-_CALIB_VALUES = 2_000_000  # |h| values per layer kept for the quantile
+_CALIB_VALUES = 1_000_000  # score values per layer kept for the quantile
 _F16_TINY = float(np.finfo(np.float16).smallest_subnormal)
 
 
@@ -109,7 +109,6 @@ class ProfileResult:
     target_sparsity: float | None
     n_samples: int = 0  # tokens dumped per layer
     samples_dir: Path | None = None
-    mean_abs: list[npt.NDArray[np.float64]] = field(default_factory=list)  # (n_ff,) mean |h|
 
     def active_fraction(self) -> npt.NDArray[np.float64]:
         """(n_layer,) mean fraction of active neurons per token."""
@@ -184,6 +183,42 @@ def calibrate_thresholds(
     return np.array(out, dtype=np.float64)
 
 
+def _calibrate_run(
+    model: Model,
+    arr: npt.NDArray[np.int64],
+    starts: npt.NDArray[np.int64],
+    ctx: int,
+    dn: list[torch.Tensor],
+    target_sparsity: float,
+) -> npt.NDArray[np.float64]:
+    """SiLU thresholds from a first dense pass over the first ``CALIB_TOKENS`` tokens.
+
+    Only a random subset of each layer's scores is kept (at most ``_CALIB_VALUES`` per layer),
+    so memory does not grow with the model; the windows run again in the counting pass.
+    """
+    calib = starts[: max(1, -(-CALIB_TOKENS // ctx))]
+    per_window = max(1, _CALIB_VALUES // len(calib))
+    gen = torch.Generator().manual_seed(0)
+    values: list[list[torch.Tensor]] = [[] for _ in dn]
+
+    def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        v = magnitude_score(h, dn[l]).flatten()
+        if v.numel() > per_window:
+            v = v[torch.randint(v.numel(), (per_window,), generator=gen)]
+        values[l].append(v)
+
+    was_sparse, old_observer = model.sparse_enabled, model.observer
+    model.sparse_enabled, model.observer = False, observer
+    try:
+        for s in calib:
+            model.forward(torch.from_numpy(arr[s : s + ctx].copy()), model.new_cache(ctx))
+    finally:
+        model.sparse_enabled, model.observer = was_sparse, old_observer
+    thr = calibrate_thresholds([torch.cat(v) for v in values], target_sparsity)
+    log.debug("calibrated thresholds on %d tokens: %s", len(calib) * ctx, thr)
+    return thr
+
+
 def profile(
     model: Model,
     ids: Sequence[int] | npt.NDArray[np.integer],
@@ -204,8 +239,9 @@ def profile(
         ids: the text's tokens.
         ctx: window length; windows are non-overlapping, each in a fresh context.
         max_tokens: token budget; windows are spread evenly over the text (None: all).
-        target_sparsity: SiLU models: the quantile of ``|h|`` that sets each layer's threshold,
-            calibrated on the first ``CALIB_TOKENS`` tokens run. Ignored for ReLU models.
+        target_sparsity: SiLU models: the quantile of the score ``|h| · ‖down_t‖`` that sets
+            each layer's threshold, calibrated on the first ``CALIB_TOKENS`` tokens of the run
+            (a first pass over those windows). Ignored for ReLU models.
         thresholds: SiLU models: explicit per-layer thresholds (overrides ``target_sparsity``).
         dump_dir: where to write ``samples/`` (required when ``dump_samples`` > 0).
         dump_samples: tokens per layer to dump for predictor training (0: none).
@@ -244,23 +280,17 @@ def profile(
         writer = _SampleWriter(Path(dump_dir) / SAMPLES_DIR, a.n_layer, a.n_embd, a.n_ff, picks)
 
     dn = down_norms(model)
+    if kind == KIND_SILU and thr is None:
+        assert target_sparsity is not None
+        thr = _calibrate_run(model, arr, starts, ctx, dn, target_sparsity)
     counts = [torch.zeros(a.n_ff, dtype=torch.int64) for _ in range(a.n_layer)]
-    abs_sum = [torch.zeros(a.n_ff, dtype=torch.float64) for _ in range(a.n_layer)]
-    pending: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # calibration buffer
     state = {"pos": 0}
 
-    def consume(l: int, pos0: int, x: torch.Tensor, h: torch.Tensor) -> None:
+    def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
         t = None if thr is None else float(thr[l])
         counts[l] += active_mask(h, kind, t, dn[l]).sum(0)
-        abs_sum[l] += h.abs().sum(0, dtype=torch.float64)
         if writer is not None:
-            writer.write(l, pos0, x, h)
-
-    def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
-        if kind == KIND_SILU and thr is None:  # still calibrating: keep the window
-            pending.append((l, state["pos"], x.clone(), h.clone()))
-        else:
-            consume(l, state["pos"], x, h)
+            writer.write(l, state["pos"], x, h)
 
     was_sparse, old_observer = model.sparse_enabled, model.observer
     model.sparse_enabled, model.observer = False, observer
@@ -270,20 +300,6 @@ def profile(
             model.forward(torch.from_numpy(arr[s : s + ctx].copy()), model.new_cache(ctx))
             state["pos"] += ctx
             bar.update(ctx)
-            if (
-                thr is None
-                and kind == KIND_SILU
-                and (state["pos"] >= CALIB_TOKENS or state["pos"] >= n_total)
-            ):
-                per_layer = [
-                    [magnitude_score(h, dn[k]).flatten() for (l, _, _, h) in pending if l == k]
-                    for k in range(a.n_layer)
-                ]
-                thr = calibrate_thresholds([torch.cat(v) for v in per_layer], target_sparsity)
-                log.debug("calibrated thresholds on %d tokens: %s", state["pos"], thr)
-                for l, pos0, x, h in pending:
-                    consume(l, pos0, x, h)
-                pending.clear()
         bar.close()
     finally:
         model.sparse_enabled, model.observer = was_sparse, old_observer
@@ -295,7 +311,6 @@ def profile(
         n_tokens=n_total,
         thresholds=thr,
         target_sparsity=target_sparsity if kind == KIND_SILU and thresholds is None else None,
-        mean_abs=[(s / n_total).numpy() for s in abs_sum],
     )
     if writer is not None:
         result.n_samples = len(writer.picks)

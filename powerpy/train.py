@@ -447,7 +447,7 @@ def calibrate_predictors(
     }
     _atomic_json(cfg, out / PREDICTOR_CONFIG)
     for r in records:
-        log.info(
+        log.debug(
             "layer %2d: threshold %+.4f scale %.3f planned active %.3f lost energy %.5f",
             r["layer"],
             r["threshold"],
@@ -558,6 +558,9 @@ def pack_predictors(pred_dir: str | os.PathLike[str], out_file: str | os.PathLik
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata={"n_layer": str(l), "format": "powerpy-q8-rows"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files
         os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -662,7 +665,7 @@ def train_from_samples(
         report.layers.append(r)
         if log_layer is not None:
             log_layer(r)
-        log.info(
+        log.debug(
             "layer %2d: H %4d recall %.4f precision %.4f predicted-active %.3f true-active %.3f",
             l,
             r.hidden,

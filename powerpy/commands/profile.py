@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--target-sparsity",
         type=float,
         default=0.5,
-        help="SiLU models: per-layer |h| quantile counted as inactive (default 0.5)",
+        help="SiLU models: per-layer quantile of |h|·‖down‖ counted as inactive (default 0.5)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)

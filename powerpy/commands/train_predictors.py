@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--target-sparsity",
         type=float,
         default=0.5,
-        help="SiLU models: per-layer |h| quantile labelled inactive (default 0.5)",
+        help="SiLU models: per-layer quantile of |h|·‖down‖ labelled inactive (default 0.5)",
     )
     p.add_argument("--tokens", type=int, default=100_000, help="tokens to profile")
     p.add_argument("--samples", type=int, default=None, help="samples/layer (default: all)")
