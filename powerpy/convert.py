@@ -26,8 +26,6 @@ import logging
 import os
 import pickle
 import re
-import secrets
-import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +37,6 @@ from tqdm.auto import tqdm
 
 from powerpy import quants
 from powerpy.constants import (
-    GGUF_DEFAULT_ALIGNMENT,
     PWRI_MAGIC,
     GGMLType,
     GGUFValueType,
@@ -47,7 +44,7 @@ from powerpy.constants import (
     Names,
     TokenType,
 )
-from powerpy.gguf_io import GGUFFile, read_gguf, tensor_nbytes
+from powerpy.gguf_io import GGUFFile, GGUFStreamWriter, read_gguf
 
 log = logging.getLogger(__name__)
 
@@ -455,49 +452,10 @@ def _write_stream(
     path: Path, kv: Mapping[str, tuple], plan: list[_Tensor], *, progress: bool
 ) -> None:
     """Write a PWRI file tensor by tensor (only one tensor in memory), atomically."""
-    import gguf
-
-    from powerpy.gguf_io import _file_type_id, _normalize_kv, _quiet_gguf_logs, _writer_class
-
-    entries = _normalize_kv(kv)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "xb"):
-        pass
-    try:
-        with _quiet_gguf_logs():
-            w = _writer_class()(tmp, arch="")
-            w.data_alignment = GGUF_DEFAULT_ALIGNMENT
-            for key, value, vtype, item_type in entries:
-                w.add_key_value(
-                    key,
-                    value,
-                    gguf.GGUFValueType(int(vtype)),
-                    sub_type=None if item_type is None else gguf.GGUFValueType(int(item_type)),
-                )
-            for t in plan:
-                nbytes = tensor_nbytes(tuple(reversed(t.shape)), t.ggml_type)
-                w.add_tensor_info(
-                    t.name,
-                    t.shape,
-                    np.dtype(np.float32),
-                    nbytes,
-                    raw_dtype=gguf.GGMLQuantizationType(_file_type_id(t.ggml_type, PWRI_MAGIC)),
-                )
-            w.write_header_to_file()
-            w.write_kv_data_to_file()
-            w.write_ti_data_to_file()
-            for t in tqdm(plan, desc="convert", unit="tensor", disable=not progress):
-                w.write_tensor_data(_encode(t))
-            w.close()
-        with open(tmp, "r+b") as fh:
-            fh.write(PWRI_MAGIC + struct.pack("<I", 3))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    table = [(t.name, t.shape, t.ggml_type) for t in plan]
+    with GGUFStreamWriter(path, kv, table, magic=PWRI_MAGIC) as w:
+        for t in tqdm(plan, desc="convert", unit="tensor", disable=not progress):
+            w.write(t.name, _encode(t).view(np.uint8), t.shape)
 
 
 def _arch_kv(a: Mapping[str, Any], name: str, n_vocab: int | None) -> dict[str, tuple]:

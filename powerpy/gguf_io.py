@@ -842,8 +842,8 @@ def _normalize_kv(
 
 def _normalize_tensor(
     spec: Sequence[Any], magic: bytes
-) -> tuple[str, np.ndarray, tuple[int, ...], int]:
-    """-> (name, contiguous 1-D int8 byte view, numpy shape, file type id)."""
+) -> tuple[str, np.ndarray, tuple[int, ...], GGMLType]:
+    """-> (name, contiguous 1-D int8 byte view, numpy shape, type)."""
     if len(spec) not in (3, 4):
         raise ValueError(f"tensor spec must be (name, data, type[, shape]), got {len(spec)} items")
     name, data, ggml_type = spec[0], np.asarray(spec[1]), GGMLType(spec[2])
@@ -876,7 +876,8 @@ def _normalize_tensor(
             f"data has {data.nbytes}"
         )
     flat = np.ascontiguousarray(data).reshape(-1).view(np.int8)  # bytes, any element type
-    return name, flat, shape, _file_type_id(ggml_type, magic)
+    _file_type_id(ggml_type, magic)  # raises for a type with no id under this magic
+    return name, flat, shape, ggml_type
 
 
 def _check_not_mapped(path: Path) -> None:
@@ -964,74 +965,192 @@ def write_gguf(
             this magic (BF16 in PWRI), or a destination that is still mapped.
         IsADirectoryError: the destination is a directory.
     """
-    path = Path(path)
-    if magic not in (GGUF_MAGIC, PWRI_MAGIC):
-        raise ValueError(f"magic must be b'GGUF' or b'PWRI', got {magic!r}")
-    if version not in GGUF_VERSIONS:
-        raise ValueError(f"version must be one of {GGUF_VERSIONS}, got {version}")
-    if path.is_dir():
-        raise IsADirectoryError(f"{path} is a directory")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
-    if not overwrite_mapped:
-        _check_not_mapped(path)
-
-    entries = _normalize_kv(kv)
-    kv_alignment = next((v for k, v, _, _ in entries if k == Keys.ALIGNMENT), None)
-    if kv_alignment is not None:
-        if next(t for k, _, t, _ in entries if k == Keys.ALIGNMENT) is not GGUFValueType.UINT32:
-            raise ValueError(f"{Keys.ALIGNMENT} must be UINT32")
-        if alignment is not None and alignment != kv_alignment:
-            raise ValueError(f"alignment={alignment} contradicts {Keys.ALIGNMENT}={kv_alignment}")
-        alignment = kv_alignment
-    elif alignment is not None and alignment != GGUF_DEFAULT_ALIGNMENT:
-        entries.append((Keys.ALIGNMENT, int(alignment), GGUFValueType.UINT32, None))
-    alignment = GGUF_DEFAULT_ALIGNMENT if alignment is None else int(alignment)
-    if alignment <= 0 or alignment & (alignment - 1) or alignment >= 2**32:
-        raise ValueError(f"alignment must be a power of two below 2**32, got {alignment}")
-
     specs = [_normalize_tensor(spec, magic) for spec in tensors]
-    names = [s[0] for s in specs]
-    if len(set(names)) != len(names):
-        dup = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"duplicate tensor name {dup!r}")
+    infos = [(name, shape, ggml_type) for name, _, shape, ggml_type in specs]
+    with GGUFStreamWriter(
+        path,
+        kv,
+        infos,
+        magic=magic,
+        alignment=alignment,
+        version=version,
+        overwrite_mapped=overwrite_mapped,
+    ) as writer:
+        for name, flat, shape, _ in specs:
+            writer.write(name, flat.view(np.uint8), shape)
+    return Path(path)
 
-    import gguf
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    with open(tmp, "xb"):  # claim the name, with the usual (umask) permissions
-        pass
-    try:
-        with _quiet_gguf_logs():
-            # arch "" adds no key, so the caller's key order is kept exactly
-            writer = _writer_class()(tmp, arch="")
-            writer.data_alignment = alignment
-            for key, value, vtype, item_type in entries:
-                writer.add_key_value(
-                    key,
-                    value,
-                    gguf.GGUFValueType(int(vtype)),
-                    sub_type=None if item_type is None else gguf.GGUFValueType(int(item_type)),
+class GGUFStreamWriter:
+    """Writes a GGUF or PWRI file whose tensor table is known up front, one tensor's data at a
+    time, so only one tensor needs to be in memory (converters, synthetic models).
+
+    Atomic like ``write_gguf`` (which is built on it): data goes to a temp file in the same
+    directory, renamed over ``path`` by ``close()``; ``abort()`` (or an exception inside a
+    ``with`` block) removes it. Tensors must be written in table order.
+
+        with GGUFStreamWriter(path, kv, [(name, numpy_shape, GGMLType), ...], magic=b"PWRI") as w:
+            for name, ... in ...:
+                w.write(name, array)
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        kv: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        tensors: Sequence[tuple[str, Sequence[int], GGMLType]],
+        *,
+        magic: bytes = GGUF_MAGIC,
+        alignment: int | None = None,
+        version: int = 3,
+        overwrite_mapped: bool = False,
+    ) -> None:
+        """See ``write_gguf`` for ``kv``, ``magic``, ``alignment``, ``version`` and
+        ``overwrite_mapped``; ``tensors`` gives each tensor's name, numpy shape and type.
+
+        Raises:
+            ValueError: as ``write_gguf``, for the header.
+            IsADirectoryError: the destination is a directory.
+        """
+        path = Path(path)
+        if magic not in (GGUF_MAGIC, PWRI_MAGIC):
+            raise ValueError(f"magic must be b'GGUF' or b'PWRI', got {magic!r}")
+        if version not in GGUF_VERSIONS:
+            raise ValueError(f"version must be one of {GGUF_VERSIONS}, got {version}")
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory")
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"cannot write {path}: directory {path.parent} does not exist")
+        if not overwrite_mapped:
+            _check_not_mapped(path)
+
+        entries = _normalize_kv(kv)
+        kv_alignment = next((v for k, v, _, _ in entries if k == Keys.ALIGNMENT), None)
+        if kv_alignment is not None:
+            if next(t for k, _, t, _ in entries if k == Keys.ALIGNMENT) is not GGUFValueType.UINT32:
+                raise ValueError(f"{Keys.ALIGNMENT} must be UINT32")
+            if alignment is not None and alignment != kv_alignment:
+                raise ValueError(
+                    f"alignment={alignment} contradicts {Keys.ALIGNMENT}={kv_alignment}"
                 )
-            for name, flat, shape, type_id in specs:
-                writer.add_tensor(
-                    name, flat, raw_shape=shape, raw_dtype=gguf.GGMLQuantizationType(type_id)
-                )
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-            writer.close()
-        with open(tmp, "r+b") as fh:
-            fh.write(magic + struct.pack("<I", version))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
+            alignment = kv_alignment
+        elif alignment is not None and alignment != GGUF_DEFAULT_ALIGNMENT:
+            entries.append((Keys.ALIGNMENT, int(alignment), GGUFValueType.UINT32, None))
+        alignment = GGUF_DEFAULT_ALIGNMENT if alignment is None else int(alignment)
+        if alignment <= 0 or alignment & (alignment - 1) or alignment >= 2**32:
+            raise ValueError(f"alignment must be a power of two below 2**32, got {alignment}")
+
+        self.table = [
+            (str(n), tuple(int(d) for d in shape), GGMLType(t)) for n, shape, t in tensors
+        ]
+        names = [n for n, _, _ in self.table]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"duplicate tensor name {dup!r}")
+
+        import gguf
+
+        self.path, self.magic, self.version = path, magic, version
+        self.n_written = 0
+        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        with open(self.tmp, "xb"):  # claim the name, with the usual (umask) permissions
+            pass
+        try:
+            with _quiet_gguf_logs():
+                # arch "" adds no key, so the caller's key order is kept exactly
+                self.writer = _writer_class()(self.tmp, arch="")
+                self.writer.data_alignment = alignment
+                for key, value, vtype, item_type in entries:
+                    self.writer.add_key_value(
+                        key,
+                        value,
+                        gguf.GGUFValueType(int(vtype)),
+                        sub_type=None if item_type is None else gguf.GGUFValueType(int(item_type)),
+                    )
+                for name, shape, ggml_type in self.table:
+                    if len(shape) > MAX_DIMS:
+                        raise ValueError(
+                            f"tensor {name!r}: {len(shape)} dims, ggml allows {MAX_DIMS}"
+                        )
+                    self.writer.add_tensor_info(
+                        name,
+                        shape,
+                        np.dtype(np.int8),  # element shape, raw type id below
+                        tensor_nbytes(tuple(reversed(shape)), ggml_type),
+                        raw_dtype=gguf.GGMLQuantizationType(_file_type_id(ggml_type, magic)),
+                    )
+                self.writer.write_header_to_file()
+                self.writer.write_kv_data_to_file()
+                self.writer.write_ti_data_to_file()
+                fout = self.writer.fout[0]
+                self.writer.write_padding(fout, fout.tell())  # data starts aligned, even if empty
+        except BaseException:
+            self.abort()
+            raise
+        self.n_kv = len(entries)
+
+    def write(self, name: str, data: np.ndarray, shape: Sequence[int] | None = None) -> None:
+        """Write the next tensor's data: a typed array or raw ``uint8`` bytes (see ``write_gguf``).
+
+        Raises:
+            ValueError: out of order, or data whose dtype or size does not fit the table entry.
+        """
+        if self.n_written >= len(self.table):
+            raise ValueError(f"tensor {name!r}: all {len(self.table)} tensors are written")
+        want, want_shape, ggml_type = self.table[self.n_written]
+        if name != want:
+            raise ValueError(f"tensor {name!r} written out of order: {want!r} comes next")
+        _, flat, got_shape, _ = _normalize_tensor(
+            (name, data, ggml_type, want_shape if shape is None else shape), self.magic
+        )
+        if tuple(got_shape) != want_shape:
+            raise ValueError(f"tensor {name!r}: shape {got_shape} does not match {want_shape}")
+        self.writer.write_tensor_data(flat)
+        self.n_written += 1
+
+    def close(self) -> Path:
+        """Finish the file, patch the magic and rename it into place; returns the path."""
+        if self.n_written != len(self.table):
+            self.abort()
+            raise ValueError(
+                f"{self.path}: only {self.n_written} of {len(self.table)} tensors were written"
+            )
+        try:
+            self.writer.close()
+            with open(self.tmp, "r+b") as fh:
+                fh.write(self.magic + struct.pack("<I", self.version))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        logger.debug(
+            "wrote %s (%s, %d kv, %d tensors)",
+            self.path,
+            self.magic.decode(),
+            self.n_kv,
+            len(self.table),
+        )
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the temp file; the destination is untouched."""
+        writer = getattr(self, "writer", None)
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                writer.close()
         with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    logger.debug("wrote %s (%s, %d kv, %d tensors)", path, magic.decode(), len(entries), len(specs))
-    return path
+            self.tmp.unlink()
+
+    def __enter__(self) -> GGUFStreamWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
 
 def patch_magic(path: str | os.PathLike[str], magic: bytes) -> None:

@@ -51,7 +51,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from powerpy.constants import TYPE_TRAITS, GGMLType, Keys, Names, TokenType  # noqa: E402
+from powerpy.constants import (  # noqa: E402
+    GGMLType,
+    GGUFValueType,
+    Keys,
+    Names,
+    TokenType,
+)
+from powerpy.gguf_io import GGUFStreamWriter, tensor_nbytes  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -93,69 +100,6 @@ def encode(w: torch.Tensor, ggml_type: GGMLType) -> np.ndarray:
 
     fn = quants.quantize_q8_0 if ggml_type == GGMLType.Q8_0 else quants.quantize_q4_0
     return np.ascontiguousarray(fn(a))
-
-
-def nbytes(shape: tuple[int, ...], ggml_type: GGMLType) -> int:
-    tr = TYPE_TRAITS[ggml_type]
-    return math.prod(shape) // tr.block_size * tr.type_size
-
-
-class StreamingWriter:
-    """GGUF writer that takes tensor infos up front and then tensor data one at a time."""
-
-    def __init__(self, path: Path, infos: list[tuple[str, tuple[int, ...], GGMLType]], kv) -> None:
-        import gguf
-
-        self.path = path
-        self.tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        self.order = [name for name, _, _ in infos]
-        self.types = {name: t for name, _, t in infos}
-        w = gguf.GGUFWriter(None, arch="llama")
-        for key, value, vtype in kv:
-            if vtype == "tokens":
-                w.add_token_list(value)
-            elif vtype == "scores":
-                w.add_token_scores(value)
-            elif vtype == "types":
-                w.add_token_types(value)
-            else:
-                w.add_key_value(key, value, vtype)
-        for name, shape, t in infos:
-            if t in (GGMLType.F32, GGMLType.F16):
-                dt = np.float32 if t == GGMLType.F32 else np.float16
-                w.add_tensor_info(name, shape, np.dtype(dt), nbytes(shape, t))
-            else:
-                byte_shape = (*shape[:-1], nbytes(shape[-1:], t))
-                w.add_tensor_info(
-                    name,
-                    byte_shape,
-                    np.dtype(np.uint8),
-                    nbytes(shape, t),
-                    raw_dtype=gguf.GGMLQuantizationType(int(t)),
-                )
-        w.write_header_to_file(self.tmp)
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        self.writer = w
-        self.next = 0
-
-    def write(self, name: str, w: torch.Tensor) -> None:
-        if self.order[self.next] != name:
-            raise RuntimeError(f"tensor {name!r} written out of order ({self.order[self.next]!r})")
-        self.writer.write_tensor_data(encode(w, self.types[name]))
-        self.next += 1
-
-    def finish(self) -> None:
-        from powerpy.gguf_io import patch_magic
-
-        assert self.next == len(self.order), (self.next, len(self.order))
-        self.writer.close()
-        patch_magic(self.tmp, b"PWRI")
-        os.replace(self.tmp, self.path)
-
-    def abort(self) -> None:
-        self.writer.close()
-        self.tmp.unlink(missing_ok=True)
 
 
 # ---- model pieces --------------------------------------------------------------------------------
@@ -223,12 +167,12 @@ def tensor_infos(plan: Plan) -> list[tuple[str, tuple[int, ...], GGMLType]]:
     return infos
 
 
-def key_values(plan: Plan, name: str, threshold: float | None) -> list[tuple[str, object, object]]:
-    import gguf
-
-    V = gguf.GGUFValueType
+def key_values(plan: Plan, name: str, threshold: float | None) -> list[tuple[str, tuple]]:
+    """The file's key/values, typed for ``powerpy.gguf_io`` writers."""
+    V = GGUFValueType
     s, a = plan.shape, "llama"
     kv: list[tuple[str, object, object]] = [
+        (Keys.ARCHITECTURE, a, V.STRING),
         (Keys.NAME, name, V.STRING),
         (Keys.FILE_TYPE, FILE_TYPE[plan.wtype], V.UINT32),
         (Keys.CONTEXT_LENGTH.format(arch=a), s.n_ctx, V.UINT32),
@@ -252,15 +196,16 @@ def key_values(plan: Plan, name: str, threshold: float | None) -> list[tuple[str
     types += [TokenType.UNUSED] * n_fill
     kv += [
         (Keys.TOKENIZER_MODEL, "llama", V.STRING),
-        (Keys.TOKENS, tokens, "tokens"),
-        (Keys.SCORES, [0.0] * len(tokens), "scores"),
-        (Keys.TOKEN_TYPE, [int(t) for t in types], "types"),
+        (Keys.TOKENS, tokens, V.STRING),
+        (Keys.SCORES, np.zeros(len(tokens), np.float32), V.FLOAT32),
+        (Keys.TOKEN_TYPE, np.array(types, np.int32), V.INT32),
         (Keys.BOS_ID, 1, V.UINT32),
         (Keys.EOS_ID, 2, V.UINT32),
         (Keys.UNK_ID, 0, V.UINT32),
         (Keys.ADD_BOS, True, V.BOOL),
     ]
-    return kv
+    arrays = (Keys.TOKENS, Keys.SCORES, Keys.TOKEN_TYPE)
+    return [(k, (v, V.ARRAY, t) if k in arrays else (v, t)) for k, v, t in kv]
 
 
 def make_model(args: argparse.Namespace) -> None:
@@ -282,7 +227,7 @@ def make_model(args: argparse.Namespace) -> None:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     infos = tensor_infos(plan)
-    total = sum(nbytes(shp, t) for _, shp, t in infos)
+    total = sum(tensor_nbytes(tuple(reversed(shp)), t) for _, shp, t in infos)
     free = shutil.disk_usage(out.parent).free
     if total * 1.05 + (1 << 26) > free:
         raise SystemExit(f"{out}: needs {total / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
@@ -300,7 +245,12 @@ def make_model(args: argparse.Namespace) -> None:
         return torch.randn(*size, generator=gen)
 
     name = f"powerpy-synthetic-{args.shape}-{args.dtype}"
-    writer = StreamingWriter(out, infos, key_values(plan, name, args.threshold))
+    writer = GGUFStreamWriter(out, key_values(plan, name, args.threshold), infos, magic=b"PWRI")
+    types = {n: t for n, _, t in infos}
+
+    def put(tensor_name: str, w: torch.Tensor) -> None:
+        writer.write(tensor_name, encode(w, types[tensor_name]))
+
     t0 = time.time()
     stats: list[torch.Tensor] = []
     try:
@@ -308,7 +258,7 @@ def make_model(args: argparse.Namespace) -> None:
         emb = randn(s.n_vocab, d) * SIGMA_E
         emb[:, 1:32].clamp_(-0.95 * C, 0.95 * C)
         emb[:, 0] = C
-        writer.write(Names.TOKEN_EMBD, emb)
+        put(Names.TOKEN_EMBD, emb)
         # calibration states: the byte tokens and specials, as single-token sequences
         n_cal = min(args.calib_tokens, s.n_vocab)
         X = emb[torch.randperm(min(s.n_vocab, 259), generator=gen)[:n_cal]].clone()  # (M, d)
@@ -338,7 +288,7 @@ def make_model(args: argparse.Namespace) -> None:
                 ("ATTN_V", wv),
                 ("ATTN_OUTPUT", wo),
             ):
-                writer.write(f[key], w)
+                put(f[key], w)
             del wq, wk, wv, wo, v, a
             # -- predictor and gate (x_pred = X, the pre-norm FFN input)
             U = randn(r, d)
@@ -391,7 +341,7 @@ def make_model(args: argparse.Namespace) -> None:
                 ("FC1", fc1),
                 ("FC2", fc2),
             ):
-                writer.write(f[key], w)
+                put(f[key], w)
             stats.append(p.float())
             print(
                 f"layer {l:3d}: predicted active {float(pred.float().mean()):.3f} "
@@ -401,9 +351,9 @@ def make_model(args: argparse.Namespace) -> None:
                 flush=True,
             )
             del gate, up, down_t, fc1, fc2, A, U, lin, g, hmat, logits, xn, y
-        writer.write(Names.OUTPUT_NORM, 1.0 + 0.1 * randn(d))
-        writer.write(Names.OUTPUT, randn(s.n_vocab, d) / math.sqrt(d))
-        writer.finish()
+        put(Names.OUTPUT_NORM, 1.0 + 0.1 * randn(d))
+        put(Names.OUTPUT, randn(s.n_vocab, d) / math.sqrt(d))
+        writer.close()
     except BaseException:
         writer.abort()
         raise
