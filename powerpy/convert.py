@@ -316,6 +316,42 @@ def _special_id(tok_cfg: Mapping[str, Any], key: str, vocab: Mapping[str, int]) 
     return vocab.get(v) if isinstance(v, str) else None
 
 
+def sentencepiece_kv(sp: Any) -> dict[str, tuple]:
+    """The ``tokenizer.ggml.*`` key/values (llama vocabulary) of a SentencePiece processor."""
+    arr = GGUFValueType.ARRAY
+    n = sp.get_piece_size()
+    types = []
+    for i in range(n):
+        if sp.is_unknown(i):
+            types.append(TokenType.UNKNOWN)
+        elif sp.is_control(i):
+            types.append(TokenType.CONTROL)
+        elif sp.is_unused(i):
+            types.append(TokenType.UNUSED)
+        elif sp.is_byte(i):
+            types.append(TokenType.BYTE)
+        else:
+            types.append(TokenType.NORMAL)
+    kv: dict[str, tuple] = {
+        Keys.TOKENIZER_MODEL: ("llama", GGUFValueType.STRING),
+        Keys.TOKENS: ([sp.id_to_piece(i) for i in range(n)], arr, GGUFValueType.STRING),
+        Keys.SCORES: (
+            np.array([sp.get_score(i) for i in range(n)], np.float32),
+            arr,
+            GGUFValueType.FLOAT32,
+        ),
+        Keys.TOKEN_TYPE: (np.array(types, np.int32), arr, GGUFValueType.INT32),
+    }
+    for key, v in (
+        (Keys.BOS_ID, sp.bos_id()),
+        (Keys.EOS_ID, sp.eos_id()),
+        (Keys.UNK_ID, sp.unk_id()),
+    ):
+        if v >= 0:
+            kv[key] = (v, GGUFValueType.UINT32)
+    return kv
+
+
 def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> dict[str, tuple]:
     """Tokenizer key/values from ``tokenizer.model`` (SentencePiece) or ``tokenizer.json`` (BPE).
 
@@ -335,33 +371,7 @@ def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> di
     if spm.is_file():
         import sentencepiece
 
-        sp = sentencepiece.SentencePieceProcessor(model_file=str(spm))
-        n = sp.get_piece_size()
-        types = []
-        for i in range(n):
-            if sp.is_unknown(i):
-                types.append(TokenType.UNKNOWN)
-            elif sp.is_control(i):
-                types.append(TokenType.CONTROL)
-            elif sp.is_unused(i):
-                types.append(TokenType.UNUSED)
-            elif sp.is_byte(i):
-                types.append(TokenType.BYTE)
-            else:
-                types.append(TokenType.NORMAL)
-        kv[Keys.TOKENIZER_MODEL] = ("llama", GGUFValueType.STRING)
-        kv[Keys.TOKENS] = ([sp.id_to_piece(i) for i in range(n)], arr, GGUFValueType.STRING)
-        scores = np.array([sp.get_score(i) for i in range(n)], np.float32)
-        kv[Keys.SCORES] = (scores, arr, GGUFValueType.FLOAT32)
-        kv[Keys.TOKEN_TYPE] = (np.array(types, np.int32), arr, GGUFValueType.INT32)
-        for key, v in (
-            (Keys.BOS_ID, sp.bos_id()),
-            (Keys.EOS_ID, sp.eos_id()),
-            (Keys.UNK_ID, sp.unk_id()),
-        ):
-            if v >= 0:
-                kv[key] = (v, u32)
-        return kv
+        return sentencepiece_kv(sentencepiece.SentencePieceProcessor(model_file=str(spm)))
     if not tj.is_file():
         raise FileNotFoundError(
             f"{directory}: no tokenizer.model or tokenizer.json; pass --vocab-gguf FILE (a GGUF "

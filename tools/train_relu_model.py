@@ -470,34 +470,17 @@ def export_hf(model: ReluLlama, sp_model: bytes, out: Path) -> None:
 
 
 def tokenizer_kv(sp) -> dict:
-    """The tokenizer.ggml.* key/values of a SentencePiece model (llama vocabulary)."""
-    from powerpy.constants import GGUFValueType, Keys, TokenType
+    """The tokenizer.ggml.* key/values of the SentencePiece model (llama vocabulary)."""
+    from powerpy.constants import GGUFValueType, Keys
+    from powerpy.convert import sentencepiece_kv
 
-    n = sp.get_piece_size()
-    types = []
-    for i in range(n):
-        if sp.is_unknown(i):
-            types.append(TokenType.UNKNOWN)
-        elif sp.is_control(i):
-            types.append(TokenType.CONTROL)
-        elif sp.is_byte(i):
-            types.append(TokenType.BYTE)
-        else:
-            types.append(TokenType.NORMAL)
-    return {
-        Keys.TOKENIZER_MODEL: ("llama", GGUFValueType.STRING),
-        Keys.TOKENS: ([sp.id_to_piece(i) for i in range(n)], GGUFValueType.ARRAY),
-        Keys.SCORES: (
-            np.array([sp.get_score(i) for i in range(n)], np.float32),
-            GGUFValueType.ARRAY,
-        ),
-        Keys.TOKEN_TYPE: (np.array(types, np.int32), GGUFValueType.ARRAY),
-        Keys.BOS_ID: (BOS_ID, GGUFValueType.UINT32),
-        Keys.EOS_ID: (EOS_ID, GGUFValueType.UINT32),
-        Keys.UNK_ID: (UNK_ID, GGUFValueType.UINT32),
-        Keys.ADD_BOS: (True, GGUFValueType.BOOL),
-        Keys.ADD_EOS: (False, GGUFValueType.BOOL),
-    }
+    kv = sentencepiece_kv(sp)
+    kv[Keys.BOS_ID] = (BOS_ID, GGUFValueType.UINT32)
+    kv[Keys.EOS_ID] = (EOS_ID, GGUFValueType.UINT32)
+    kv[Keys.UNK_ID] = (UNK_ID, GGUFValueType.UINT32)
+    kv[Keys.ADD_BOS] = (True, GGUFValueType.BOOL)
+    kv[Keys.ADD_EOS] = (False, GGUFValueType.BOOL)
+    return kv
 
 
 def gguf_kv(hp: Hparams, sp, name: str) -> dict:
