@@ -74,6 +74,7 @@ def load(
     vram_budget: float | None = None,
     device: str | None = None,
     n_ctx: int | None = None,
+    ffn_act: str | None = None,
 ) -> LLM:
     """Load a GGUF (dense) or PWRI (sparse) model.
 
@@ -89,6 +90,9 @@ def load(
         device: the accelerator: "cuda[:N]", "cpu" (emulated) or None (CUDA when present,
             else CPU-only with ``llm.runtime`` None).
         n_ctx: context the accelerator KV cache is reserved for (default min(2048, training)).
+        ffn_act: "relu" or "silu" to override the FFN activation the file implies (a dense
+            GGUF runs SiLU; a dense GGUF of a ReLU model needs "relu"). See
+            ``ModelArgs.with_ffn_act``.
 
     Raises:
         FileNotFoundError: no such file.
@@ -99,7 +103,7 @@ def load(
     path = Path(path) if path is not None else default_model_path()
     t0 = time.perf_counter()
     gf = read_gguf(path)
-    args = model_args(gf)
+    args = model_args(gf).with_ffn_act(ffn_act, source=str(path))
     tokenizer = Tokenizer.from_gguf_kv(gf.kv)
     weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
     model = Model(args, weights, threshold=threshold)

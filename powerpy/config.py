@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -128,3 +129,24 @@ class ModelArgs:
         if not math.isfinite(args.sparse_threshold) and args.sparse_threshold > 0:
             raise ValueError(f"{source}: sparse threshold {args.sparse_threshold} is not usable")
         return args
+
+    def with_ffn_act(self, act: str | None, *, source: str = "model") -> ModelArgs:
+        """These arguments with the FFN activation set by the user (HF ``hidden_act``).
+
+        GGUF has no activation key for llama: a dense file runs SiLU (SwiGLU) and a PWRI file
+        ReLU (ReGLU) unless it carries ``powerpy.sparse_activation``. ``act`` overrides that:
+        "relu" (ReGLU) or "silu" (SwiGLU); None keeps the file's. Bamboo is always dReLU.
+
+        Raises:
+            ValueError: an unknown activation, or one that the architecture cannot take.
+        """
+        if act is None:
+            return self
+        variants = {"relu": FFN_REGLU, "silu": FFN_SWIGLU}
+        if act not in variants:
+            raise ValueError(f"{source}: FFN activation {act!r} is not one of relu, silu")
+        if self.arch == "bamboo":
+            if act != "relu":
+                raise ValueError(f"{source}: bamboo's FFN is dReLU; --ffn-act {act} does not apply")
+            return self
+        return dataclasses.replace(self, ffn_variant=variants[act])

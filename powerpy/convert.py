@@ -126,12 +126,7 @@ def read_predictor_config(pred_dir: Path) -> tuple[float | None, str | None]:
     path = pred_dir / "config.json"
     if not path.is_file():
         return None, None
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object")
+    cfg = _read_json(path)
     thr = cfg.get("sparse_threshold")
     if thr is not None:
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not np.isfinite(thr):
@@ -205,13 +200,10 @@ class _HFSource:
         cfg_path = directory / "config.json"
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{directory}: no config.json (not an HF checkpoint)")
-        try:
-            self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+        self.config = _read_json(cfg_path)
         index = directory / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            weight_map = _read_json(index).get("weight_map", {})
             shard_names = sorted(set(weight_map.values()))
         else:
             shard_names = sorted(p.name for p in directory.glob("*.safetensors"))
@@ -309,11 +301,53 @@ def vocab_kv_from_gguf(path: str | os.PathLike[str]) -> dict[str, tuple]:
     return kv
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file, or {} when it does not exist."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
 def _special_id(tok_cfg: Mapping[str, Any], key: str, vocab: Mapping[str, int]) -> int | None:
     v = tok_cfg.get(key)
     if isinstance(v, dict):
         v = v.get("content")
     return vocab.get(v) if isinstance(v, str) else None
+
+
+def _tokenizer_config_kv(
+    tok_cfg: Mapping[str, Any], config: Mapping[str, Any], tokens: list[str]
+) -> dict[str, tuple]:
+    """Special-token ids, add_bos/add_eos and the chat template (llama.cpp's ``SpecialVocab``).
+
+    An id comes from tokenizer_config.json's ``{role}_token`` (text or ``{"content": ...}``), else
+    from config.json's ``{role}_token_id``; ids outside the vocabulary are ignored.
+    """
+    u32, n = GGUFValueType.UINT32, len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    kv: dict[str, tuple] = {}
+    for key, role in (
+        (Keys.BOS_ID, "bos"),
+        (Keys.EOS_ID, "eos"),
+        (Keys.UNK_ID, "unk"),
+        (Keys.PAD_ID, "pad"),
+    ):
+        v = _special_id(tok_cfg, f"{role}_token", vocab)
+        v = v if v is not None else config.get(f"{role}_token_id")
+        if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n:
+            kv[key] = (v, u32)
+    for key, flag in ((Keys.ADD_BOS, "add_bos_token"), (Keys.ADD_EOS, "add_eos_token")):
+        if isinstance(tok_cfg.get(flag), bool):
+            kv[key] = (tok_cfg[flag], GGUFValueType.BOOL)
+    if isinstance(tok_cfg.get("chat_template"), str):
+        kv[Keys.CHAT_TEMPLATE] = (tok_cfg["chat_template"], GGUFValueType.STRING)
+    return kv
 
 
 def sentencepiece_kv(sp: Any) -> dict[str, tuple]:
@@ -352,32 +386,47 @@ def sentencepiece_kv(sp: Any) -> dict[str, tuple]:
     return kv
 
 
-def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> dict[str, tuple]:
-    """Tokenizer key/values from ``tokenizer.model`` (SentencePiece) or ``tokenizer.json`` (BPE).
+def _sentencepiece_hf_kv(
+    spm: Path, config: Mapping[str, Any], tok_cfg: Mapping[str, Any]
+) -> dict[str, tuple]:
+    """``sentencepiece_kv`` of ``spm`` with the checkpoint's added tokens and ``vocab_size``.
 
-    Args:
-        directory: the HF checkpoint.
-        config: its config.json.
-        pre: ``tokenizer.ggml.pre`` for a BPE vocabulary (GGUF's name of the pre-tokenizer).
-
-    Raises:
-        FileNotFoundError: neither file exists (pass ``--vocab-gguf``).
-        ValueError: a tokenizer.json whose model is not BPE.
+    As llama.cpp's convert_hf_to_gguf.py: added_tokens.json, then tokenizer_config.json's
+    ``added_tokens_decoder``, set tokens by id (score -1000; CONTROL if "special", else
+    USER_DEFINED with U+2581 read as a space); ids past the pieces extend the vocabulary, and ids
+    up to config.json's ``vocab_size`` (padded embeddings) are ``[PAD{id}]`` (UNUSED, score -1000).
     """
-    u32, arr = GGUFValueType.UINT32, GGUFValueType.ARRAY
-    spm = directory / "tokenizer.model"
-    tj = directory / "tokenizer.json"
-    kv: dict[str, tuple] = {}
-    if spm.is_file():
-        import sentencepiece
+    import sentencepiece
 
-        return sentencepiece_kv(sentencepiece.SentencePieceProcessor(model_file=str(spm)))
-    if not tj.is_file():
-        raise FileNotFoundError(
-            f"{directory}: no tokenizer.model or tokenizer.json; pass --vocab-gguf FILE (a GGUF "
-            "of the same model) to copy its tokenizer"
-        )
-    data = json.loads(tj.read_text(encoding="utf-8"))
+    kv = sentencepiece_kv(sentencepiece.SentencePieceProcessor(model_file=str(spm)))
+    tokens, scores = list(kv[Keys.TOKENS][0]), list(kv[Keys.SCORES][0])
+    types = list(kv[Keys.TOKEN_TYPE][0])
+    added = {int(i): (t, False) for t, i in _read_json(spm.parent / "added_tokens.json").items()}
+    for i, t in tok_cfg.get("added_tokens_decoder", {}).items():
+        added[int(i)] = (t["content"], bool(t.get("special")))
+    n_pieces = len(tokens)
+    n = max(config.get("vocab_size") or 0, n_pieces, max(added, default=-1) + 1)
+    n_pad = n - n_pieces - sum(i >= n_pieces for i in added)
+    if n_pad:
+        log.info("%s: %d pieces; %d UNUSED [PAD{id}] tokens pad it to %d", spm, n_pieces, n_pad, n)
+    tokens += [f"[PAD{i}]" for i in range(n_pieces, n)]
+    scores += [-1000.0] * (n - n_pieces)
+    types += [TokenType.UNUSED] * (n - n_pieces)
+    for i, (text, special) in added.items():
+        tokens[i] = text if special else text.replace("\u2581", " ")
+        scores[i] = -1000.0
+        types[i] = TokenType.CONTROL if special else TokenType.USER_DEFINED
+    arr = GGUFValueType.ARRAY
+    kv[Keys.TOKENS] = (tokens, arr, GGUFValueType.STRING)
+    kv[Keys.SCORES] = (np.array(scores, np.float32), arr, GGUFValueType.FLOAT32)
+    kv[Keys.TOKEN_TYPE] = (np.array(types, np.int32), arr, GGUFValueType.INT32)
+    return kv
+
+
+def _bpe_kv(tj: Path, config: Mapping[str, Any], pre: str) -> dict[str, tuple]:
+    """The ``gpt2`` vocabulary of a BPE ``tokenizer.json``, padded to config.json's vocab_size."""
+    arr = GGUFValueType.ARRAY
+    data = _read_json(tj)
     model = data.get("model", {})
     if model.get("type") != "BPE":
         raise ValueError(
@@ -402,24 +451,43 @@ def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> di
             else (TokenType.USER_DEFINED if i in added else TokenType.NORMAL)
         )
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    kv[Keys.TOKENIZER_MODEL] = ("gpt2", GGUFValueType.STRING)
-    kv[Keys.TOKENIZER_PRE] = (pre, GGUFValueType.STRING)
-    kv[Keys.TOKENS] = (tokens, arr, GGUFValueType.STRING)
-    kv[Keys.TOKEN_TYPE] = (np.array(types, np.int32), arr, GGUFValueType.INT32)
-    kv[Keys.MERGES] = (merges, arr, GGUFValueType.STRING)
-    tc_path = directory / "tokenizer_config.json"
-    tok_cfg = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
-    for key, role, cfg_key in (
-        (Keys.BOS_ID, "bos_token", "bos_token_id"),
-        (Keys.EOS_ID, "eos_token", "eos_token_id"),
-    ):
-        v = _special_id(tok_cfg, role, vocab)
-        v = v if v is not None else config.get(cfg_key)
-        if isinstance(v, int):
-            kv[key] = (v, u32)
-    if "add_bos_token" in tok_cfg:
-        kv[Keys.ADD_BOS] = (bool(tok_cfg["add_bos_token"]), GGUFValueType.BOOL)
     log.warning("%s: BPE vocabulary with pre-tokenizer %r (set it with --vocab-pre)", tj, pre)
+    return {
+        Keys.TOKENIZER_MODEL: ("gpt2", GGUFValueType.STRING),
+        Keys.TOKENIZER_PRE: (pre, GGUFValueType.STRING),
+        Keys.TOKENS: (tokens, arr, GGUFValueType.STRING),
+        Keys.TOKEN_TYPE: (np.array(types, np.int32), arr, GGUFValueType.INT32),
+        Keys.MERGES: (merges, arr, GGUFValueType.STRING),
+    }
+
+
+def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> dict[str, tuple]:
+    """Tokenizer key/values from ``tokenizer.model`` (SentencePiece) or ``tokenizer.json`` (BPE).
+
+    tokenizer_config.json, where present, adds special-token ids, add_bos/add_eos, the chat
+    template and (SentencePiece) added tokens; see ``_tokenizer_config_kv``.
+
+    Args:
+        directory: the HF checkpoint.
+        config: its config.json.
+        pre: ``tokenizer.ggml.pre`` for a BPE vocabulary (GGUF's name of the pre-tokenizer).
+
+    Raises:
+        FileNotFoundError: neither file exists (pass ``--vocab-gguf``).
+        ValueError: a tokenizer.json whose model is not BPE.
+    """
+    spm, tj = directory / "tokenizer.model", directory / "tokenizer.json"
+    tok_cfg = _read_json(directory / "tokenizer_config.json")
+    if spm.is_file():
+        kv = _sentencepiece_hf_kv(spm, config, tok_cfg)
+    elif tj.is_file():
+        kv = _bpe_kv(tj, config, pre)
+    else:
+        raise FileNotFoundError(
+            f"{directory}: no tokenizer.model or tokenizer.json; pass --vocab-gguf FILE (a GGUF "
+            "of the same model) to copy its tokenizer"
+        )
+    kv.update(_tokenizer_config_kv(tok_cfg, config, kv[Keys.TOKENS][0]))
     return kv
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ import torch
 
 from powerpy import models
 from powerpy.cli import main
-from powerpy.constants import GGMLType, GGUFValueType, Keys, Names
+from powerpy.constants import GGMLType, GGUFValueType, Keys, Names, TokenType
 from powerpy.convert import convert, permute_qk, unpermute_qk
 from powerpy.gguf_io import read_gguf
 from powerpy.tiny import TinySpec, write_tiny_model
@@ -38,7 +39,7 @@ def _one_thread():
 
 
 # ---------------------------------------------------------------- fixtures
-def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+def hf_tensors(seed: int = 0, n_vocab: int = N_VOCAB) -> dict[str, np.ndarray]:
     """Random HF-named LLaMA weights (HF shapes, rotate-half q/k order)."""
     rng = np.random.default_rng(seed)
 
@@ -48,7 +49,7 @@ def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     def norm() -> np.ndarray:
         return (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
 
-    t = {"model.embed_tokens.weight": mat(N_VOCAB, D), "model.norm.weight": norm()}
+    t = {"model.embed_tokens.weight": mat(n_vocab, D), "model.norm.weight": norm()}
     for l in range(L):
         p = f"model.layers.{l}."
         t[p + "input_layernorm.weight"] = norm()
@@ -60,12 +61,18 @@ def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
         t[p + "mlp.gate_proj.weight"] = mat(FF, D)
         t[p + "mlp.up_proj.weight"] = mat(FF, D)
         t[p + "mlp.down_proj.weight"] = mat(D, FF)
-    t["lm_head.weight"] = mat(N_VOCAB, D)
+    t["lm_head.weight"] = mat(n_vocab, D)
     return t
 
 
 def write_hf(
-    d: Path, t: dict[str, np.ndarray], *, act: str = "relu", shards: int = 1, dtype=torch.float32
+    d: Path,
+    t: dict[str, np.ndarray],
+    *,
+    act: str = "relu",
+    shards: int = 1,
+    dtype=torch.float32,
+    n_vocab: int = N_VOCAB,
 ) -> Path:
     from safetensors.torch import save_file
 
@@ -80,7 +87,7 @@ def write_hf(
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "max_position_embeddings": 256,
-        "vocab_size": N_VOCAB,
+        "vocab_size": n_vocab,
         "hidden_act": act,
         "tie_word_embeddings": False,
     }
@@ -376,3 +383,270 @@ def test_default_model_builds_once_and_reuses_cache(tmp_path, monkeypatch, caplo
     monkeypatch.setattr(models, "SPARSE_DATA_DIR", broken)
     with pytest.raises(ValueError, match="could not build the sparse default model"):
         models.default_model_path()
+
+
+# ---------------------------------------------------------------- vocabulary from the HF checkpoint
+KJV_DIR = Path(__file__).resolve().parent.parent / "models" / "kjv-relu"
+TOKENIZER_KEYS = (Keys.TOKENIZER_MODEL, Keys.TOKENS, Keys.TOKEN_TYPE, Keys.BOS_ID, Keys.EOS_ID)
+NEW_BPE_KEYS = (Keys.UNK_ID, Keys.PAD_ID, Keys.CHAT_TEMPLATE)  # from tokenizer_config.json
+BPE_TEXTS = [
+    "Hello world! The quick brown fox jumps over the lazy dog.",
+    "1234567890 3.14159 2024-01-01 +42 -7",
+    "   leading and   multiple   spaces  ",
+    "line1\nline2\n\n\n\ttabbed\r\nend\n",
+    "café naïve résumé Ångström Øre ß",
+    "日本語のテキストと中文，한국어",
+    "emoji 🙂👍🏽 🇫🇷 ❤️",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text after<|endoftext|>",
+    "don't can't I'm we'll THEY'RE",
+    "def f(x):\n    return x**2  # code\n",
+    "",
+]
+
+
+def hf_bpe_json(
+    gguf_path: Path, *, merges_as_pairs: bool, specials_in_vocab: bool
+) -> tuple[dict, dict]:
+    """An HF ``tokenizer.json`` and ``tokenizer_config.json`` equivalent to a GGUF BPE vocabulary.
+
+    The vocab object is written in a shuffled order (ids, not positions, must count); control
+    tokens are listed as special ``added_tokens`` and, if ``specials_in_vocab`` (SmolLM2's
+    layout; Llama-3's has them only in ``added_tokens``), in the model's vocab too. The
+    tokenizer_config.json names unk/pad by text (both forms) and holds the GGUF's chat template.
+    """
+    with read_gguf(gguf_path) as gf:
+        kv = gf.kv
+        tokens, merges = list(kv[Keys.TOKENS]), list(kv[Keys.MERGES])
+        types = [int(t) for t in kv[Keys.TOKEN_TYPE]]
+        bos, eos, add_bos = int(kv[Keys.BOS_ID]), int(kv[Keys.EOS_ID]), bool(kv[Keys.ADD_BOS])
+        unk, pad, template = int(kv[Keys.UNK_ID]), int(kv[Keys.PAD_ID]), kv[Keys.CHAT_TEMPLATE]
+    order = np.random.default_rng(0).permutation(len(tokens))
+    vocab = {tokens[i]: int(i) for i in order if specials_in_vocab or types[i] != TokenType.CONTROL}
+    added = [
+        {"id": i, "content": tok, "special": True, "normalized": False}
+        for i, (tok, ty) in enumerate(zip(tokens, types, strict=True))
+        if ty == TokenType.CONTROL
+    ]
+    tj = {
+        "version": "1.0",
+        "added_tokens": added,
+        "model": {
+            "type": "BPE",
+            "vocab": vocab,
+            "merges": [m.split(" ") for m in merges] if merges_as_pairs else merges,
+        },
+    }
+    tc = {
+        "bos_token": tokens[bos],
+        "eos_token": {"__type": "AddedToken", "content": tokens[eos], "special": True},
+        "unk_token": tokens[unk],
+        "pad_token": {"content": tokens[pad], "special": True},
+        "add_bos_token": add_bos,
+        "chat_template": template,
+    }
+    return tj, tc
+
+
+def test_bpe_tokenizer_json_tokenizes_like_the_original_gguf(tmp_path, smollm2_path) -> None:
+    """tokenizer.json (BPE) + tokenizer_config.json -> the same tokenizer as SmolLM2's GGUF."""
+    from powerpy.api import load
+    from powerpy.convert import vocab_kv_from_hf
+    from powerpy.tokenizer import Tokenizer
+
+    tj, tc = hf_bpe_json(smollm2_path, merges_as_pairs=True, specials_in_vocab=True)
+    n_vocab = len(tj["model"]["vocab"])
+    src = write_hf(tmp_path / "hf", hf_tensors(n_vocab=n_vocab), n_vocab=n_vocab)
+    (src / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    (src / "tokenizer_config.json").write_text(json.dumps(tc))
+    write_predictors(tmp_path / "pred")
+    out = convert(src, tmp_path / "pred", tmp_path / "bpe.powerinfer.gguf", vocab_pre="smollm")
+
+    with read_gguf(smollm2_path) as want, read_gguf(out) as got:
+        assert (want.kv[Keys.UNK_ID], want.kv[Keys.PAD_ID]) == (0, 2)
+        assert want.kv[Keys.CHAT_TEMPLATE].startswith("{% for message in messages %}")
+        for key in (*TOKENIZER_KEYS, Keys.MERGES, Keys.TOKENIZER_PRE, Keys.ADD_BOS, *NEW_BPE_KEYS):
+            assert got.kv_types[key] is want.kv_types[key], key
+            np.testing.assert_array_equal(np.asarray(got.kv[key]), np.asarray(want.kv[key]), key)
+        assert got.kv[Keys.TOKENIZER_PRE] == "smollm"
+        types = np.asarray(got.kv[Keys.TOKEN_TYPE])
+        assert set(types.tolist()) == {TokenType.NORMAL, TokenType.CONTROL}
+
+    # old merges form ("a b" strings), control tokens only in added_tokens: the same key/values
+    tj2, _ = hf_bpe_json(smollm2_path, merges_as_pairs=False, specials_in_vocab=False)
+    assert len(tj2["model"]["vocab"]) < n_vocab
+    (src / "tokenizer.json").write_text(json.dumps(tj2, ensure_ascii=False), encoding="utf-8")
+    kv2 = vocab_kv_from_hf(src, json.loads((src / "config.json").read_text()), "smollm")
+    with read_gguf(out) as got:
+        assert set(kv2) == {k for k in got.kv if k.startswith("tokenizer.")}
+        for key, spec in kv2.items():
+            assert spec[1] is got.kv_types[key], key
+            np.testing.assert_array_equal(np.asarray(spec[0]), np.asarray(got.kv[key]), key)
+
+    # no pad_token: config.json's pad_token_id (if in the vocabulary); a non-string template: none
+    tc3 = {k: v for k, v in tc.items() if k != "pad_token"} | {"chat_template": [{"name": "x"}]}
+    (src / "tokenizer_config.json").write_text(json.dumps(tc3))
+    cfg = json.loads((src / "config.json").read_text())
+    kv3 = vocab_kv_from_hf(src, cfg | {"pad_token_id": 5, "unk_token_id": 9}, "smollm")
+    assert (kv3[Keys.PAD_ID], kv3[Keys.UNK_ID][0]) == ((5, GGUFValueType.UINT32), 0)
+    assert Keys.CHAT_TEMPLATE not in kv3
+    assert Keys.PAD_ID not in vocab_kv_from_hf(src, cfg | {"pad_token_id": n_vocab}, "smollm")
+
+    ref = Tokenizer.from_gguf(smollm2_path)
+    llm = load(out)
+    try:
+        tok = llm.tokenizer
+        assert (tok.bos_id, tok.eos_id, tok.add_bos) == (ref.bos_id, ref.eos_id, ref.add_bos)
+        assert tok.eog_ids == ref.eog_ids
+        for text in BPE_TEXTS:
+            ids = tok.encode(text)
+            assert ids == ref.encode(text), text
+            assert tok.decode(ids) == text
+            assert tok.encode(text, parse_special=False) == ref.encode(text, parse_special=False)
+        assert tok.encode("<|im_start|>")[0] == tok.bos_id  # control text parses to the token
+    finally:
+        llm.file.close()
+
+
+def test_sentencepiece_tokenizer_model_matches_kjv_gguf_and_sentencepiece(tmp_path) -> None:
+    """tokenizer.model -> the vocabulary models/kjv-relu's GGUF was built with."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    from powerpy.tokenizer import Tokenizer
+
+    spm_file, ref_gguf = KJV_DIR / "tokenizer.model", KJV_DIR / "kjv-relu.powerinfer.gguf"
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(spm_file))
+    n_vocab = sp.get_piece_size()
+    assert n_vocab == 2048
+    src = write_hf(tmp_path / "hf", hf_tensors(n_vocab=n_vocab), n_vocab=n_vocab)
+    (src / "tokenizer.model").write_bytes(spm_file.read_bytes())
+    write_predictors(tmp_path / "pred")
+    out = convert(src, tmp_path / "pred", tmp_path / "spm.powerinfer.gguf", outtype="f32")
+
+    with read_gguf(ref_gguf) as want, read_gguf(out) as got:
+        assert got.kv[Keys.TOKENIZER_MODEL] == "llama"
+        # no tokenizer_config.json: no add_bos/add_eos (the reference's come from its dense GGUF),
+        # no pad (sentencepiece has none), every other key as in the reference
+        keys = {k for k in got.kv if k.startswith("tokenizer.")}
+        assert keys == {k for k in want.kv if k.startswith("tokenizer.")} - {
+            Keys.ADD_BOS,
+            Keys.ADD_EOS,
+        }
+        assert {*TOKENIZER_KEYS, Keys.SCORES, Keys.UNK_ID} <= keys and Keys.PAD_ID not in keys
+        for key in keys:
+            assert got.kv_types[key] is want.kv_types[key], key
+            np.testing.assert_array_equal(np.asarray(got.kv[key]), np.asarray(want.kv[key]), key)
+        # independent of sentencepiece_kv (which built the reference file): types by token text
+        toks, types = got.kv[Keys.TOKENS], np.asarray(got.kv[Keys.TOKEN_TYPE])
+        is_byte = [re.fullmatch(r"<0x[0-9A-F]{2}>", t) is not None for t in toks]
+        np.testing.assert_array_equal(types == TokenType.BYTE, is_byte)
+        assert [toks[i] for i in np.flatnonzero(types == TokenType.CONTROL)] == ["<s>", "</s>"]
+        assert [toks[i] for i in np.flatnonzero(types == TokenType.UNKNOWN)] == ["<unk>"]
+        assert toks[got.kv[Keys.BOS_ID]] == "<s>" and toks[got.kv[Keys.EOS_ID]] == "</s>"
+
+    tok, ref = Tokenizer.from_gguf(out), Tokenizer.from_gguf(ref_gguf)
+    assert (tok.add_bos, tok.add_eos, tok.add_space_prefix) == (
+        ref.add_bos,
+        ref.add_eos,
+        ref.add_space_prefix,
+    )
+    for text in [
+        "In the beginning God created the heaven and the earth.",
+        "  two  spaces\nand a newline",
+        "café ünïcode 日本 🙂",
+        "12345 67, verse 3:16",
+        " leading space and trailing ",
+        "\n\nAnd it was so.\tEnd",
+        "",
+    ]:
+        ids = tok.encode(text, add_bos=False)
+        assert ids == sp.encode(text), text
+        assert tok.encode(text) == [sp.bos_id(), *ids]
+        assert tok.decode(ids) == sp.decode(ids) == text
+
+
+def test_sentencepiece_added_tokens_flags_and_padded_vocab(tmp_path, caplog) -> None:
+    """tokenizer_config.json flags, template and added tokens; vocab_size past the pieces pads."""
+    pytest.importorskip("sentencepiece")
+    from powerpy.tokenizer import Tokenizer
+
+    n_pieces, n_vocab = 2048, 2056  # padded embeddings
+    src = write_hf(tmp_path / "hf", hf_tensors(n_vocab=n_vocab), n_vocab=n_vocab)
+    (src / "tokenizer.model").write_bytes((KJV_DIR / "tokenizer.model").read_bytes())
+    (src / "added_tokens.json").write_text(json.dumps({"<tool>": 2049, "\u2581verily": 2050}))
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    tc = {
+        "add_bos_token": False,
+        "add_eos_token": True,
+        "chat_template": template,
+        "added_tokens_decoder": {  # 2047 replaces a piece; 2049 overrides added_tokens.json
+            "2047": {"content": "<|im_start|>", "special": True},
+            "2049": {"content": "<tool>", "special": False},
+            "2051": {"content": "<|im_end|>", "special": True},
+        },
+    }
+    (src / "tokenizer_config.json").write_text(json.dumps(tc))
+    write_predictors(tmp_path / "pred")
+    with caplog.at_level("INFO", logger="powerpy.convert"):
+        out = convert(src, tmp_path / "pred", tmp_path / "spm.powerinfer.gguf", outtype="f32")
+    assert [r.getMessage() for r in caplog.records if "[PAD" in r.getMessage()] == [
+        f"{src / 'tokenizer.model'}: {n_pieces} pieces; 5 UNUSED [PAD{{id}}] tokens pad it to 2056"
+    ]
+
+    pads = [2048, *range(2052, n_vocab)]
+    with read_gguf(KJV_DIR / "kjv-relu.powerinfer.gguf") as want, read_gguf(out) as got:
+        toks, scores = got.kv[Keys.TOKENS], np.asarray(got.kv[Keys.SCORES])
+        types = np.asarray(got.kv[Keys.TOKEN_TYPE])
+        assert len(toks) == len(scores) == len(types) == n_vocab
+        assert toks[:2047] == want.kv[Keys.TOKENS][:2047]
+        np.testing.assert_array_equal(scores[:2047], np.asarray(want.kv[Keys.SCORES])[:2047])
+        assert [toks[i] for i in (2047, 2049, 2050, 2051)] == [
+            "<|im_start|>",
+            "<tool>",
+            " verily",
+            "<|im_end|>",
+        ]
+        assert [toks[i] for i in pads] == [f"[PAD{i}]" for i in pads]
+        C, U = TokenType.CONTROL, TokenType.USER_DEFINED
+        assert types[2047:].tolist() == [C, TokenType.UNUSED, U, U, C] + [TokenType.UNUSED] * 4
+        assert (scores[2047:] == -1000).all()
+        assert (got.kv[Keys.ADD_BOS], got.kv[Keys.ADD_EOS]) == (False, True)
+        assert got.kv[Keys.CHAT_TEMPLATE] == template
+        assert (got.kv_types[Keys.ADD_EOS], got.kv_types[Keys.CHAT_TEMPLATE]) == (
+            GGUFValueType.BOOL,
+            GGUFValueType.STRING,
+        )
+
+    tok = Tokenizer.from_gguf(out)
+    assert (tok.add_bos, tok.add_eos, tok.eos_id) == (False, True, 2)
+    ids = tok.encode("<|im_start|>And verily<tool><|im_end|>", add_eos=True)
+    assert ids[0] == 2047 and ids[-4:] == [2050, 2049, 2051, 2]
+    assert tok.decode(ids[1:-2]) == "And verily<tool>"
+
+    small = write_hf(tmp_path / "small", hf_tensors(n_vocab=2000), n_vocab=2000)
+    (small / "tokenizer.model").write_bytes((KJV_DIR / "tokenizer.model").read_bytes())
+    with pytest.raises(ValueError, match=rf"2048 tokens .*{re.escape(str(small))}.* 2000"):
+        convert(small, tmp_path / "pred", tmp_path / "small.gguf")
+
+
+def test_non_bpe_tokenizer_json_is_refused(tmp_path) -> None:
+    src = write_hf(tmp_path / "hf", hf_tensors())
+    tj = src / "tokenizer.json"
+    tj.write_text(json.dumps({"model": {"type": "Unigram", "vocab": [["<unk>", 0.0]]}}))
+    write_predictors(tmp_path / "pred")
+    with pytest.raises(ValueError, match=re.escape(str(tj)) + r".*'Unigram'.*--vocab-gguf"):
+        convert(src, tmp_path / "pred", tmp_path / "o.gguf")
+    assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.mark.parametrize("text", ['{"bos_token": "<s>"', "[1, 2]", "\xff\xfe"])
+def test_malformed_tokenizer_config_names_the_file(tmp_path, text) -> None:
+    src = write_hf(tmp_path / "hf", hf_tensors())
+    (src / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": {}}}))
+    bad = src / "tokenizer_config.json"
+    bad.write_bytes(text.encode("latin-1"))
+    write_predictors(tmp_path / "pred")
+    with pytest.raises(
+        ValueError, match=re.escape(str(bad)) + r": (not valid JSON|expected a JSON)"
+    ):
+        convert(src, tmp_path / "pred", tmp_path / "o.gguf")
+    assert not (tmp_path / "o.gguf").exists()

@@ -101,6 +101,21 @@ def test_sparse_file_dense_mode_is_reglu_reference(sparse_path):
     np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
 
 
+def test_ffn_act_overrides_what_the_file_implies(dense_path, sparse_path):
+    path, t = dense_path  # a dense GGUF of a ReLU model: only the user knows
+    llm = load(path, ffn_act="relu")
+    assert llm.model.args.ffn_variant == "reglu"
+    ref = reference_logits(t, SPEC, TOKENS, "reglu")
+    np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
+    path, t = sparse_path
+    llm = load(path, ffn_act="silu")
+    llm.model.sparse_enabled = False
+    ref = reference_logits(t, SPEC, TOKENS, "swiglu")
+    np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match=r"tiny-dense\.gguf: FFN activation 'gelu'"):
+        load(dense_path[0], ffn_act="gelu")
+
+
 @pytest.mark.parametrize("which", ["dense", "sparse"])
 def test_prefill_then_decode_equals_full_forward(which, dense_path, sparse_path):
     path, _ = dense_path if which == "dense" else sparse_path
@@ -210,6 +225,8 @@ def test_bamboo_uses_drelu(tmp_path):
     llm.model.sparse_enabled = False
     ref = reference_logits(t, spec, TOKENS, "drelu")
     np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="bamboo's FFN is dReLU"):
+        load(path, ffn_act="silu")
 
 
 def test_f16_file_matches_f32_within_half_precision(tmp_path):

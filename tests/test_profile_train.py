@@ -239,3 +239,24 @@ def test_cli_profile_and_train_from_samples(tmp_path, capsys) -> None:
     assert main(["convert", str(path), str(tmp_path / "pred"), "-o", str(conv)]) == 0
     with read_gguf(conv) as gf:
         assert gf.kv[Keys.SPARSE_ACTIVATION] == "silu"
+
+
+def test_cli_profiles_a_dense_relu_gguf_with_ffn_act(tmp_path, capsys) -> None:
+    path = tmp_path / "dense-relu.gguf"  # a dense GGUF has no activation key: the user says relu
+    tensors = write_tiny_model(path, SPEC, sparse=False, seed=4)
+    for l in range(SPEC.n_layer):
+        tensors[f"blk.{l}.ffn_down_t.weight"] = tensors[f"blk.{l}.ffn_down.weight"].T
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "prof"
+    args = ["profile", "-m", str(path), "--text", str(text), "--ctx", "32", "-o", str(out)]
+    assert main([*args, "--tokens", "64", "--ffn-act", "relu", "-t", "1"]) == 0
+    assert "(relu)" in capsys.readouterr().err
+    ids = load(path).tokenize(TEXT, add_bos=False)
+    counts = load_activation_stats(out, SPEC.n_layer, SPEC.n_ff)
+    want = [np.zeros(SPEC.n_ff, np.int64) for _ in range(SPEC.n_layer)]
+    for s in window_starts(len(ids), 32, 64):
+        for l, (gate, up) in enumerate(reference_ffn_preacts(tensors, ids[s : s + 32])):
+            want[l] += ((gate > 0) & (up != 0)).sum(0)
+    for l in range(SPEC.n_layer):
+        assert np.abs(counts[l] - want[l]).sum() <= 2

@@ -5,16 +5,14 @@ Pipeline (each step a ``powerpy`` CLI command except training and the checks):
 1. ``tools/train_relu_model.py``: train the ReGLU LLaMA on the KJV train split (Genesis ..
    Philemon), export an HF llama dir (``hidden_act: relu``) and a dense GGUF with the tokenizer.
    Skipped when ``WORK/ckpt.pt`` already holds the finished run (``--retrain`` forces it).
-2. ``powerpy convert HF PLACEHOLDER --outtype f32``: a *bootstrap* PWRI file with all-zero
-   predictors. powerpy runs a dense llama GGUF with SiLU (upstream's dense path), so the ReLU
-   model can only be profiled as a PWRI file; profiling runs the FFN dense and ignores predictors.
-3. ``powerpy profile -m BOOTSTRAP --kjv train --dump-samples N``: activation counts
-   (``activation_{i}.pt``) and predictor training samples.
-4. ``powerpy train-predictors --from-samples``: one predictor per layer (spec §14).
-5. ``powerpy convert HF PREDICTORS --outtype f16``: the final ``kjv-relu.powerinfer.gguf``.
-6. ``powerpy gen-gpuidx --vram-budget`` (a few MiB): ``.generated.gpuidx`` beside the model.
-7. ``powerpy perplexity --kjv heldout --dense-too`` and ``powerpy infer -p "And God said"``.
-8. Checks in process: logits of the PWRI model at threshold -inf (and dense) against the
+2. ``powerpy profile -m DENSE_GGUF --ffn-act relu --kjv train --dump-samples N``: activation
+   counts (``activation_{i}.pt``) and predictor training samples. GGUF has no activation key
+   for llama, so the dense file is run as ReGLU by ``--ffn-act relu``.
+3. ``powerpy train-predictors --from-samples``: one predictor per layer (spec §14).
+4. ``powerpy convert HF PREDICTORS --outtype f16``: the final ``kjv-relu.powerinfer.gguf``.
+5. ``powerpy gen-gpuidx --vram-budget`` (a few MiB): ``.generated.gpuidx`` beside the model.
+6. ``powerpy perplexity --kjv heldout --dense-too`` and ``powerpy infer -p "And God said"``.
+7. Checks in process: logits of the PWRI model at threshold -inf (and dense) against the
    training model, per-layer predictor recall and skipped share on held-out text, true sparsity.
 
 Everything lands in ``--out`` (default ``models/kjv-relu``): the model, ``activation/``,
@@ -72,19 +70,6 @@ def train_finished(work: Path) -> bool:
     return report.is_file() and (work / "hf" / "model.safetensors").is_file()
 
 
-def write_placeholder_predictors(directory: Path, n_layer: int, n_embd: int, n_ff: int) -> None:
-    """All-zero predictors (H = 32): every logit is 0 >= threshold 0, so every neuron runs."""
-    import torch
-
-    directory.mkdir(parents=True, exist_ok=True)
-    for l in range(n_layer):
-        sd = {
-            "fc1.weight": torch.zeros(32, n_embd, dtype=torch.float16),
-            "fc2.weight": torch.zeros(n_ff, 32, dtype=torch.float16),
-        }
-        torch.save(sd, directory / f"model_{l}.pt")
-
-
 # ------------------------------------------------------------------------------ checks
 def load_training_model(work: Path):
     """The trained ``ReluLlama`` from WORK/ckpt.pt (the trainer module loaded from tools/)."""
@@ -107,9 +92,10 @@ def load_training_model(work: Path):
 def check_model(model_path: Path, work: Path, n_windows: int | None) -> dict:
     """Logit agreement with the training model, predictor recall and sparsity on held-out text.
 
-    Returns figures for the report: max |logit diff| of the f16 PWRI model (dense, and gated at
-    threshold -inf) and of the f32 bootstrap against the training model; per-layer recall (share
-    of truly active neurons the predictor keeps), predicted-skipped share and true sparsity over
+    Returns figures for the report: max |logit diff| against the training model of the f16 PWRI
+    model (dense, and gated at threshold -inf) and of the dense f32 GGUF run as ReGLU; per-layer
+    recall (share of truly active neurons the predictor keeps), predicted-skipped share and true
+    sparsity over
     ``n_windows`` held-out windows of n_ctx tokens (BOS + n_ctx - 1 text tokens; None: all).
     """
     import numpy as np
@@ -122,7 +108,7 @@ def check_model(model_path: Path, work: Path, n_windows: int | None) -> dict:
     ref_model, mod = load_training_model(work)
     n_ctx = ref_model.hp.n_ctx
     llm = powerpy.load(model_path, weight_format="f32")
-    boot = powerpy.load(work / "bootstrap.powerinfer.gguf", weight_format="f32")
+    dense = powerpy.load(work / "kjv-relu.dense.gguf", weight_format="f32", ffn_act="relu")
     ids = llm.tokenize(kjv_text("heldout"), add_bos=False)
     bos = llm.tokenizer.bos_id
     m = llm.model
@@ -131,7 +117,7 @@ def check_model(model_path: Path, work: Path, n_windows: int | None) -> dict:
     true_active = np.zeros(n_layer)
     pred_active = np.zeros(n_layer)
     tokens = 0
-    diffs = {"pwri_f16_dense": 0.0, "pwri_f16_thr_-inf": 0.0, "bootstrap_f32_dense": 0.0}
+    diffs = {"pwri_f16_dense": 0.0, "pwri_f16_thr_-inf": 0.0, "dense_gguf_f32_relu": 0.0}
 
     def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
         # x: ffn_inp (T, n_embd), the predictor's input; h: true activation (T, n_ff)
@@ -151,7 +137,7 @@ def check_model(model_path: Path, work: Path, n_windows: int | None) -> dict:
             for key, (lm, thr) in {
                 "pwri_f16_dense": (llm, None),
                 "pwri_f16_thr_-inf": (llm, -math.inf),
-                "bootstrap_f32_dense": (boot, None),
+                "dense_gguf_f32_relu": (dense, None),
             }.items():
                 lm.model.sparse_enabled = thr is not None
                 saved = lm.model.threshold
@@ -240,23 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     train_report = json.loads((work / "train_report.json").read_text())
     hp = train_report["hparams"]
     n_ctx = str(hp["n_ctx"])
-    hf, dense, boot = rel(work / "hf"), rel(work / "kjv-relu.dense.gguf"), rel(work / "bootstrap")
+    hf, dense = rel(work / "hf"), rel(work / "kjv-relu.dense.gguf")
 
-    # 2-4. bootstrap PWRI (zero predictors) -> profile -> predictors
+    # 2-3. profile the dense GGUF as ReGLU -> predictors
     t0 = time.perf_counter()
-    boot += ".powerinfer.gguf"
-    placeholder, prof, pred = work / "placeholder", work / "profile", work / "predictor"
-    write_placeholder_predictors(placeholder, hp["n_layer"], hp["n_embd"], hp["n_ff"])
-    run(powerpy("convert", hf, rel(placeholder), "-o", boot, "--outtype", "f32"))
-    cmd = powerpy("profile", "-m", boot, "--kjv", "train", "-o", rel(prof), "--ctx", n_ctx)
-    cmd += ["--tokens", str(args.profile_tokens), "--dump-samples", str(args.samples), "-t", "1"]
-    run(cmd, work / "profile.log")
-    cmd = powerpy("train-predictors", "-m", boot, "--from-samples", rel(prof / "samples"))
-    cmd += ["-o", rel(pred), "--hidden", str(args.hidden), "-t", "1"]
+    prof, pred = work / "profile", work / "predictor"
+    cmd = powerpy("profile", "-m", dense, "--ffn-act", "relu", "--kjv", "train", "-o", rel(prof))
+    cmd += ["--ctx", n_ctx, "--tokens", str(args.profile_tokens)]
+    run(cmd + ["--dump-samples", str(args.samples), "-t", "1"], work / "profile.log")
+    cmd = powerpy("train-predictors", "--from-samples", rel(prof / "samples"), "-o", rel(pred))
+    cmd += ["--hidden", str(args.hidden), "-t", "1"]
     run(cmd + ["--threshold", str(args.pred_threshold)], work / "train_predictors.log")
     times["profile_and_predictors"] = time.perf_counter() - t0
 
-    # 5. the PWRI model (HF source; the tokenizer keys come from the dense GGUF)
+    # 4. the PWRI model (HF source; the tokenizer keys come from the dense GGUF)
     out.mkdir(parents=True, exist_ok=True)
     model = out / MODEL_NAME
     cmd = powerpy("convert", hf, rel(pred), "-o", rel(model), "--outtype", "f16")
@@ -272,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.copy2(f, dst / f.name)
     shutil.copy2(work / "tokenizer.model", out / "tokenizer.model")
 
-    # 6-7. GPU index, perplexity, a greedy sample
+    # 5-6. GPU index, perplexity, a greedy sample
     cmd = powerpy("gen-gpuidx", "-m", rel(model), "--vram-budget", args.vram_budget)
     gpuidx_out = run(cmd + ["--ctx", n_ctx])
     t0 = time.perf_counter()
@@ -282,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = powerpy("infer", "-m", rel(model), "-p", PROMPT, "-n", "40", "--temp", "0", "-t", "1")
     infer_out = run(cmd)
 
-    # 8. checks
+    # 7. checks
     checks = check_model(model, work, args.check_windows)
     checks["hf_and_dense_gguf_sources_convert_identically"] = same_tensors(model, from_gguf)
     files = sorted(f for f in out.rglob("*") if f.is_file() and f.name != "build_report.json")

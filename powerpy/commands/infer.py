@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
+from powerpy.commands.common import add_load_args, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,15 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by the commands that load a model."""
-    p.add_argument("-m", "--model", help="model file (default: the embedded SmolLM2-135M)")
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
-    p.add_argument(
-        "--sparse-threshold",
-        type=float,
-        default=None,
-        help=f"predictor threshold (default: env {THRESHOLD_ENV}, then the file's key, then 0)",
-    )
+    """Options of the commands that generate (infer, bench): load options plus placement."""
+    add_load_args(p)
     p.add_argument("--dense", action="store_true", help="ignore the predictors (dense FFN)")
     p.add_argument(
         "--weight-format", choices=("auto", "f32", "raw"), default="auto", help=argparse.SUPPRESS
@@ -58,33 +50,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="dense GGUF only")
 
 
-def threshold_from(args: argparse.Namespace) -> float | None:
-    """CLI flag > env LLAMA_SPARSE_PRED_THRESHOLD > the file's key (None)."""
-    if args.sparse_threshold is not None:
-        return args.sparse_threshold
-    env = os.environ.get(THRESHOLD_ENV)
-    if env is None or env.strip() == "":
-        return None
-    try:
-        return float(env)
-    except ValueError:
-        raise ValueError(f"{THRESHOLD_ENV}={env!r} is not a number") from None
-
-
 def load_from_args(args: argparse.Namespace):
-    """Load the model named by the shared options, printing load time to stderr."""
-    import torch
-
-    from powerpy.api import load
-
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    llm = load(
-        args.model,
-        threshold=threshold_from(args),
-        weight_format=args.weight_format,
-        progress=sys.stderr.isatty(),
-    )
+    """Load the model named by the shared options (``-ngl`` checked, ``--dense`` applied)."""
+    llm = load_model(args)
     if llm.model.args.sparse and args.n_gpu_layers > 0:
         raise ValueError(
             f"{llm.path}: -ngl/--n-gpu-layers is ignored by sparse (PWRI) models; "

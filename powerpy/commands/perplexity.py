@@ -5,43 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def add_text_args(p: argparse.ArgumentParser, *, file_flag: str, kjv_default: str) -> None:
-    """``FILE_FLAG FILE`` or ``--kjv [SPLIT]`` (mutually exclusive, one required)."""
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument(*file_flag.split("|"), dest="text", help="UTF-8 text file")
-    g.add_argument(
-        "--kjv",
-        nargs="?",
-        const=kjv_default,
-        choices=("train", "heldout", "all"),
-        help=f"the KJV Bible (split: train = Genesis-Philemon, heldout = Hebrews-Revelation; "
-        f"default {kjv_default})",
-    )
-
-
-def add_load_args(p: argparse.ArgumentParser) -> None:
-    """-m, -t and the threshold override."""
-    p.add_argument("-m", "--model", help="model file (default: the sparse SmolLM2-135M)")
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
-    p.add_argument(
-        "--sparse-threshold",
-        type=float,
-        default=None,
-        help="predictor threshold (default: env LLAMA_SPARSE_PRED_THRESHOLD, the file's key, 0)",
-    )
-
-
-def load_model(args: argparse.Namespace):
-    """Load ``args.model`` (or the default model) with the shared options."""
-    import torch
-
-    from powerpy.api import load
-    from powerpy.commands.infer import threshold_from
-
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    return load(args.model, threshold=threshold_from(args), progress=sys.stderr.isatty())
+from powerpy.commands.common import add_load_args, add_text_args, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from powerpy.commands.perplexity import add_load_args, add_text_args, load_model
+from powerpy.commands.common import add_load_args, add_text_args, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:

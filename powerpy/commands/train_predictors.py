@@ -5,21 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from powerpy.commands.perplexity import add_load_args, load_model
+from powerpy.commands.common import add_load_args, add_text_args, load_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-predictors", help="train activation predictors (model_{i}.pt)")
     add_load_args(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", help="UTF-8 training text")
-    src.add_argument(
-        "--kjv",
-        nargs="?",
-        const="train",
-        choices=("train", "heldout", "all"),
-        help="the KJV Bible (default split: train = Genesis-Philemon)",
-    )
+    src = add_text_args(p, file_flag="--text", kjv_default="train")
     src.add_argument("--from-samples", help="reuse a sample dump (DIR/samples of `profile`)")
     p.add_argument("-o", "--output", required=True, help="predictor directory")
     hid = p.add_mutually_exclusive_group()
