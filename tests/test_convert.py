@@ -348,6 +348,8 @@ def test_default_model_builds_once_and_reuses_cache(tmp_path, monkeypatch, caplo
     assert first.is_file() and first.parent.parent == tmp_path / "cache" / "powerpy"
     assert (first.parent / "activation" / "activation_1.pt").is_file()
     assert models.default_model_path() == first and len(calls) == 1  # reused
+    (pred / "README.md").write_text("docs do not change the build")
+    assert models.default_model_path() == first and len(calls) == 1
     assert not [p for p in first.parent.parent.iterdir() if p.name.endswith(".tmp")]
     assert not [p for p in first.parent.parent.iterdir() if p.is_dir() and p.name.startswith(".")]
 
