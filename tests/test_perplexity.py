@@ -101,13 +101,22 @@ def test_kjv_split_is_disjoint() -> None:
     assert "Philemon" in train
 
 
-def test_cli_dense_too(tmp_path, capsys) -> None:
+def test_cli_reports_dense_and_sparse_side_by_side(tmp_path, capsys) -> None:
     path = tmp_path / "t.powerinfer.gguf"
     write_tiny_model(path, SPEC, sparse=True)
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
     torch.manual_seed(0)
-    rc = main(["perplexity", "-m", str(path), "-f", str(text), "-c", "64", "--dense-too"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "dense" in out and "sparse" in out and "+0.00%" in out
+    base = ["perplexity", "-m", str(path), "-f", str(text), "-c", "64"]
+    assert main(base) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["dense", "sparse"] and rows[0][2] == "+0.00%"
+    dense_ppl, sparse_ppl = float(rows[0][1]), float(rows[1][1])
+    assert rows[1][2] == f"{100 * (sparse_ppl / dense_ppl - 1):+.2f}%"
+    assert main([*base, "--sparse-only"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["sparse"] and float(rows[0][1]) == sparse_ppl
+    assert main([*base, "--dense"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["dense"] and float(rows[0][1]) == dense_ppl
     assert main(["perplexity", "-m", str(path), "-f", str(tmp_path / "none.txt")]) == 1

@@ -11,7 +11,7 @@ Pipeline (each step a ``powerpy`` CLI command except training and the checks):
 3. ``powerpy train-predictors --from-samples``: one predictor per layer (spec §14).
 4. ``powerpy convert HF PREDICTORS --outtype f16``: the final ``kjv-relu.powerinfer.gguf``.
 5. ``powerpy gen-gpuidx --vram-budget`` (a few MiB): ``.generated.gpuidx`` beside the model.
-6. ``powerpy perplexity --kjv heldout --dense-too`` and ``powerpy infer -p "And God said"``.
+6. ``powerpy perplexity --kjv heldout`` (dense and sparse) and ``powerpy infer -p "And God said"``.
 7. Checks in process: logits of the PWRI model at threshold -inf (and dense) against the
    training model, per-layer predictor recall and skipped share on held-out text, true sparsity.
 
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     gpuidx_out = run(cmd + ["--ctx", n_ctx])
     t0 = time.perf_counter()
     cmd = powerpy("perplexity", "-m", rel(model), "--kjv", "heldout", "-c", n_ctx)
-    ppl_out = run(cmd + ["--dense-too", "-t", "1"], work / "perplexity.log")
+    ppl_out = run(cmd + ["-t", "1"], work / "perplexity.log")
     times["perplexity"] = time.perf_counter() - t0
     cmd = powerpy("infer", "-m", rel(model), "-p", PROMPT, "-n", "40", "--temp", "0", "-t", "1")
     infer_out = run(cmd)

@@ -10,16 +10,19 @@ from powerpy.commands.common import add_load_args, add_text_args, load_model
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "perplexity", help="perplexity of a text (llama.cpp method), dense vs sparse"
+        "perplexity",
+        help="perplexity of a text (llama.cpp method); PWRI models: dense and sparse side by side",
     )
     add_load_args(p)
     add_text_args(p, file_flag="-f|--file", kjv_default="heldout")
     p.add_argument("-c", "--ctx", type=int, default=512, help="chunk length (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")
-    p.add_argument(
-        "--dense-too", action="store_true", help="also run the dense FFN and compare (PWRI models)"
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--dense", action="store_true", help="run the dense FFN only")
+    which.add_argument(
+        "--sparse-only", action="store_true", help="PWRI models: skip the dense reference run"
     )
-    p.add_argument("--dense", action="store_true", help="run the dense FFN only")
+    which.add_argument("--dense-too", action="store_true", help=argparse.SUPPRESS)  # the default
     p.set_defaults(func=run)
 
 
@@ -40,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     kw = dict(ctx=args.ctx, chunks=args.chunks, bos_id=bos, progress=sys.stderr.isatty())
     results = []
     sparse_ok = model.sparse_enabled and not args.dense
-    if args.dense or args.dense_too or not sparse_ok:
+    if args.dense or not args.sparse_only or not sparse_ok:
         model.sparse_enabled = False
         results.append(("dense", perplexity(model, ids, desc="dense", **kw)))
     if sparse_ok:
