@@ -52,7 +52,8 @@ def _scratch_rows(k: int, cols: int, dtype: torch.dtype) -> Tensor:
     n = k * cols
     buf = bufs.get(dtype)
     if buf is None or buf.numel() < n:
-        buf = bufs[dtype] = torch.empty(max(n, 1 << 16), dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = bufs[dtype] = torch.empty(max(n, 1 << 16), dtype=dtype)
     return buf[:n].view(k, cols)
 
 

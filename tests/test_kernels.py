@@ -539,3 +539,15 @@ def test_synthetic_model(tmp_path: Path, dtype: str) -> None:
     g = x @ gate.T
     agree = ((logits >= 0) == (g >= 0)).float().mean()
     assert agree > (0.999 if dtype == "f32" else 0.95), agree
+
+
+def test_scratch_rows_work_in_and_out_of_inference_mode() -> None:
+    from powerpy.weights import _scratch, _scratch_rows
+
+    _scratch.__dict__.clear()
+    src, idx = torch.randn(64, 16), torch.tensor([3, 9, 40])
+    with torch.inference_mode():  # generation allocates the reused buffer first
+        torch.index_select(src, 0, idx, out=_scratch_rows(3, 16, torch.float32))
+    out = _scratch_rows(3, 16, torch.float32)  # then a notebook, outside inference mode
+    rows = torch.index_select(src, 0, idx, out=out)
+    torch.testing.assert_close(rows, src[idx])

@@ -238,3 +238,22 @@ def test_f16_file_matches_f32_within_half_precision(tmp_path):
     a, b = _logits(load(p32), TOKENS), _logits(load(p16), TOKENS)
     assert np.abs(a - b).max() < 2e-2
     assert read_gguf(p16).tensors["blk.0.ffn_up.weight"].ggml_type == GGMLType.F16
+
+
+def test_quant_types_without_kernels_load_as_f16(smollm2_path):
+    """Q4_1 (no kernel) is dequantized to f16 at load: half of f32's memory, same logits."""
+    from powerpy.constants import GGMLType
+
+    llm = load(smollm2_path)
+    ref = load(smollm2_path, weight_format="f32")
+    blk0 = llm.model.weights.blk[0]
+    assert llm.file.tensors["blk.0.ffn_gate.weight"].ggml_type == GGMLType.Q4_1
+    assert blk0.ffn_gate.w.dtype == torch.float16 and blk0.ffn_down_t.w.dtype == torch.float16
+    assert ref.model.weights.blk[0].ffn_gate.w.dtype == torch.float32
+    np.testing.assert_allclose(  # f16 rounding only: 11 significant bits
+        blk0.ffn_gate.w.float().numpy(), ref.model.weights.blk[0].ffn_gate.w.numpy(), rtol=2**-11
+    )
+    ids = llm.tokenize("The Lord is my shepherd; I shall not want.")
+    a, b = _logits(llm, ids), _logits(ref, ids)
+    assert np.abs(a - b).max() < 1e-2 * (b.max() - b.min())
+    assert (a.argmax(-1) == b.argmax(-1)).all()
