@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from powerpy.chat import Message, render_chat
 from powerpy.generate import Response, generate, stream_generate
 from powerpy.gguf_io import GGUFFile, read_gguf
 from powerpy.loader import load_weights, model_args
@@ -58,6 +59,53 @@ class LLM:
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         cache = self.model.new_cache(len(ids))
         return self.model.forward(torch.tensor(ids, dtype=torch.long), cache, all_logits=True)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+    ) -> str | list[int]:
+        """A conversation as the model's chat prompt (its ``tokenizer.chat_template``).
+
+        Args:
+            messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+            add_generation_prompt: end with the assistant's turn header.
+            tokenize: return token ids (BOS added per the file, unless the template wrote it).
+
+        Raises:
+            ValueError: malformed messages or a failing template.
+        """
+        tok = self.tokenizer
+        bos, eos = (self._special_text(i) for i in (tok.bos_id, tok.eos_id))
+        text = render_chat(
+            tok.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+            source=str(self.path),
+        )
+        if not tokenize:
+            return text
+        return tok.encode(text, add_bos=tok.add_bos and not (bos and text.startswith(bos)))
+
+    def chat(self, messages: Sequence[Message], max_tokens: int = 256, **sampling) -> str:
+        """The assistant's reply to a conversation (stops at the model's end-of-turn token)."""
+        return "".join(r.text for r in self.stream_chat(messages, max_tokens, **sampling))
+
+    def stream_chat(
+        self, messages: Sequence[Message], max_tokens: int = 256, **sampling
+    ) -> Iterator[Response]:
+        """Stream the assistant's reply to a conversation as ``Response`` records."""
+        ids = self.apply_chat_template(messages, tokenize=True)
+        return stream_generate(self, ids, max_tokens, SamplingParams(**sampling))
+
+    def _special_text(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self.tokenizer.token_to_piece(token_id, special=True).decode("utf-8", "replace")
 
     @property
     def sparsity(self):

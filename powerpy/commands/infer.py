@@ -11,7 +11,7 @@ from powerpy.commands.common import add_load_args, load_model
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("infer", help="generate text from a GGUF or PowerInfer (PWRI) model")
     add_model_args(p)
-    p.add_argument("-p", "--prompt", default="Once upon a time", help="prompt text")
+    p.add_argument("-p", "--prompt", default=None, help="prompt text (default 'Once upon a time')")
     p.add_argument("-f", "--file", help="read the prompt from this file")
     p.add_argument(
         "-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until full)"
@@ -25,6 +25,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat-last-n", type=int, default=64)
     p.add_argument("-s", "--seed", type=int, default=-1, help="RNG seed (-1: random)")
     p.add_argument("--no-display-prompt", action="store_true", help="print only generated text")
+    p.add_argument(
+        "-cnv",
+        "--conversation",
+        action="store_true",
+        help="chat with the model's chat template: -p is the first user turn, then one turn per "
+        "line of stdin (a '> ' prompt on a terminal); -n limits each reply",
+    )
+    p.add_argument("-sys", "--system-prompt", default=None, help="system message (with -cnv)")
     p.set_defaults(func=run)
 
 
@@ -90,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         f"threshold {llm.model.threshold:g}), load {llm.load_seconds:.2f} s",
         file=sys.stderr,
     )
-    prompt = args.prompt
+    prompt = args.prompt if args.prompt is not None else "Once upon a time"
     if args.file:
         with open(args.file, encoding="utf-8") as fh:
             prompt = fh.read()
@@ -103,22 +111,26 @@ def run(args: argparse.Namespace) -> int:
         repeat_last_n=args.repeat_last_n,
         seed=None if args.seed < 0 else args.seed,
     )
-    n_ctx = args.ctx_size or None
     if args.vram_budget is not None:
         # KV reserved for -c, else for 2048 positions (gen-gpuidx's default, so its index is
         # reused) or what this prompt needs if more
         n_prompt = len(llm.tokenize(prompt))
         need = n_prompt + args.n_predict if args.n_predict > 0 else a.n_ctx_train
         setup_hybrid(llm, args, args.ctx_size or max(min(2048, a.n_ctx_train), need))
-    if not args.no_display_prompt:
-        sys.stdout.write(prompt)
-    last = None
-    from powerpy.generate import stream_generate
+    if args.conversation:
+        last = converse(llm, args, params)
+    else:
+        from powerpy.generate import stream_generate
 
-    for last in stream_generate(llm, prompt, args.n_predict, params, n_ctx=n_ctx):
-        sys.stdout.write(last.text)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+        if not args.no_display_prompt:
+            sys.stdout.write(prompt)
+        last = None
+        for last in stream_generate(
+            llm, prompt, args.n_predict, params, n_ctx=args.ctx_size or None
+        ):
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
     if last is not None:
         print(
             f"load: {llm.load_seconds:.2f} s | prompt: {last.prompt_tokens} tokens, "
@@ -133,3 +145,43 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _user_turns(first: str | None):
+    """-p, then one turn per stdin line (prompted with '> ' on a terminal); stops at EOF."""
+    if first is not None:
+        yield first
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            try:
+                line = input("> ")
+            except EOFError:
+                return
+        else:
+            line = sys.stdin.readline()
+            if not line:
+                return
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line
+
+
+def converse(llm, args: argparse.Namespace, params):
+    """-cnv: the chat loop; each reply is streamed and kept in the history. Returns the last
+    ``Response`` (for the speed line) or None."""
+    from powerpy.generate import stream_generate
+
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    last = None
+    for turn in _user_turns(args.prompt):
+        messages.append({"role": "user", "content": turn})
+        ids = llm.apply_chat_template(messages, tokenize=True)
+        reply = []
+        for last in stream_generate(llm, ids, args.n_predict, params):
+            reply.append(last.text)
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply).strip()})
+    return last

@@ -1,0 +1,100 @@
+"""Chat prompts: a GGUF file's ``tokenizer.chat_template`` (Jinja) rendered as HF and llama.cpp do.
+
+The template runs in Jinja's immutable sandbox with the variables HF's ``apply_chat_template``
+provides (``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
+``raise_exception``, ``strftime_now``). A file without a template gets ChatML, llama.cpp's
+fallback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": str}
+
+
+def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The messages as plain dicts, after checking each has a string role and content.
+
+    Raises:
+        ValueError: an empty list, or a message without a string ``role`` or ``content``.
+    """
+    if isinstance(messages, (str, bytes)) or not messages:
+        raise ValueError('messages must be a non-empty list of {"role": ..., "content": ...}')
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ValueError(f"message {i} is a {type(m).__name__}, not a dict")
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise ValueError(f"message {i} needs a string {key!r}, got {m.get(key)!r}")
+        out.append(dict(m))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        from jinja2 import TemplateError
+
+        raise TemplateError(message)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+    return env.from_string(template)
+
+
+def render_chat(
+    template: str | None,
+    messages: Sequence[Message],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    source: str = "model",
+) -> str:
+    """The prompt text of a conversation.
+
+    Args:
+        template: the Jinja chat template; None uses ChatML.
+        messages: ``[{"role": ..., "content": ...}, ...]``.
+        add_generation_prompt: end with the assistant's turn header, ready for its reply.
+        bos_token, eos_token: texts of the special tokens, for templates that write them.
+        source: the model file, for error messages.
+
+    Raises:
+        ValueError: malformed messages, or a template that fails to compile or raises.
+    """
+    from jinja2 import TemplateError
+
+    msgs = check_messages(messages)
+    if template is None:
+        log.info("%s has no tokenizer.chat_template: using ChatML", source)
+        template = CHATML
+    try:
+        return _compile(template).render(
+            messages=msgs,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except TemplateError as e:
+        raise ValueError(f"{source}: chat template failed: {e}") from None
