@@ -98,3 +98,66 @@ def render_chat(
         )
     except TemplateError as e:
         raise ValueError(f"{source}: chat template failed: {e}") from None
+
+
+class ChatSession:
+    """A conversation that keeps its KV cache between turns, as llama.cpp's chat mode does.
+
+    Each turn renders the whole conversation with the chat template, finds the longest prefix of
+    tokens already in the cache, and runs only the rest, so a long conversation is not prefilled
+    again at every turn.
+
+    Example::
+
+        chat = ChatSession(llm, system="Answer in one sentence.")
+        for r in chat.send("What is the capital of France?", temperature=0):
+            print(r.text, end="")
+    """
+
+    def __init__(self, llm: Any, *, system: str | None = None, n_ctx: int | None = None) -> None:
+        """Args: ``llm`` a loaded model; ``system`` an optional system message; ``n_ctx`` the
+        context size (default: the model's training context, at most 4096)."""
+        self.llm = llm
+        self.messages: list[dict[str, str]] = []
+        if system:
+            self.messages.append({"role": "system", "content": system})
+        self.cache = llm.model.new_cache(n_ctx)
+        self._cached: list[int] = []  # the tokens whose keys and values are in the cache
+
+    def send(self, text: str, max_tokens: int = 256, **sampling: Any):
+        """Add a user turn and stream the assistant's reply (``Response`` records); the reply
+        joins the history when the stream ends. ``sampling``: ``SamplingParams`` fields.
+
+        Raises:
+            ValueError: the conversation no longer fits the context.
+        """
+        from powerpy.generate import stream_generate
+        from powerpy.sampling import SamplingParams
+
+        self.messages.append({"role": "user", "content": text})
+        ids = self.llm.apply_chat_template(self.messages, tokenize=True)
+        if len(ids) >= self.cache.n_ctx:
+            self.messages.pop()
+            raise ValueError(
+                f"the conversation is {len(ids)} tokens and the context holds {self.cache.n_ctx}: "
+                "start a new one, or use a larger context (n_ctx, -c)"
+            )
+        keep = 0  # reuse the cached prefix, but always run at least one token for the logits
+        for a, b in zip(self._cached, ids[:-1], strict=False):
+            if a != b:
+                break
+            keep += 1
+        self.cache.pos = keep
+        budget = min(max_tokens, self.cache.n_ctx - len(ids)) if max_tokens >= 0 else -1
+        generated, reply = [], []
+        try:
+            for r in stream_generate(
+                self.llm, ids[keep:], budget, SamplingParams(**sampling), cache=self.cache
+            ):
+                generated.append(r.token)
+                reply.append(r.text)
+                yield r
+        finally:
+            # the last sampled token was never fed back, so it is not in the cache
+            self._cached = ids + generated[:-1]
+            self.messages.append({"role": "assistant", "content": "".join(reply).strip()})

@@ -64,6 +64,7 @@ def stream_generate(
     params: SamplingParams | None = None,
     *,
     n_ctx: int | None = None,
+    cache: KVCache | None = None,
 ) -> Iterator[Response]:
     """Stream the continuation of ``prompt`` as ``Response`` records.
 
@@ -73,13 +74,23 @@ def stream_generate(
         max_tokens: most tokens to generate; < 0 means until the context is full.
         params: sampling options (default: llama.cpp's defaults).
         n_ctx: KV cache size (default: prompt + max_tokens, at most the training context).
+        cache: continue this cache instead (``prompt`` follows its ``pos`` tokens; the caller
+            keeps track of them, as ``powerpy.chat.ChatSession`` does).
     """
     params = params or SamplingParams()
     tok = llm.tokenizer
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    if max_tokens < 0:
-        max_tokens = llm.model.args.n_ctx_train - len(ids)
-    cache = llm.model.new_cache(n_ctx or len(ids) + max(max_tokens, 1))
+    if cache is None:
+        if max_tokens < 0:
+            max_tokens = llm.model.args.n_ctx_train - len(ids)
+        cache = llm.model.new_cache(n_ctx or len(ids) + max(max_tokens, 1))
+    elif max_tokens < 0:
+        max_tokens = cache.n_ctx - cache.pos - len(ids)
+    if cache.pos + len(ids) > cache.n_ctx:
+        raise ValueError(
+            f"the prompt needs {cache.pos + len(ids)} positions but the context holds "
+            f"{cache.n_ctx}: use a larger context (-c)"
+        )
     decoder = tok.stream_decoder(strip_leading_space=False)
     t0 = time.perf_counter()
     t_first = t0

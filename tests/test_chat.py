@@ -9,7 +9,7 @@ import os
 import pytest
 
 import powerpy
-from powerpy.chat import CHATML, render_chat
+from powerpy.chat import CHATML, ChatSession, render_chat
 from powerpy.cli import main
 from powerpy.tiny import TinySpec, write_tiny_model
 
@@ -132,3 +132,24 @@ def test_cli_conversation_keeps_history(smollm2_path, monkeypatch, capsys) -> No
     assert main(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 2 and "Paris" in lines[0] and "Berlin" in lines[1]
+
+
+def test_chat_session_reuses_the_cache_and_matches_a_fresh_prefill(smol) -> None:
+    chat = ChatSession(smol, system="Answer in one sentence.", n_ctx=512)
+    first = list(chat.send("What is the capital of France?", 32, temperature=0))
+    assert first[0].prompt_tokens == len(smol.apply_chat_template(chat.messages[:2], tokenize=True))
+    second = list(chat.send("And the capital of Germany?", 32, temperature=0))
+    full = smol.apply_chat_template(chat.messages[:4], tokenize=True)
+    assert second[0].prompt_tokens < len(full) - len(first)  # only the new turn ran
+    fresh = smol.chat(chat.messages[:4], 32, temperature=0)
+    assert "".join(r.text for r in second) == fresh and "Berlin" in fresh
+    assert [m["role"] for m in chat.messages] == ["system"] + ["user", "assistant"] * 2
+
+
+def test_chat_session_overflow_is_a_clear_error_and_keeps_history(smol) -> None:
+    chat = ChatSession(smol, n_ctx=64)
+    list(chat.send("Hi", 4, temperature=0))
+    before = list(chat.messages)
+    with pytest.raises(ValueError, match=r"conversation is \d+ tokens and the context holds 64"):
+        list(chat.send("word " * 80, 4))
+    assert chat.messages == before

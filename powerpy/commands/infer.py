@@ -168,20 +168,17 @@ def _user_turns(first: str | None):
 
 
 def converse(llm, args: argparse.Namespace, params):
-    """-cnv: the chat loop; each reply is streamed and kept in the history. Returns the last
-    ``Response`` (for the speed line) or None."""
-    from powerpy.generate import stream_generate
+    """-cnv: the chat loop; each reply is streamed and kept in the history (and the KV cache).
+    Returns the last ``Response`` (for the speed line) or None."""
+    import dataclasses
 
-    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    from powerpy.chat import ChatSession
+
+    chat = ChatSession(llm, system=args.system_prompt, n_ctx=args.ctx_size or None)
     last = None
     for turn in _user_turns(args.prompt):
-        messages.append({"role": "user", "content": turn})
-        ids = llm.apply_chat_template(messages, tokenize=True)
-        reply = []
-        for last in stream_generate(llm, ids, args.n_predict, params):
-            reply.append(last.text)
+        for last in chat.send(turn, args.n_predict, **dataclasses.asdict(params)):
             sys.stdout.write(last.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply).strip()})
     return last
