@@ -112,24 +112,29 @@ class FFNRunner(Protocol):
 
 
 # ----------------------------------------------------------------------------------- maths
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    if _HAS_RMS_NORM and x.dtype == w.dtype:
+        return F.rms_norm(x, w.shape, w, eps)  # one fused op (torch >= 2.4)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope_tables(args: ModelArgs, pos0: int, n: int) -> tuple[Tensor, Tensor]:
-    """cos/sin (n, n_rot/2) for positions pos0..pos0+n-1, ggml NORM mode."""
+def rope_tables(args: ModelArgs, pos0: int, n: int) -> Tensor:
+    """Rotations ``exp(i·pos·θ_j)`` (n, n_rot/2) complex64 for positions pos0..pos0+n-1, ggml
+    NORM mode (θ_j = base^(-2j/n_rot)), computed in float64."""
     inv = args.rope_base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
     ang = torch.arange(pos0, pos0 + n, dtype=torch.float64)[:, None] * inv[None]
-    return ang.cos().float(), ang.sin().float()
+    return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, n_rot: int) -> Tensor:
-    """Rotate adjacent pairs (2i, 2i+1) of the first n_rot dims: x (T, heads, head_dim)."""
-    xr = x[..., :n_rot].reshape(*x.shape[:-1], n_rot // 2, 2)
-    x0, x1 = xr[..., 0], xr[..., 1]  # (T, heads, n_rot/2)
-    c, s = cos[:, None], sin[:, None]
-    rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    return torch.cat((rot, x[..., n_rot:]), dim=-1) if n_rot < x.shape[-1] else rot
+def apply_rope(x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) of the first n_rot dims: x (T, heads, head_dim) f32, rot
+    (T, n_rot/2) from ``rope_tables``. Each pair is one complex number times its rotation."""
+    z = torch.view_as_complex(x[..., :n_rot].reshape(*x.shape[:-1], n_rot // 2, 2))
+    out = torch.view_as_real(z * rot[:, None]).flatten(-2)  # (T, heads, n_rot)
+    return torch.cat((out, x[..., n_rot:]), dim=-1) if n_rot < x.shape[-1] else out
 
 
 # ----------------------------------------------------------------------------------- model
@@ -176,14 +181,14 @@ class Model:
                 f"context is full: {cache.pos} + {n} tokens exceed n_ctx {cache.n_ctx}"
             )
         x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
-        cos, sin = rope_tables(a, cache.pos, n)
+        rot = rope_tables(a, cache.pos, n)
         for l, blk in enumerate(w.blk):
             # Hybrid placements: each step runs where its weights are and the residual stream
             # follows (every .to is a no-op when the tensor is already there, e.g. CPU-only).
             x = x.to(blk.attn_norm.device)
-            cos, sin = cos.to(blk.attn_q.device), sin.to(blk.attn_q.device)
+            rot = rot.to(blk.attn_q.device)
             with phase(self.timer, "attention"):
-                att = self.attention(l, blk, rms_norm(x, blk.attn_norm, a.rms_eps), cache, cos, sin)
+                att = self.attention(l, blk, rms_norm(x, blk.attn_norm, a.rms_eps), cache, rot)
                 ffn_inp = x + att.to(x.device)
             with phase(self.timer, "ffn"):
                 xn = rms_norm(ffn_inp.to(blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
@@ -195,31 +200,33 @@ class Model:
             x = rms_norm(x.to(w.output_norm.device), w.output_norm, a.rms_eps)
             return w.output.linear(x.to(w.output.device)).cpu()  # logits on the host
 
-    def attention(
-        self, l: int, blk: Block, x: Tensor, cache: KVCache, cos: Tensor, sin: Tensor
-    ) -> Tensor:
+    def attention(self, l: int, blk: Block, x: Tensor, cache: KVCache, rot: Tensor) -> Tensor:
         a = self.args
         n, p0 = x.shape[0], cache.pos
         q = blk.attn_q.linear(x.to(blk.attn_q.device)).view(n, a.n_head, a.head_dim)
         k = blk.attn_k.linear(x.to(blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
         v = blk.attn_v.linear(x.to(blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
-        q = apply_rope(q, cos.to(q.device), sin.to(q.device), a.n_rot)
-        k = apply_rope(k, cos.to(k.device), sin.to(k.device), a.n_rot)
+        q = apply_rope(q, rot.to(q.device), a.n_rot)
+        k = apply_rope(k, rot.to(k.device), a.n_rot)
         cache.k[l, p0 : p0 + n].copy_(k)  # copy_: the cache may live on another device
         cache.v[l, p0 : p0 + n].copy_(v)
         keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
         vals = cache.v[l, : p0 + n].transpose(0, 1).float()
-        mask = None
-        if n > 1:  # query i sees keys 0..p0+i
+        if n == 1:  # decode: query head h reads key/value head h // group, as two bmm
+            group = a.n_head // a.n_head_kv
+            qg = q.to(keys.device).view(a.n_head_kv, group, a.head_dim)
+            scores = torch.bmm(qg, keys.transpose(1, 2)) * a.head_dim**-0.5  # (n_kv, group, S)
+            out = torch.bmm(scores.softmax(-1), vals).view(1, a.n_embd)  # head-major order
+        else:  # query i sees keys 0..p0+i
             mask = torch.ones(n, p0 + n, dtype=torch.bool, device=keys.device).tril(diagonal=p0)
-        out = F.scaled_dot_product_attention(
-            q.to(keys.device).transpose(0, 1),
-            keys,
-            vals,
-            attn_mask=mask,
-            enable_gqa=a.n_head != a.n_head_kv,
-        )  # (n_head, T, head_dim), where the cache is
-        out = out.transpose(0, 1).reshape(n, a.n_embd)
+            out = F.scaled_dot_product_attention(
+                q.to(keys.device).transpose(0, 1),
+                keys,
+                vals,
+                attn_mask=mask,
+                enable_gqa=a.n_head != a.n_head_kv,
+            )  # (n_head, T, head_dim), where the cache is
+            out = out.transpose(0, 1).reshape(n, a.n_embd)
         return blk.attn_output.linear(out.to(blk.attn_output.device))
 
     def cpu_ffn(self, l: int, blk: Block, x: Tensor, ffn_inp: Tensor) -> Tensor:

@@ -257,3 +257,27 @@ def test_quant_types_without_kernels_load_as_f16(smollm2_path):
     a, b = _logits(llm, ids), _logits(ref, ids)
     assert np.abs(a - b).max() < 1e-2 * (b.max() - b.min())
     assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("n_rot", [32, 16])
+def test_rope_rotates_adjacent_pairs_of_the_first_n_rot_dims(n_rot):
+    from powerpy.config import ModelArgs
+    from powerpy.model import apply_rope, rope_tables
+
+    args = ModelArgs(
+        arch="llama", n_vocab=8, n_embd=64, n_layer=1, n_ff=8, n_head=2, n_head_kv=1,
+        n_rot=n_rot, rope_base=10000.0, rms_eps=1e-5, n_ctx_train=64, sparse=False,
+        ffn_variant="swiglu", sparse_threshold=0.0,
+    )  # fmt: skip
+    x = torch.randn(5, 2, 32)  # (T, heads, head_dim) at positions 7..11
+    got = apply_rope(x, rope_tables(args, 7, 5), n_rot).double().numpy()
+    xd = x.double().numpy()
+    want = xd.copy()
+    for t in range(5):
+        for i in range(n_rot // 2):
+            ang = (7 + t) * 10000.0 ** (-2 * i / n_rot)
+            a, b = xd[t, :, 2 * i], xd[t, :, 2 * i + 1]
+            want[t, :, 2 * i] = a * np.cos(ang) - b * np.sin(ang)
+            want[t, :, 2 * i + 1] = a * np.sin(ang) + b * np.cos(ang)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert np.array_equal(got[..., n_rot:], xd[..., n_rot:])  # the tail is not rotated
