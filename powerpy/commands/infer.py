@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         need = n_prompt + args.n_predict if args.n_predict > 0 else a.n_ctx_train
         setup_hybrid(llm, args, args.ctx_size or max(min(2048, a.n_ctx_train), need))
     if args.conversation:
-        last = converse(llm, args, params)
+        first = prompt if args.prompt is not None or args.file else None
+        last = converse(llm, args, params, first)
     else:
         from powerpy.generate import stream_generate
 
@@ -167,16 +168,16 @@ def _user_turns(first: str | None):
             yield line
 
 
-def converse(llm, args: argparse.Namespace, params):
-    """-cnv: the chat loop; each reply is streamed and kept in the history (and the KV cache).
-    Returns the last ``Response`` (for the speed line) or None."""
+def converse(llm, args: argparse.Namespace, params, first: str | None):
+    """-cnv: the chat loop (``first``: the -p/-f turn); each reply is streamed and kept in the
+    history (and the KV cache). Returns the last ``Response`` (for the speed line) or None."""
     import dataclasses
 
     from powerpy.chat import ChatSession
 
     chat = ChatSession(llm, system=args.system_prompt, n_ctx=args.ctx_size or None)
     last = None
-    for turn in _user_turns(args.prompt):
+    for turn in _user_turns(first):
         for last in chat.send(turn, args.n_predict, **dataclasses.asdict(params)):
             sys.stdout.write(last.text)
             sys.stdout.flush()
