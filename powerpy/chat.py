@@ -158,6 +158,9 @@ class ChatSession:
                 reply.append(r.text)
                 yield r
         finally:
-            # the last sampled token was never fed back, so it is not in the cache
-            self._cached = ids + generated[:-1]
-            self.messages.append({"role": "assistant", "content": "".join(reply).strip()})
+            if generated:  # the last sampled token was never fed back: it is not in the cache
+                self._cached = ids + generated[:-1]
+                self.messages.append({"role": "assistant", "content": "".join(reply).strip()})
+            else:  # failed before the first token: the turn did not happen, the cache is unknown
+                self._cached = []
+                self.messages.pop()

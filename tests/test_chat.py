@@ -153,3 +153,20 @@ def test_chat_session_overflow_is_a_clear_error_and_keeps_history(smol) -> None:
     with pytest.raises(ValueError, match=r"conversation is \d+ tokens and the context holds 64"):
         list(chat.send("word " * 80, 4))
     assert chat.messages == before
+
+
+def test_chat_session_failed_turn_leaves_no_trace(smol, monkeypatch) -> None:
+    chat = ChatSession(smol, n_ctx=128)
+    list(chat.send("Hi", 4, temperature=0))
+    before = list(chat.messages)
+
+    def boom(*a, **k):
+        raise RuntimeError("interrupted during prefill")
+        yield
+
+    monkeypatch.setattr("powerpy.generate.stream_generate", boom)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        list(chat.send("Hello again", 4))
+    assert chat.messages == before and chat._cached == []
+    monkeypatch.undo()
+    assert "".join(r.text for r in chat.send("Hello again", 4, temperature=0))  # recovers
