@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntFlag
 from typing import Any
@@ -381,6 +381,50 @@ def _utf8_symbols(raw: bytes) -> list[str]:
         out.append(raw[i : i + step].decode("utf-8", "surrogateescape"))
         i += step
     return out
+
+
+def _merge_pairs(syms: list[str], priority: Callable[[str, str], float | None]) -> list[str]:
+    """Merge adjacent symbols greedily, lowest ``priority`` first (ties: leftmost), as llama.cpp's
+    BPE (merge rank) and SPM (negated token score) tokenizers do; None means "not mergeable".
+
+    A doubly linked list over ``syms`` plus a heap of candidate pairs; a popped pair is stale when
+    either side was merged since it was pushed (symbols only grow, so the length tells).
+    Returns the merged symbols in order.
+    """
+    n = len(syms)
+    nxt = list(range(1, n + 1))
+    prv = list(range(-1, n - 1))
+    if n:
+        nxt[-1] = -1
+    heap = []
+    for i in range(n - 1):
+        p = priority(syms[i], syms[i + 1])
+        if p is not None:
+            heap.append((p, i, i + 1, len(syms[i]) + len(syms[i + 1])))
+    heapq.heapify(heap)
+    push, pop = heapq.heappush, heapq.heappop
+    while heap:
+        _, left, right, size = pop(heap)
+        ls, rs = syms[left], syms[right]
+        if not ls or not rs or len(ls) + len(rs) != size:
+            continue
+        merged = ls + rs
+        syms[left] = merged
+        syms[right] = ""
+        after = nxt[right]
+        nxt[left] = after
+        if after >= 0:
+            prv[after] = left
+        before = prv[left]
+        if before >= 0:
+            p = priority(syms[before], merged)
+            if p is not None:
+                push(heap, (p, before, left, len(syms[before]) + len(merged)))
+        if after >= 0:
+            p = priority(merged, syms[after])
+            if p is not None:
+                push(heap, (p, left, after, len(merged) + len(syms[after])))
+    return [s for s in syms if s]
 
 
 def _byte_char(b: int) -> str:
@@ -1024,44 +1068,10 @@ class Tokenizer:
         tti = self._token_to_id
         if self._ignore_merges and word in tti:
             return (tti[word],)
-        syms = list(word)
-        n = len(syms)
-        if n > 1:
-            ranks = self._ranks
-            nxt = list(range(1, n + 1))
-            nxt[-1] = -1
-            prv = list(range(-1, n - 1))
-            heap = []
-            for i in range(n - 1):
-                r = ranks.get((syms[i], syms[i + 1]))
-                if r is not None:
-                    heap.append((r, i, i + 1, syms[i] + syms[i + 1]))
-            heapq.heapify(heap)
-            push, pop = heapq.heappush, heapq.heappop
-            while heap:
-                _, left, right, merged = pop(heap)
-                ls, rs = syms[left], syms[right]
-                if not ls or not rs or ls + rs != merged:
-                    continue
-                syms[left] = merged
-                syms[right] = ""
-                after = nxt[right]
-                nxt[left] = after
-                if after >= 0:
-                    prv[after] = left
-                before = prv[left]
-                if before >= 0:
-                    r = ranks.get((syms[before], merged))
-                    if r is not None:
-                        push(heap, (r, before, left, syms[before] + merged))
-                if after >= 0:
-                    r = ranks.get((merged, syms[after]))
-                    if r is not None:
-                        push(heap, (r, left, after, merged + syms[after]))
+        ranks = self._ranks
+        syms = _merge_pairs(list(word), lambda a, b: ranks.get((a, b)))
         out: list[int] = []
         for s in syms:
-            if not s:
-                continue
             tid = tti.get(s)
             if tid is not None:
                 out.append(tid)
@@ -1080,56 +1090,19 @@ class Tokenizer:
             syms = list(text)
         except UnicodeEncodeError:
             syms = _utf8_symbols(_utf8(text))
-        n = len(syms)
-        if n == 0:
-            return []
-        tti = self._token_to_id
-        scores = self._scores
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        heap = []
-        for i in range(n - 1):
-            t = syms[i] + syms[i + 1]
-            tid = tti.get(t)
-            if tid is not None:
-                heap.append((-scores[tid], i, i + 1, len(t)))
-        heapq.heapify(heap)
-        push, pop = heapq.heappush, heapq.heappop
-        while heap:
-            _, left, right, size = pop(heap)
-            ls, rs = syms[left], syms[right]
-            if not ls or not rs or len(ls) + len(rs) != size:
-                continue
-            merged = ls + rs
-            syms[left] = merged
-            syms[right] = ""
-            after = nxt[right]
-            nxt[left] = after
-            if after >= 0:
-                prv[after] = left
-            before = prv[left]
-            if before >= 0:
-                t = syms[before] + merged
-                tid = tti.get(t)
-                if tid is not None:
-                    push(heap, (-scores[tid], before, left, len(t)))
-            if after >= 0:
-                t = merged + syms[after]
-                tid = tti.get(t)
-                if tid is not None:
-                    push(heap, (-scores[tid], left, after, len(t)))
+        tti, scores = self._token_to_id, self._scores
+
+        def priority(a: str, b: str) -> float | None:  # higher score first
+            tid = tti.get(a + b)
+            return None if tid is None else -scores[tid]
+
         out: list[int] = []
-        i = 0
-        while i != -1:
-            s = syms[i]
-            tid = tti.get(s)
+        for sym in _merge_pairs(syms, priority):
+            tid = tti.get(sym)
             if tid is not None:
                 out.append(tid)
             else:
-                for b in _utf8(s):
-                    out.append(self._byte_token(b))
-            i = nxt[i]
+                out.extend(self._byte_token(b) for b in _utf8(sym))
         return out
 
     def _byte_token(self, b: int) -> int:
