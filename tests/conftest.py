@@ -22,6 +22,17 @@ def smollm2_file() -> Path | None:
     return path if path.is_file() else None
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: OpenMP synchronisation costs more than it saves on a shared CPU."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real SmolLM2-135M Q4_1 model (Q4_1, Q8_0 and F32 tensors); skips if not installed."""

@@ -29,13 +29,7 @@ N_VOCAB = 259  # the tiny byte vocabulary of powerpy.tiny
 HD = D // NH
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: OpenMP synchronisation costs more than it saves on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- fixtures

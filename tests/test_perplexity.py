@@ -17,13 +17,7 @@ from powerpy.tiny import TinySpec, write_tiny_model
 SPEC = TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_pred_hidden=8)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: OpenMP synchronisation costs more than it saves on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,7 @@ from powerpy.train import TrainOptions, calibrate_predictors, predictor_logits, 
 SPEC = TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_pred_hidden=8)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: OpenMP synchronisation costs more than it saves on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TEXT = (
@@ -234,6 +228,24 @@ def test_cli_profile_and_train_from_samples(tmp_path, capsys) -> None:
     cfg = json.loads((tmp_path / "pred" / "config.json").read_text())
     assert cfg["sparse_activation"] == "silu" and len(cfg["magnitude_thresholds"]) == 2
     assert "mean recall" in capsys.readouterr().out
+    cal = tmp_path / "cal"
+    rc = main(
+        [
+            "train-predictors",
+            "--from-samples",
+            str(out / "samples"),
+            "--calibrate-from",
+            str(tmp_path / "pred"),
+            "--skip-fraction",
+            "0.3",
+            "-o",
+            str(cal),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert rc == 0 and "layer   1  threshold" in printed and "planned mean active" in printed
+    plan = json.loads((cal / "config.json").read_text())["powerpy"]["calibration"]
+    assert plan["skip_fraction"] == 0.3 and len(plan["layers"]) == 2
     # a SiLU predictor set converts into a file marked as SiLU
     conv = tmp_path / "s.powerinfer.gguf"
     assert main(["convert", str(path), str(tmp_path / "pred"), "-o", str(conv)]) == 0

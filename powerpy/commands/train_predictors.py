@@ -56,12 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from powerpy.train import (
-        TrainOptions,
-        calibrate_predictors,
-        train_from_samples,
-        train_predictors,
-    )
+    from powerpy.train import TrainOptions, train_from_samples, train_predictors
 
     opts = TrainOptions(
         hidden=args.hidden,
@@ -85,22 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate_from:
         if not args.from_samples or args.skip_fraction is None:
             raise ValueError("--calibrate-from needs --from-samples DIR and --skip-fraction F")
-        records = calibrate_predictors(
-            args.calibrate_from,
-            args.from_samples,
-            args.output,
-            args.skip_fraction,
-            global_threshold=args.calibration_threshold,
-            opts=opts,
-            progress=progress,
-        )
-        for r in records:
-            print(
-                f"layer {r['layer']:3d}  threshold {r['threshold']:+.4f}  planned active "
-                f"{100 * r['active']:5.1f}%  lost energy {r['lost']:.5f}"
-            )
-        mean = sum(r["active"] for r in records) / len(records)
-        print(f"planned mean active {100 * mean:.1f}% -> {args.output}")
+        _calibrate(args, args.calibrate_from, opts, progress)
         _maybe_pack(args)
         return 0
     if args.from_samples:
@@ -108,15 +88,7 @@ def run(args: argparse.Namespace) -> int:
             args.from_samples, args.output, opts, progress=progress, log_layer=show
         )
         if args.skip_fraction is not None:
-            calibrate_predictors(
-                args.output,
-                args.from_samples,
-                args.output,
-                args.skip_fraction,
-                global_threshold=args.calibration_threshold,
-                opts=opts,
-                progress=progress,
-            )
+            _calibrate(args, args.output, opts, progress)
     else:
         from powerpy.corpus import corpus_text
 
@@ -144,6 +116,28 @@ def run(args: argparse.Namespace) -> int:
         f"true-active {100 * s['true_active_mean']:.1f}% -> {args.output}"
     )
     return 0
+
+
+def _calibrate(args: argparse.Namespace, pred_dir: str, opts, progress: bool) -> None:
+    """Calibrate ``pred_dir`` on the sample dump into ``args.output``; print the per-layer plan."""
+    from powerpy.train import calibrate_predictors
+
+    records = calibrate_predictors(
+        pred_dir,
+        args.from_samples,
+        args.output,
+        args.skip_fraction,
+        global_threshold=args.calibration_threshold,
+        opts=opts,
+        progress=progress,
+    )
+    for r in records:
+        print(
+            f"layer {r['layer']:3d}  threshold {r['threshold']:+.4f}  planned active "
+            f"{100 * r['active']:5.1f}%  lost energy {r['lost']:.5f}"
+        )
+    mean = sum(r["active"] for r in records) / len(records)
+    print(f"planned mean active {100 * mean:.1f}% -> {args.output}")
 
 
 def _maybe_pack(args: argparse.Namespace) -> None:
