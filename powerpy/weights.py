@@ -65,6 +65,16 @@ def _is_f32_cpu(t: Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+def _kernel_axpy(
+    kern: tuple[kernels.KernelLibrary, kernels.Matrix], h: Tensor, idx: Tensor, out: Tensor | None
+) -> Tensor:
+    """``gather_axpy`` through the native kernel, adding into ``out`` wherever it lives."""
+    lib, m = kern
+    if out is None or _is_f32_cpu(out):
+        return lib.gather_axpy(m, h, idx, out=out)
+    return out.add_(lib.gather_axpy(m, h, idx).to(out.device))
+
+
 def _as_x(x: Tensor, cols: int) -> Tensor:
     # x: (cols,) or (1, cols) -> (cols,)
     if x.numel() != cols:
@@ -202,9 +212,7 @@ class DenseWeight:
         cols = self.w.shape[1]
         kern = self._kernel()
         if kern is not None:
-            if out is None or _is_f32_cpu(out):
-                return kern[0].gather_axpy(kern[1], h, idx, out=out)
-            return out.add_(kern[0].gather_axpy(kern[1], h, idx).to(out.device))
+            return _kernel_axpy(kern, h, idx, out)
         if k == 0:
             res = torch.zeros(cols, dtype=torch.float32, device=self.w.device)
         else:
@@ -215,9 +223,7 @@ class DenseWeight:
                 mode="sum",
             )
             res = bag[0].float()  # (cols,)
-        if out is None:
-            return res
-        return out.add_(res)
+        return res if out is None else out.add_(res)
 
     def take_rows(self, idx: Tensor) -> DenseWeight:
         """A new weight made of rows ``idx`` (contiguous)."""
@@ -331,9 +337,7 @@ class QuantWeight:
         """
         kern = self._kernel()
         if kern is not None:
-            if out is None or _is_f32_cpu(out):
-                return kern[0].gather_axpy(kern[1], h, idx, out=out)
-            return out.add_(kern[0].gather_axpy(kern[1], h, idx).to(out.device))
+            return _kernel_axpy(kern, h, idx, out)
         idx = _as_idx(idx)
         h = h.float()
         res = torch.zeros(self.cols, dtype=torch.float32, device=self.raw.device)
@@ -341,9 +345,7 @@ class QuantWeight:
         for s in range(0, idx.numel(), step):
             rows = self._rows_f32(torch.index_select(self.raw, 0, idx[s : s + step]))
             res += h[s : s + step] @ rows  # (cols,)
-        if out is None:
-            return res
-        return out.add_(res)
+        return res if out is None else out.add_(res)
 
     def take_rows(self, idx: Tensor) -> QuantWeight:
         """A new weight made of rows ``idx`` (raw blocks copied, not re-quantized)."""
