@@ -406,6 +406,14 @@ def budget_arg(nbytes: int) -> str:
     return repr(nbytes / GIB)  # exact: dividing by a power of two
 
 
+def solver_argv(act: Path, neuron: int, layer: int, capacity: int, vram: int, out: Path) -> list:
+    """PowerInfer's solver arguments, as `python -m solver` takes them."""
+    return [
+        "--activation", str(act), "--neuron", str(neuron), "--layer", str(layer),
+        "--capacity", str(capacity), "--vram-capacity", str(vram), "--output", str(out),
+    ]  # fmt: skip
+
+
 def test_gen_gpuidx_end_to_end(pwri_test_model, tmp_path: Path, capsys) -> None:
     model = pwri_test_model(n_layer=2, n_ff=512)
     stats = distinct_stats(2, 512, seed=11)
@@ -428,20 +436,7 @@ def test_gen_gpuidx_end_to_end(pwri_test_model, tmp_path: Path, capsys) -> None:
 
     # the same inputs through `python -m solver` give the same bytes
     other = tmp_path / "solver.gpuidx"
-    args = [
-        "--activation",
-        str(tmp_path / "activation"),
-        "--neuron",
-        "512",
-        "--layer",
-        "2",
-        "--capacity",
-        str(3 * 256),
-        "--vram-capacity",
-        str(budget - fixed),
-        "--output",
-        str(other),
-    ]
+    args = solver_argv(tmp_path / "activation", 512, 2, 3 * 256, budget - fixed, other)
     subprocess.run([sys.executable, "-m", "solver", *args], cwd=REPO, check=True)
     assert other.read_bytes() == default_gpuidx_path(model).read_bytes()
 
@@ -459,22 +454,7 @@ def test_gen_gpuidx_and_solver_cli_agree_on_ties_with_torch_tie_break(
     argv = ["gen-gpuidx", "-m", str(model), "--vram-budget", budget_arg(budget), "-o", str(out)]
     assert cli.main([*argv, "--tie-break", "torch"]) == 0
     other = tmp_path / "solver.gpuidx"
-    code = solver_main(
-        [
-            "--activation",
-            str(tmp_path / "activation"),
-            "--neuron",
-            "512",
-            "--layer",
-            "2",
-            "--capacity",
-            "512",
-            "--vram-capacity",
-            str(budget - fixed),
-            "--output",
-            str(other),
-        ]
-    )
+    code = solver_main(solver_argv(tmp_path / "activation", 512, 2, 512, budget - fixed, other))
     assert code == 0
     assert other.read_bytes() == out.read_bytes()
     capsys.readouterr()
