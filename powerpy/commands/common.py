@@ -45,6 +45,13 @@ def add_text_args(
     return g
 
 
+def text_ids(llm, args: argparse.Namespace) -> list[int]:
+    """Token ids (no BOS) of the text chosen by ``add_text_args``."""
+    from powerpy.corpus import corpus_text
+
+    return llm.tokenize(corpus_text(args.text, args.kjv), add_bos=False)
+
+
 def threshold_from(args: argparse.Namespace) -> float | None:
     """CLI flag > env LLAMA_SPARSE_PRED_THRESHOLD > the file's key (None)."""
     if args.sparse_threshold is not None:

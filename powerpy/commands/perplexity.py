@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from powerpy.commands.common import add_load_args, add_text_args, load_model
+from powerpy.commands.common import add_load_args, add_text_args, load_model, text_ids
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,13 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from powerpy.corpus import corpus_text
     from powerpy.perplexity import perplexity
 
     llm = load_model(args)
     model = llm.model
-    text = corpus_text(args.text, args.kjv)
-    ids = llm.tokenize(text, add_bos=False)
+    ids = text_ids(llm, args)
     bos = llm.tokenizer.bos_id if llm.tokenizer.add_bos else None
     src = args.text or f"KJV {args.kjv}"
     print(

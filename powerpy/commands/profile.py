@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from powerpy.commands.common import add_load_args, add_text_args, load_model
+from powerpy.commands.common import add_load_args, add_text_args, load_model, text_ids
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,11 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from powerpy.corpus import corpus_text
     from powerpy.profile import profile, write_profile
 
     llm = load_model(args)
-    ids = llm.tokenize(corpus_text(args.text, args.kjv), add_bos=False)
+    ids = text_ids(llm, args)
     res = profile(
         llm.model,
         ids,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from powerpy.commands.common import add_load_args, add_text_args, load_model
+from powerpy.commands.common import add_load_args, add_text_args, load_model, text_ids
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -90,10 +90,8 @@ def run(args: argparse.Namespace) -> int:
         if args.skip_fraction is not None:
             _calibrate(args, args.output, opts, progress)
     else:
-        from powerpy.corpus import corpus_text
-
         llm = load_model(args)
-        ids = llm.tokenize(corpus_text(args.text, args.kjv), add_bos=False)
+        ids = text_ids(llm, args)
         report, _ = train_predictors(
             llm.model,
             ids,
