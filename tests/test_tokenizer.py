@@ -131,23 +131,31 @@ _ALPHABET = list(
 ) + ["'s", "'T", "'re", "'LL", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "   ", "\n\n"]
 
 
-@needs_llama
-@settings(
-    max_examples=300,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
-@given(
-    parts=st.lists(
+def oracle_settings(n: int):
+    """Deterministic hypothesis runs against the llama.cpp oracle (a slow, shared fixture)."""
+    return settings(
+        max_examples=n,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )
+
+
+def text_parts(alphabet: list[str]):
+    """Up to 40 pieces: tricky strings from ``alphabet`` or any assigned code point."""
+    return st.lists(
         st.one_of(
-            st.sampled_from(_ALPHABET),
+            st.sampled_from(alphabet),
             st.characters(blacklist_categories=("Cs", "Cn", "Co")),
         ),
         max_size=40,
     )
-)
+
+
+@needs_llama
+@oracle_settings(300)
+@given(parts=text_parts(_ALPHABET))
 def test_smollm_random_text_matches_llama_cpp(smollm, smollm_oracle, parts):
     text = "".join(parts)
     assert smollm.encode(text) == smollm_oracle.tokenize(text), repr(text)
@@ -301,22 +309,8 @@ _SPM_ALPHABET = _ALPHABET + ["<s>", "</s>", "<unk>", "<tool>", "[[sep]]", "the",
 
 
 @needs_llama
-@settings(
-    max_examples=200,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
-@given(
-    parts=st.lists(
-        st.one_of(
-            st.sampled_from(_SPM_ALPHABET),
-            st.characters(blacklist_categories=("Cs", "Cn", "Co")),
-        ),
-        max_size=40,
-    )
-)
+@oracle_settings(200)
+@given(parts=text_parts(_SPM_ALPHABET))
 def test_spm_random_text_matches_llama_cpp(spm_pair, parts):
     tok, oracle = spm_pair
     text = "".join(parts)
