@@ -86,11 +86,6 @@ def stream_generate(
         cache = llm.model.new_cache(n_ctx or len(ids) + max(max_tokens, 1))
     elif max_tokens < 0:
         max_tokens = cache.n_ctx - cache.pos - len(ids)
-    if cache.pos + len(ids) > cache.n_ctx:
-        raise ValueError(
-            f"the prompt needs {cache.pos + len(ids)} positions but the context holds "
-            f"{cache.n_ctx}: use a larger context (-c)"
-        )
     decoder = tok.stream_decoder(strip_leading_space=False)
     t0 = time.perf_counter()
     t_first = t0

@@ -178,7 +178,8 @@ class Model:
         n = tokens.shape[0]
         if cache.pos + n > cache.n_ctx:
             raise ValueError(
-                f"context is full: {cache.pos} + {n} tokens exceed n_ctx {cache.n_ctx}"
+                f"context is full: {cache.pos} + {n} tokens exceed n_ctx {cache.n_ctx} "
+                "(use a larger context: -c, n_ctx)"
             )
         x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
         rot = rope_tables(a, cache.pos, n)
