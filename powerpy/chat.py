@@ -23,6 +23,8 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+_CHATML_NOTED: set[str] = set()
+
 Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": str}
 
 
@@ -87,7 +89,9 @@ def render_chat(
 
     msgs = check_messages(messages)
     if template is None:
-        log.info("%s has no tokenizer.chat_template: using ChatML", source)
+        if source not in _CHATML_NOTED:  # once per model, not at every turn
+            _CHATML_NOTED.add(source)
+            log.info("%s has no tokenizer.chat_template: using ChatML", source)
         template = CHATML
     try:
         return _compile(template).render(
