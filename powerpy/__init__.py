@@ -25,10 +25,12 @@ _LAZY = {
     "generate_step": "powerpy.generate",
     "Response": "powerpy.generate",
     "SamplingParams": "powerpy.sampling",
-    "read_gguf": "powerpy.gguf_io",
-    "Placement": "powerpy.placement",
-    "build_hybrid": "powerpy.runtime",
-    "enable_hybrid": "powerpy.runtime",
+    "read_gguf": "powerpy.formats.gguf_reader",
+    "Placement": "powerpy.placement.placement",
+    "build_hybrid": "powerpy.placement.runtime",
+    "place": "powerpy.placement.runtime",
+    "RunOptions": "powerpy.model.options",
+    "KVCache": "powerpy.model.cache",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,41 +1,63 @@
-"""The notebook-facing API: ``load`` a file, then generate, stream or score text."""
+"""The notebook-facing API: ``load`` a file, then generate, stream, chat or score text.
+
+``LLM`` is the only object that knows the model, its tokenizer and its file together; the layers
+below it (``generate``, ``chat``, ``bench``, the pipeline) take a model and a tokenizer.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from powerpy.chat import Message, render_chat
+from powerpy.chat import ChatSession, Message, encode_chat
+from powerpy.config import ModelArgs
+from powerpy.formats.gguf_reader import GGUFFile, read_gguf
 from powerpy.generate import Response, generate, stream_generate
-from powerpy.gguf_io import GGUFFile, read_gguf
-from powerpy.loader import load_weights, model_args
-from powerpy.model import Model
+from powerpy.model.loader import load_weights
+from powerpy.model.options import RunOptions, SparsityStats
+from powerpy.model.transformer import Model
 from powerpy.sampling import SamplingParams
 from powerpy.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from powerpy.runtime import HybridRuntime
+    from powerpy.placement.runtime import HybridRuntime
 
 log = logging.getLogger(__name__)
+
+THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
 
 
 @dataclass
 class LLM:
     """A loaded model with its tokenizer. Keep it alive while its weights are in use: the
-    weights are memory-mapped from ``file``."""
+    weights are memory-mapped from ``file``.
+
+    Attributes:
+        model: the model (args and weights; shared by every session).
+        tokenizer: the file's tokenizer.
+        file: the open file.
+        path: its path.
+        load_seconds: load time.
+        options: the run options of this handle's own calls (``generate``, ``stream``,
+            ``logits``, ``chat``); its ``stats`` collect their predicted sparsity.
+        runtime: the hybrid placement applied at load, or None (CPU-only).
+    """
 
     model: Model
     tokenizer: Tokenizer
     file: GGUFFile
     path: Path
-    load_seconds: float
-    runtime: HybridRuntime | None = None  # set when a hybrid placement is applied
+    load_seconds: float = 0.0
+    options: RunOptions = field(default_factory=RunOptions)
+    runtime: HybridRuntime | None = None
 
     def tokenize(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text`` (special tokens parsed, BOS per the file)."""
@@ -46,19 +68,34 @@ class LLM:
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling) -> str:
         """Generated text; ``sampling`` takes the fields of ``SamplingParams``."""
-        return generate(self, prompt, max_tokens, SamplingParams(**sampling))
+        return generate(
+            self.model,
+            self.tokenizer,
+            prompt,
+            max_tokens,
+            SamplingParams(**sampling),
+            opts=self.options,
+        )
 
     def stream(
         self, prompt: str | Sequence[int], max_tokens: int = 128, **sampling
     ) -> Iterator[Response]:
         """Stream ``Response`` records; ``sampling`` takes the fields of ``SamplingParams``."""
-        return stream_generate(self, prompt, max_tokens, SamplingParams(**sampling))
+        return stream_generate(
+            self.model,
+            self.tokenizer,
+            prompt,
+            max_tokens,
+            SamplingParams(**sampling),
+            opts=self.options,
+        )
 
     def logits(self, prompt: str | Sequence[int]) -> torch.Tensor:
         """Logits (T, n_vocab) f32 of every position of ``prompt`` in one fresh pass."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         cache = self.model.new_cache(len(ids))
-        return self.model.forward(torch.tensor(ids, dtype=torch.long), cache, all_logits=True)
+        tokens = torch.tensor(ids, dtype=torch.long)
+        return self.model.forward(tokens, cache, self.options, all_logits=True)
 
     def apply_chat_template(
         self,
@@ -77,19 +114,13 @@ class LLM:
         Raises:
             ValueError: malformed messages or a failing template.
         """
-        tok = self.tokenizer
-        bos, eos = (self._special_text(i) for i in (tok.bos_id, tok.eos_id))
-        text = render_chat(
-            tok.chat_template,
+        return encode_chat(
+            self.tokenizer,
             messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=bos,
-            eos_token=eos,
+            tokenize=tokenize,
             source=str(self.path),
         )
-        if not tokenize:
-            return text
-        return tok.encode(text, add_bos=tok.add_bos and not (bos and text.startswith(bos)))
 
     def chat(self, messages: Sequence[Message], max_tokens: int = 256, **sampling) -> str:
         """The assistant's reply to a conversation (stops at the model's end-of-turn token)."""
@@ -100,17 +131,19 @@ class LLM:
     ) -> Iterator[Response]:
         """Stream the assistant's reply to a conversation as ``Response`` records."""
         ids = self.apply_chat_template(messages, tokenize=True)
-        return stream_generate(self, ids, max_tokens, SamplingParams(**sampling))
+        return self.stream(ids, max_tokens, **sampling)
 
-    def _special_text(self, token_id: int | None) -> str:
-        if token_id is None:
-            return ""
-        return self.tokenizer.token_to_piece(token_id, special=True).decode("utf-8", "replace")
+    def chat_session(self, *, system: str | None = None, n_ctx: int | None = None) -> ChatSession:
+        """A conversation that keeps its own KV cache between turns (see ``ChatSession``)."""
+        return ChatSession(
+            self.model, self.tokenizer, system=system, n_ctx=n_ctx, opts=self.options,
+            source=str(self.path),
+        )  # fmt: skip
 
     @property
-    def sparsity(self):
-        """Per-layer predicted sparsity counters (``SparsityStats``) of the tokens run so far."""
-        return self.model.sparsity
+    def sparsity(self) -> SparsityStats | None:
+        """Per-layer predicted sparsity counters of this handle's calls so far (None: dense)."""
+        return self.options.stats if self.options.sparse else None
 
 
 def load(
@@ -123,18 +156,24 @@ def load(
     device: str | None = None,
     n_ctx: int | None = None,
     ffn_act: str | None = None,
+    dense: bool = False,
+    **placement_options,
 ) -> LLM:
     """Load a GGUF (dense) or PWRI (sparse) model.
 
     Args:
         path: model file; None loads the default model (SmolLM2-135M-Instruct).
-        threshold: predictor threshold; None uses the file's powerinfer.sparse_threshold or 0.0.
+        threshold: predictor threshold; None reads the environment variable
+            ``LLAMA_SPARSE_PRED_THRESHOLD``, then the file's ``powerinfer.sparse_threshold``,
+            then 0.0 (PowerInfer's order).
+        dense: run without the predictors (the dense FFN) by default.
         weight_format: "auto", "f32" or "raw" (see ``loader.load_weights``).
         progress: show a progress bar while loading.
         vram_budget: PWRI models: hybrid CPU-accelerator placement for this many GiB
-            (``powerpy.runtime.enable_hybrid``; its summary is ``llm.runtime.summary()``). The
-            GPU index is reused or generated per spec §10.3; for the other index options call
-            ``enable_hybrid`` on a model loaded without a budget.
+            (``powerpy.placement.runtime.place``; its summary is ``llm.runtime.summary()``). The
+            GPU index is reused or generated per spec §10.3.
+        placement_options: further keywords of ``place`` (``reset_gpu_index``,
+            ``disable_gpu_index``, ``activation_dir``, ``capacity_mode``, ``kv_elem_bytes``).
         device: the accelerator: "cuda[:N]", "cpu" (emulated) or None (CUDA when present,
             else CPU-only with ``llm.runtime`` None).
         n_ctx: context the accelerator KV cache is reserved for (default min(2048, training)).
@@ -146,20 +185,47 @@ def load(
         FileNotFoundError: no such file.
         ValueError: the file is malformed or not a supported model.
     """
-    from powerpy.models import default_model_path
+    from powerpy.default_model import default_model_path
 
     path = Path(path) if path is not None else default_model_path()
     t0 = time.perf_counter()
     gf = read_gguf(path)
-    args = model_args(gf).with_ffn_act(ffn_act, source=str(path))
+    args = ModelArgs.from_gguf(gf).with_ffn_act(ffn_act, source=str(path))
     tokenizer = Tokenizer.from_gguf_kv(gf.kv)
     weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
-    model = Model(args, weights, threshold=threshold)
-    llm = LLM(model, tokenizer, gf, path, 0.0)
+    model = Model(args, weights)
+    stats = SparsityStats.empty(args.n_layer, args.n_ff)
+    opts = RunOptions(
+        sparse=not dense, threshold=resolve_threshold(threshold, args.sparse_threshold), stats=stats
+    )
+    llm = LLM(model, tokenizer, gf, path, options=opts)
     if vram_budget is not None:
-        from powerpy.runtime import enable_hybrid
+        from powerpy.placement.runtime import place
 
-        llm.runtime = enable_hybrid(llm, vram_budget, device=device, n_ctx=n_ctx)
+        llm.runtime = place(model, gf, vram_budget, device=device, n_ctx=n_ctx, **placement_options)
+        if llm.runtime is not None:
+            llm.model = llm.runtime.model
     llm.load_seconds = time.perf_counter() - t0
     log.debug("loaded %s in %.2f s", path, llm.load_seconds)
     return llm
+
+
+def resolve_threshold(threshold: float | None, file_value: float) -> float:
+    """The predictor threshold: the argument, else env ``LLAMA_SPARSE_PRED_THRESHOLD``, else the
+    file's key (``file_value``, 0.0 when the file has none), as PowerInfer reads it at load.
+
+    Raises:
+        ValueError: the environment variable is not a number, or the threshold is NaN or +inf.
+    """
+    source = "threshold"
+    if threshold is None:
+        env = os.environ.get(THRESHOLD_ENV, "").strip()
+        if env:
+            try:
+                threshold, source = float(env), f"{THRESHOLD_ENV}={env!r}"
+            except ValueError:
+                raise ValueError(f"{THRESHOLD_ENV}={env!r} is not a number") from None
+    value = file_value if threshold is None else float(threshold)
+    if math.isnan(value) or value == math.inf:
+        raise ValueError(f"{source} {value} is not usable: give a finite number (or -inf)")
+    return value

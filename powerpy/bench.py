@@ -3,6 +3,7 @@ read per token against the memory-bandwidth ceiling (spec §15), and a per-phase
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -10,9 +11,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from powerpy.api import LLM
-from powerpy.model import Model
-from powerpy.timing import PhaseTimer
+from powerpy.model.options import RunOptions, SparsityStats
+from powerpy.model.timing import PhaseTimer
+from powerpy.model.transformer import Model
 
 log = logging.getLogger(__name__)
 
@@ -75,98 +76,105 @@ def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> d
     return out
 
 
-def _prompt(llm: LLM, n: int, seed: int = 0) -> torch.Tensor:
+def _prompt(model: Model, n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, llm.model.args.n_vocab, (n,), generator=g)
+    return torch.randint(0, model.args.n_vocab, (n,), generator=g)
 
 
-def run_pp(llm: LLM, n_prompt: int) -> float:
+def run_pp(model: Model, n_prompt: int, opts: RunOptions) -> float:
     """Seconds to prefill ``n_prompt`` tokens into a fresh cache."""
-    m = llm.model
-    tokens = _prompt(llm, n_prompt)
-    cache = m.new_cache(n_prompt)
+    tokens = _prompt(model, n_prompt)
+    cache = model.new_cache(n_prompt)
     t0 = time.perf_counter()
-    m.forward(tokens, cache)
+    model.forward(tokens, cache, opts)
     return time.perf_counter() - t0
 
 
-def run_tg(llm: LLM, n_gen: int, timer: PhaseTimer | None = None) -> float:
-    """Seconds to decode ``n_gen`` tokens one by one from an empty cache (greedy feedback)."""
-    m = llm.model
-    cache = m.new_cache(n_gen + 1)
-    tok = torch.tensor([llm.tokenizer.bos_id if llm.tokenizer.bos_id is not None else 0])
-    m.forward(tok, cache)  # warm-up step, not timed
-    m.timer = timer
-    try:
-        t0 = time.perf_counter()
-        for _ in range(n_gen):
-            tok = m.forward(tok, cache).argmax(-1)
-        return time.perf_counter() - t0
-    finally:
-        m.timer = None
+def run_tg(model: Model, n_gen: int, opts: RunOptions, first_token: int = 0) -> float:
+    """Seconds to decode ``n_gen`` tokens one by one from an empty cache (greedy feedback).
+
+    The first step (``first_token``, e.g. BOS) is a warm-up run without ``opts.timer`` and
+    ``opts.stats``, and is not timed.
+    """
+    cache = model.new_cache(n_gen + 1)
+    tok = torch.tensor([first_token])
+    model.forward(tok, cache, dataclasses.replace(opts, timer=None, stats=None))
+    t0 = time.perf_counter()
+    for _ in range(n_gen):
+        tok = model.forward(tok, cache, opts).argmax(-1)
+    return time.perf_counter() - t0
 
 
 def bench_mode(
-    llm: LLM, mode: str, n_prompt: int, n_gen: int, bandwidth: float, repetitions: int = 1
+    model: Model,
+    mode: str,
+    n_prompt: int,
+    n_gen: int,
+    bandwidth: float,
+    repetitions: int = 1,
+    *,
+    threshold: float | None = None,
+    first_token: int = 0,
 ) -> list[BenchRow]:
     """pp and tg rows for one mode ("sparse" or "dense"); best of ``repetitions``."""
-    m = llm.model
-    saved = m.sparse_enabled
-    m.sparse_enabled = mode == "sparse"
+    sparse = mode == "sparse" and model.can_gate
+    opts = RunOptions(sparse=sparse, threshold=threshold)
     rows = []
-    try:
-        if n_prompt > 0:
-            secs = min(run_pp(llm, n_prompt) for _ in range(repetitions))
-            rows.append(BenchRow(mode, f"pp{n_prompt}", n_prompt, secs, n_prompt / secs))
-        if n_gen > 0:
-            best, best_timer, best_active = float("inf"), PhaseTimer(), None
-            for _ in range(repetitions):
-                timer = PhaseTimer()
-                m.sparsity.reset()
-                secs = run_tg(llm, n_gen, timer)
-                if secs < best:
-                    best, best_timer = secs, timer
-                    best_active = m.sparsity.active_fraction() if m.sparse_enabled else None
-            b = sum(bytes_per_token(m, n_gen / 2, best_active).values())
-            tps = n_gen / best
-            phases = {k: 1e3 * v / n_gen for k, v in best_timer.seconds.items()}
-            inner = sum(v for k, v in phases.items() if k in ("attention", "ffn", "output"))
-            phases["other"] = max(0.0, 1e3 * best / n_gen - inner)
-            rows.append(
-                BenchRow(
-                    mode,
-                    f"tg{n_gen}",
-                    n_gen,
-                    best,
-                    tps,
-                    bytes_per_token=b,
-                    gb_s=b * tps / 1e9,
-                    ceiling_share=b * tps / 1e9 / bandwidth,
-                    active_fraction=1.0 if best_active is None else float(np.mean(best_active)),
-                    phases_ms=phases,
-                )
+    if n_prompt > 0:
+        secs = min(run_pp(model, n_prompt, opts) for _ in range(repetitions))
+        rows.append(BenchRow(mode, f"pp{n_prompt}", n_prompt, secs, n_prompt / secs))
+    if n_gen > 0:
+        best, best_timer, best_active = float("inf"), PhaseTimer(), None
+        for _ in range(repetitions):
+            timer = PhaseTimer()
+            stats = SparsityStats.empty(model.args.n_layer, model.args.n_ff)
+            secs = run_tg(
+                model, n_gen, dataclasses.replace(opts, timer=timer, stats=stats), first_token
             )
-    finally:
-        m.sparse_enabled = saved
+            if secs < best:
+                best, best_timer = secs, timer
+                best_active = stats.active_fraction() if sparse else None
+        b = sum(bytes_per_token(model, n_gen / 2, best_active).values())
+        tps = n_gen / best
+        phases = {k: 1e3 * v / n_gen for k, v in best_timer.seconds.items()}
+        inner = sum(v for k, v in phases.items() if k in ("attention", "ffn", "output"))
+        phases["other"] = max(0.0, 1e3 * best / n_gen - inner)
+        rows.append(
+            BenchRow(
+                mode,
+                f"tg{n_gen}",
+                n_gen,
+                best,
+                tps,
+                bytes_per_token=b,
+                gb_s=b * tps / 1e9,
+                ceiling_share=b * tps / 1e9 / bandwidth,
+                active_fraction=1.0 if best_active is None else float(np.mean(best_active)),
+                phases_ms=phases,
+            )
+        )
     return rows
 
 
-def dispatch_overhead_ms(llm: LLM, n_gen: int = 32) -> float:
+def dispatch_overhead_ms(model: Model, sparse: bool, n_gen: int = 32) -> float:
     """Per-token time of a same-depth model with tiny matrices: the Python/dispatch floor."""
     import tempfile
     from pathlib import Path
 
-    from powerpy.api import load
-    from powerpy.tiny import TinySpec, write_tiny_model
+    from powerpy.config import ModelArgs
+    from powerpy.formats.gguf_reader import read_gguf
+    from powerpy.model.loader import load_weights
+    from powerpy.testing import TinySpec, write_tiny_model
 
-    a = llm.model.args
+    a = model.args
     spec = TinySpec(n_embd=32, n_layer=a.n_layer, n_ff=64, n_head=2, n_head_kv=2, arch=a.arch)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "floor.gguf"
         write_tiny_model(path, spec, sparse=a.sparse)
-        tiny = load(path)
-        tiny.model.sparse_enabled = llm.model.sparse_enabled
-        run_tg(tiny, 4)
-        secs = run_tg(tiny, n_gen)
-        tiny.file.close()
+        with read_gguf(path) as gf:
+            targs = ModelArgs.from_gguf(gf)
+            tiny = Model(targs, load_weights(gf, targs))
+            opts = RunOptions(sparse=sparse)
+            run_tg(tiny, 4, opts)
+            secs = run_tg(tiny, n_gen, opts)
     return 1e3 * secs / n_gen

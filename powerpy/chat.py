@@ -11,8 +11,14 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+from powerpy.generate import Response, stream_generate
+from powerpy.model.options import SPARSE, RunOptions
+from powerpy.model.transformer import Model
+from powerpy.sampling import SamplingParams
+from powerpy.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +110,47 @@ def render_chat(
         raise ValueError(f"{source}: chat template failed: {e}") from None
 
 
+def encode_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    *,
+    add_generation_prompt: bool = True,
+    tokenize: bool = False,
+    source: str = "model",
+) -> str | list[int]:
+    """A conversation as the model's chat prompt (its ``tokenizer.chat_template``).
+
+    Args:
+        tokenizer: the model's tokenizer (its chat template and special tokens).
+        messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+        add_generation_prompt: end with the assistant's turn header.
+        tokenize: return token ids (BOS added per the file, unless the template wrote it).
+        source: the model file, for error messages.
+
+    Raises:
+        ValueError: malformed messages or a failing template.
+    """
+
+    def text_of(token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return tokenizer.token_to_piece(token_id, special=True).decode("utf-8", "replace")
+
+    bos, eos = text_of(tokenizer.bos_id), text_of(tokenizer.eos_id)
+    text = render_chat(
+        tokenizer.chat_template,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos,
+        eos_token=eos,
+        source=source,
+    )
+    if not tokenize:
+        return text
+    add_bos = tokenizer.add_bos and not (bos and text.startswith(bos))
+    return tokenizer.encode(text, add_bos=add_bos)
+
+
 class ChatSession:
     """A conversation that keeps its KV cache between turns, as llama.cpp's chat mode does.
 
@@ -113,33 +160,40 @@ class ChatSession:
 
     Example::
 
-        chat = ChatSession(llm, system="Answer in one sentence.")
+        chat = llm.chat_session(system="Answer in one sentence.")  # or ChatSession(model, tok)
         for r in chat.send("What is the capital of France?", temperature=0):
             print(r.text, end="")
     """
 
-    def __init__(self, llm: Any, *, system: str | None = None, n_ctx: int | None = None) -> None:
-        """Args: ``llm`` a loaded model; ``system`` an optional system message; ``n_ctx`` the
-        context size (default: the model's training context, at most 4096)."""
-        self.llm = llm
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer,
+        *,
+        system: str | None = None,
+        n_ctx: int | None = None,
+        opts: RunOptions = SPARSE,
+        source: str = "model",
+    ) -> None:
+        """Args: the ``model`` and its ``tokenizer``; ``system`` an optional system message;
+        ``n_ctx`` the context size (default: the model's training context, at most 4096);
+        ``opts`` the run options; ``source`` the model's file name for messages."""
+        self.model, self.tokenizer, self.opts, self.source = model, tokenizer, opts, source
         self.messages: list[dict[str, str]] = []
         if system:
             self.messages.append({"role": "system", "content": system})
-        self.cache = llm.model.new_cache(n_ctx)
+        self.cache = model.new_cache(n_ctx)
         self._cached: list[int] = []  # the tokens whose keys and values are in the cache
 
-    def send(self, text: str, max_tokens: int = 256, **sampling: Any):
+    def send(self, text: str, max_tokens: int = 256, **sampling: Any) -> Iterator[Response]:
         """Add a user turn and stream the assistant's reply (``Response`` records); the reply
         joins the history when the stream ends. ``sampling``: ``SamplingParams`` fields.
 
         Raises:
             ValueError: the conversation no longer fits the context.
         """
-        from powerpy.generate import stream_generate
-        from powerpy.sampling import SamplingParams
-
         self.messages.append({"role": "user", "content": text})
-        ids = self.llm.apply_chat_template(self.messages, tokenize=True)
+        ids = encode_chat(self.tokenizer, self.messages, tokenize=True, source=self.source)
         if len(ids) >= self.cache.n_ctx:
             self.messages.pop()
             raise ValueError(
@@ -156,7 +210,13 @@ class ChatSession:
         generated, reply = [], []
         try:
             for r in stream_generate(
-                self.llm, ids[keep:], budget, SamplingParams(**sampling), cache=self.cache
+                self.model,
+                self.tokenizer,
+                ids[keep:],
+                budget,
+                SamplingParams(**sampling),
+                cache=self.cache,
+                opts=self.opts,
             ):
                 generated.append(r.token)
                 reply.append(r.text)

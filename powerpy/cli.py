@@ -18,6 +18,7 @@ COMMANDS = {
     "profile": "powerpy.commands.profile",
     "train-predictors": "powerpy.commands.train_predictors",
     "perplexity": "powerpy.commands.perplexity",
+    "serve": "powerpy.commands.serve",
 }
 
 

@@ -1,21 +1,39 @@
-"""Hyperparameters derived from GGUF key/values, and the runtime options of a session."""
+"""Hyperparameters (``ModelArgs``) from GGUF key/values or an HF config, and to GGUF key/values."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from powerpy.constants import GGUFValueType, Keys
+from powerpy.errors import ModelConfigError
+from powerpy.formats.constants import GGUFValueType, Keys, Names
+
+if TYPE_CHECKING:
+    from powerpy.formats.gguf_reader import GGUFFile
 
 SUPPORTED_ARCHS = ("llama", "bamboo")
+HF_MODEL_TYPES = ("llama", "mistral")
 
-# FFN variants: how h is computed from gate g and up u (spec §9.2).
-FFN_SWIGLU = "swiglu"  # silu(g) * u        dense llama
-FFN_REGLU = "reglu"  # relu(g) * u          PWRI llama (ReluLLaMA, ProSparse)
-FFN_DRELU = "drelu"  # relu(g) * relu(u)    bamboo
+
+class FFNVariant(str, enum.Enum):
+    """How the FFN activation h is computed from gate g and up u (spec §9.2)."""
+
+    SWIGLU = "swiglu"  # silu(g) * u        dense llama
+    REGLU = "reglu"  # relu(g) * u          PWRI llama (ReluLLaMA, ProSparse)
+    DRELU = "drelu"  # relu(g) * relu(u)    bamboo
+
+    @property
+    def activation(self) -> str:
+        """The activation name HF configs and ``--ffn-act`` use: "silu" or "relu"."""
+        return "silu" if self is FFNVariant.SWIGLU else "relu"
+
+
+ACTIVATIONS = ("relu", "silu")  # --ffn-act, config.json sparse_activation, hidden_act
 
 
 @dataclass(frozen=True)
@@ -34,7 +52,7 @@ class ModelArgs:
     rms_eps: float
     n_ctx_train: int
     sparse: bool  # PWRI magic: predictor-gated FFN
-    ffn_variant: str
+    ffn_variant: FFNVariant
     sparse_threshold: float  # from powerinfer.sparse_threshold, else 0.0
 
     @property
@@ -55,80 +73,200 @@ class ModelArgs:
         kv_types: Mapping[str, GGUFValueType] | None = None,
         source: str = "model",
     ) -> ModelArgs:
-        """Build the arguments from GGUF key/values.
+        """Build the arguments from GGUF key/values, checking every value's type and range.
 
         Args:
             kv: the file's key/values.
             sparse: True for a PWRI file.
-            n_vocab: vocabulary size when the file has no token list.
+            n_vocab: vocabulary size when the file has no token list (token_embd rows).
             kv_types: value types, to check that the threshold key is FLOAT32.
             source: file name for error messages.
 
         Raises:
-            ValueError: unsupported architecture, missing or inconsistent keys.
+            ModelConfigError: unsupported architecture, a missing key, a value of the wrong type
+                or out of range, or inconsistent values (the message names key and value).
         """
         arch = kv.get(Keys.ARCHITECTURE)
-        if arch not in SUPPORTED_ARCHS:
-            raise ValueError(
-                f"{source}: architecture {arch!r} is not supported "
+        if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
+            raise ModelConfigError(
+                f"{source}: architecture {_short(arch)} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHS)})"
             )
 
-        def get(key: str, default: Any = None) -> Any:
+        def get(key: str, default: Any = None, kind: type = int) -> Any:
             name = key.format(arch=arch)
-            if name in kv:
-                return kv[name]
-            if default is None:
-                raise ValueError(f"{source}: required key {name!r} is missing")
-            return default
+            if name not in kv:
+                if default is None:
+                    raise ModelConfigError(f"{source}: required key {name!r} is missing")
+                return default
+            return _scalar(kv[name], name, kind, source)
 
-        n_embd = int(get(Keys.EMBEDDING_LENGTH))
-        n_head = int(get(Keys.HEAD_COUNT))
-        n_head_kv = int(get(Keys.HEAD_COUNT_KV, n_head))
-        if n_embd % n_head or n_head % n_head_kv:
-            raise ValueError(
-                f"{source}: n_embd {n_embd}, head_count {n_head} and head_count_kv {n_head_kv} "
-                "are inconsistent"
-            )
         tokens = kv.get(Keys.TOKENS)
-        vocab = len(tokens) if tokens is not None else n_vocab
-        vocab = int(get(Keys.VOCAB_SIZE, vocab or 0))
+        n_tokens = len(tokens) if isinstance(tokens, (list, tuple)) else None
+        n_embd, n_head = get(Keys.EMBEDDING_LENGTH), get(Keys.HEAD_COUNT)
         thr = 0.0
         if sparse and Keys.SPARSE_THRESHOLD in kv:
             found = (kv_types or {}).get(Keys.SPARSE_THRESHOLD, GGUFValueType.FLOAT32)
             if found != GGUFValueType.FLOAT32:
-                raise ValueError(
+                raise ModelConfigError(
                     f"{source}: key {Keys.SPARSE_THRESHOLD} must be FLOAT32, found {found!r}"
                 )
-            thr = float(kv[Keys.SPARSE_THRESHOLD])
+            thr = _scalar(kv[Keys.SPARSE_THRESHOLD], Keys.SPARSE_THRESHOLD, float, source)
         if arch == "bamboo":
-            variant = FFN_DRELU
+            variant = FFNVariant.DRELU
         elif sparse and kv.get(Keys.SPARSE_ACTIVATION, "relu") == "relu":
-            variant = FFN_REGLU
+            variant = FFNVariant.REGLU
         else:
-            variant = FFN_SWIGLU
-        head_dim = n_embd // n_head
+            variant = FFNVariant.SWIGLU
         args = cls(
             arch=arch,
-            n_vocab=vocab,
+            n_vocab=get(Keys.VOCAB_SIZE, n_tokens or n_vocab or 0),
             n_embd=n_embd,
-            n_layer=int(get(Keys.BLOCK_COUNT)),
-            n_ff=int(get(Keys.FEED_FORWARD_LENGTH)),
+            n_layer=get(Keys.BLOCK_COUNT),
+            n_ff=get(Keys.FEED_FORWARD_LENGTH),
             n_head=n_head,
-            n_head_kv=n_head_kv,
-            n_rot=int(get(Keys.ROPE_DIMENSION_COUNT, head_dim)),
-            rope_base=float(get(Keys.ROPE_FREQ_BASE, 10000.0)),
-            rms_eps=float(get(Keys.RMS_EPS, 1e-5)),
-            n_ctx_train=int(get(Keys.CONTEXT_LENGTH, 2048)),
+            n_head_kv=get(Keys.HEAD_COUNT_KV, n_head),
+            n_rot=get(Keys.ROPE_DIMENSION_COUNT, n_embd // n_head if n_head > 0 else 0),
+            rope_base=get(Keys.ROPE_FREQ_BASE, 10000.0, float),
+            rms_eps=get(Keys.RMS_EPS, 1e-5, float),
+            n_ctx_train=get(Keys.CONTEXT_LENGTH, 2048),
             sparse=sparse,
             ffn_variant=variant,
             sparse_threshold=thr,
         )
-        if args.n_rot > head_dim or args.n_rot % 2:
-            raise ValueError(f"{source}: rope dimension {args.n_rot} does not fit head {head_dim}")
-        if not math.isfinite(args.sparse_threshold) and args.sparse_threshold > 0:
-            raise ValueError(f"{source}: sparse threshold {args.sparse_threshold} is not usable")
+        args.validate(source, n_tokens=n_tokens)
         return args
+
+    @classmethod
+    def from_gguf(cls, gf: GGUFFile) -> ModelArgs:
+        """The arguments of an open GGUF/PWRI file (header only; the vocabulary size comes from
+        ``token_embd`` when the file has no token list).
+
+        Raises:
+            ModelConfigError: see :meth:`from_gguf_kv`.
+        """
+        te = gf.tensors.get(Names.TOKEN_EMBD)
+        return cls.from_gguf_kv(
+            gf.kv,
+            sparse=gf.sparse,
+            n_vocab=te.shape[0] if te is not None else None,
+            kv_types=gf.kv_types,
+            source=str(gf.path),
+        )
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], *, source: str = "config.json") -> ModelArgs:
+        """Build the arguments from an HF LLaMA-family ``config.json`` (a dense model).
+
+        Raises:
+            ModelConfigError: an unsupported model type or layout, or a missing/bad value.
+        """
+        mt = cfg.get("model_type")
+        if mt not in HF_MODEL_TYPES:
+            raise ModelConfigError(
+                f"{source}: model_type {mt!r} is not supported (supported: {HF_MODEL_TYPES})"
+            )
+        if cfg.get("rope_scaling"):
+            raise ModelConfigError(
+                f"{source}: rope_scaling {cfg['rope_scaling']!r} is not supported"
+            )
+        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise ModelConfigError(f"{source}: attention/MLP biases are not supported")
+
+        def get(key: str, default: Any = None, kind: type = int) -> Any:
+            if cfg.get(key) is None:
+                if default is None:
+                    raise ModelConfigError(f"{source}: config.json needs {kind.__name__} {key!r}")
+                return default
+            return _scalar(cfg[key], key, kind, source)
+
+        n_embd, n_head = get("hidden_size"), get("num_attention_heads")
+        head_dim = get("head_dim", n_embd // n_head if n_head > 0 else 0)
+        if head_dim * n_head != n_embd:
+            raise ModelConfigError(
+                f"{source}: hidden_size {n_embd}, num_attention_heads {n_head} and head_dim "
+                f"{head_dim} are not a supported LLaMA layout (head_dim x heads = hidden_size)"
+            )
+        act = {"swish": "silu"}.get(cfg.get("hidden_act", "silu"), cfg.get("hidden_act"))
+        if act not in ACTIVATIONS:
+            raise ModelConfigError(f"{source}: hidden_act {act!r} is not one of {ACTIVATIONS}")
+        args = cls(
+            arch="llama",
+            n_vocab=get("vocab_size"),
+            n_embd=n_embd,
+            n_layer=get("num_hidden_layers"),
+            n_ff=get("intermediate_size"),
+            n_head=n_head,
+            n_head_kv=get("num_key_value_heads", n_head),
+            n_rot=head_dim,
+            rope_base=get("rope_theta", 10000.0, float),
+            rms_eps=get("rms_norm_eps", 1e-5, float),
+            n_ctx_train=get("max_position_embeddings", 2048),
+            sparse=False,
+            ffn_variant=FFNVariant.REGLU if act == "relu" else FFNVariant.SWIGLU,
+            sparse_threshold=0.0,
+        )
+        args.validate(source)
+        return args
+
+    def to_gguf_kv(self, *, name: str | None = None, vocab_size: bool = False) -> dict:
+        """The architecture's GGUF key/values, ``{key: (value, GGUFValueType)}``: the inverse
+        of :meth:`from_gguf_kv` for these fields (the file's magic carries ``sparse``, and the
+        threshold key is written by whoever knows it)."""
+        u32, f32, a = GGUFValueType.UINT32, GGUFValueType.FLOAT32, self.arch
+        kv: dict = {Keys.ARCHITECTURE: (a, GGUFValueType.STRING)}
+        if name is not None:
+            kv[Keys.NAME] = (name, GGUFValueType.STRING)
+        kv.update({
+            Keys.CONTEXT_LENGTH.format(arch=a): (self.n_ctx_train, u32),
+            Keys.EMBEDDING_LENGTH.format(arch=a): (self.n_embd, u32),
+            Keys.BLOCK_COUNT.format(arch=a): (self.n_layer, u32),
+            Keys.FEED_FORWARD_LENGTH.format(arch=a): (self.n_ff, u32),
+            Keys.ROPE_DIMENSION_COUNT.format(arch=a): (self.n_rot, u32),
+            Keys.ROPE_FREQ_BASE.format(arch=a): (self.rope_base, f32),
+            Keys.HEAD_COUNT.format(arch=a): (self.n_head, u32),
+            Keys.HEAD_COUNT_KV.format(arch=a): (self.n_head_kv, u32),
+            Keys.RMS_EPS.format(arch=a): (self.rms_eps, f32),
+        })  # fmt: skip
+        if vocab_size:
+            kv[Keys.VOCAB_SIZE.format(arch=a)] = (self.n_vocab, u32)
+        return kv
+
+    def validate(self, source: str = "model", *, n_tokens: int | None = None) -> None:
+        """Check counts, divisibility and ranges once, where the arguments are built.
+
+        Raises:
+            ModelConfigError: the first value that makes no model, with what to do.
+        """
+        for key in ("n_vocab", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "n_ctx_train"):
+            if getattr(self, key) <= 0:
+                raise ModelConfigError(
+                    f"{source}: {key} is {getattr(self, key)}, it must be > 0; the file's "
+                    "hyperparameter keys are corrupt: re-convert the model"
+                )
+        if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
+            raise ModelConfigError(
+                f"{source}: n_embd {self.n_embd}, head_count {self.n_head} and head_count_kv "
+                f"{self.n_head_kv} are inconsistent (n_embd and head_count must divide evenly)"
+            )
+        if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:
+            raise ModelConfigError(
+                f"{source}: rope dimension {self.n_rot} does not fit head {self.head_dim} "
+                "(it must be even and between 2 and the head size)"
+            )
+        for key in ("rope_base", "rms_eps"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v > 0):
+                raise ModelConfigError(f"{source}: {key} is {v}, it must be a finite number > 0")
+        if math.isnan(self.sparse_threshold) or self.sparse_threshold == math.inf:
+            raise ModelConfigError(
+                f"{source}: sparse threshold {self.sparse_threshold} is not usable (NaN or +inf)"
+            )
+        if n_tokens is not None and self.n_vocab != n_tokens:
+            raise ModelConfigError(
+                f"{source}: vocab_size {self.n_vocab} differs from the {n_tokens} tokens of "
+                "tokenizer.ggml.tokens; fix or remove the vocab_size key"
+            )
 
     def with_ffn_act(self, act: str | None, *, source: str = "model") -> ModelArgs:
         """These arguments with the FFN activation set by the user (HF ``hidden_act``).
@@ -142,11 +280,31 @@ class ModelArgs:
         """
         if act is None:
             return self
-        variants = {"relu": FFN_REGLU, "silu": FFN_SWIGLU}
+        variants = {"relu": FFNVariant.REGLU, "silu": FFNVariant.SWIGLU}
         if act not in variants:
-            raise ValueError(f"{source}: FFN activation {act!r} is not one of relu, silu")
+            raise ModelConfigError(f"{source}: FFN activation {act!r} is not one of {ACTIVATIONS}")
         if self.arch == "bamboo":
             if act != "relu":
-                raise ValueError(f"{source}: bamboo's FFN is dReLU; --ffn-act {act} does not apply")
+                raise ModelConfigError(f"{source}: bamboo's FFN is dReLU; --ffn-act {act} is wrong")
             return self
         return dataclasses.replace(self, ffn_variant=variants[act])
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _scalar(v: Any, key: str, kind: type, source: str) -> Any:
+    """``v`` as one int (or finite-or-not float), refusing arrays, strings and bools by name."""
+    if isinstance(v, (list, tuple)) and len(v) == 1:
+        v = v[0]
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if ok and kind is int:
+        ok = float(v).is_integer() and abs(v) < 2**63
+    if not ok:
+        raise ModelConfigError(
+            f"{source}: key {key!r} must be one {'integer' if kind is int else 'number'}, got "
+            f"{_short(v)} ({type(v).__name__}); the file is corrupt: re-convert the model"
+        )
+    return kind(v)

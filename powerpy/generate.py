@@ -6,15 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from powerpy.model import KVCache, Model
+from powerpy.model.cache import KVCache
+from powerpy.model.options import SPARSE, RunOptions
+from powerpy.model.transformer import Model
 from powerpy.sampling import Sampler, SamplingParams, make_sampler
-
-if TYPE_CHECKING:
-    from powerpy.api import LLM
+from powerpy.tokenizer import Tokenizer
 
 
 def generate_step(
@@ -22,13 +21,15 @@ def generate_step(
     prompt: Sequence[int],
     sampler: Sampler,
     cache: KVCache,
+    opts: RunOptions = SPARSE,
     *,
     prefill_chunk: int = 512,
 ) -> Iterator[int]:
     """Prefill ``prompt`` into ``cache`` and yield sampled token ids forever.
 
     The caller decides when to stop (EOS, token budget). Each yielded token is fed back on the
-    next iteration.
+    next iteration. Everything that changes lives in ``cache``, ``sampler`` and ``opts``, so
+    generators over one model, each with its own cache, can be interleaved freely.
     """
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
@@ -36,12 +37,12 @@ def generate_step(
     logits = None
     for s in range(0, len(prompt), prefill_chunk):
         chunk = torch.tensor(prompt[s : s + prefill_chunk], dtype=torch.long)
-        logits = model.forward(chunk, cache)
+        logits = model.forward(chunk, cache, opts)
     while True:
         tok = sampler(logits[-1], history)
         history.append(tok)
         yield tok
-        logits = model.forward(torch.tensor([tok], dtype=torch.long), cache)
+        logits = model.forward(torch.tensor([tok], dtype=torch.long), cache, opts)
 
 
 @dataclass
@@ -58,39 +59,43 @@ class Response:
 
 
 def stream_generate(
-    llm: LLM,
+    model: Model,
+    tokenizer: Tokenizer,
     prompt: str | Sequence[int],
     max_tokens: int = 128,
     params: SamplingParams | None = None,
     *,
     n_ctx: int | None = None,
     cache: KVCache | None = None,
+    opts: RunOptions = SPARSE,
 ) -> Iterator[Response]:
     """Stream the continuation of ``prompt`` as ``Response`` records.
 
     Args:
-        llm: a loaded model (``powerpy.load``).
+        model: the model.
+        tokenizer: its tokenizer.
         prompt: text (tokenized with the model's tokenizer) or token ids.
         max_tokens: most tokens to generate; < 0 means until the context is full.
         params: sampling options (default: llama.cpp's defaults).
         n_ctx: KV cache size (default: prompt + max_tokens, at most the training context).
         cache: continue this cache instead (``prompt`` follows its ``pos`` tokens; the caller
             keeps track of them, as ``powerpy.chat.ChatSession`` does).
+        opts: run options (sparse or dense, threshold, statistics).
     """
     params = params or SamplingParams()
-    tok = llm.tokenizer
+    tok = tokenizer
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if cache is None:
         if max_tokens < 0:
-            max_tokens = llm.model.args.n_ctx_train - len(ids)
-        cache = llm.model.new_cache(n_ctx or len(ids) + max(max_tokens, 1))
+            max_tokens = model.args.n_ctx_train - len(ids)
+        cache = model.new_cache(n_ctx or len(ids) + max(max_tokens, 1))
     elif max_tokens < 0:
         max_tokens = cache.n_ctx - cache.pos - len(ids)
     decoder = tok.stream_decoder(strip_leading_space=False)
     t0 = time.perf_counter()
     t_first = t0
     n = 0
-    steps = generate_step(llm.model, ids, make_sampler(params), cache)
+    steps = generate_step(model, ids, make_sampler(params), cache, opts)
     for n, token in enumerate(steps, start=1):
         now = time.perf_counter()
         if n == 1:
@@ -110,10 +115,14 @@ def stream_generate(
 
 
 def generate(
-    llm: LLM,
+    model: Model,
+    tokenizer: Tokenizer,
     prompt: str | Sequence[int],
     max_tokens: int = 128,
     params: SamplingParams | None = None,
+    *,
+    opts: RunOptions = SPARSE,
 ) -> str:
     """Return the generated continuation of ``prompt`` as text."""
-    return "".join(r.text for r in stream_generate(llm, prompt, max_tokens, params))
+    steps = stream_generate(model, tokenizer, prompt, max_tokens, params, opts=opts)
+    return "".join(r.text for r in steps)

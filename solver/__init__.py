@@ -5,9 +5,9 @@ Implements PowerInfer's offline solver (``powerinfer-format.md`` §8.2) on numpy
     from solver import solve_hot_counts
     counts = solve_hot_counts(stats, capacity=429432, batch=256)  # (n_layer,) int64
 
-This package never imports torch (``import solver`` pulls in numpy only; pulp is imported when
-the ILP runs). Reading ``activation_{i}.pt`` files needs torch and lives in ``powerpy.stats``;
-``python -m solver`` (``solver.cli``) imports it inside ``main()`` only.
+This package imports neither torch nor powerpy (``import solver`` pulls in numpy only; pulp is
+imported when the ILP runs). Reading ``activation_{i}.pt`` files needs torch and lives in
+``powerpy.formats.stats``; ``python -m solver`` is a shim over ``powerpy.commands.solve_gpuidx``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""``python -m solver``: PowerInfer-compatible ``python -m powerinfer`` (see ``solver.cli``)."""
-
-from __future__ import annotations
+"""``python -m solver``: upstream's ``python -m powerinfer`` (powerpy.commands.solve_gpuidx)."""
 
 import sys
 
-from solver.cli import main
+from powerpy.commands.solve_gpuidx import main
 
 sys.exit(main())

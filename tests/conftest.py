@@ -55,58 +55,11 @@ def write_pwri_test_model(
     n_vocab: int = 32,
     arch: str = "llama",
 ) -> Path:
-    """A tiny PowerInfer (PWRI) llama model: F16 matrices, F32 norms, zero data.
+    """A zero-data PWRI header (``powerpy.testing.write_zero_model``) with these dimensions."""
+    from powerpy.testing import TinySpec, write_zero_model
 
-    File order: token_embd, output_norm, output, then per layer attn_norm, attn_q/k/v/output,
-    ffn_norm, ffn_gate, ffn_up, ffn_down_t, fc1, fc2.
-    """
-    import numpy as np
-
-    from powerpy.constants import GGMLType, GGUFValueType, Keys, Names
-    from powerpy.gguf_io import write_gguf
-
-    gqa = n_embd // n_head * n_head_kv
-    u32 = GGUFValueType.UINT32
-    kv = {
-        Keys.ARCHITECTURE: (arch, GGUFValueType.STRING),
-        Keys.NAME: ("gpuidx-test", GGUFValueType.STRING),
-        Keys.CONTEXT_LENGTH.format(arch=arch): (2048, u32),
-        Keys.EMBEDDING_LENGTH.format(arch=arch): (n_embd, u32),
-        Keys.BLOCK_COUNT.format(arch=arch): (n_layer, u32),
-        Keys.FEED_FORWARD_LENGTH.format(arch=arch): (n_ff, u32),
-        Keys.HEAD_COUNT.format(arch=arch): (n_head, u32),
-        Keys.HEAD_COUNT_KV.format(arch=arch): (n_head_kv, u32),
-        Keys.RMS_EPS.format(arch=arch): (1e-5, GGUFValueType.FLOAT32),
-    }
-
-    def f16(rows: int, cols: int) -> tuple:
-        return np.zeros((rows, cols), np.float16), GGMLType.F16
-
-    def f32(n: int) -> tuple:
-        return np.ones(n, np.float32), GGMLType.F32
-
-    tensors = [
-        (Names.TOKEN_EMBD, *f16(n_vocab, n_embd)),
-        (Names.OUTPUT_NORM, *f32(n_embd)),
-        (Names.OUTPUT, *f16(n_vocab, n_embd)),
-    ]
-    for layer in range(n_layer):
-        for template, spec in (
-            (Names.ATTN_NORM, f32(n_embd)),
-            (Names.ATTN_Q, f16(n_embd, n_embd)),
-            (Names.ATTN_K, f16(gqa, n_embd)),
-            (Names.ATTN_V, f16(gqa, n_embd)),
-            (Names.ATTN_OUTPUT, f16(n_embd, n_embd)),
-            (Names.FFN_NORM, f32(n_embd)),
-            (Names.FFN_GATE, f16(n_ff, n_embd)),
-            (Names.FFN_UP, f16(n_ff, n_embd)),
-            (Names.FFN_DOWN_T, f16(n_ff, n_embd)),
-            (Names.FC1, f16(n_pred, n_embd)),
-            (Names.FC2, f16(n_ff, n_pred)),
-        ):
-            tensors.append((template.format(l=layer), *spec))
-    write_gguf(path, kv, tensors, magic=b"PWRI")
-    return path
+    spec = TinySpec(n_embd, n_layer, n_ff, n_head, n_head_kv, arch=arch, n_ctx=2048)
+    return write_zero_model(path, spec, n_vocab=n_vocab, n_pred=n_pred)
 
 
 @pytest.fixture

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from powerpy.budget import (
+from powerpy.config import ModelArgs
+from powerpy.formats.constants import GGMLType, row_bytes
+from powerpy.formats.gguf_reader import read_gguf
+from powerpy.placement.budget import (
     ATTN,
     FFN,
     FFN_NORM,
@@ -17,22 +22,24 @@ from powerpy.budget import (
     KV_V,
     OUTPUT,
     PREDICTOR,
-    ModelDims,
+    FfnLayout,
     budget_bytes,
     capacity_exact,
     capacity_upstream,
     classify_tensor,
     hot_capacity,
     kv_cache_bytes,
-    neuron_bytes,
     plan_offload,
-    plan_offload_for_model,
 )
-from powerpy.constants import GGMLType
-from powerpy.gguf_io import read_gguf
+from powerpy.placement.placement import Placement
 from solver import solve
 
 R = 13_357_166_592  # upstream's worked example (§8.4)
+
+
+def exact_neuron_bytes(n_embd: int, ggml_type: GGMLType, gate: bool) -> int:
+    """The spec's true size of a neuron: ``n_mats · row_bytes(n_embd, type)`` (§8.4)."""
+    return (3 if gate else 2) * row_bytes(n_embd, ggml_type)
 
 
 # --- capacity -------------------------------------------------------------------------------------
@@ -57,11 +64,11 @@ def test_capacity_table(
     n_embd: int, n_ff: int, ggml_type: GGMLType, gate: bool, upstream: int, exact: int
 ) -> None:
     assert capacity_upstream(R, n_ff, ggml_type, has_gate=gate) == upstream
-    assert capacity_exact(R, neuron_bytes(n_embd, ggml_type, has_gate=gate)) == exact
-    per_neuron = neuron_bytes(n_embd, ggml_type, has_gate=gate)
-    dims = ModelDims("llama", 40, n_embd, n_ff, n_embd, gate, ggml_type, per_neuron)
-    assert hot_capacity(R, dims, "upstream") == upstream
-    assert hot_capacity(R, dims) == exact
+    per_neuron = exact_neuron_bytes(n_embd, ggml_type, gate)
+    assert capacity_exact(R, per_neuron) == exact
+    ffn = FfnLayout(n_ff, (per_neuron,) * 40, gate, ggml_type)
+    assert hot_capacity(R, ffn, "upstream") == upstream
+    assert hot_capacity(R, ffn) == exact
 
 
 def test_solver_floors_capacity_to_whole_groups() -> None:
@@ -75,9 +82,11 @@ def test_capacity_edge_cases() -> None:
     assert capacity_upstream(-5, 512, GGMLType.F16, has_gate=True) == 0
     with pytest.raises(ValueError, match="bytes per neuron"):
         capacity_exact(100, 0)
-    dims = ModelDims("llama", 1, 64, 512, 32, True, GGMLType.F16, 384)
+    ffn = FfnLayout(512, (384,), True, GGMLType.F16)
     with pytest.raises(ValueError, match="capacity mode"):
-        hot_capacity(100, dims, "fast")  # type: ignore[arg-type]
+        hot_capacity(100, ffn, "fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs the FFN type"):
+        hot_capacity(100, FfnLayout(512, (384,), True), "upstream")
 
 
 def test_budget_bytes() -> None:
@@ -85,6 +94,8 @@ def test_budget_bytes() -> None:
     assert budget_bytes(0) == 0
     assert budget_bytes(-1, free_vram=8 * GIB) == 8 * GIB - 256 * 2**20
     assert budget_bytes(-1, free_vram=100) == 0
+    assert budget_bytes(-1, 8 * GIB) == 8 * GIB - 256 * 2**20  # free_vram may be positional
+    assert budget_bytes(3.0, None) == 3 * GIB
     with pytest.raises(ValueError, match="all free VRAM"):
         budget_bytes(-1)
     with pytest.raises(ValueError, match="finite"):
@@ -182,7 +193,9 @@ def test_offload_stops_at_first_tensor_that_does_not_fit() -> None:
     assert all(e.category == ATTN for e in plan.entries if e.on_gpu)
     assert not plan.dense_complete and not plan.kv_on_gpu
     assert plan.remaining == 150 and plan.split_budget == 0
-    assert "stopped at blk.0.fc1.weight" in plan.summary()
+    assert plan.stop_message is not None
+    assert "stopped at blk.0.fc1.weight" in plan.stop_message
+    assert "dense tensors do not all fit" in plan.stop_message
 
 
 def test_kv_only_when_all_dense_fit() -> None:
@@ -193,6 +206,7 @@ def test_kv_only_when_all_dense_fit() -> None:
     assert plan.dense_complete
     assert [e.on_gpu for e in plan.entries[-2:]] == [True, False]  # V first, K did not fit
     assert plan.split_budget == kv - 1
+    assert "the V cache fit but the K cache did not" in (plan.stop_message or "")
     plan = plan_offload(llama_tensors(2, SIZES), budget=dense - 1, **args)
     assert not plan.dense_complete
     assert plan.bytes_by_category[KV_V] == plan.bytes_by_category[KV_K] == 0
@@ -228,17 +242,34 @@ def test_budget_is_never_exceeded(sizes: list[int], n_layer: int, budget: int, n
 
 
 # --- from a model file ----------------------------------------------------------------------------
-def test_model_dims_and_plan_from_file(pwri_test_model) -> None:
+def test_header_layout_and_plan_from_file(pwri_test_model) -> None:
     model = pwri_test_model(n_layer=3, n_embd=64, n_ff=512, n_head=4, n_head_kv=2)
     with read_gguf(model) as f:
-        dims = ModelDims.from_gguf(f)
-        assert (dims.n_layer, dims.n_embd, dims.n_ff, dims.n_embd_gqa) == (3, 64, 512, 32)
-        assert dims.has_gate and dims.up_type is GGMLType.F16
-        assert dims.neuron_bytes == neuron_bytes(64, GGMLType.F16, has_gate=True) == 384
-        plan = plan_offload_for_model(f, 1 << 30, n_ctx=100, kv_elem_bytes=4)
+        args = ModelArgs.from_gguf(f)
+        assert (args.n_layer, args.n_embd, args.n_ff, args.n_embd_gqa) == (3, 64, 512, 32)
+        ffn = FfnLayout.from_gguf(f, args)
+        assert ffn.has_gate and ffn.up_type is GGMLType.F16 and ffn.n_ff == 512
+        assert ffn.neuron_bytes == (384,) * 3 == (exact_neuron_bytes(64, GGMLType.F16, True),) * 3
+        plan = Placement.for_model(f, 1 << 30, n_ctx=100, kv_elem_bytes=4).plan
+        assert (plan.n_ctx, plan.kv_elem_bytes) == (100, 4)
         assert plan.bytes_by_category[KV_K] == kv_cache_bytes(32, 3, 100, 4)
         per_layer_attn = 64 * 4 + (64 * 64 + 32 * 64 + 32 * 64 + 64 * 64) * 2
         assert plan.bytes_by_category[ATTN] == 3 * per_layer_attn
         assert plan.bytes_by_category[PREDICTOR] == 3 * (16 * 64 + 512 * 16) * 2
         assert "token_embd.weight" in plan.host_only
         assert not any(e.category == FFN for e in plan.entries)
+
+
+def test_ffn_layout_errors(pwri_test_model) -> None:
+    sizes = {"blk.0.ffn_up.weight": 512 * 128, "blk.0.ffn_down_t.weight": 512 * 128}
+    ungated = FfnLayout.from_sizes(sizes, 1, 512)
+    assert ungated.neuron_bytes == (256,) and not ungated.has_gate and ungated.up_type is None
+    with pytest.raises(ValueError, match="'blk.1.ffn_up.weight' is missing"):
+        FfnLayout.from_sizes(sizes, 2, 512)
+    with pytest.raises(ValueError, match="not a multiple of n_ff 500"):
+        FfnLayout.from_sizes(sizes, 1, 500)
+    model = pwri_test_model(n_ff=512)
+    with read_gguf(model) as f:
+        args = ModelArgs.from_gguf(f)
+        with pytest.raises(ValueError, match=r"ffn_gate.weight has shape \(512, 64\), expected"):
+            FfnLayout.from_gguf(f, dataclasses.replace(args, n_ff=256))

@@ -9,9 +9,9 @@ import os
 import pytest
 
 import powerpy
-from powerpy.chat import CHATML, ChatSession, render_chat
+from powerpy.chat import CHATML, render_chat
 from powerpy.cli import main
-from powerpy.tiny import TinySpec, write_tiny_model
+from powerpy.testing import TinySpec, write_tiny_model
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -135,7 +135,7 @@ def test_cli_conversation_keeps_history(smollm2_path, monkeypatch, capsys) -> No
 
 
 def test_chat_session_reuses_the_cache_and_matches_a_fresh_prefill(smol) -> None:
-    chat = ChatSession(smol, system="Answer in one sentence.", n_ctx=512)
+    chat = smol.chat_session(system="Answer in one sentence.", n_ctx=512)
     first = list(chat.send("What is the capital of France?", 32, temperature=0))
     assert first[0].prompt_tokens == len(smol.apply_chat_template(chat.messages[:2], tokenize=True))
     second = list(chat.send("And the capital of Germany?", 32, temperature=0))
@@ -147,7 +147,7 @@ def test_chat_session_reuses_the_cache_and_matches_a_fresh_prefill(smol) -> None
 
 
 def test_chat_session_overflow_is_a_clear_error_and_keeps_history(smol) -> None:
-    chat = ChatSession(smol, n_ctx=64)
+    chat = smol.chat_session(n_ctx=64)
     list(chat.send("Hi", 4, temperature=0))
     before = list(chat.messages)
     with pytest.raises(ValueError, match=r"conversation is \d+ tokens and the context holds 64"):
@@ -156,7 +156,7 @@ def test_chat_session_overflow_is_a_clear_error_and_keeps_history(smol) -> None:
 
 
 def test_chat_session_failed_turn_leaves_no_trace(smol, monkeypatch) -> None:
-    chat = ChatSession(smol, n_ctx=128)
+    chat = smol.chat_session(n_ctx=128)
     list(chat.send("Hi", 4, temperature=0))
     before = list(chat.messages)
 
@@ -164,7 +164,7 @@ def test_chat_session_failed_turn_leaves_no_trace(smol, monkeypatch) -> None:
         raise RuntimeError("interrupted during prefill")
         yield
 
-    monkeypatch.setattr("powerpy.generate.stream_generate", boom)
+    monkeypatch.setattr("powerpy.chat.stream_generate", boom)
     with pytest.raises(RuntimeError, match="interrupted"):
         list(chat.send("Hello again", 4))
     assert chat.messages == before and chat._cached == []

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 import torch
 
-from powerpy import models
+from powerpy import default_model as models
 from powerpy.cli import main
-from powerpy.constants import GGMLType, GGUFValueType, Keys, Names, TokenType
-from powerpy.convert import convert, permute_qk, unpermute_qk
-from powerpy.gguf_io import read_gguf
-from powerpy.tiny import TinySpec, write_tiny_model
+from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names, TokenType
+from powerpy.formats.gguf_reader import read_gguf
+from powerpy.pipeline.convert import convert, permute_qk, unpermute_qk
+from powerpy.testing import TinySpec, write_tiny_model
 
 D, FF, L, NH, NKV, H = 64, 128, 2, 4, 2, 16
-N_VOCAB = 259  # the tiny byte vocabulary of powerpy.tiny
+N_VOCAB = 259  # the tiny byte vocabulary of powerpy.testing
 HD = D // NH
 
 
@@ -171,8 +171,7 @@ def hf_reference_logits(t: dict[str, np.ndarray], tokens: list[int], act: str) -
 def dense_logits(path: Path, tokens: list[int]) -> np.ndarray:
     from powerpy.api import load
 
-    llm = load(path, weight_format="f32")
-    llm.model.sparse_enabled = False
+    llm = load(path, weight_format="f32", dense=True)
     out = llm.logits(tokens).numpy()
     llm.file.close()
     return out
@@ -324,19 +323,19 @@ def test_default_model_builds_once_and_reuses_cache(tmp_path, monkeypatch, caplo
     write_tiny_model(src, spec, sparse=False)
     pred = tmp_path / "data"
     write_predictors(pred, config={"sparse_threshold": 0.0, "sparse_activation": "silu"})
-    from powerpy.stats import save_activation_stats
+    from powerpy.formats.stats import save_activation_stats
 
     save_activation_stats(pred / "activation", [np.arange(FF)] * L)
     monkeypatch.setattr(models, "smollm2_path", lambda: src)
     monkeypatch.setattr(models, "SPARSE_DATA_DIR", pred)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     calls = []
-    import powerpy.convert as conv
+    import powerpy.pipeline.convert as conv
 
     real = conv.convert
     monkeypatch.setattr(conv, "convert", lambda *a, **k: calls.append(a) or real(*a, **k))
 
-    with caplog.at_level("INFO", logger="powerpy.models"):
+    with caplog.at_level("INFO", logger="powerpy.default_model"):
         first = models.default_model_path()
     assert "building the sparse default model" in caplog.text
     assert first.is_file() and first.parent.parent == tmp_path / "cache" / "powerpy"
@@ -350,7 +349,7 @@ def test_default_model_builds_once_and_reuses_cache(tmp_path, monkeypatch, caplo
     from powerpy.api import load
 
     llm = load()  # the default model is the sparse one
-    assert llm.model.sparse_enabled and llm.model.args.ffn_variant == "swiglu"
+    assert llm.model.can_gate and llm.options.sparse and llm.model.args.ffn_variant == "swiglu"
     llm.file.close()
 
     write_predictors(pred, config={"sparse_threshold": 0.0, "sparse_activation": "silu"}, seed=5)
@@ -358,7 +357,7 @@ def test_default_model_builds_once_and_reuses_cache(tmp_path, monkeypatch, caplo
     assert second != first and second.is_file() and len(calls) == 2
 
     # a packed (int8) predictor set builds too, and gates almost like the fp16 one
-    from powerpy.train import PACK_FILE, pack_predictors
+    from powerpy.pipeline.predictors import PACK_FILE, pack_predictors
 
     packed = tmp_path / "packed"
     packed.mkdir()
@@ -447,7 +446,7 @@ def hf_bpe_json(
 def test_bpe_tokenizer_json_tokenizes_like_the_original_gguf(tmp_path, smollm2_path) -> None:
     """tokenizer.json (BPE) + tokenizer_config.json -> the same tokenizer as SmolLM2's GGUF."""
     from powerpy.api import load
-    from powerpy.convert import vocab_kv_from_hf
+    from powerpy.pipeline.hf import vocab_kv_from_hf
     from powerpy.tokenizer import Tokenizer
 
     tj, tc = hf_bpe_json(smollm2_path, merges_as_pairs=True, specials_in_vocab=True)
@@ -582,7 +581,7 @@ def test_sentencepiece_added_tokens_flags_and_padded_vocab(tmp_path, caplog) -> 
     }
     (src / "tokenizer_config.json").write_text(json.dumps(tc))
     write_predictors(tmp_path / "pred")
-    with caplog.at_level("INFO", logger="powerpy.convert"):
+    with caplog.at_level("INFO", logger="powerpy.pipeline.hf"):
         out = convert(src, tmp_path / "pred", tmp_path / "spm.powerinfer.gguf", outtype="f32")
     assert [r.getMessage() for r in caplog.records if "[PAD" in r.getMessage()] == [
         f"{src / 'tokenizer.model'}: {n_pieces} pieces; 5 UNUSED [PAD{{id}}] tokens pad it to 2056"

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import powerpy
-from powerpy import models
+from powerpy import default_model as models
 from powerpy.cli import main
-from powerpy.gpuidx import GpuIndex
+from powerpy.formats.gpuidx import GpuIndex
+from powerpy.model.options import DENSE
 
-# Hebrews 1:1-3, held out from predictor training (powerpy.corpus: train = Genesis-Philemon).
+# Hebrews 1:1-3, held out from predictor training (pipeline.corpus: train = Genesis-Philemon).
 HELDOUT = (
     "God, who at sundry times and in divers manners spake in time past unto the fathers by the "
     "prophets, Hath in these last days spoken unto us by his Son, whom he hath appointed heir of "
@@ -43,7 +44,7 @@ def test_default_is_the_shipped_sparse_smollm2(default_llm, smollm2_path) -> Non
     assert llm.path.is_relative_to(cache / "powerpy") and llm.path.name == models.SPARSE_FILE
     a = llm.model.args
     assert a.sparse and a.ffn_variant == "swiglu" and a.n_layer == 30
-    assert llm.model.threshold == cfg["sparse_threshold"]
+    assert llm.options.threshold == cfg["sparse_threshold"]
     assert all(blk.fc1 is not None for blk in llm.model.weights.blk)
     # same tokenizer as the dense source
     dense = powerpy.load(smollm2_path)
@@ -57,11 +58,9 @@ def test_default_skips_neurons_and_tracks_dense(default_llm) -> None:
     llm.sparsity.reset()
     sparse = llm.logits(ids)
     skipped = 1 - float(llm.sparsity.active_fraction().mean())
-    llm.model.sparse_enabled = False
-    try:
-        dense = llm.logits(ids)
-    finally:
-        llm.model.sparse_enabled = True
+    dense = llm.model.forward(
+        torch.tensor(ids), llm.model.new_cache(len(ids)), DENSE, all_logits=True
+    )
     # calibrated for 12% skipped on training text (11.1% measured on all held-out books)
     assert 0.06 < skipped < 0.2, skipped
     agree = (sparse.argmax(-1) == dense.argmax(-1)).float().mean().item()

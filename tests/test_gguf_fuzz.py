@@ -16,9 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from powerpy import quants
-from powerpy.constants import GGMLType, GGUFValueType
-from powerpy.gguf_io import GGUFFormatError, read_gguf, write_gguf
+from powerpy.formats import quants
+from powerpy.formats.constants import GGMLType, GGUFValueType
+from powerpy.formats.gguf_reader import GGUFFormatError, read_gguf
+from powerpy.formats.gguf_writer import write_gguf
 
 V = GGUFValueType
 HUGE = 2**63

@@ -1,5 +1,6 @@
-"""gguf_io: the reader agrees with gguf.GGUFReader, PWRI/id-18 handling, byte-exact round trips,
-the 5472-byte .gpuidx reference (powerinfer-format.md §7), the writer contract and `dump`."""
+"""GGUF reader and writer: the reader agrees with gguf.GGUFReader, PWRI/id-18 handling, byte-exact
+round trips, the 5472-byte .gpuidx reference (powerinfer-format.md §7), the writer contract and
+`powerpy dump`."""
 
 from __future__ import annotations
 
@@ -15,17 +16,18 @@ import gguf
 import numpy as np
 import pytest
 
-from powerpy import gguf_io, quants
+from powerpy import _fs, cli
 from powerpy.commands import dump as dump_cmd
-from powerpy.constants import GGUF_TYPE_IDS, PWRI_TYPE_IDS, GGMLType, GGUFValueType
-from powerpy.gguf_io import (
+from powerpy.formats import quants
+from powerpy.formats.constants import GGUF_TYPE_IDS, PWRI_TYPE_IDS, GGMLType, GGUFValueType
+from powerpy.formats.gguf_reader import (
+    GGUFFile,
     GGUFFormatError,
     TensorInfo,
-    patch_magic,
     read_gguf,
     tensor_nbytes,
-    write_gguf,
 )
+from powerpy.formats.gguf_writer import patch_magic, write_gguf
 
 REPO = Path(__file__).resolve().parent.parent
 V = GGUFValueType
@@ -124,7 +126,7 @@ def oracle_shared_types(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def assert_agrees_with_reader(mine: gguf_io.GGUFFile, ref: gguf.GGUFReader) -> None:
+def assert_agrees_with_reader(mine: GGUFFile, ref: gguf.GGUFReader) -> None:
     """Every KV (value and types) and every tensor (name, ne, type, offset, bytes) agree."""
     fields = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}
     assert list(mine.kv) == list(fields)
@@ -578,7 +580,7 @@ def test_write_is_atomic(tmp_path, monkeypatch):
     def fail(*args):
         raise OSError("disk full")
 
-    monkeypatch.setattr(gguf_io.os, "replace", fail)
+    monkeypatch.setattr(_fs.os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
         write_gguf(path, {"a": 1}, [("w", np.zeros(3, np.float32), GGMLType.F32)])
     assert path.read_bytes() == before
@@ -657,11 +659,11 @@ def test_tensor_info_and_nbytes():
         tensor_nbytes((48,), GGMLType.Q4_0)
 
 
-# --- powerpy dump / tools/dump_gguf.py ------------------------------------------------------------
+# --- powerpy dump ---------------------------------------------------------------------------------
 def test_dump_gpuidx(tmp_path, capsys):
     path = tmp_path / "m.generated.gpuidx"
     _write_gpuidx(path)
-    assert dump_cmd.main([str(path)]) == 0
+    assert cli.main(["dump", str(path)]) == 0
     out = capsys.readouterr().out
     for text in ("PWRI", "sparse:      True", "version:     3", "split.vram_capacity", "UINT64"):
         assert text in out
@@ -679,25 +681,26 @@ def test_dump_options_and_errors(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tokenizer.ggml.tokens" in out and "['<s>', '</s>', ...]" in out
     assert "blk.0.fc1.weight" not in out
-    assert dump_cmd.main([str(path), "--tensors-only"]) == 0
+    assert cli.main(["dump", str(path), "--tensors-only"]) == 0
     out = capsys.readouterr().out
     assert "Q4_0 (2)" in out and "F16 (1)" in out and "(96, 64)" in out and "general." not in out
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + struct.pack("<I", 1) + bytes(16))
-    assert dump_cmd.main([str(bad)]) == 1
+    assert cli.main(["dump", str(bad)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "version 1" in err and "bad.gguf" in err
 
 
-def test_dump_tool_script(tmp_path):
+def test_dump_from_a_checkout(tmp_path):
     path = tmp_path / "m.gpuidx"
     _write_gpuidx(path)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "dump_gguf.py"), str(path), "--tensors-only"],
+        [sys.executable, "-m", "powerpy", "dump", str(path), "--tensors-only"],
         capture_output=True,
         text=True,
         env=env,
+        cwd=REPO,
         timeout=60,
     )
     assert proc.returncode == 0, proc.stderr

@@ -14,17 +14,21 @@ import pytest
 import torch
 
 from powerpy import cli
-from powerpy.budget import ModelDims, capacity_upstream, plan_offload_for_model
-from powerpy.constants import GGMLType, GGUFValueType, Keys, Names
-from powerpy.gguf_io import patch_magic, read_gguf, write_gguf
-from powerpy.gpuidx import GpuIndex, default_gpuidx_path, resolve_gpuidx, topk_bucket
-from powerpy.stats import (
+from powerpy.commands.solve_gpuidx import main as solver_main
+from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names
+from powerpy.formats.gguf_reader import read_gguf
+from powerpy.formats.gguf_writer import patch_magic, write_gguf
+from powerpy.formats.gpuidx import GpuIndex, default_gpuidx_path
+from powerpy.formats.stats import (
     lexicographic_pairing,
     load_activation_stats,
     save_activation_stats,
 )
+from powerpy.placement.budget import capacity_upstream
+from powerpy.placement.lifecycle import resolve_gpuidx
+from powerpy.placement.placement import Placement
+from powerpy.placement.solve import index_from_counts, topk_bucket
 from solver import solve_hot_counts
-from solver.cli import main as solver_main
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -34,7 +38,7 @@ GIB = 1 << 30
 def reference_index() -> GpuIndex:
     """2 layers, n_ff 512, counts (256, 0), split.vram_capacity 1 GiB (spec §7)."""
     stats = [np.arange(512, 0, -1, dtype=np.float64), np.ones(512)]
-    return GpuIndex.from_counts(stats, [256, 0], vram_capacity=GIB)
+    return index_from_counts(stats, [256, 0], vram_capacity=GIB)
 
 
 def kv_record_sizes(data: bytes, n_kv: int) -> list[int]:
@@ -244,7 +248,7 @@ def test_export_is_topk_of_raw_stats() -> None:
     rng = np.random.default_rng(3)
     stats = [rng.random(1024) for _ in range(3)]
     counts = [256, 0, 1024]
-    idx = GpuIndex.from_counts(stats, counts, vram_capacity=0)
+    idx = index_from_counts(stats, counts, vram_capacity=0)
     for s, k, mask, bucket in zip(stats, counts, idx.gpu_idx, idx.gpu_bucket, strict=True):
         assert bucket.dtype == np.int32 and mask.dtype == np.int32
         assert int(mask.sum()) == len(bucket) == k
@@ -396,10 +400,11 @@ def test_resolve_reads_layer_count_from_model(pwri_test_model) -> None:
 
 
 # --- gen-gpuidx end to end ------------------------------------------------------------------------
-def dense_and_kv_bytes(model: Path, n_ctx: int = 2048) -> tuple[int, ModelDims]:
+def dense_and_kv_bytes(model: Path, n_ctx: int = 2048) -> tuple[int, int]:
+    """Bytes of the dense tensors and KV cache, and of one neuron's rows (layer 0)."""
     with read_gguf(model) as f:
-        plan = plan_offload_for_model(f, 1 << 40, n_ctx=n_ctx)
-        return plan.used, ModelDims.from_gguf(f)
+        p = Placement.for_model(f, 1 << 40, n_ctx=n_ctx)
+        return p.plan.used, p.layers[0].neuron_bytes
 
 
 def budget_arg(nbytes: int) -> str:
@@ -418,9 +423,9 @@ def test_gen_gpuidx_end_to_end(pwri_test_model, tmp_path: Path, capsys) -> None:
     model = pwri_test_model(n_layer=2, n_ff=512)
     stats = distinct_stats(2, 512, seed=11)
     save_activation_stats(tmp_path / "activation", stats)
-    fixed, dims = dense_and_kv_bytes(model)
-    assert dims.neuron_bytes == 3 * 64 * 2
-    budget = fixed + 3 * 256 * dims.neuron_bytes + 100  # room for 3 groups of 256
+    fixed, neuron = dense_and_kv_bytes(model)
+    assert neuron == 3 * 64 * 2
+    budget = fixed + 3 * 256 * neuron + 100  # room for 3 groups of 256
 
     assert cli.main(["gen-gpuidx", "-m", str(model), "--vram-budget", budget_arg(budget)]) == 0
     out = capsys.readouterr().out
@@ -448,8 +453,8 @@ def test_gen_gpuidx_and_solver_cli_agree_on_ties_with_torch_tie_break(
     rng = np.random.default_rng(2)
     stats = [rng.integers(0, 3, 512).astype(np.float32) for _ in range(2)]  # ties everywhere
     save_activation_stats(tmp_path / "activation", stats)
-    fixed, dims = dense_and_kv_bytes(model)
-    budget = fixed + 2 * 256 * dims.neuron_bytes
+    fixed, neuron = dense_and_kv_bytes(model)
+    budget = fixed + 2 * 256 * neuron
     out = tmp_path / "gen.gpuidx"
     argv = ["gen-gpuidx", "-m", str(model), "--vram-budget", budget_arg(budget), "-o", str(out)]
     assert cli.main([*argv, "--tie-break", "torch"]) == 0
@@ -465,7 +470,7 @@ def test_gen_gpuidx_budget_too_small_gives_empty_placement(
 ) -> None:
     model = pwri_test_model()
     save_activation_stats(tmp_path / "activation", distinct_stats(2, 512))
-    fixed, dims = dense_and_kv_bytes(model)
+    fixed, neuron = dense_and_kv_bytes(model)
 
     # dense part does not fit: the split is skipped
     assert cli.main(["gen-gpuidx", "-m", str(model), "--vram-budget", budget_arg(5000)]) == 0
@@ -476,12 +481,12 @@ def test_gen_gpuidx_budget_too_small_gives_empty_placement(
     assert idx.counts.tolist() == [0, 0] and idx.vram_capacity == 0
 
     # dense part and KV fit, but not one group of 256 neurons
-    budget = fixed + 255 * dims.neuron_bytes
+    budget = fixed + 255 * neuron
     assert cli.main(["gen-gpuidx", "-m", str(model), "--vram-budget", budget_arg(budget)]) == 0
     out = capsys.readouterr().out
     assert "fewer than one group of 256" in out
     idx = GpuIndex.read(default_gpuidx_path(model), n_layer=2)
-    assert idx.counts.tolist() == [0, 0] and idx.vram_capacity == 255 * dims.neuron_bytes
+    assert idx.counts.tolist() == [0, 0] and idx.vram_capacity == 255 * neuron
 
 
 def test_gen_gpuidx_missing_activation_dir(pwri_test_model, tmp_path: Path, capsys) -> None:
@@ -506,7 +511,7 @@ def test_gen_gpuidx_never_overwrites_the_model(pwri_test_model, tmp_path: Path, 
 def test_gen_gpuidx_powerinfer_capacity_mode(pwri_test_model, tmp_path: Path, capsys) -> None:
     model = pwri_test_model()
     save_activation_stats(tmp_path / "activation", distinct_stats(2, 512))
-    fixed, dims = dense_and_kv_bytes(model)
+    fixed, neuron = dense_and_kv_bytes(model)
     budget = fixed + 400_000
     argv = ["gen-gpuidx", "-m", str(model), "--vram-budget", budget_arg(budget)]
     assert cli.main([*argv, "--capacity-model", "powerinfer"]) == 0
@@ -524,8 +529,8 @@ def test_gen_gpuidx_compat_lexicographic(pwri_test_model, tmp_path: Path, capsys
         s[rng.permutation(n_ff)[:256]] += 10 + layer
         stats.append(s)
     save_activation_stats(tmp_path / "activation", stats)
-    fixed, dims = dense_and_kv_bytes(model)
-    budget = budget_arg(fixed + n_layer * 256 * dims.neuron_bytes)
+    fixed, neuron = dense_and_kv_bytes(model)
+    budget = budget_arg(fixed + n_layer * 256 * neuron)
     out_num, out_lex = tmp_path / "num.gpuidx", tmp_path / "lex.gpuidx"
     assert (
         cli.main(["gen-gpuidx", "-m", str(model), "--vram-budget", budget, "-o", str(out_num)]) == 0

@@ -21,16 +21,18 @@ import numpy as np
 import pytest
 import torch
 
-from powerpy import runtime
 from powerpy.api import load
 from powerpy.cli import main
-from powerpy.constants import GGMLType
-from powerpy.gpuidx import GpuIndex, default_gpuidx_path
-from powerpy.placement import Placement
-from powerpy.runtime import HybridFFN, build_hybrid
-from powerpy.sparse_ffn import ffn_masked
-from powerpy.stats import save_activation_stats
-from powerpy.tiny import TinySpec, write_tiny_model
+from powerpy.formats.constants import GGMLType
+from powerpy.formats.gpuidx import GpuIndex, default_gpuidx_path
+from powerpy.formats.stats import save_activation_stats
+from powerpy.model import device as device_mod
+from powerpy.model import ffn as ffn_mod
+from powerpy.model.device import Accelerator
+from powerpy.model.ffn import ffn_masked, split_ffn
+from powerpy.placement.placement import Placement
+from powerpy.placement.runtime import build_hybrid
+from powerpy.testing import TinySpec, write_tiny_model
 
 SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]  # prefill (T > 1)
@@ -53,8 +55,8 @@ def tiny(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
 def run_logits(llm) -> torch.Tensor:
     """Logits of the prefill (all positions) and of each decode step: (12, n_vocab)."""
     cache = llm.model.new_cache(N_CTX)
-    rows = [llm.model.forward(torch.tensor(PROMPT), cache, all_logits=True)]
-    rows += [llm.model.forward(torch.tensor([t]), cache) for t in DECODE]
+    rows = [llm.model.forward(torch.tensor(PROMPT), cache, llm.options, all_logits=True)]
+    rows += [llm.model.forward(torch.tensor([t]), cache, llm.options) for t in DECODE]
     return torch.cat(rows)
 
 
@@ -90,7 +92,10 @@ def hybrid(
     placement = Placement.for_model(
         llm.file, budget, index, n_ctx=N_CTX, kv_elem_bytes=kv_elem_bytes
     )
-    return llm, build_hybrid(llm, placement, device, hot_mode=hot_mode)
+    gather = None if hot_mode == "auto" else hot_mode == "gated"
+    rt = build_hybrid(llm.model, placement, Accelerator(device, gather_hot=gather), file=llm.file)
+    llm.model, llm.runtime = rt.model, rt
+    return llm, rt
 
 
 def dense_bytes(path) -> int:
@@ -104,8 +109,8 @@ def dense_bytes(path) -> int:
 @pytest.mark.parametrize("kind", BUCKETS)
 def test_hybrid_equals_cpu_only(tiny, reference, kind, hot_mode):
     llm, rt = hybrid(tiny[0], index_of(kind), hot_mode=hot_mode)
-    assert rt.ffn.gated == (hot_mode == "gated")
-    assert isinstance(llm.model.ffn_runner, HybridFFN)
+    assert rt.accel.gather_hot == (hot_mode == "gated")
+    assert llm.model.accel is rt.accel
     assert rt.placement.n_hot == sum(len(b) for b in make_buckets(kind))
     assert rt.placement.kv_on_gpu and llm.model.new_cache(N_CTX).k.dtype == torch.float32
     torch.testing.assert_close(run_logits(llm), reference[0], **TOL)
@@ -115,10 +120,10 @@ def test_hybrid_equals_cpu_only(tiny, reference, kind, hot_mode):
 @pytest.mark.parametrize("hot_mode", HOT_MODES)
 def test_hybrid_q4_0_raw_rows(tmp_path, hot_mode):
     """Q4_0 matrices: hot copies are raw quantized rows (QuantWeight.take_rows), not re-encoded."""
-    from powerpy.gguf_io import write_gguf
-    from powerpy.quants import quantize
-    from powerpy.tiny import tiny_kv, tiny_tensors
-    from powerpy.weights import QuantWeight
+    from powerpy.formats.gguf_writer import write_gguf
+    from powerpy.formats.quants import quantize
+    from powerpy.model.matrices import QuantWeight
+    from powerpy.testing import tiny_kv, tiny_tensors
 
     path = tmp_path / "q4.powerinfer.gguf"
     t = tiny_tensors(SPEC, sparse=True, seed=5)
@@ -131,7 +136,7 @@ def test_hybrid_q4_0_raw_rows(tmp_path, hot_mode):
     write_gguf(path, tiny_kv(SPEC), out, magic=b"PWRI")
     ref = load(path, weight_format="raw")  # raw blocks even without the native kernels
     llm, rt = hybrid(path, index_of("random"), hot_mode=hot_mode, weight_format="raw")
-    hot = rt.ffn.layers[1]
+    hot = llm.model.weights.blk[1].hot
     assert isinstance(hot.up, QuantWeight) and hot.up.ggml_type == GGMLType.Q4_0
     src = ref.model.weights.blk[1].ffn_up.raw  # (n_ff, row_bytes) uint8
     assert torch.equal(hot.up.raw, src[torch.from_numpy(np.sort(make_buckets("random")[1]))])
@@ -139,16 +144,14 @@ def test_hybrid_q4_0_raw_rows(tmp_path, hot_mode):
 
 
 def test_hybrid_dense_mode_equals_cpu_dense(tiny):
-    ref = load(tiny[0])
-    ref.model.sparse_enabled = False
-    llm, _ = hybrid(tiny[0], index_of("random"))
-    llm.model.sparse_enabled = False
+    ref = load(tiny[0], dense=True)
+    llm, _ = hybrid(tiny[0], index_of("random"), dense=True)
     torch.testing.assert_close(run_logits(llm), run_logits(ref), **TOL)
 
 
 def test_tolerance_catches_a_broken_merge(tiny, reference, monkeypatch):
     llm, _ = hybrid(tiny[0], index_of("single"), hot_mode="dense")
-    monkeypatch.setattr(HybridFFN, "_hot", lambda self, hot, x, act: torch.zeros_like(x))
+    monkeypatch.setattr(ffn_mod, "_hot", lambda hot, x, act, variant, gather: torch.zeros_like(x))
     diff = (run_logits(llm) - reference[0]).abs().max()
     assert diff > 1e-3  # dropping one hot neuron is far outside TOL
 
@@ -167,7 +170,7 @@ def test_split_ffn_matches_float64_oracle(tiny, kind, T, hot_mode):
     h = np.maximum(x @ f64["ffn_gate"].T, 0) * (x @ f64["ffn_up"].T) * act  # ReGLU (T, n_ff)
     want = h @ down_t
     blk = llm.model.weights.blk[0]
-    got = rt.ffn.split_ffn(0, blk, torch.from_numpy(x), torch.from_numpy(act))
+    got = split_ffn(blk, torch.from_numpy(x), torch.from_numpy(act), "reglu", rt.accel)
     np.testing.assert_allclose(got.numpy(), want, atol=1e-5, rtol=1e-5)
 
 
@@ -211,7 +214,7 @@ def test_loaded_bigger_than_file(tmp_path):
 def test_build_twice_is_refused(tiny):
     llm, rt = hybrid(tiny[0], index_of("single"))
     with pytest.raises(ValueError, match="already hybrid"):
-        build_hybrid(llm, rt.placement, "cpu")
+        build_hybrid(llm.model, rt.placement, "cpu")
 
 
 def test_summary_reports_device_and_host_bytes(tiny):
@@ -231,11 +234,11 @@ def test_load_api_greedy_text_matches(tiny):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback")
 def test_no_cuda_runs_cpu_only(tiny, monkeypatch, caplog):
-    monkeypatch.setattr(runtime, "_said_no_cuda", False)
+    monkeypatch.setattr(device_mod, "_said_no_cuda", False)
     with caplog.at_level(logging.WARNING):
         llm = load(tiny[0], vram_budget=1.0)
-        assert runtime.accelerator(None) is None  # said once only
-    assert llm.runtime is None and caplog.text.count(runtime.NO_CUDA_MESSAGE) == 1
+        assert Accelerator.choose(None) is None  # said once only
+    assert llm.runtime is None and caplog.text.count(device_mod.NO_CUDA_MESSAGE) == 1
 
 
 # ----------------------------------------------------------------------------------- CLI §10.3
@@ -352,7 +355,7 @@ def test_cuda_split_ffn_with_fixed_mask(tmp_path, kind, hot_mode):
     act = torch.from_numpy(rng.random((3, SPEC.n_ff)) < 0.3)
     blk = ref.model.weights.blk[0]
     want = ffn_masked(x, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, "reglu", act)
-    got = rt.ffn.split_ffn(0, llm.model.weights.blk[0], x.cuda(), act.cuda())
+    got = split_ffn(llm.model.weights.blk[0], x.cuda(), act.cuda(), "reglu", rt.accel)
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), want, atol=1e-2, rtol=1e-2)
 

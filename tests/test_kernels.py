@@ -1,4 +1,4 @@
-"""Native sparse-FFN kernels and the weights.py methods vs float64 torch references.
+"""Native sparse-FFN kernels and the matrices.py methods vs float64 torch references.
 
 Kernel-only tests skip cleanly when no C++ compiler is available; the torch fallback is tested
 either way. Besides the native (-march=native) build, the AVX2 and scalar code paths are
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import platform
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,14 +18,16 @@ import numpy as np
 import pytest
 import torch
 
-from powerpy import kernels, weights
-from powerpy.constants import GGMLType
-from powerpy.weights import DenseWeight, QuantWeight, glu_rows
+from powerpy.formats.constants import GGMLType
+from powerpy.model import kernels
+from powerpy.model import matrices as weights
+from powerpy.model.ffn import glu, glu_rows
+from powerpy.model.matrices import DenseWeight, QuantWeight
 
 FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 QUANTS = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
 DTYPES = [*FLOATS, *QUANTS]
-VARIANTS = ["reglu", "drelu", "swiglu", "relu"]
+VARIANTS = ["reglu", "drelu", "swiglu"]
 ROWS = 203  # odd, not a multiple of anything useful
 EPS = 2e-5  # tolerance relative to sum |w_i x_i| for f32-accumulated results
 
@@ -35,9 +36,9 @@ EPS = 2e-5  # tolerance relative to sum |w_i x_i| for f32-accumulated results
 
 
 def quantize(w: np.ndarray, qt: GGMLType) -> np.ndarray:
-    """Raw ggml blocks (rows, row_bytes) uint8, via powerpy.quants when it is there."""
+    """Raw ggml blocks (rows, row_bytes) uint8, via powerpy.formats.quants when it is there."""
     try:
-        from powerpy import quants
+        from powerpy.formats import quants
 
         fn = {GGMLType.Q8_0: quants.quantize_q8_0, GGMLType.Q4_0: quants.quantize_q4_0}[qt]
         raw = np.asarray(fn(w))
@@ -220,10 +221,9 @@ def test_glu(lib, dtype) -> None:
                 gv, uv = g[idx] @ x, u[idx] @ x
                 gb, ub = g[idx].abs() @ x.abs(), u[idx].abs() @ x.abs()
                 for variant in VARIANTS:
-                    gate = None if variant == "relu" else matrix(gobj)
-                    ref = weights._activate(gv, uv, variant)
-                    got = lib.glu(gate, matrix(uobj), x.float(), idx, variant)
-                    bound = ub if variant == "relu" else gb * uv.abs() + (gv.abs() + gb) * ub
+                    ref = glu(gv, uv, variant)
+                    got = lib.glu(matrix(gobj), matrix(uobj), x.float(), idx, variant)
+                    bound = gb * uv.abs() + (gv.abs() + gb) * ub
                     close(got, ref, bound, eps=4 * EPS)
 
 
@@ -304,7 +304,7 @@ def test_axpy_deterministic(lib, threads) -> None:
         lib.set_tuning(min_bytes_per_thread=32768)
 
 
-# ---- weights.py: kernel path vs torch fallback vs float64 ---------------------------------------
+# ---- matrices.py: kernel path vs torch fallback vs float64 ---------------------------------------
 
 
 def fallback_eps(dtype: str) -> float:
@@ -361,17 +361,15 @@ def test_glu_rows(dtype, variant, path, threads) -> None:
         for idx in index_sets(ROWS):
             gv, uv = g[idx] @ xd, u[idx] @ xd
             gb, ub = g[idx].abs() @ xd.abs(), u[idx].abs() @ xd.abs()
-            bound = ub if variant == "relu" else gb * uv.abs() + (gv.abs() + gb) * ub
-            got = glu_rows(x, None if variant == "relu" else gobj, uobj, idx, variant)
-            close(got, weights._activate(gv, uv, variant), bound, eps)
+            bound = gb * uv.abs() + (gv.abs() + gb) * ub
+            got = glu_rows(x, gobj, uobj, idx, variant)
+            close(got, glu(gv, uv, variant), bound, eps)
 
 
 def test_glu_rows_errors() -> None:
     wobj, _ = make_weight("f32", 8, 64)
-    with pytest.raises(ValueError, match="variant"):
+    with pytest.raises(ValueError, match="gelu"):
         glu_rows(torch.randn(64), wobj, wobj, torch.tensor([1]), "gelu")
-    with pytest.raises(ValueError, match="gate"):
-        glu_rows(torch.randn(64), None, wobj, torch.tensor([1]), "reglu")
 
 
 def test_glu_rows_mixed_dtypes(kernels_on) -> None:
@@ -433,7 +431,7 @@ def test_build_failure_raises(tmp_path: Path) -> None:
     bad.write_text("this is not C++\n")
     with pytest.raises(kernels.KernelBuildError, match="failed"):
         kernels.build(source=bad, cache_dir=tmp_path / "cache")
-    assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix == ".so"]
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix in (".so", ".tmp")]
 
 
 def test_no_compiler(tmp_path: Path) -> None:
@@ -448,7 +446,7 @@ def test_fallback_logged_once(monkeypatch, caplog) -> None:
     monkeypatch.setattr(kernels, "build", fail)
     monkeypatch.setattr(kernels, "_library", None)
     monkeypatch.setattr(kernels, "_failure", None)
-    with caplog.at_level(logging.WARNING, logger="powerpy.kernels"):
+    with caplog.at_level(logging.WARNING, logger="powerpy.model.kernels"):
         assert not kernels.available()
         assert not kernels.available()
         wobj, w = make_weight("f16", 20, 64)
@@ -494,28 +492,16 @@ def test_concurrent_builds_share_one_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == [libs[0].path.name]
 
 
-# ---- tools/make_synthetic_model.py -------------------------------------------------------------
-
-
-def _synthetic_tool():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "make_synthetic_model.py"
-    spec = importlib.util.spec_from_file_location("make_synthetic_model", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+# ---- powerpy.testing.synthetic ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", ["f32", "q4_0"])
 def test_synthetic_model(tmp_path: Path, dtype: str) -> None:
-    from powerpy.gguf_io import read_gguf
+    from powerpy.formats.gguf_reader import read_gguf
+    from powerpy.testing import synthetic as tool
 
-    tool = _synthetic_tool()
     out = tmp_path / "m" / "model.powerinfer.gguf"
-    argv = ["--shape", "tiny", "--dtype", dtype, "--powerlaw", "--layers", "2", "-o", str(out)]
-    assert tool.main([*argv, "--predictor-noise", "0"]) == 0
+    tool.write_synthetic_model(out, "tiny", dtype, powerlaw=True, layers=2, predictor_noise=0)
     s = tool.SHAPES["tiny"]
     with read_gguf(out) as gf:
         assert gf.sparse
@@ -542,7 +528,7 @@ def test_synthetic_model(tmp_path: Path, dtype: str) -> None:
 
 
 def test_scratch_rows_work_in_and_out_of_inference_mode() -> None:
-    from powerpy.weights import _scratch, _scratch_rows
+    from powerpy.model.matrices import _scratch, _scratch_rows
 
     _scratch.__dict__.clear()
     src, idx = torch.randn(64, 16), torch.tensor([3, 9, 40])

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from powerpy.api import load
-from powerpy.constants import GGMLType
-from powerpy.gguf_io import read_gguf, write_gguf
+from powerpy.formats.constants import GGMLType
+from powerpy.formats.gguf_reader import read_gguf
+from powerpy.formats.gguf_writer import write_gguf
 
 pytestmark = pytest.mark.llama_cpp
 

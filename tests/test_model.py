@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -9,11 +10,12 @@ import pytest
 import torch
 
 from powerpy.api import load
-from powerpy.constants import Keys
-from powerpy.gguf_io import read_gguf, write_gguf
-from powerpy.sparse_ffn import ffn_dense, ffn_rows, glu
-from powerpy.tiny import TinySpec, tiny_kv, tiny_tensors, write_tiny_model
-from powerpy.weights import DenseWeight
+from powerpy.formats.constants import Keys
+from powerpy.formats.gguf_reader import read_gguf
+from powerpy.formats.gguf_writer import write_gguf
+from powerpy.model.ffn import ffn_dense, ffn_rows, glu
+from powerpy.model.matrices import DenseWeight
+from powerpy.testing import TinySpec, tiny_kv, tiny_tensors, write_tiny_model
 
 SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
 
@@ -94,9 +96,8 @@ def test_dense_forward_matches_reference(dense_path):
 
 def test_sparse_file_dense_mode_is_reglu_reference(sparse_path):
     path, t = sparse_path
-    llm = load(path)
+    llm = load(path, dense=True)
     assert llm.model.args.sparse and llm.model.args.ffn_variant == "reglu"
-    llm.model.sparse_enabled = False
     ref = reference_logits(t, SPEC, TOKENS, "reglu")
     np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
 
@@ -108,8 +109,7 @@ def test_ffn_act_overrides_what_the_file_implies(dense_path, sparse_path):
     ref = reference_logits(t, SPEC, TOKENS, "reglu")
     np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
     path, t = sparse_path
-    llm = load(path, ffn_act="silu")
-    llm.model.sparse_enabled = False
+    llm = load(path, ffn_act="silu", dense=True)
     ref = reference_logits(t, SPEC, TOKENS, "swiglu")
     np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match=r"tiny-dense\.gguf: FFN activation 'gelu'"):
@@ -132,15 +132,14 @@ def test_prefill_then_decode_equals_full_forward(which, dense_path, sparse_path)
 
 def test_sparse_at_minus_inf_equals_dense_relu(sparse_path):
     path, _ = sparse_path
-    dense = load(path)
-    dense.model.sparse_enabled = False
+    dense = load(path, dense=True)
     sparse = load(path, threshold=-math.inf)
-    assert sparse.model.sparse_enabled
+    assert sparse.model.can_gate and sparse.options.sparse
     ref = _logits(dense, TOKENS)
     # prefill path (masked batch) and the one-token row-gather path
     np.testing.assert_allclose(_logits(sparse, TOKENS), ref, atol=1e-5, rtol=0)
     cache = sparse.model.new_cache(len(TOKENS))
-    rows = [sparse.model.forward(torch.tensor([tok]), cache) for tok in TOKENS]
+    rows = [sparse.model.forward(torch.tensor([tok]), cache, sparse.options) for tok in TOKENS]
     np.testing.assert_allclose(torch.cat(rows).double().numpy(), ref, atol=1e-4, rtol=0)
     assert np.all(sparse.sparsity.active_fraction() == 1.0)
 
@@ -175,7 +174,7 @@ def test_threshold_gates_and_reports_sparsity(sparse_path):
         if layer == 0:
             ref_inp = ffn_inp.clone()
 
-    llm.model.observer = grab
+    llm.options = dataclasses.replace(llm.options, observer=grab)
     llm.sparsity.reset()
     llm.logits(TOKENS)
     fc1, fc2 = t["blk.0.fc1.weight"], t["blk.0.fc2.weight"]
@@ -187,12 +186,12 @@ def test_threshold_gates_and_reports_sparsity(sparse_path):
 def test_threshold_key_precedence(tmp_path):
     path = tmp_path / "thr.powerinfer.gguf"
     write_tiny_model(path, SPEC, sparse=True, threshold=-1.5)
-    assert load(path).model.threshold == -1.5
-    assert load(path, threshold=0.25).model.threshold == 0.25
+    assert load(path).options.threshold == -1.5
+    assert load(path, threshold=0.25).options.threshold == 0.25
 
 
 def test_threshold_key_must_be_float32(tmp_path):
-    from powerpy.constants import GGMLType, GGUFValueType
+    from powerpy.formats.constants import GGMLType, GGUFValueType
 
     kv = tiny_kv(SPEC)
     kv[Keys.SPARSE_THRESHOLD] = (1, GGUFValueType.INT32)
@@ -204,7 +203,7 @@ def test_threshold_key_must_be_float32(tmp_path):
 
 
 def test_missing_predictor_is_a_clear_error(tmp_path):
-    from powerpy.constants import GGMLType
+    from powerpy.formats.constants import GGMLType
 
     tensors = tiny_tensors(SPEC, sparse=True)
     del tensors["blk.1.fc2.weight"]
@@ -220,9 +219,8 @@ def test_bamboo_uses_drelu(tmp_path):
     spec = TinySpec(arch="bamboo")
     path = tmp_path / "bamboo.powerinfer.gguf"
     t = write_tiny_model(path, spec, sparse=True, seed=3)
-    llm = load(path)
+    llm = load(path, dense=True)
     assert llm.model.args.ffn_variant == "drelu"
-    llm.model.sparse_enabled = False
     ref = reference_logits(t, spec, TOKENS, "drelu")
     np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="bamboo's FFN is dReLU"):
@@ -230,7 +228,7 @@ def test_bamboo_uses_drelu(tmp_path):
 
 
 def test_f16_file_matches_f32_within_half_precision(tmp_path):
-    from powerpy.constants import GGMLType
+    from powerpy.formats.constants import GGMLType
 
     p32, p16 = tmp_path / "a.gguf", tmp_path / "b.gguf"
     write_tiny_model(p32, SPEC, sparse=False, seed=4)
@@ -242,7 +240,7 @@ def test_f16_file_matches_f32_within_half_precision(tmp_path):
 
 def test_quant_types_without_kernels_load_as_f16(smollm2_path):
     """Q4_1 (no kernel) is dequantized to f16 at load: half of f32's memory, same logits."""
-    from powerpy.constants import GGMLType
+    from powerpy.formats.constants import GGMLType
 
     llm = load(smollm2_path)
     ref = load(smollm2_path, weight_format="f32")
@@ -262,7 +260,7 @@ def test_quant_types_without_kernels_load_as_f16(smollm2_path):
 @pytest.mark.parametrize("n_rot", [32, 16])
 def test_rope_rotates_adjacent_pairs_of_the_first_n_rot_dims(n_rot):
     from powerpy.config import ModelArgs
-    from powerpy.model import apply_rope, rope_tables
+    from powerpy.model.transformer import apply_rope, rope_tables
 
     args = ModelArgs(
         arch="llama", n_vocab=8, n_embd=64, n_layer=1, n_ff=8, n_head=2, n_head_kv=1,
@@ -281,3 +279,26 @@ def test_rope_rotates_adjacent_pairs_of_the_first_n_rot_dims(n_rot):
             want[t, :, 2 * i + 1] = a * np.sin(ang) + b * np.cos(ang)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert np.array_equal(got[..., n_rot:], xd[..., n_rot:])  # the tail is not rotated
+
+
+@pytest.mark.parametrize(
+    ("tensor", "value", "where"),
+    [
+        ("blk.1.ffn_up.weight", float("nan"), r"NaN at blk\.1, in the FFN"),
+        ("blk.0.attn_output.weight", 3e38, r"infinite at blk\.0, in attention"),
+        ("token_embd.weight", float("inf"), r"infinite at token_embd\.weight"),
+    ],
+)
+def test_non_finite_weights_name_the_first_bad_layer(tmp_path, tensor, value, where):
+    from powerpy.errors import NonFiniteError, PowerpyError
+    from powerpy.formats.constants import GGMLType
+
+    t = tiny_tensors(SPEC, sparse=False, seed=2)
+    t[tensor] = t[tensor].copy()
+    t[tensor].flat[:: 1 if value == 3e38 else t[tensor].size // 64] = value  # 3e38: sums overflow
+    path = tmp_path / "bad.gguf"
+    write_gguf(path, tiny_kv(SPEC), [(n, a, GGMLType.F32) for n, a in t.items()])
+    llm = load(path)
+    with pytest.raises(NonFiniteError, match=where) as e:
+        llm.generate(TOKENS, max_tokens=2, temperature=0.8, seed=1)
+    assert isinstance(e.value, PowerpyError) and "powerpy dump" in str(e.value)

@@ -10,9 +10,10 @@ import torch
 
 from powerpy.api import load
 from powerpy.cli import main
-from powerpy.corpus import kjv_text, window_starts
-from powerpy.perplexity import compare_dense_sparse, n_chunks_for, perplexity
-from powerpy.tiny import TinySpec, write_tiny_model
+from powerpy.model.options import RunOptions
+from powerpy.pipeline.corpus import kjv_text, window_starts
+from powerpy.pipeline.perplexity import compare_dense_sparse, n_chunks_for, perplexity
+from powerpy.testing import TinySpec, write_tiny_model
 
 SPEC = TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_pred_hidden=8)
 
@@ -48,14 +49,15 @@ def hand_ppl(llm, ids: list[int], ctx: int, n_chunks: int, bos: int | None) -> f
 @pytest.mark.parametrize("sparse", [False, True])
 def test_matches_hand_computation(tiny, sparse) -> None:
     ids = tiny.tokenize("In the beginning God created the heaven and the earth. " * 6)
-    tiny.model.sparse_enabled = sparse
+    opts, saved = RunOptions(sparse=sparse), tiny.options
+    tiny.options = opts  # hand_ppl runs llm.logits with the handle's options
     try:
-        r = perplexity(tiny.model, ids, ctx=64, chunks=3)
+        r = perplexity(tiny.model, ids, ctx=64, chunks=3, opts=opts)
         want = hand_ppl(tiny, ids, 64, 3, None)
-        r_bos = perplexity(tiny.model, ids, ctx=64, chunks=2, bos_id=1)
+        r_bos = perplexity(tiny.model, ids, ctx=64, chunks=2, bos_id=1, opts=opts)
         want_bos = hand_ppl(tiny, ids, 64, 2, 1)
     finally:
-        tiny.model.sparse_enabled = True
+        tiny.options = saved
     assert r.n_chunks == 3 and r.n_scored == 3 * 31
     assert r.ppl == pytest.approx(want, rel=1e-5)
     assert r_bos.ppl == pytest.approx(want_bos, rel=1e-5)
@@ -64,17 +66,12 @@ def test_matches_hand_computation(tiny, sparse) -> None:
         assert 0.0 <= r.sparsity <= 1.0 and r.layer_active.shape == (SPEC.n_layer,)
 
 
-def test_compare_dense_sparse_restores_mode(tiny) -> None:
+def test_compare_dense_sparse(tiny) -> None:
     ids = tiny.tokenize("abc " * 40)
     dense, sparse = compare_dense_sparse(tiny.model, ids, ctx=32, chunks=2)
     assert not dense.sparse and sparse is not None and sparse.sparse
-    assert tiny.model.sparse_enabled
     # A threshold nothing passes leaves only attention: the sparse run differs from dense.
-    tiny.model.threshold = float("inf")
-    try:
-        _, none = compare_dense_sparse(tiny.model, ids, ctx=32, chunks=2)
-    finally:
-        tiny.model.threshold = 0.0
+    _, none = compare_dense_sparse(tiny.model, ids, ctx=32, chunks=2, threshold=float("inf"))
     assert none.sparsity == 1.0 and none.ppl != pytest.approx(dense.ppl)
 
 

@@ -12,11 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from powerpy.budget import ATTN, DENSE_LEVELS, FFN_NORM, kv_cache_bytes
-from powerpy.constants import Names
-from powerpy.gguf_io import read_gguf
-from powerpy.gpuidx import GpuIndex, default_gpuidx_path
-from powerpy.placement import HOT_FFN, KV, Placement, resolve_placement
+from powerpy.formats.constants import Names
+from powerpy.formats.gguf_reader import read_gguf
+from powerpy.formats.gpuidx import GpuIndex, default_gpuidx_path
+from powerpy.placement.budget import ATTN, DENSE_LEVELS, FFN_NORM, kv_cache_bytes
+from powerpy.placement.lifecycle import resolve_placement
+from powerpy.placement.placement import HOT_FFN, KV, Placement
 
 # write_pwri_test_model (conftest): 2 layers, n_embd 64, n_ff 512, GQA 32, F16 matrices
 N_LAYER, N_FF, N_EMBD, GQA = 2, 512, 64, 32
@@ -58,7 +59,8 @@ def test_offload_stops_at_first_tensor_that_does_not_fit(model):
     assert any(e.category == FFN_NORM for e in later_small)  # they would fit, but are not tried
     assert not set(p.gpu_tensors) & {e.name for e in later_small}
     assert not p.kv_on_gpu and p.n_hot == 0  # dense incomplete: no KV, split skipped
-    assert any("split skipped" in n for n in p.notes)
+    assert p.empty_reason == p.plan.stop_message and "split is skipped" in p.empty_reason
+    assert p.index is not None and p.index_capacity == 0
     assert p.used <= budget
 
 
@@ -77,6 +79,7 @@ def test_kv_on_accelerator_only_when_all_dense_fit(model):
         assert p.used <= budget
     p = Placement.for_model(model, dense + 2 * KV_ONE - 1, n_ctx=N_CTX)
     assert any("V cache fit but the K cache did not" in n for n in p.notes)
+    assert any("V cache fit but the K cache did not" in n for n in p.summary().splitlines())
     assert len(p.gpu_tensors) == len(dense_entries(p))  # all dense placed
 
 
@@ -86,7 +89,7 @@ def test_hot_bytes_are_exact_rows_and_truncation_is_deterministic(model, caplog)
     budget = dense + 2 * KV_ONE + room * NEURON_BYTES + NEURON_BYTES - 1
     rng = np.random.default_rng(0)
     stats = [rng.random(N_FF) for _ in range(N_LAYER)]
-    with caplog.at_level(logging.WARNING, logger="powerpy.placement"):
+    with caplog.at_level(logging.WARNING, logger="powerpy.placement.split"):
         p = Placement.for_model(model, budget, full_index(), n_ctx=N_CTX, stats=stats)
     assert "truncated" in caplog.text
     assert p.n_hot == room and p.hot_bytes == room * NEURON_BYTES
@@ -118,14 +121,52 @@ def test_index_must_match_the_model(model):
         Placement.for_model(model, 1 << 30, full_index(n_ff=256), n_ctx=N_CTX)
 
 
+def layer_rows(text: str) -> dict[str, list[str]]:
+    """The per-layer table of a summary: first column (layer or "total") -> the row's fields."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if "GPU % of neurons" in line)
+    rows = {}
+    for line in lines[start + 1 :]:
+        fields = line.split()
+        if not fields or not (fields[0].isdigit() or fields[0] == "total"):
+            break
+        rows[fields[0]] = fields[1:]
+    return rows
+
+
 def test_summary_table(model):
     index = GpuIndex.from_buckets([np.arange(128), []], N_FF, vram_capacity=0)
     text = Placement.for_model(model, 1 << 30, index, n_ctx=N_CTX).summary("cuda:0")
     for word in ("placement on cuda:0", "attn", "predictor", "ffn_norm", "output", "kv", "hot_ffn"):
         assert word in text
     assert "128/1024 neurons" in text
-    per_layer = next(line for line in text.splitlines() if "GPU % of neurons" in line)
-    assert per_layer.split()[-2:] == ["25", "0"]
+    rows = layer_rows(text)  # hot, GPU %, bytes, coverage ("-": no statistics)
+    assert rows == {
+        "0": ["128", "25.0%", str(128 * NEURON_BYTES), "-"],
+        "1": ["0", "0.0%", "0", "-"],
+        "total": ["128", "12.5%", str(128 * NEURON_BYTES), "-"],
+    }
+    assert "empty placement" not in text
+
+
+def test_summary_coverage_and_reasons(model):
+    stats = [np.arange(N_FF, dtype=float), np.ones(N_FF)]
+    index = GpuIndex.from_buckets([np.arange(N_FF // 2, N_FF), []], N_FF, vram_capacity=0)
+    p = Placement.for_model(model, 1 << 30, index, n_ctx=N_CTX, stats=stats)
+    top_half = sum(range(N_FF // 2, N_FF)) / sum(range(N_FF))
+    assert p.coverage == pytest.approx((top_half, 0.0))
+    assert p.total_coverage == pytest.approx(
+        sum(range(N_FF // 2, N_FF)) / (sum(range(N_FF)) + N_FF)
+    )
+    rows = layer_rows(p.summary())
+    assert rows["0"][-1] == f"{100 * top_half:.2f}%" and rows["1"][-1] == "0.00%"
+    bare = Placement.for_model(model, 1 << 30, n_ctx=N_CTX)
+    assert bare.empty_reason == "no GPU index" and "empty placement: no GPU index" in bare.summary()
+    assert "GPU % of neurons" not in bare.summary()  # no index: no per-layer table
+    again = bare.with_index(index)
+    assert again.plan is bare.plan and again.n_hot == N_FF // 2 and again.empty_reason is None
+    with pytest.raises(ValueError, match="layer 1 has shape"):
+        bare.with_index(index, stats=[np.ones(N_FF), np.ones(3)])
 
 
 # ----------------------------------------------------------------------------------- property
@@ -192,7 +233,7 @@ def test_placement_never_exceeds_budget(m, frac, n_ctx, kv_elem, with_stats):
 # ----------------------------------------------------------------------------------- §10.3
 @pytest.fixture
 def model_with_stats(pwri_test_model):
-    from powerpy.stats import save_activation_stats
+    from powerpy.formats.stats import save_activation_stats
 
     path = pwri_test_model("m.powerinfer.gguf")
     rng = np.random.default_rng(1)
@@ -206,6 +247,8 @@ def test_resolve_generates_then_reuses(model_with_stats, caplog):
     with read_gguf(model_with_stats) as f:
         p1 = resolve_placement(f, budget, n_ctx=N_CTX)
         assert idx_path.exists() and p1.n_hot > 0 and p1.used <= budget
+        assert p1.solve is not None and p1.solve.method == "greedy" and p1.coverage is not None
+        assert GpuIndex.read(idx_path) == p1.index
         first = idx_path.read_bytes()
         with caplog.at_level(logging.INFO):
             p2 = resolve_placement(f, 2 * budget, n_ctx=N_CTX)  # more room: reused, hinted
@@ -222,14 +265,16 @@ def test_resolve_disable_and_missing_activation(pwri_test_model, caplog):
     with read_gguf(path) as f:
         p = resolve_placement(f, 1 << 20, n_ctx=N_CTX, disable_gpu_index=True)
         assert p.n_hot == 0 and p.kv_on_gpu and not default_gpuidx_path(path).exists()
+        assert "--disable-gpu-index" in (p.empty_reason or "")
         with caplog.at_level(logging.ERROR):
             p = resolve_placement(f, 1 << 20, n_ctx=N_CTX)  # no activation/: not fatal
         assert "activation directory" in caplog.text and p.n_hot == 0
+        assert "activation directory" in (p.empty_reason or "")
         assert not default_gpuidx_path(path).exists()
 
 
 def test_resolve_refuses_dense_models(tmp_path):
-    from powerpy.tiny import TinySpec, write_tiny_model
+    from powerpy.testing import TinySpec, write_tiny_model
 
     path = tmp_path / "dense.gguf"
     write_tiny_model(path, TinySpec(), sparse=False)

@@ -11,14 +11,15 @@ import torch
 
 from powerpy.api import load
 from powerpy.cli import main
-from powerpy.constants import Keys
-from powerpy.convert import convert
-from powerpy.corpus import window_starts
-from powerpy.gguf_io import read_gguf
-from powerpy.profile import load_samples, profile, sample_arrays, write_profile
-from powerpy.stats import load_activation_stats
-from powerpy.tiny import TinySpec, write_tiny_model
-from powerpy.train import TrainOptions, calibrate_predictors, predictor_logits, train_predictors
+from powerpy.formats.constants import Keys
+from powerpy.formats.gguf_reader import read_gguf
+from powerpy.formats.stats import load_activation_stats
+from powerpy.pipeline.calibrate import calibrate_predictors
+from powerpy.pipeline.convert import convert
+from powerpy.pipeline.corpus import window_starts
+from powerpy.pipeline.profile import load_samples, profile, sample_arrays, write_profile
+from powerpy.pipeline.train import TrainOptions, predictor_logits, train_predictors
+from powerpy.testing import TinySpec, write_tiny_model
 
 SPEC = TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_pred_hidden=8)
 
@@ -171,7 +172,9 @@ def test_train_reaches_recall_and_converts(relu_model, trained, tmp_path) -> Non
 
 def test_calibration_folds_per_layer_thresholds_into_fc2(trained, tmp_path) -> None:
     _, prof, d, _, opts = trained
-    records = calibrate_predictors(d / "pred", prof.samples_dir, tmp_path / "cal", 0.35, opts=opts)
+    records = calibrate_predictors(
+        d / "pred", prof.samples_dir, tmp_path / "cal", 0.35, seed=opts.seed
+    )
     assert abs(np.mean([r["active"] for r in records]) - 0.65) < 0.02
     cfg = json.loads((tmp_path / "cal" / "config.json").read_text())
     assert cfg["sparse_threshold"] == -1.0 and len(cfg["powerpy"]["calibration"]["layers"]) == 2

@@ -8,9 +8,9 @@ import gguf
 import numpy as np
 import pytest
 
-from powerpy import quants
-from powerpy.constants import DEQUANT_TYPES, TYPE_TRAITS, GGMLType
-from powerpy.gguf_io import read_gguf
+from powerpy.formats import quants
+from powerpy.formats.constants import DEQUANT_TYPES, TYPE_TRAITS, GGMLType
+from powerpy.formats.gguf_reader import read_gguf
 
 GQ = gguf.GGMLQuantizationType
 

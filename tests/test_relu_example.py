@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from powerpy.config import FFN_REGLU
-from powerpy.constants import GPUIDX_SUFFIX, Names
+from powerpy.config import FFNVariant
+from powerpy.formats.constants import GPUIDX_SUFFIX, Names
+from powerpy.model.ffn import ffn
+from powerpy.model.options import DENSE, RunOptions, SparsityStats
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kjv-relu"
 MODEL = MODEL_DIR / "kjv-relu.powerinfer.gguf"
 
-pytestmark = pytest.mark.skipif(not MODEL.is_file(), reason=f"{MODEL} is not present")
 
 # Held-out text (Hebrews 11:1-2 and Revelation 21:4): never seen by the tokenizer or the model.
 HELDOUT = (
@@ -46,8 +47,8 @@ def llm():
 def test_is_pwri_reglu(llm):
     a = llm.model.args
     assert llm.file.sparse and a.sparse and a.arch == "llama"
-    assert a.ffn_variant == FFN_REGLU
-    assert llm.model.sparse_enabled
+    assert a.ffn_variant == FFNVariant.REGLU
+    assert llm.model.can_gate and llm.options.sparse
     names = llm.file.tensors
     for l in range(a.n_layer):
         assert Names.FFN_DOWN_T.format(l=l) in names
@@ -73,16 +74,11 @@ def test_threshold_neg_inf_equals_dense_reglu(llm):
     x = torch.randn(5, m.args.n_embd, generator=torch.Generator().manual_seed(0))
     gate, up = blk.ffn_gate.dequantize(), blk.ffn_up.dequantize()
     want = (F.relu(x @ gate.T) * (x @ up.T)) @ blk.ffn_down_t.dequantize()  # ReGLU by hand
-    saved = m.threshold
-    try:
-        m.sparse_enabled = False
-        dense = m.forward(ids, m.new_cache(len(ids)), all_logits=True)
-        dense_ffn = m.cpu_ffn(0, blk, x, x)
-        m.sparse_enabled, m.threshold = True, -math.inf
-        gated = m.forward(ids, m.new_cache(len(ids)), all_logits=True)
-        gated_ffn = m.cpu_ffn(0, blk, x, x)
-    finally:
-        m.sparse_enabled, m.threshold = True, saved
+    gate_all = RunOptions(threshold=-math.inf)
+    dense = m.forward(ids, m.new_cache(len(ids)), DENSE, all_logits=True)
+    dense_ffn = ffn(0, blk, x, x, m.args.ffn_variant, 0.0, DENSE, None)
+    gated = m.forward(ids, m.new_cache(len(ids)), gate_all, all_logits=True)
+    gated_ffn = ffn(0, blk, x, x, m.args.ffn_variant, -math.inf, gate_all, None)
     torch.testing.assert_close(gated, dense, rtol=0, atol=1e-4)
     torch.testing.assert_close(dense_ffn, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gated_ffn, want, rtol=1e-4, atol=1e-4)
@@ -90,18 +86,17 @@ def test_threshold_neg_inf_equals_dense_reglu(llm):
 
 def test_predicted_sparsity(llm):
     m = llm.model
-    m.sparsity.reset()
+    stats = SparsityStats.empty(m.args.n_layer, m.args.n_ff)
     ids = torch.tensor(llm.tokenize(HELDOUT))
-    m.forward(ids, m.new_cache(len(ids)), all_logits=True)
-    skipped = 1 - float(np.mean(m.sparsity.active_fraction()))
+    m.forward(ids, m.new_cache(len(ids)), RunOptions(stats=stats), all_logits=True)
+    skipped = 1 - float(np.mean(stats.active_fraction()))
     assert skipped >= MIN_SKIPPED
 
 
 def test_golden_greedy_continuation(llm):
     """The golden greedy ids, teacher-forced: each is the argmax, except at near-ties (< 0.1)
     where another CPU's kernels (AVX2 vs AVX-512 summation order) may legitimately flip it."""
-    m = llm.model
-    m.sparse_enabled = True
+    assert llm.options.sparse
     ids = llm.tokenize(PROMPT)
     logits = llm.logits(ids + GOLDEN_IDS[:-1])[len(ids) - 1 :]  # (16, n_vocab)
     top2 = logits.topk(2, dim=-1)
@@ -113,10 +108,8 @@ def test_golden_greedy_continuation(llm):
 
 
 def test_committed_gpuidx_validates(llm):
-    path = MODEL.with_name(MODEL.name + GPUIDX_SUFFIX)
-    if not path.is_file():
-        pytest.skip(f"{path} is not present")
-    from powerpy.gpuidx import GpuIndex
+    path = MODEL.with_name(MODEL.name + GPUIDX_SUFFIX)  # committed: a missing file fails
+    from powerpy.formats.gpuidx import GpuIndex
 
     a = llm.model.args
     idx = GpuIndex.read(path, n_layer=a.n_layer, n_ff=a.n_ff)

@@ -47,11 +47,21 @@ def mass(v: np.ndarray, groups: np.ndarray) -> float:
 # --- packaging ------------------------------------------------------------------------------------
 def test_import_solver_does_not_import_torch() -> None:
     code = (
-        "import sys, solver, solver.cli, solver.ilp, solver.greedy; "
+        "import sys, solver, solver.ilp, solver.greedy; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
-        "assert 'pulp' not in sys.modules, 'pulp imported eagerly'"
+        "assert not [m for m in sys.modules if m.startswith('powerpy')], 'powerpy imported'; "
+        "assert 'pulp' not in sys.modules, 'pulp imported eagerly'; "
+        "import powerpy.commands.solve_gpuidx; "  # python -m solver's CLI: torch only in main()
+        "assert 'torch' not in sys.modules, 'the solver CLI imports torch eagerly'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_python_m_solver_is_the_powerpy_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "solver", "--help"], cwd=REPO, check=True, capture_output=True
+    ).stdout.decode()
+    assert out.startswith("usage: python -m solver") and "--vram-capacity" in out
 
 
 # --- group masses ---------------------------------------------------------------------------------

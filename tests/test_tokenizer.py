@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from powerpy.errors import TokenizerError
 from powerpy.tokenizer import StreamDecoder, TokenAttr, Tokenizer, supported_pre_tokenizers
 
 try:
@@ -425,7 +426,7 @@ def test_accepts_lists_and_arrays(smollm_kv, smollm):
 
 
 def test_rejects_unknown_vocab():
-    with pytest.raises(ValueError, match="unsupported tokenizer"):
+    with pytest.raises(TokenizerError, match="unsupported tokenizer"):
         Tokenizer.from_gguf_kv({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]})
     kv = {
         "tokenizer.ggml.model": "gpt2",
@@ -433,24 +434,113 @@ def test_rejects_unknown_vocab():
         "tokenizer.ggml.merges": [],
         "tokenizer.ggml.pre": "no-such-pre",
     }
-    with pytest.raises(ValueError, match="pre-tokenizer"):
+    with pytest.raises(TokenizerError, match="pre-tokenizer"):
         Tokenizer.from_gguf_kv(kv)
-    with pytest.raises(ValueError, match="no tokenizer"):
+    with pytest.raises(TokenizerError, match="no tokenizer"):
         Tokenizer.from_gguf_kv({})
+    assert issubclass(TokenizerError, ValueError)
 
 
-def test_chat_template_chatml(smollm):
-    msgs = [{"role": "user", "content": "Hi there"}]
-    prompt = smollm.apply_chat_template(msgs)
-    assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
-    assert prompt.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
-    jinja2 = pytest.importorskip("jinja2")
-    for messages in (msgs, [{"role": "system", "content": "S"}, *msgs]):
-        for gen in (True, False):
-            want = jinja2.Template(smollm.chat_template).render(
-                messages=messages, add_generation_prompt=gen
-            )
-            assert smollm.apply_chat_template(messages, add_generation_prompt=gen) == want
+# --- metadata checks in from_gguf_kv --------------------------------------------------------------
+def _tiny_kv(**extra) -> dict:
+    """A five-token SPM vocabulary: <unk> <s> </s> ▁a ▁b."""
+    kv = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "▁a", "▁b"],
+        "tokenizer.ggml.scores": np.asarray([0, 0, 0, -1, -2], dtype=np.float32),
+        "tokenizer.ggml.token_type": np.asarray([2, 3, 3, 1, 1], dtype=np.int32),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    kv.update(extra)
+    return kv
+
+
+def test_metadata_checks_accept_valid_forms():
+    base = Tokenizer.from_gguf_kv(_tiny_kv())
+    assert base.encode("a b") == [1, 3, 4]
+    forms = _tiny_kv(**{
+        "tokenizer.ggml.tokens": np.asarray(["<unk>", "<s>", "</s>", "▁a", "▁b"], dtype=object),
+        "tokenizer.ggml.scores": [0, 0, 0, -1.0, -2.0],  # ints and floats
+        "tokenizer.ggml.token_type": (2, 3, 3, 1, 1),
+        "tokenizer.ggml.bos_token_id": np.uint32(1),
+        "tokenizer.ggml.eos_token_id": np.asarray([2], dtype=np.uint32),  # a one-item array
+        "tokenizer.ggml.add_bos_token": np.bool_(False),
+        "tokenizer.ggml.add_eos_token": [True],
+        "tokenizer.ggml.unknown_token_id": None,  # None reads as absent
+    })  # fmt: skip
+    tok = Tokenizer.from_gguf_kv(forms)
+    assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (1, 2, False, True)
+    assert tok.encode("a b") == [3, 4]
+    gpt2 = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": np.asarray(["a b"]),
+    }
+    assert Tokenizer.from_gguf_kv(gpt2).encode("ab") == [2]
+
+
+_N = 5  # tokens in _tiny_kv
+_BAD_METADATA = [
+    # key, value, what the message must hold (besides the key)
+    ("tokenizer.ggml.tokens", "abc", "'abc' (str): must be an array of strings"),
+    ("tokenizer.ggml.tokens", [], "the vocabulary is empty"),
+    ("tokenizer.ggml.tokens", ["<unk>", 7], "item 1 is 7 (int)"),
+    ("tokenizer.ggml.tokens", np.zeros(5, np.float32), "item 0 is 0.0 (float)"),
+    ("tokenizer.ggml.scores", [0.0] * (_N - 1), f"numbers, one per token ({_N})"),
+    ("tokenizer.ggml.scores", [0.0] * (_N + 1), f"numbers, one per token ({_N})"),
+    ("tokenizer.ggml.scores", ["0"] * _N, "item 0 is '0' (str)"),
+    ("tokenizer.ggml.scores", [0.0, 0.0, True, 0.0, 0.0], "item 2 is True (bool)"),
+    ("tokenizer.ggml.scores", 0.5, "0.5 (float): must be an array of numbers"),
+    ("tokenizer.ggml.token_type", [1.0] * _N, "item 0 is 1.0 (float)"),
+    ("tokenizer.ggml.token_type", np.ones(_N + 2, np.int32), f"integers, one per token ({_N})"),
+    ("tokenizer.ggml.merges", "a b", "'a b' (str): must be an array of strings"),
+    ("tokenizer.ggml.merges", ["a b", 3], "item 1 is 3 (int)"),
+    ("tokenizer.ggml.bos_token_id", float("inf"),
+     f"inf (float): a special-token id must be one integer in [0, {_N})"),
+    ("tokenizer.ggml.bos_token_id", np.asarray([], np.uint32), "[] (ndarray of 0)"),
+    ("tokenizer.ggml.bos_token_id", [1, 2], "(list of 2)"),
+    ("tokenizer.ggml.bos_token_id", -1, "-1 (int)"),
+    ("tokenizer.ggml.eos_token_id", _N, f"{_N} (int)"),
+    ("tokenizer.ggml.eos_token_id", 2.0, "2.0 (float)"),
+    ("tokenizer.ggml.eos_token_id", True, "True (bool)"),
+    ("tokenizer.ggml.padding_token_id", 2**32 - 1, "4294967295 (int)"),
+    ("tokenizer.ggml.prefix_token_id", 99, "99 (int)"),  # a deprecated alias
+    ("tokenizer.ggml.add_bos_token", 1, "1 (int): must be a boolean"),
+    ("tokenizer.ggml.add_bos_token", "true", "'true' (str): must be a boolean"),
+    ("tokenizer.ggml.add_eos_token", [], "[] (list of 0): must be a boolean"),
+    ("tokenizer.ggml.add_eos_token", np.float32(1), "1.0 (float32): must be a boolean"),
+    ("tokenizer.ggml.add_space_prefix", 0, "0 (int): must be a boolean"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("key", "value", "want"), _BAD_METADATA)
+def test_metadata_checks_refuse_bad_values(key, value, want):
+    with pytest.raises(TokenizerError) as err:
+        Tokenizer.from_gguf_kv(_tiny_kv(**{key: value}))
+    msg = str(err.value)
+    assert msg.startswith(f"{key} = "), msg
+    assert want in msg, msg
+    assert "; " in msg and ("re-convert" in msg or "remove the key" in msg), msg  # what to do
+    assert "\n" not in msg
+
+
+def test_metadata_check_message_in_full():
+    with pytest.raises(TokenizerError) as err:
+        Tokenizer.from_gguf_kv(_tiny_kv(**{"tokenizer.ggml.bos_token_id": 7}))
+    assert str(err.value) == (
+        "tokenizer.ggml.bos_token_id = 7 (int): a special-token id must be one integer in [0, 5) "
+        "(the vocabulary size); remove the key or set it to the right token, or re-convert the "
+        "model"
+    )
+    long_token = "x" * 100
+    with pytest.raises(TokenizerError) as err:
+        Tokenizer.from_gguf_kv(_tiny_kv(**{"tokenizer.ggml.tokens": [long_token, 1, 2, 3, 4]}))
+    msg = str(err.value)
+    assert long_token not in msg and "'xxx" in msg and "..." in msg  # values are cut short
+    assert "(list of 5)" in msg and "item 1 is 1 (int)" in msg
 
 
 def _synthetic_text(n_bytes: int, seed: int = 0) -> str:

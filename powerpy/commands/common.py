@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
@@ -47,22 +46,9 @@ def add_text_args(
 
 def text_ids(llm, args: argparse.Namespace) -> list[int]:
     """Token ids (no BOS) of the text chosen by ``add_text_args``."""
-    from powerpy.corpus import corpus_text
+    from powerpy.pipeline.corpus import corpus_text
 
     return llm.tokenize(corpus_text(args.text, args.kjv), add_bos=False)
-
-
-def threshold_from(args: argparse.Namespace) -> float | None:
-    """CLI flag > env LLAMA_SPARSE_PRED_THRESHOLD > the file's key (None)."""
-    if args.sparse_threshold is not None:
-        return args.sparse_threshold
-    env = os.environ.get(THRESHOLD_ENV)
-    if env is None or env.strip() == "":
-        return None
-    try:
-        return float(env)
-    except ValueError:
-        raise ValueError(f"{THRESHOLD_ENV}={env!r} is not a number") from None
 
 
 def load_model(args: argparse.Namespace):
@@ -75,8 +61,9 @@ def load_model(args: argparse.Namespace):
         torch.set_num_threads(args.threads)
     return load(
         args.model,
-        threshold=threshold_from(args),
+        threshold=args.sparse_threshold,  # None: env LLAMA_SPARSE_PRED_THRESHOLD, file, 0
         weight_format=getattr(args, "weight_format", "auto"),
+        dense=getattr(args, "dense", False),
         ffn_act=args.ffn_act,
         progress=sys.stderr.isatty(),
     )

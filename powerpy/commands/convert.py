@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from powerpy.convert import convert
+    from powerpy.pipeline.convert import convert
 
     out = convert(
         args.src,

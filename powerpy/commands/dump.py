@@ -13,7 +13,11 @@ MAX_ITEMS = 8  # array items shown before "..."
 MAX_STRING = 80  # characters of a string value shown
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def register(subparsers: Any) -> None:
+    """Add the ``dump`` subcommand to the powerpy CLI."""
+    parser = subparsers.add_parser(
+        "dump", help="print the key/values and tensor table of a GGUF/PWRI file"
+    )
     parser.add_argument("file", help="a .gguf, .powerinfer.gguf or .gpuidx file")
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--kv-only", action="store_true", help="print the header and key/values")
@@ -21,14 +25,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-items", type=int, default=MAX_ITEMS, metavar="N", help="array items to show"
     )
-
-
-def register(subparsers: Any) -> None:
-    """Add the ``dump`` subcommand to the powerpy CLI."""
-    parser = subparsers.add_parser(
-        "dump", help="print the key/values and tensor table of a GGUF/PWRI file"
-    )
-    _add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -62,8 +58,8 @@ def dump(path: str, *, kv: bool = True, tensors: bool = True, max_items: int = M
     Raises:
         GGUFFormatError, FileNotFoundError: from ``read_gguf``.
     """
-    from powerpy.constants import GGUFValueType
-    from powerpy.gguf_io import read_gguf
+    from powerpy.formats.constants import GGUFValueType
+    from powerpy.formats.gguf_reader import read_gguf
 
     out = out or sys.stdout
     with read_gguf(path) as f:
@@ -121,21 +117,3 @@ def run(args: argparse.Namespace) -> int:
         max_items=args.max_items,
     )
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry point (``tools/dump_gguf.py``): parse ``argv`` and run.
-
-    Returns:
-        0 on success, 1 on a bad or missing file (reported as one line on stderr).
-    """
-    parser = argparse.ArgumentParser(
-        prog="dump_gguf", description="Print the key/values and tensor table of a GGUF/PWRI file."
-    )
-    _add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, OSError) as e:
-        print(f"dump_gguf: error: {e}", file=sys.stderr)
-        return 1

@@ -3,14 +3,14 @@
 Reads the model header only (never its weights), the activation statistics beside it, runs the
 dense offload pass for the VRAM budget, turns what is left into a neuron capacity, solves, and
 writes a PowerInfer-compatible index (``powerinfer-format.md`` §7, §8, §10). The work is done by
-``powerpy.gpuidx.generate_gpuidx``; this module parses arguments and prints.
+``powerpy.placement`` (``Placement.for_model``, then ``solve.solve_placement``); this module
+parses arguments and prints the placement's summary, the same one ``powerpy infer`` prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -67,21 +67,15 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _free_vram() -> int | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    free, _total = torch.cuda.mem_get_info()
-    return int(free)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``gen-gpuidx``; returns the exit code (errors raise ValueError/FileNotFoundError)."""
-    from powerpy.budget import ModelDims, budget_bytes
-    from powerpy.gguf_io import read_gguf
-    from powerpy.gpuidx import default_gpuidx_path, generate_gpuidx
-    from powerpy.stats import lexicographic_pairing, load_activation_stats
+    from powerpy.formats.constants import Keys
+    from powerpy.formats.gguf_reader import read_gguf
+    from powerpy.formats.gpuidx import default_gpuidx_path
+    from powerpy.formats.stats import lexicographic_pairing, load_activation_stats
+    from powerpy.placement.budget import budget_bytes
+    from powerpy.placement.placement import Placement
+    from powerpy.placement.solve import solve_placement
 
     model_path = Path(args.model)
     if not model_path.is_file():
@@ -91,61 +85,41 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {output} is the model file; refusing to overwrite it")
     if args.ctx <= 0 or args.batch <= 0 or args.threshold < 0 or args.time_limit <= 0:
         raise ValueError("--ctx, --batch and --time-limit must be > 0 and --threshold >= 0")
-    free = _free_vram() if args.vram_budget < 0 else None
-    if args.vram_budget < 0 and free is None:
-        raise ValueError(
-            f"--vram-budget {args.vram_budget:g} means all free VRAM, but no CUDA device is "
-            f"available; give the budget in GiB"
-        )
-    budget = budget_bytes(args.vram_budget, free_vram=free)
+    free = None
+    if args.vram_budget < 0:
+        from powerpy.model.device import Accelerator  # CUDA, when there is one
+
+        accel = Accelerator.choose(None)
+        free = accel.free_memory() if accel is not None else None
+    budget = budget_bytes(args.vram_budget, free)
     activation = Path(args.activation) if args.activation else model_path.parent / "activation"
     mode = "upstream" if args.capacity_model == "powerinfer" else "exact"
 
     with read_gguf(model_path) as model:
-        if not model.sparse:
-            raise ValueError(
-                f"{model_path} is a dense GGUF (magic {model.magic!r}); gen-gpuidx needs a "
-                f"PowerInfer (PWRI) model"
-            )
-        dims = ModelDims.from_gguf(model)
-        stats = load_activation_stats(activation, dims.n_layer, dims.n_ff)
-        export = None
-        if args.compat_lexicographic:
-            export = [stats[k] for k in lexicographic_pairing(dims.n_layer)]
-        t0 = time.perf_counter()
-        report = generate_gpuidx(
-            model,
-            stats,
-            budget,
-            n_ctx=args.ctx,
-            kv_elem_bytes=4 if args.memory_f32 else 2,
-            capacity_mode=mode,
-            batch=args.batch,
-            threshold=args.threshold,
-            time_limit=args.time_limit,
-            method=args.method,
-            export_stats=export,
-            tie_break=args.tie_break,
+        arch = model.kv.get(Keys.ARCHITECTURE)
+        base = Placement.for_model(
+            model, budget, n_ctx=args.ctx, kv_elem_bytes=4 if args.memory_f32 else 2
         )
-        seconds = time.perf_counter() - t0
-    report.index.write(output)
-
-    print(f"model      {model_path} ({dims.arch}, {dims.n_layer} layers, n_ff {dims.n_ff})")
-    print(f"statistics {activation}{' (lexicographic pairing)' if export else ''}")
-    print(report.plan.summary())
-    print(
-        f"capacity   {report.capacity} neurons ({args.capacity_model} mode, "
-        f"{dims.neuron_bytes} bytes/neuron, batch {args.batch}, threshold {args.threshold})"
+    stats = load_activation_stats(activation, base.n_layer, base.n_ff)
+    export = None
+    if args.compat_lexicographic:
+        export = [stats[k] for k in lexicographic_pairing(base.n_layer)]
+    placement = solve_placement(
+        base,
+        stats,
+        capacity_mode=mode,
+        batch=args.batch,
+        threshold=args.threshold,
+        time_limit=args.time_limit,
+        method=args.method,
+        export_stats=export,
+        tie_break=args.tie_break,
     )
-    if report.solve is not None:
-        s = report.solve
-        print(
-            f"solver     {s.method}{'' if s.optimal else ' (not proven optimal)'} in "
-            f"{s.seconds:.3f} s ({seconds:.3f} s with export)"
-        )
-    print(report.format_table())
-    print(f"hot rows   {report.split_bytes} bytes; remaining budget {report.remaining_after} bytes")
-    if report.reason:
-        print(f"empty placement: {report.reason}")
+    assert placement.index is not None
+    placement.index.write(output)
+
+    print(f"model      {model_path} ({arch}, {base.n_layer} layers, n_ff {base.n_ff})")
+    print(f"statistics {activation}{' (lexicographic pairing)' if export else ''}")
+    print(placement.summary())
     print(f"wrote {output}")
     return 0

@@ -66,17 +66,16 @@ def load_from_args(args: argparse.Namespace):
             f"{llm.path}: -ngl/--n-gpu-layers is ignored by sparse (PWRI) models; "
             "use --vram-budget GiB to put hot neurons and dense parts on the GPU"
         )
-    if args.dense:
-        llm.model.sparse_enabled = False
     return llm
 
 
 def setup_hybrid(llm, args: argparse.Namespace, n_ctx: int) -> None:
     """--vram-budget: place the model (spec §10) and print the placement summary to stderr."""
-    from powerpy.runtime import enable_hybrid
+    from powerpy.placement.runtime import place
 
-    llm.runtime = enable_hybrid(
-        llm,
+    llm.runtime = place(
+        llm.model,
+        llm.file,
         args.vram_budget,
         device=args.accel_device,
         n_ctx=n_ctx,
@@ -84,6 +83,7 @@ def setup_hybrid(llm, args: argparse.Namespace, n_ctx: int) -> None:
         disable_gpu_index=args.disable_gpu_index,
     )
     if llm.runtime is not None:
+        llm.model = llm.runtime.model
         print(llm.runtime.summary(), file=sys.stderr)
 
 
@@ -92,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
 
     llm = load_from_args(args)
     a = llm.model.args
-    mode = "sparse" if llm.model.sparse_enabled else "dense"
+    sparse = llm.sparsity is not None and llm.model.can_gate
     print(
-        f"model: {llm.path.name} ({a.arch}, {a.n_layer} layers, {mode}, "
-        f"threshold {llm.model.threshold:g}), load {llm.load_seconds:.2f} s",
+        f"model: {llm.path.name} ({a.arch}, {a.n_layer} layers, {'sparse' if sparse else 'dense'}, "
+        f"threshold {llm.options.threshold:g}), load {llm.load_seconds:.2f} s",
         file=sys.stderr,
     )
     prompt = args.prompt if args.prompt is not None else "Once upon a time"
@@ -127,7 +127,13 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(prompt)
         last = None
         for last in stream_generate(
-            llm, prompt, args.n_predict, params, n_ctx=args.ctx_size or None
+            llm.model,
+            llm.tokenizer,
+            prompt,
+            args.n_predict,
+            params,
+            n_ctx=args.ctx_size or None,
+            opts=llm.options,
         ):
             sys.stdout.write(last.text)
             sys.stdout.flush()
@@ -139,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
             f"{last.generation_tps:.2f} tok/s",
             file=sys.stderr,
         )
-    if llm.model.sparse_enabled:
+    if sparse:
         frac = llm.sparsity.active_fraction()
         print(
             f"predicted active neurons: {100 * float(frac.mean()):.1f}% (mean over layers)",
@@ -173,9 +179,7 @@ def converse(llm, args: argparse.Namespace, params, first: str | None):
     history (and the KV cache). Returns the last ``Response`` (for the speed line) or None."""
     import dataclasses
 
-    from powerpy.chat import ChatSession
-
-    chat = ChatSession(llm, system=args.system_prompt, n_ctx=args.ctx_size or None)
+    chat = llm.chat_session(system=args.system_prompt, n_ctx=args.ctx_size or None)
     last = None
     for turn in _user_turns(first):
         for last in chat.send(turn, args.n_predict, **dataclasses.asdict(params)):

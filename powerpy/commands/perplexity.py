@@ -27,7 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from powerpy.perplexity import perplexity
+    import dataclasses
+
+    from powerpy.model.options import DENSE
+    from powerpy.pipeline.perplexity import perplexity
 
     llm = load_model(args)
     model = llm.model
@@ -40,13 +43,12 @@ def run(args: argparse.Namespace) -> int:
     )
     kw = dict(ctx=args.ctx, chunks=args.chunks, bos_id=bos, progress=sys.stderr.isatty())
     results = []
-    sparse_ok = model.sparse_enabled and not args.dense
+    sparse_ok = model.can_gate and not args.dense
     if args.dense or not args.sparse_only or not sparse_ok:
-        model.sparse_enabled = False
-        results.append(("dense", perplexity(model, ids, desc="dense", **kw)))
+        results.append(("dense", perplexity(model, ids, desc="dense", opts=DENSE, **kw)))
     if sparse_ok:
-        model.sparse_enabled = True
-        results.append(("sparse", perplexity(model, ids, desc="sparse", **kw)))
+        sparse = dataclasses.replace(llm.options, sparse=True)
+        results.append(("sparse", perplexity(model, ids, desc="sparse", opts=sparse, **kw)))
     base = results[0][1].ppl
     print(f"{'run':<8}{'PPL':>10}{'vs dense':>10}{'skipped':>10}  chunks x scored")
     for label, r in results:

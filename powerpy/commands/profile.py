@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from powerpy.profile import profile, write_profile
+    from powerpy.pipeline.profile import profile, write_profile
 
     llm = load_model(args)
     ids = text_ids(llm, args)

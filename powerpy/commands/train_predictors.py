@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from powerpy.train import TrainOptions, train_from_samples, train_predictors
+    from powerpy.pipeline.train import TrainOptions, train_from_samples, train_predictors
 
     opts = TrainOptions(
         hidden=args.hidden,
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace, pred_dir: str, opts, progress: bool) -> None:
     """Calibrate ``pred_dir`` on the sample dump into ``args.output``; print the per-layer plan."""
-    from powerpy.train import calibrate_predictors
+    from powerpy.pipeline.calibrate import calibrate_predictors
 
     records = calibrate_predictors(
         pred_dir,
@@ -126,7 +126,8 @@ def _calibrate(args: argparse.Namespace, pred_dir: str, opts, progress: bool) ->
         args.output,
         args.skip_fraction,
         global_threshold=args.calibration_threshold,
-        opts=opts,
+        seed=opts.seed,
+        val_fraction=opts.val_fraction,
         progress=progress,
     )
     for r in records:
@@ -142,7 +143,7 @@ def _maybe_pack(args: argparse.Namespace) -> None:
     if args.pack:
         from pathlib import Path
 
-        from powerpy.train import PACK_FILE, pack_predictors
+        from powerpy.pipeline.predictors import PACK_FILE, pack_predictors
 
         out = pack_predictors(args.output, Path(args.output) / PACK_FILE)
         print(f"packed predictors: {out} ({out.stat().st_size / 2**20:.1f} MiB)")

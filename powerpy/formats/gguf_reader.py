@@ -1,0 +1,257 @@
+"""GGUF and PowerInfer (PWRI) files: a validating, memory-mapped reader.
+
+Format: ``powerinfer-format.md`` §1-3. A PWRI file is GGUF v3 with ``b"PWRI"`` as magic and
+PowerInfer's ggml type ids (I32 = 18); a GGUF file uses upstream ids (I32 = 26, BF16 = 30) and
+its ids 16..23 (IQ quants) are rejected. Both map onto powerpy's ``GGMLType``.
+
+The header is parsed and checked by ``gguf_parse`` (every problem raises ``GGUFFormatError``
+naming the file, the byte offset and the offending value). Tensor data stays in the file:
+``raw``/``array`` return zero-copy views of one ``mmap``. The writer is ``gguf_writer``.
+
+Typical use::
+
+    with read_gguf("model.powerinfer.gguf") as f:
+        w = f.dequantize("blk.0.ffn_up.weight")  # (n_ff, n_embd) float32
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from powerpy.formats import quants
+from powerpy.formats.constants import PWRI_MAGIC, GGMLType, GGUFValueType
+from powerpy.formats.gguf_parse import GGUFLayout, parse_layout
+from powerpy.formats.gguf_types import VIEW_DTYPES, GGUFFormatError, TensorInfo, tensor_nbytes
+
+__all__ = [
+    "GGUFFile",
+    "GGUFFormatError",
+    "TensorInfo",
+    "mapped_by",
+    "read_gguf",
+    "tensor_nbytes",
+]
+
+# Every open GGUFFile, so the writer can refuse to replace a file that is still mapped.
+_OPEN_FILES: weakref.WeakSet[GGUFFile] = weakref.WeakSet()
+
+
+def mapped_by(path: str | os.PathLike[str]) -> GGUFFile | None:
+    """An open ``GGUFFile`` that maps ``path`` (the same file, by inode), or None."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    for f in list(_OPEN_FILES):
+        if not f.closed and f.path.exists() and os.path.samefile(f.path, path):
+            return f
+    return None
+
+
+class GGUFFile:
+    """A parsed GGUF or PWRI file whose tensor data stays memory-mapped.
+
+    Attributes:
+        path: the file.
+        magic: ``b"GGUF"`` or ``b"PWRI"``.
+        version: 2 or 3.
+        sparse: ``magic == b"PWRI"`` (the PowerInfer engine path).
+        alignment: data alignment (``general.alignment`` or 32).
+        data_offset: absolute offset of the tensor data section.
+        kv: key -> value in file order. Scalars are Python int/float/bool/str, string arrays are
+            ``list[str]``, numeric arrays are numpy arrays (copies, little-endian dtypes), bool
+            arrays are numpy bool. Strings that are not UTF-8 keep their bytes as surrogates.
+        kv_types: key -> value type.
+        kv_array_types: key -> item type, for ARRAY keys only.
+        tensors: name -> ``TensorInfo`` in file order.
+
+    Views from ``raw``/``array`` are read-only (unless opened with ``writable=True``, which maps
+    copy-on-write) and keep the mapping alive after ``close()``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, writable: bool = False):
+        self.path = Path(path)
+        self._mm: mmap.mmap | None = None
+        self._data: np.ndarray | None = None  # (file_size,) uint8 view of _mm
+        layout = self._open(writable)
+        self.magic: bytes = layout.magic
+        self.version: int = layout.version
+        self.alignment: int = layout.alignment
+        self.data_offset: int = layout.data_offset
+        self.kv: dict[str, Any] = layout.kv
+        self.kv_types: dict[str, GGUFValueType] = layout.kv_types
+        self.kv_array_types: dict[str, GGUFValueType] = layout.kv_array_types
+        self.tensors: dict[str, TensorInfo] = layout.tensors
+        _OPEN_FILES.add(self)
+
+    @property
+    def sparse(self) -> bool:
+        return self.magic == PWRI_MAGIC
+
+    @property
+    def closed(self) -> bool:
+        return self._data is None
+
+    # --- opening
+    def _open(self, writable: bool) -> GGUFLayout:
+        path = self.path
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory, expected a GGUF/PWRI file")
+        try:
+            fh = open(path, "rb")  # noqa: SIM115 - closed below; the mapping outlives it
+        except FileNotFoundError:
+            raise FileNotFoundError(f"GGUF file not found: {path}") from None
+        with fh:
+            size = os.fstat(fh.fileno()).st_size
+            if size == 0:
+                raise GGUFFormatError(path, 0, "file is empty (0 bytes)", "not a GGUF file")
+            access = mmap.ACCESS_COPY if writable else mmap.ACCESS_READ
+            self._mm = mmap.mmap(fh.fileno(), 0, access=access)
+        try:
+            layout = parse_layout(path, self._mm, size)
+        except BaseException:
+            mm, self._mm = self._mm, None
+            with contextlib.suppress(BufferError):  # a view may still be alive in a traceback
+                mm.close()
+            raise
+        self._data = np.frombuffer(self._mm, dtype=np.uint8)
+        return layout
+
+    # --- access
+    def _tensor(self, name: str) -> TensorInfo:
+        if self._data is None:
+            raise ValueError(f"{self.path}: file is closed")
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def raw(self, name: str) -> npt.NDArray[np.uint8]:
+        """Zero-copy view of a tensor's bytes.
+
+        Args:
+            name: tensor name.
+
+        Returns:
+            uint8 array ``(n_rows, row_bytes)`` with ``n_rows = prod(ne[1:])`` (1 for 1-D
+            tensors); row ``i`` is numpy row ``i`` of the flattened leading dims.
+
+        Raises:
+            KeyError: no such tensor. ValueError: the file is closed.
+        """
+        t = self._tensor(name)
+        assert self._data is not None
+        view = self._data[t.offset : t.offset + t.nbytes]
+        return view.reshape(t.n_rows, t.row_bytes)
+
+    def array(self, name: str) -> np.ndarray:
+        """Zero-copy typed view with the numpy shape, for unquantized tensors.
+
+        Args:
+            name: tensor name.
+
+        Returns:
+            float32/float16/int8/int16/int32 array of ``shape``. BF16 tensors come back as their
+            raw ``uint16`` bits (use ``dequantize`` for float32 values).
+
+        Raises:
+            ValueError: a block-quantized tensor (use ``dequantize`` or ``raw``), or closed file.
+            KeyError: no such tensor.
+        """
+        t = self._tensor(name)
+        dtype = VIEW_DTYPES.get(t.ggml_type)
+        if dtype is None:
+            raise ValueError(
+                f"{self.path}: tensor {name!r} is {t.ggml_type.name}, which has no element view; "
+                f"use dequantize() or raw()"
+            )
+        assert self._data is not None
+        return self._data[t.offset : t.offset + t.nbytes].view(dtype).reshape(t.shape)
+
+    def dequantize(self, name: str) -> npt.NDArray[np.float32]:
+        """Decode a tensor into a new float32 array of its numpy shape.
+
+        Args:
+            name: tensor name.
+
+        Returns:
+            float32 array of ``shape`` (see ``quants.dequantize``).
+
+        Raises:
+            ValueError: unsupported type (e.g. Q8_K), or closed file. KeyError: no such tensor.
+        """
+        t = self._tensor(name)
+        return quants.dequantize(self.raw(name), t.ggml_type, t.shape)
+
+    def typed_kv(self) -> dict[str, tuple[Any, ...]]:
+        """The key/values with their types, in the form ``write_gguf`` takes.
+
+        Returns:
+            key -> ``(value, type)`` for scalars and ``(value, ARRAY, item_type)`` for arrays,
+            in file order.
+        """
+        out: dict[str, tuple[Any, ...]] = {}
+        for key, value in self.kv.items():
+            vtype = self.kv_types[key]
+            if vtype is GGUFValueType.ARRAY:
+                out[key] = (value, vtype, self.kv_array_types[key])
+            else:
+                out[key] = (value, vtype)
+        return out
+
+    def tensor_specs(self) -> list[tuple[str, np.ndarray, GGMLType, tuple[int, ...]]]:
+        """The tensors in the form ``write_gguf`` takes: ``(name, raw bytes, type, shape)``."""
+        return [(n, self.raw(n), t.ggml_type, t.shape) for n, t in self.tensors.items()]
+
+    # --- lifetime
+    def close(self) -> None:
+        """Release the mapping. Views handed out earlier stay valid and keep it alive."""
+        self._data = None
+        mm, self._mm = self._mm, None
+        if mm is not None:
+            with contextlib.suppress(BufferError):  # views still exported: freed with them
+                mm.close()
+        _OPEN_FILES.discard(self)
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = ", closed" if self.closed else ""
+        return (
+            f"GGUFFile({self.path.name!r}, {self.magic.decode(errors='replace')} "
+            f"v{self.version}, {len(self.kv)} kv, {len(self.tensors)} tensors{state})"
+        )
+
+
+def read_gguf(path: str | os.PathLike[str], *, writable: bool = False) -> GGUFFile:
+    """Open and validate a GGUF or PWRI file; tensor data stays memory-mapped.
+
+    Args:
+        path: the file.
+        writable: map copy-on-write so views are writable (changes never reach the file);
+            useful for ``torch.from_numpy``, which warns on read-only arrays.
+
+    Returns:
+        A ``GGUFFile`` (also a context manager).
+
+    Raises:
+        FileNotFoundError: the path does not exist (the message names it).
+        IsADirectoryError: the path is a directory.
+        GGUFFormatError: anything malformed or unsupported: bad magic, version other than 2/3,
+            a count or length larger than the rest of the file, unknown value or tensor type
+            (IQ types in GGUF files), n_dims > 4, tensor names over 63 bytes, duplicate keys or
+            names, ne[0] not whole blocks, misaligned, overlapping or out-of-file tensor data, a
+            ``general.alignment`` that is not a UINT32 power of two.
+    """
+    return GGUFFile(path, writable=writable)

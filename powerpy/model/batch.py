@@ -1,0 +1,165 @@
+"""One decode step of several sessions in one forward: B tokens, each at its own cache position.
+
+``Model.forward`` runs T consecutive tokens of one session. A server holding B sessions instead
+wants one new token of each; :func:`decode_batch` runs them together, so every dense matrix
+(attention projections, output head, and the FFN of a dense model) is read once for B rows
+instead of B times. Attention stays per session (each reads its own cache, of its own length).
+
+The predictor-gated FFN of a sparse model gathers only each token's active rows; B tokens need
+the union of their rows, which may cost more than B separate gathers. ``ffn`` picks how:
+
+- ``"rows"``: each session's FFN runs alone on its own active rows (exactly as in ``forward``);
+- ``"union"``: one pass over the union of the active rows, masked per session;
+- ``"batch"``: the FFN as ``Model.forward`` runs a T-token chunk (a dense masked pass on a
+  CPU-only model).
+
+A dense model (or dense options) always runs its FFN batched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from powerpy.model.cache import KVCache
+from powerpy.model.device import HOST, move
+from powerpy.model.ffn import ffn, glu, rows_sum
+from powerpy.model.options import SPARSE, RunOptions
+from powerpy.model.timing import phase
+from powerpy.model.transformer import Block, Model, apply_rope, rms_norm
+
+FFN_MODES = ("rows", "union", "batch")
+
+
+def rope_at(model: Model, positions: Sequence[int]) -> Tensor:
+    """Rotations (B, n_rot/2) complex64 at arbitrary ``positions``; each row is the one
+    ``rope_tables(args, pos, 1)`` gives (same float64 arithmetic)."""
+    a = model.args
+    inv = a.rope_base ** (-torch.arange(0, a.n_rot, 2, dtype=torch.float64) / a.n_rot)
+    ang = torch.tensor(list(positions), dtype=torch.float64)[:, None] * inv[None]
+    return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
+
+
+@torch.inference_mode()
+def decode_batch(
+    model: Model,
+    tokens: Tensor,
+    caches: Sequence[KVCache],
+    opts: RunOptions = SPARSE,
+    *,
+    ffn_mode: str = "rows",
+) -> Tensor:
+    """One token per session: tokens (B,) int64, ``caches[i]`` the cache of token i (each
+    advanced by one). Returns logits (B, n_vocab) f32 on the host.
+
+    Raises:
+        ValueError: a cache is full, the sizes differ, the same cache appears twice, or an
+            unknown ``ffn_mode``.
+    """
+    a, w = model.args, model.weights
+    n = tokens.shape[0]
+    if n != len(caches) or n == 0:
+        raise ValueError(f"{n} tokens for {len(caches)} caches")
+    if len({id(c) for c in caches}) != n:
+        raise ValueError("a cache appears twice in one batch")
+    if ffn_mode not in FFN_MODES:
+        raise ValueError(f"unknown ffn_mode {ffn_mode!r}: one of {FFN_MODES}")
+    for c in caches:
+        if c.pos + 1 > c.n_ctx:
+            raise ValueError(f"context is full: {c.pos} + 1 tokens exceed n_ctx {c.n_ctx}")
+    sparse = opts.sparse and model.can_gate
+    if not sparse:
+        opts = dataclasses.replace(opts, sparse=False)
+    thr = a.sparse_threshold if opts.threshold is None else float(opts.threshold)
+    x = w.token_embd.take_rows(tokens).dequantize()  # (B, n_embd) on the host
+    rot = {HOST: rope_at(model, [c.pos for c in caches])}  # (B, n_rot/2)
+    for l, blk in enumerate(w.blk):
+        x = move(model.accel, x, blk.attn_norm.device)
+        with phase(opts.timer, "attention"):
+            xn = rms_norm(x, blk.attn_norm, a.rms_eps)
+            att = _attention(model, l, blk, xn, caches, rot)
+            ffn_inp = x + move(model.accel, att, x.device)
+        with phase(opts.timer, "ffn"):
+            xn = rms_norm(move(model.accel, ffn_inp, blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
+            if not sparse or ffn_mode == "batch":
+                y = ffn(l, blk, xn, ffn_inp, a.ffn_variant, thr, opts, model.accel)
+            elif ffn_mode == "rows":
+                y = torch.cat(
+                    [
+                        move(
+                            model.accel,
+                            ffn(l, blk, xn[i : i + 1], ffn_inp[i : i + 1], a.ffn_variant, thr,
+                                opts, model.accel),
+                            xn.device,
+                        )
+                        for i in range(n)
+                    ]
+                )  # fmt: skip
+            else:
+                y = _union_ffn(model, l, blk, xn, ffn_inp, thr, opts)
+            x = ffn_inp + move(model.accel, y, ffn_inp.device)
+    for c in caches:
+        c.pos += 1
+    with phase(opts.timer, "output"):
+        x = rms_norm(move(model.accel, x, w.output_norm.device), w.output_norm, a.rms_eps)
+        return move(model.accel, w.output.linear(move(model.accel, x, w.output.device)), HOST)
+
+
+def _attention(
+    model: Model,
+    l: int,
+    blk: Block,
+    x: Tensor,
+    caches: Sequence[KVCache],
+    rot: dict[torch.device, Tensor],
+) -> Tensor:
+    """x (B, n_embd) normed -> (B, n_embd): batched projections, per-session attention."""
+    a, acc = model.args, model.accel
+    n = x.shape[0]
+    q = blk.attn_q.linear(move(acc, x, blk.attn_q.device)).view(n, a.n_head, a.head_dim)
+    k = blk.attn_k.linear(move(acc, x, blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
+    v = blk.attn_v.linear(move(acc, x, blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
+    for dev in (q.device, k.device):
+        if dev not in rot:
+            rot[dev] = move(acc, rot[HOST], dev)
+    q = apply_rope(q, rot[q.device], a.n_rot)  # (B, n_head, head_dim)
+    k = apply_rope(k, rot[k.device], a.n_rot)
+    group = a.n_head // a.n_head_kv
+    outs = []
+    for i, cache in enumerate(caches):  # query head h reads key/value head h // group
+        dev, p = cache.device, cache.pos
+        cache.k[l, p] = move(acc, k[i], dev)
+        cache.v[l, p] = move(acc, v[i], dev)
+        keys = cache.k[l, : p + 1].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
+        vals = cache.v[l, : p + 1].transpose(0, 1).float()
+        qg = move(acc, q[i], dev).view(a.n_head_kv, group, a.head_dim)
+        scores = torch.bmm(qg, keys.transpose(1, 2)) * a.head_dim**-0.5  # (n_kv, group, S)
+        out = torch.bmm(scores.softmax(-1), vals).view(1, a.n_embd)
+        outs.append(move(acc, out, blk.attn_output.device))
+    return blk.attn_output.linear(torch.cat(outs))
+
+
+def _union_ffn(
+    model: Model, l: int, blk: Block, x: Tensor, ffn_inp: Tensor, thr: float, opts: RunOptions
+) -> Tensor:
+    """The gated FFN over the union of the B tokens' active rows (CPU-only placements; others
+    run :func:`ffn`). x, ffn_inp (B, n_embd) -> (B, n_embd)."""
+    if blk.hot is not None or opts.observer is not None:
+        return ffn(l, blk, x, ffn_inp, model.args.ffn_variant, thr, opts, model.accel)
+    from powerpy.model.ffn import predict
+
+    with phase(opts.timer, "predictor"):
+        act = predict(ffn_inp, blk.fc1, blk.fc2, model.accel) >= thr  # (B, n_ff) bool
+    act = move(model.accel, act, HOST)
+    if opts.stats is not None:
+        opts.stats.record(l, act)
+    rows = act.any(0).nonzero().squeeze(1)  # (r,)
+    if rows.numel() == 0:
+        return x.new_zeros(x.shape[0], blk.ffn_down_t.shape[1])
+    g = blk.ffn_gate.take_rows(rows).linear(x)  # (B, r)
+    u = blk.ffn_up.take_rows(rows).linear(x)
+    h = glu(g, u, model.args.ffn_variant) * act[:, rows]
+    return rows_sum(h, blk.ffn_down_t.take_rows(rows))

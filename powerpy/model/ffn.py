@@ -1,0 +1,264 @@
+"""The FFN of one block, written once: predictor, activation, and the split runner.
+
+Semantics (spec §9.2-§9.3): ``act = fc2·relu(fc1·ffn_inp) >= thr``; only active neurons
+contribute, ``y = Σ_{j active} h_j · ffn_down_t[j]`` with ``h`` the variant's activation of gate
+and up. A hybrid placement splits each layer's neurons into k hot rows on the accelerator and the
+cold rest on the host; the CPU-only model is the same split with no hot rows (``blk.hot`` None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from powerpy.config import FFNVariant
+from powerpy.model.device import HOST, Accelerator, move
+from powerpy.model.matrices import DenseWeight, Weight
+from powerpy.model.options import SPARSE, RunOptions
+from powerpy.model.timing import phase
+
+
+# ----------------------------------------------------------------------------------- maths
+def glu(g: Tensor, u: Tensor, variant: FFNVariant) -> Tensor:
+    """The FFN activation h of gate g and up u (any shape)."""
+    if variant == FFNVariant.SWIGLU:
+        return F.silu(g) * u
+    if variant == FFNVariant.REGLU:
+        return F.relu(g) * u
+    if variant == FFNVariant.DRELU:
+        return F.relu(g) * F.relu(u)
+    raise ValueError(f"unknown FFN variant {variant!r}")
+
+
+def predict(x_pred: Tensor, fc1: Weight, fc2: Weight, accel: Accelerator | None = None) -> Tensor:
+    """Predictor logits ``fc2·relu(fc1·x)``: x_pred (T, n_embd) -> (T, n_ff) f32, on fc2's
+    device (each matrix runs where it is placed)."""
+    z = F.relu(fc1.linear(move(accel, x_pred, fc1.device)))  # (T, H)
+    return fc2.linear(move(accel, z, fc2.device))
+
+
+def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: FFNVariant) -> Tensor:
+    """Activated FFN intermediate of neurons ``idx``: ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``.
+
+    Args:
+        x: (n_embd,) FFN input.
+        gate, up: (n_ff, n_embd) weights.
+        idx: (k,) neuron ids.
+        variant: the FFN variant.
+
+    Returns:
+        (k,) f32. One fused pass over the gate and up rows when the native kernels apply.
+
+    Raises:
+        ValueError: unknown variant.
+    """
+    variant = FFNVariant(variant)
+    ku, kg = up._kernel(), gate._kernel()
+    if ku is not None and kg is not None:
+        (lib, um), gm = ku, kg[1]
+        if (gm.code, gm.nrows, gm.cols) == (um.code, um.nrows, um.cols):
+            return lib.glu(gm, um, x, idx, variant)
+    if idx.numel() == 0:
+        return torch.zeros(0, dtype=torch.float32, device=up.device)
+    return glu(gate.gather_linear(x, idx), up.gather_linear(x, idx), variant)
+
+
+def rows_sum(h: Tensor, w: Weight, chunk: int = 2048, small_batch: int = 8) -> Tensor:
+    """``h @ W`` for a neuron-major W: h (T, n_ff) f32, W (n_ff, n_embd) -> (T, n_embd) f32."""
+    if w.device.type != "cpu":  # an accelerator's hot rows: one matmul over the f32 rows
+        return h.float() @ w.dequantize()
+    if isinstance(w, DenseWeight) and w.w.dtype == torch.float32:
+        # (W^T h^T)^T: MKL's vector-times-matrix path (h @ W) is ~20x slower here
+        return (w.w.t() @ h.t()).t()
+    if h.shape[0] <= small_batch:  # decode: the row-sum kernel over all rows reads W once
+        rows = torch.arange(w.shape[0], device=w.device)
+        return torch.stack([w.gather_axpy(h_t, rows) for h_t in h])
+    out = h.new_zeros(h.shape[0], w.shape[1])
+    for s in range(0, w.shape[0], chunk):
+        rows = torch.arange(s, min(s + chunk, w.shape[0]), device=w.device)
+        out += h[:, s : s + chunk] @ w.take_rows(rows).dequantize()
+    return out
+
+
+def ffn_dense(x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant) -> Tensor:
+    """Dense FFN: x (T, n_embd) normed input -> (T, n_embd)."""
+    return rows_sum(glu(gate.linear(x), up.linear(x), variant), down_t)
+
+
+def ffn_masked(
+    x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant, act: Tensor
+) -> Tensor:
+    """Predictor-gated FFN over a batch, computed densely then masked: act (T, n_ff) bool.
+
+    Equal to the row-sparse form token by token (masked neurons contribute exactly 0); used for
+    prefill, where every token has its own mask.
+    """
+    h = glu(gate.linear(x), up.linear(x), variant) * act
+    return rows_sum(h, down_t)
+
+
+def ffn_rows(
+    x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant, idx: Tensor
+) -> Tensor:
+    """Row-sparse FFN for one token: x (n_embd,), idx (k,) active neurons -> (n_embd,)."""
+    if idx.numel() == 0:
+        return x.new_zeros(down_t.shape[1])
+    h = glu_rows(x, gate, up, idx, variant)  # (k,)
+    return down_t.gather_axpy(h, idx)
+
+
+# ----------------------------------------------------------------------------------- split
+@dataclass
+class HotRows:
+    """One layer's split: compact hot rows on the accelerator, the cold set on the host.
+
+    Attributes:
+        k: neurons on the accelerator (> 0).
+        gate, up, down_t: ``(k, n_embd)`` compact rows ``W[bucket]`` on the device.
+        bucket: ``(k,)`` int64 on the device: the neuron id of each compact row.
+        cold: ``(n_ff,)`` bool on the host, True where the neuron stays on the CPU.
+        cold_idx: ``(n_ff - k,)`` int64 on the host, the cold neuron ids.
+    """
+
+    k: int
+    gate: Weight
+    up: Weight
+    down_t: Weight
+    bucket: Tensor
+    cold: Tensor
+    cold_idx: Tensor
+
+    @property
+    def device_bytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down_t.nbytes
+
+    @property
+    def index_bytes(self) -> int:
+        return self.bucket.numel() * self.bucket.element_size()
+
+
+def ffn(
+    l: int,
+    blk,
+    x: Tensor,
+    ffn_inp: Tensor,
+    variant: FFNVariant,
+    threshold: float,
+    opts: RunOptions,
+    accel: Accelerator | None,
+) -> Tensor:
+    """The block's FFN: the predictor's mask, then :func:`split_ffn`.
+
+    Args:
+        l: layer, for the statistics and the observer.
+        blk: the layer's weights (``powerpy.model.transformer.Block``): host FFN matrices,
+            predictor ``fc1``/``fc2`` where placed, ``hot`` rows or None.
+        x: (T, n_embd) normed FFN input; ffn_inp: (T, n_embd) its pre-norm value.
+        variant: the FFN activation.
+        threshold: the predictor cut.
+        opts: run options (sparse or dense, observer, timer, statistics).
+        accel: the accelerator holding ``blk.hot`` and placed tensors (None: CPU-only).
+
+    Returns:
+        (T, n_embd) f32 on x's device.
+    """
+    act = None
+    if opts.sparse and blk.fc1 is not None:
+        with phase(opts.timer, "predictor"):
+            act = predict(ffn_inp, blk.fc1, blk.fc2, accel) >= threshold  # (T, n_ff) bool
+    if opts.observer is None:
+        return split_ffn(blk, x, act, variant, accel, l=l, opts=opts)
+    # Profiling: the true activation of every neuron, from the host matrices.
+    x_host = move(accel, x, HOST)
+    act_host = None if act is None else move(accel, act, HOST)
+    if act_host is not None and opts.stats is not None:
+        opts.stats.record(l, act_host)
+    h = glu(blk.ffn_gate.linear(x_host), blk.ffn_up.linear(x_host), variant)  # (T, n_ff)
+    opts.observer(l, move(accel, ffn_inp, HOST), h)
+    y = rows_sum(h if act_host is None else h * act_host, blk.ffn_down_t)
+    return move(accel, y, x.device)
+
+
+def split_ffn(
+    blk,
+    x: Tensor,
+    act: Tensor | None,
+    variant: FFNVariant,
+    accel: Accelerator | None,
+    *,
+    l: int = 0,
+    opts: RunOptions = SPARSE,
+) -> Tensor:
+    """The FFN for a given mask: hot rows on the accelerator plus the predicted-active cold rows
+    on the host (every row is cold when ``blk.hot`` is None), outputs added (spec §9.3).
+
+    Args:
+        blk: the layer's weights (host FFN matrices and ``hot`` rows or None).
+        x: (T, n_embd) normed FFN input, on any device.
+        act: (T, n_ff) bool predicted-active mask (any device), or None for dense.
+        variant: the FFN activation.
+        accel: the accelerator holding ``blk.hot`` (None: CPU-only).
+        l, opts: layer and options for the statistics and the timer.
+
+    Returns:
+        (T, n_embd) f32 on x's device.
+    """
+    hot: HotRows | None = blk.hot
+    y_hot = None
+    if hot is not None:
+        assert accel is not None
+        x_dev = accel.move(x, accel.device)
+        act_dev = None if act is None else accel.move(act, accel.device)
+        with accel.side_stream(), phase(opts.timer, "ffn_hot"):
+            y_hot = _hot(hot, x_dev, act_dev, variant, accel.gather_hot)  # queued on the device
+    x_host = move(accel, x, HOST)  # waits for the predictor only, not for the hot part
+    act_host = None if act is None else move(accel, act, HOST)
+    if act_host is not None and opts.stats is not None:
+        opts.stats.record(l, act_host)
+    with phase(opts.timer if hot is not None else None, "ffn_cold"):
+        y_cold = _cold(blk, hot, x_host, act_host, variant)  # (T, n_embd) on the host
+    if y_hot is None:
+        return move(accel, y_cold, x.device)
+    with phase(opts.timer, "ffn_hot_wait"):
+        accel.join()
+    if y_hot.device == x.device:
+        return y_hot + accel.move(y_cold, x.device)
+    return accel.move(y_hot, x.device) + y_cold
+
+
+def _hot(hot: HotRows, x: Tensor, act: Tensor | None, variant: FFNVariant, gather: bool) -> Tensor:
+    # x (T, n_embd), act (T, n_ff) bool, both on the device -> (T, n_embd) f32 on the device
+    if gather and act is not None and x.shape[0] == 1:
+        idx = act[0, hot.bucket].nonzero().squeeze(1)  # (r,) active compact rows: a host sync
+        h = glu_rows(x[0], hot.gate, hot.up, idx, variant)  # (r,)
+        return hot.down_t.gather_axpy(h, idx)[None]
+    h = glu(hot.gate.linear(x), hot.up.linear(x), variant)  # (T, k)
+    if act is not None:
+        h = h * act.index_select(1, hot.bucket)  # predictor gating without a host round trip
+    return rows_sum(h, hot.down_t)
+
+
+def _cold(blk, hot: HotRows | None, x: Tensor, act: Tensor | None, variant: FFNVariant) -> Tensor:
+    # x (T, n_embd), act (T, n_ff) bool, both on the host -> (T, n_embd) f32
+    gate, up, down_t = blk.ffn_gate, blk.ffn_up, blk.ffn_down_t
+    if hot is None:  # every row is cold: the CPU-only FFN
+        if act is None:
+            return ffn_dense(x, gate, up, down_t, variant)
+        if x.shape[0] == 1:
+            idx = act[0].nonzero().squeeze(1)
+            return ffn_rows(x[0], gate, up, down_t, variant, idx)[None]
+        return ffn_masked(x, gate, up, down_t, variant, act)
+    if x.shape[0] == 1:  # decode: only the predicted-active cold rows
+        idx = hot.cold_idx if act is None else (act[0] & hot.cold).nonzero().squeeze(1)
+        return ffn_rows(x[0], gate, up, down_t, variant, idx)[None]
+    mask = hot.cold.expand(x.shape[0], -1) if act is None else act & hot.cold  # (T, n_ff)
+    rows = mask.any(0).nonzero().squeeze(1)  # (r,) cold rows any token needs
+    if rows.numel() == 0:
+        return x.new_zeros(x.shape[0], down_t.shape[1])
+    if 2 * rows.numel() >= mask.shape[1]:  # most rows needed: one dense masked pass
+        return ffn_masked(x, gate, up, down_t, variant, mask)
+    g, u = gate.take_rows(rows).linear(x), up.take_rows(rows).linear(x)  # (T, r)
+    return rows_sum(glu(g, u, variant) * mask[:, rows], down_t.take_rows(rows))

@@ -1,0 +1,472 @@
+"""Native CPU kernels (powerpy/csrc/sparse_ffn.cpp): build on first use, load with ctypes.
+
+The library is compiled with the system C++ compiler (``-O3 -march=native -fopenmp``) into a
+per-user cache, ``$XDG_CACHE_HOME/powerpy/kernels`` (default ``~/.cache/powerpy/kernels``), under
+a name that hashes the source, the flags, the compiler version and the CPU flags, so a cache
+shared between machines never hands a binary to a CPU it was not built for. Builds go to a
+temporary file that is renamed into place, under a file lock, so concurrent processes neither
+race nor see half-written files.
+
+When no compiler is found or the build fails, :func:`available` returns False and logs the
+reason once; callers (``powerpy.model.matrices``) then use their torch code paths.
+:func:`set_enabled` switches the kernels off (for example from a CLI flag). Every kernel runs on
+``torch.get_num_threads()`` OpenMP threads, so ``torch.set_num_threads`` controls them too
+(the library binds to torch's own ``libgomp.so.1``, so there is one thread pool).
+
+The wrappers here take CPU tensors and check shapes; ``powerpy.model.matrices`` decides when to call
+them. Weight matrices are passed as ``(rows, row_bytes)`` uint8 views or float tensors whose
+rows are contiguous (``stride(1) == 1``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from powerpy._fs import atomic_write, file_lock
+from powerpy.config import FFNVariant
+from powerpy.formats.constants import GGMLType
+
+logger = logging.getLogger(__name__)
+
+ABI_VERSION = 1
+SOURCE = Path(__file__).parent / "csrc" / "sparse_ffn.cpp"
+DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+# dtype codes of the C library (enum DType)
+DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    GGMLType.F32: 0,
+    GGMLType.F16: 1,
+    GGMLType.BF16: 2,
+    GGMLType.Q8_0: 3,
+    GGMLType.Q4_0: 4,
+}
+# GLU variants (enum Variant): h = act(gate·x, up·x)
+VARIANTS = {FFNVariant.REGLU: 0, FFNVariant.DRELU: 1, FFNVariant.SWIGLU: 2}
+SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
+
+_ERR_INDEX, _ERR_ARG = 1, 2
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel library could not be compiled or loaded."""
+
+
+# ---- library wrapper -----------------------------------------------------------------------------
+
+_i64, _i32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "pp_abi_version": ([], _i32),
+    "pp_simd_level": ([], _i32),
+    "pp_set_tuning": ([_i64, _i64], None),
+    # dtype, W, ld, nrows, cols, x, idx, k, out, nthreads
+    "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32], _i32),
+    # dtype, W, ld, nrows, cols, h, idx, k, out, accumulate, nthreads
+    "pp_gather_axpy": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
+    # dtype, G, ldg, U, ldu, nrows, cols, x, idx, k, variant, out, nthreads
+    "pp_glu_gemv": (
+        [_i32, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _i64, _i32, _p, _i32],
+        _i32,
+    ),
+    # dtype, W, ld, nrows, cols, x, ldx, T, out, ldo, nthreads
+    "pp_gemm": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32], _i32),
+    # dtype, W, ld, nrows, cols, idx, k, out, nthreads
+    "pp_dequant_rows": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
+}
+
+
+def _raise(status: int, what: str, idx: Tensor | None = None, nrows: int = 0) -> None:
+    if status == _ERR_INDEX and idx is not None:
+        bad = idx[(idx < 0) | (idx >= nrows)]
+        raise IndexError(f"{what}: row index out of range for {nrows} rows: {bad[:8].tolist()}")
+    raise ValueError(f"{what}: invalid arguments (status {status})")
+
+
+_F32, _I64 = torch.float32, torch.int64
+
+
+def _f32(x: Tensor) -> Tensor:
+    return x if x.dtype is _F32 and x.is_contiguous() else x.float().contiguous()
+
+
+def _i64(idx: Tensor) -> Tensor:
+    return idx if idx.dtype is _I64 and idx.is_contiguous() else idx.to(_I64).contiguous()
+
+
+@dataclass
+class Matrix:
+    """A CPU weight matrix as the kernels see it: rows of ``cols`` elements ``ld`` bytes apart.
+
+    ``data`` is the tensor that owns the memory (kept alive by this object), ``ptr`` its data
+    pointer, ``code`` the C dtype code.
+    """
+
+    data: Tensor
+    code: int
+    nrows: int
+    cols: int
+    ld: int  # row stride in bytes
+    ptr: int = 0
+
+    def __post_init__(self) -> None:
+        self.ptr = self.data.data_ptr()
+
+    @staticmethod
+    def of_dense(w: Tensor) -> Matrix:
+        # w: (rows, cols) f32/f16/bf16 on CPU, stride(1) == 1
+        assert w.device.type == "cpu" and w.dim() == 2 and w.stride(1) == 1, w.shape
+        return Matrix(w, DTYPE_CODES[w.dtype], w.shape[0], w.shape[1], w.stride(0) * w.itemsize)
+
+    @staticmethod
+    def of_quant(raw: Tensor, ggml_type: GGMLType, cols: int) -> Matrix:
+        # raw: (rows, row_bytes) uint8 on CPU, stride(1) == 1
+        assert raw.device.type == "cpu" and raw.dim() == 2 and raw.stride(1) == 1, raw.shape
+        return Matrix(raw, DTYPE_CODES[ggml_type], raw.shape[0], cols, raw.stride(0))
+
+
+class KernelLibrary:
+    """The loaded shared library with tensor-level wrappers.
+
+    All wrappers take CPU tensors; ``x``/``h`` are converted to contiguous f32 and ``idx`` to
+    contiguous int64 when needed. Results are new f32 tensors unless ``out`` is given. An index
+    outside ``[0, nrows)`` raises IndexError (the kernels check every index they read).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(self._lib, name)
+            fn.argtypes = argtypes
+            fn.restype = restype
+        version = self._lib.pp_abi_version()
+        if version != ABI_VERSION:
+            raise KernelBuildError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
+        self.simd = SIMD_NAMES.get(self._lib.pp_simd_level(), "?")
+        self._gemv = self._lib.pp_gather_gemv
+        self._axpy = self._lib.pp_gather_axpy
+        self._glu = self._lib.pp_glu_gemv
+
+    def set_tuning(self, prefetch_bytes: int = -1, min_bytes_per_thread: int = -1) -> None:
+        """Process-wide knobs: prefetch reach in bytes; work per thread before adding threads."""
+        self._lib.pp_set_tuning(prefetch_bytes, min_bytes_per_thread)
+
+    def gather_gemv(self, w: Matrix, x: Tensor, idx: Tensor | None) -> Tensor:
+        """``out[j] = W[idx[j]] · x``: x (cols,) -> (k,) f32; ``idx=None`` means all rows."""
+        x = _f32(x)
+        if x.numel() != w.cols:
+            raise ValueError(f"x has {x.numel()} elements, the matrix {w.cols} columns")
+        if idx is None:
+            k, ip = w.nrows, None
+        else:
+            idx = _i64(idx)
+            k, ip = idx.numel(), idx.data_ptr()
+        out = torch.empty(k, dtype=_F32)
+        st = self._gemv(
+            w.code,
+            w.ptr,
+            w.ld,
+            w.nrows,
+            w.cols,
+            x.data_ptr(),
+            ip,
+            k,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if st:
+            _raise(st, "gather_gemv", idx, w.nrows)
+        return out
+
+    def gather_axpy(
+        self, w: Matrix, h: Tensor, idx: Tensor | None, out: Tensor | None = None
+    ) -> Tensor:
+        """``out (+)= sum_j h[j] * W[idx[j]]``: h (k,) -> (cols,) f32; rows with h[j]==0 skipped.
+
+        With ``out`` (f32, contiguous, (cols,)) the sum is added into it; otherwise a new tensor.
+        """
+        h = _f32(h)
+        k = h.numel()
+        if idx is None:
+            if k != w.nrows:
+                raise ValueError(f"h has {k} elements, the matrix {w.nrows} rows")
+            ip = None
+        else:
+            idx = _i64(idx)
+            if idx.numel() != k:
+                raise ValueError(f"h has {k} elements, idx {idx.numel()}")
+            ip = idx.data_ptr()
+        accumulate = out is not None
+        if out is None:
+            out = torch.empty(w.cols, dtype=_F32)
+        elif out.dtype is not _F32 or not out.is_contiguous() or out.numel() != w.cols:
+            raise ValueError(f"out must be a contiguous f32 tensor of {w.cols} elements")
+        st = self._axpy(
+            w.code,
+            w.ptr,
+            w.ld,
+            w.nrows,
+            w.cols,
+            h.data_ptr(),
+            ip,
+            k,
+            out.data_ptr(),
+            accumulate,
+            torch.get_num_threads(),
+        )
+        if st:
+            _raise(st, "gather_axpy", idx, w.nrows)
+        return out
+
+    def glu(self, gate: Matrix, up: Matrix, x: Tensor, idx: Tensor, variant: FFNVariant) -> Tensor:
+        """Fused ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``: -> (k,) f32 (see VARIANTS).
+
+        ``gate`` must match ``up`` in dtype and shape.
+        """
+        x = _f32(x)
+        if x.numel() != up.cols:
+            raise ValueError(f"x has {x.numel()} elements, the matrix {up.cols} columns")
+        idx = _i64(idx)
+        k = idx.numel()
+        code = VARIANTS[FFNVariant(variant)]
+        if (gate.code, gate.nrows, gate.cols) != (up.code, up.nrows, up.cols):
+            raise ValueError("gate and up differ in dtype or shape")
+        gp, gld = gate.ptr, gate.ld
+        out = torch.empty(k, dtype=_F32)
+        st = self._glu(
+            up.code,
+            gp,
+            gld,
+            up.ptr,
+            up.ld,
+            up.nrows,
+            up.cols,
+            x.data_ptr(),
+            idx.data_ptr(),
+            k,
+            code,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if st:
+            _raise(st, "glu", idx, up.nrows)
+        return out
+
+    def gemm(self, w: Matrix, x: Tensor, out: Tensor | None = None) -> Tensor:
+        """Dense ``x @ W.T`` for small batches: x (T, cols) -> (T, rows) f32, W read once.
+
+        ``x`` and ``out`` may have a row stride (``stride(1) == 1`` is required).
+        """
+        if x.dtype is not _F32 or x.stride(-1) != 1:
+            x = x.float().contiguous()
+        if x.dim() != 2 or x.shape[1] != w.cols:
+            raise ValueError(f"x has shape {tuple(x.shape)}, expected (T, {w.cols})")
+        T = x.shape[0]
+        if out is None:
+            out = torch.empty(T, w.nrows, dtype=_F32)
+        elif out.dtype is not _F32 or out.shape != (T, w.nrows) or out.stride(1) != 1:
+            raise ValueError(f"out must be f32 of shape ({T}, {w.nrows}) with unit column stride")
+        st = self._lib.pp_gemm(
+            w.code,
+            w.ptr,
+            w.ld,
+            w.nrows,
+            w.cols,
+            x.data_ptr(),
+            x.stride(0),
+            T,
+            out.data_ptr(),
+            out.stride(0),
+            torch.get_num_threads(),
+        )
+        if st:
+            _raise(st, "gemm")
+        return out
+
+    def dequant_rows(
+        self,
+        w: Matrix,
+        idx: Tensor | None,
+        start: int = 0,
+        count: int | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
+        """Rows as f32 (k, cols): ``W[idx]``, or rows ``start:start+count`` when idx is None."""
+        if idx is None:
+            count = w.nrows - start if count is None else count
+            if start < 0 or count < 0 or start + count > w.nrows:
+                raise ValueError(f"rows {start}:{start + count} of {w.nrows}")
+            k, ip, base, nrows = count, None, w.ptr + start * w.ld, count
+        else:
+            idx = _i64(idx)
+            k, ip, base, nrows = idx.numel(), idx.data_ptr(), w.ptr, w.nrows
+        if out is None:
+            out = torch.empty(k, w.cols, dtype=_F32)
+        elif out.dtype is not _F32 or not out.is_contiguous() or out.shape != (k, w.cols):
+            raise ValueError(f"out must be a contiguous f32 tensor of shape ({k}, {w.cols})")
+        st = self._lib.pp_dequant_rows(
+            w.code, base, w.ld, nrows, w.cols, ip, k, out.data_ptr(), torch.get_num_threads()
+        )
+        if st:
+            _raise(st, "dequant_rows", idx, w.nrows)
+        return out
+
+
+# ---- build and cache -----------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/powerpy/kernels``, or ``~/.cache/powerpy/kernels``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "powerpy" / "kernels"
+
+
+def find_compiler() -> str | None:
+    """The first C++ compiler on PATH (g++, c++, clang++), or None."""
+    for name in ("g++", "c++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_id(compiler: str) -> str:
+    try:
+        res = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+        return res.stdout.splitlines()[0] if res.stdout else compiler
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+
+
+def build(
+    source: Path = SOURCE,
+    flags: tuple[str, ...] = DEFAULT_FLAGS,
+    cache_dir: Path | None = None,
+    compiler: str | None = None,
+) -> KernelLibrary:
+    """Compile ``source`` (or reuse the cached build) and load it.
+
+    Args:
+        source: the C++ file.
+        flags: compiler flags; ``-march=...`` selects the SIMD level (tests build
+            ``-march=x86-64-v3`` and ``-march=x86-64`` variants to cover AVX2 and scalar code).
+        cache_dir: where builds are kept (default :func:`default_cache_dir`).
+        compiler: compiler executable (default :func:`find_compiler`).
+
+    Returns:
+        The loaded library.
+
+    Raises:
+        KernelBuildError: no compiler, a failed compile, or a library that will not load.
+    """
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
+    src = source.read_bytes()
+    key = hashlib.sha256()
+    for part in (
+        src,
+        " ".join(flags).encode(),
+        _compiler_id(compiler).encode(),
+        _cpu_flags().encode(),
+        platform.machine().encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    cache_dir = cache_dir or default_cache_dir()
+    target = cache_dir / f"{source.stem}-{key.hexdigest()[:20]}.so"
+    if not target.exists():
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KernelBuildError(f"cannot create kernel cache {cache_dir}: {e}") from e
+        with file_lock(cache_dir / (target.name + ".lock")):
+            if not target.exists():  # another process may have built it while we waited
+                _compile(compiler, source, flags, target)
+    try:
+        return KernelLibrary(target)
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {target}: {e}") from e
+
+
+def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
+    cmd = [compiler, *flags, "-o", "<tmp>", str(source)]
+    try:
+        with atomic_write(target) as tmp:  # readers see the old name or a complete file
+            cmd[-2] = str(tmp)  # the -o argument
+            logger.info("building powerpy kernels: %s", " ".join(cmd))
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+            if res.returncode != 0:
+                tail = "\n".join(res.stderr.strip().splitlines()[-20:])
+                raise KernelBuildError(f"{' '.join(cmd)} failed ({res.returncode}):\n{tail}")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
+
+
+# ---- process-wide state --------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_enabled = True
+_library: KernelLibrary | None = None
+_failure: str | None = None  # why the build failed (logged once)
+
+
+def set_enabled(enabled: bool) -> None:
+    """Turn the native kernels on or off for this process (off: torch code paths only)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def enabled() -> bool:
+    """Whether the native kernels are switched on (they may still be unavailable)."""
+    return _enabled
+
+
+def library() -> KernelLibrary | None:
+    """The loaded library, building it on first call; None when disabled or unavailable."""
+    global _library, _failure
+    if not _enabled:
+        return None
+    if _library is not None or _failure is not None:
+        return _library
+    with _lock:
+        if _library is None and _failure is None:
+            try:
+                _library = build()
+                logger.debug("powerpy kernels: %s (%s)", _library.path, _library.simd)
+            except KernelBuildError as e:
+                _failure = str(e)
+                logger.warning("powerpy kernels unavailable, using torch fallback: %s", e)
+    return _library
+
+
+def available() -> bool:
+    """True when the native kernels are enabled and built (builds them on first call)."""
+    return library() is not None

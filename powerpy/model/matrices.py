@@ -1,0 +1,378 @@
+"""Weight matrices as the runtime computes with them: ``(rows, cols)``, rows = output features.
+
+FFN matrices are neuron-major ``(n_ff, n_embd)`` (gate, up and down_t), so the sparse FFN is a
+row gather: ``gather_linear`` computes selected rows of ``W @ x`` and ``gather_axpy`` sums
+selected rows scaled by ``h``; :func:`glu_rows` fuses the gate and up passes. Quantized weights
+keep their raw ggml blocks and are never dequantized as a whole (resident memory stays close to
+the file size): rows are decoded on the fly.
+
+On CPU, with contiguous rows, the methods call the native kernels of :mod:`powerpy.model.kernels`
+(f32 accumulation, OpenMP on ``torch.get_num_threads()`` threads). Elsewhere, or when the
+kernels are unavailable or disabled, they use the fastest torch formulation measured on CPU
+(``cpu-kernels.md``): ``index_select(out=)`` into a reused buffer plus ``F.linear``, and
+``embedding_bag`` for the weighted row sum. All results are f32.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from powerpy.formats.constants import TYPE_TRAITS, GGMLType
+from powerpy.model import kernels
+
+# Batches up to this size use the native multi-vector GEMM (weights read once, decoded in
+# registers); larger ones dequantize tiles of rows and call BLAS.
+KERNEL_GEMM_MAX_T = 8
+# Rows of f32 per dequantized tile in the chunked (T > KERNEL_GEMM_MAX_T or fallback) paths.
+TILE_ELEMENTS = 1 << 21  # 8 MiB of f32
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KERNEL_QUANTS = (GGMLType.Q8_0, GGMLType.Q4_0)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+_scratch = threading.local()
+
+
+def _scratch_rows(k: int, cols: int, dtype: torch.dtype) -> Tensor:
+    """A reused CPU ``(k, cols)`` buffer (per thread and dtype); valid until the next call.
+
+    Fresh multi-MB allocations page-fault on every call (cpu-kernels.md section 4).
+    """
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    n = k * cols
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < n:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
+            buf = bufs[dtype] = torch.empty(max(n, 1 << 16), dtype=dtype)
+    return buf[:n].view(k, cols)
+
+
+def _kernel_ok(t: Tensor) -> bool:
+    return t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1
+
+
+def _is_f32_cpu(t: Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _kernel_axpy(
+    kern: tuple[kernels.KernelLibrary, kernels.Matrix], h: Tensor, idx: Tensor, out: Tensor | None
+) -> Tensor:
+    """``gather_axpy`` through the native kernel, adding into ``out`` wherever it lives."""
+    lib, m = kern
+    if out is None or _is_f32_cpu(out):
+        return lib.gather_axpy(m, h, idx, out=out)
+    return out.add_(lib.gather_axpy(m, h, idx).to(out.device))
+
+
+def _as_x(x: Tensor, cols: int) -> Tensor:
+    # x: (cols,) or (1, cols) -> (cols,)
+    if x.numel() != cols:
+        raise ValueError(f"x has {x.numel()} elements, the matrix has {cols} columns")
+    return x.reshape(cols)
+
+
+def _as_idx(idx: Tensor) -> Tensor:
+    return idx if idx.dtype == torch.int64 else idx.to(torch.int64)
+
+
+def _tiled_linear(lib: kernels.KernelLibrary, m: kernels.Matrix, x: Tensor) -> Tensor:
+    """``x @ W.T`` for larger batches: decode tiles of rows to f32 and multiply with BLAS.
+
+    x (T, cols) -> (T, rows) f32; only one tile of f32 rows exists at a time.
+    """
+    x = x.float()
+    out_t = torch.empty(m.nrows, x.shape[0], dtype=torch.float32)  # (rows, T)
+    step = max(16, TILE_ELEMENTS // max(m.cols, 1))
+    for s in range(0, m.nrows, step):
+        n = min(step, m.nrows - s)
+        tile = lib.dequant_rows(m, None, s, n, out=_scratch_rows(n, m.cols, torch.float32))
+        torch.mm(tile, x.t(), out=out_t[s : s + n])
+    return out_t.t().contiguous()
+
+
+def dequantize_rows_torch(raw: Tensor, ggml_type: GGMLType, cols: int) -> Tensor:
+    """Decode raw ggml rows with torch ops (any device): raw (n, row_bytes) -> (n, cols) f32.
+
+    Q8_0, Q4_0 and the float types run on the tensor's device; other types go through
+    ``powerpy.formats.quants.dequantize`` (numpy, on the CPU).
+    """
+    n = raw.shape[0]
+    if ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        dt = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16}.get(
+            ggml_type, torch.bfloat16
+        )
+        return raw.contiguous().view(dt).reshape(n, cols).float()
+    if ggml_type == GGMLType.Q8_0:
+        b = raw.reshape(n, cols // 32, 34)  # (n, blocks, d:2 + qs:32)
+        d = b[..., :2].contiguous().view(torch.float16).float()  # (n, blocks, 1)
+        q = b[..., 2:].contiguous().view(torch.int8).float()  # (n, blocks, 32)
+        return (q * d).reshape(n, cols)
+    if ggml_type == GGMLType.Q4_0:
+        b = raw.reshape(n, cols // 32, 18)  # (n, blocks, d:2 + qs:16)
+        d = b[..., :2].contiguous().view(torch.float16).float()  # (n, blocks, 1)
+        qs = b[..., 2:].to(torch.int16)  # (n, blocks, 16)
+        q = torch.cat([(qs & 15) - 8, (qs >> 4) - 8], dim=-1).float()  # (n, blocks, 32)
+        return (q * d).reshape(n, cols)
+    from powerpy.formats.quants import dequantize
+
+    arr = dequantize(raw.cpu().numpy(), ggml_type, (n, cols))
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(raw.device)
+
+
+# ---- dense ---------------------------------------------------------------------------------------
+
+
+class DenseWeight:
+    """A float matrix (f32, f16 or bf16) of shape ``(rows, cols)``."""
+
+    def __init__(self, w: Tensor) -> None:
+        assert w.dim() == 2, w.shape
+        self.w = w  # (rows, cols)
+        self._kernel_ok = w.dtype in _FLOAT_DTYPES and _kernel_ok(w)
+        self._mat: kernels.Matrix | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w.shape)  # type: ignore[return-value]
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.w.device
+
+    def _kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
+        if not self._kernel_ok:
+            return None
+        lib = kernels.library()
+        if lib is None:
+            return None
+        if self._mat is None or self._mat.data is not self.w:  # built once (w is not reassigned)
+            self._mat = kernels.Matrix.of_dense(self.w)
+        return lib, self._mat
+
+    def linear(self, x: Tensor) -> Tensor:
+        """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,))."""
+        if x.dim() == 1:
+            return self.linear(x[None])[0]
+        kern = self._kernel()
+        if self.w.dtype == torch.float32:
+            if kern is not None and x.shape[0] == 1:  # MKL sgemv reads at ~22 GB/s, this ~32
+                return kern[0].gemm(kern[1], x)
+            return F.linear(x.float(), self.w)
+        if kern is None:
+            return F.linear(x.to(self.w.dtype), self.w).float()
+        if x.shape[0] <= KERNEL_GEMM_MAX_T:
+            return kern[0].gemm(kern[1], x)
+        return _tiled_linear(kern[0], kern[1], x)
+
+    def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
+        """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) int64 -> (k,) f32."""
+        kern = self._kernel()
+        if kern is not None:
+            return kern[0].gather_gemv(kern[1], x, idx)
+        x = _as_x(x, self.w.shape[1])
+        k = idx.numel()
+        if k == 0:
+            return self.w.new_zeros(0, dtype=torch.float32)
+        idx = _as_idx(idx)
+        xw = x.to(self.w.dtype)[None]  # (1, cols)
+        if 2 * k >= self.w.shape[0]:  # a dense pass is cheaper than gathering half the rows
+            return F.linear(xw, self.w)[0].index_select(0, idx).float()
+        if self.w.device.type == "cpu":
+            rows = torch.index_select(
+                self.w, 0, idx, out=_scratch_rows(k, self.w.shape[1], self.w.dtype)
+            )  # (k, cols)
+        else:
+            rows = torch.index_select(self.w, 0, idx)  # (k, cols)
+        return F.linear(xw, rows)[0].float()
+
+    def gather_axpy(self, h: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
+        """``sum_j h[j] * W[idx[j]]``: h (k,) f32, idx (k,) -> (cols,) f32.
+
+        Args:
+            h: (k,) weights; rows with ``h[j] == 0`` may be skipped.
+            idx: (k,) row ids.
+            out: optional (cols,) f32 tensor to add the sum into (returned).
+        """
+        k = idx.numel()
+        cols = self.w.shape[1]
+        kern = self._kernel()
+        if kern is not None:
+            return _kernel_axpy(kern, h, idx, out)
+        if k == 0:
+            res = self.w.new_zeros(cols, dtype=torch.float32)
+        else:
+            bag = F.embedding_bag(
+                _as_idx(idx)[None],
+                self.w,
+                per_sample_weights=h.to(self.w.dtype)[None],
+                mode="sum",
+            )
+            res = bag[0].float()  # (cols,)
+        return res if out is None else out.add_(res)
+
+    def take_rows(self, idx: Tensor) -> DenseWeight:
+        """A new weight made of rows ``idx`` (contiguous)."""
+        return DenseWeight(torch.index_select(self.w, 0, _as_idx(idx)).contiguous())
+
+    def dequantize(self) -> Tensor:
+        """The matrix as f32 (rows, cols)."""
+        return self.w.float()
+
+    @property
+    def storage(self) -> Tensor:
+        """The tensor holding the data."""
+        return self.w
+
+    def with_storage(self, t: Tensor) -> DenseWeight:
+        """The same matrix over another copy of its data (e.g. on a device)."""
+        return DenseWeight(t)
+
+
+# ---- quantized -----------------------------------------------------------------------------------
+
+
+class QuantWeight:
+    """Raw ggml blocks ``(rows, row_bytes)`` uint8 of a quantized ``(rows, cols)`` matrix.
+
+    Q8_0 and Q4_0 run on the native kernels (CPU) or decode with torch ops (any device); other
+    types decode the rows they touch through ``powerpy.formats.quants``. Nothing here
+    dequantizes the whole matrix at once except :meth:`dequantize`.
+    """
+
+    def __init__(self, raw: Tensor, ggml_type: GGMLType, cols: int) -> None:
+        tr = TYPE_TRAITS[ggml_type]
+        assert raw.dtype == torch.uint8 and raw.dim() == 2
+        assert raw.shape[1] == cols // tr.block_size * tr.type_size, (raw.shape, cols)
+        self.raw = raw  # (rows, row_bytes)
+        self.ggml_type = ggml_type
+        self.cols = cols
+        self._kernel_ok = ggml_type in _KERNEL_QUANTS and _kernel_ok(raw)
+        self._mat: kernels.Matrix | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def _kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
+        if not self._kernel_ok:
+            return None
+        lib = kernels.library()
+        if lib is None:
+            return None
+        if self._mat is None or self._mat.data is not self.raw:
+            self._mat = kernels.Matrix.of_quant(self.raw, self.ggml_type, self.cols)
+        return lib, self._mat
+
+    def _rows_f32(self, raw: Tensor) -> Tensor:
+        # raw (n, row_bytes) -> (n, cols) f32
+        return dequantize_rows_torch(raw, self.ggml_type, self.cols)
+
+    def _tile_rows(self) -> int:
+        return max(16, TILE_ELEMENTS // max(self.cols, 1))
+
+    def linear(self, x: Tensor) -> Tensor:
+        """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)).
+
+        Small batches read the blocks once with the native GEMM; larger ones (and the
+        fallback) decode tiles of rows to f32 and multiply with BLAS, so no full f32 copy of
+        the matrix ever exists.
+        """
+        if x.dim() == 1:
+            return self.linear(x[None])[0]
+        x = x.float()
+        rows, T = self.raw.shape[0], x.shape[0]
+        kern = self._kernel()
+        if kern is not None and T <= KERNEL_GEMM_MAX_T:
+            return kern[0].gemm(kern[1], x)
+        if kern is not None:
+            return _tiled_linear(kern[0], kern[1], x)
+        out_t = self.raw.new_empty((rows, T), dtype=torch.float32)  # (rows, T)
+        step = self._tile_rows()
+        for s in range(0, rows, step):
+            tile = self._rows_f32(self.raw[s : s + step])  # (n, cols)
+            torch.mm(tile, x.t(), out=out_t[s : s + step])
+        return out_t.t().contiguous()
+
+    def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
+        """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) int64 -> (k,) f32."""
+        kern = self._kernel()
+        if kern is not None:
+            return kern[0].gather_gemv(kern[1], x, idx)
+        x = _as_x(x, self.cols).float()
+        k = idx.numel()
+        if k == 0:
+            return self.raw.new_zeros(0, dtype=torch.float32)
+        idx = _as_idx(idx)
+        out = self.raw.new_empty(k, dtype=torch.float32)
+        step = self._tile_rows()
+        for s in range(0, k, step):
+            rows = self._rows_f32(torch.index_select(self.raw, 0, idx[s : s + step]))
+            out[s : s + step] = F.linear(x[None], rows)[0]
+        return out
+
+    def gather_axpy(self, h: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
+        """``sum_j h[j] * W[idx[j]]``: h (k,) f32, idx (k,) -> (cols,) f32.
+
+        Args:
+            h: (k,) weights; rows with ``h[j] == 0`` may be skipped.
+            idx: (k,) row ids.
+            out: optional (cols,) f32 tensor to add the sum into (returned).
+        """
+        kern = self._kernel()
+        if kern is not None:
+            return _kernel_axpy(kern, h, idx, out)
+        idx = _as_idx(idx)
+        h = h.float()
+        res = self.raw.new_zeros(self.cols, dtype=torch.float32)
+        step = self._tile_rows()
+        for s in range(0, idx.numel(), step):
+            rows = self._rows_f32(torch.index_select(self.raw, 0, idx[s : s + step]))
+            res += h[s : s + step] @ rows  # (cols,)
+        return res if out is None else out.add_(res)
+
+    def take_rows(self, idx: Tensor) -> QuantWeight:
+        """A new weight made of rows ``idx`` (raw blocks copied, not re-quantized)."""
+        return QuantWeight(
+            torch.index_select(self.raw, 0, _as_idx(idx)).contiguous(), self.ggml_type, self.cols
+        )
+
+    def dequantize(self) -> Tensor:
+        """The whole matrix as f32 (rows, cols): a full copy, for tests and tools."""
+        kern = self._kernel()
+        if kern is not None:
+            return kern[0].dequant_rows(kern[1], None)
+        return self._rows_f32(self.raw)
+
+    @property
+    def storage(self) -> Tensor:
+        """The tensor holding the raw blocks."""
+        return self.raw
+
+    def with_storage(self, t: Tensor) -> QuantWeight:
+        """The same matrix over another copy of its blocks (e.g. on a device)."""
+        return QuantWeight(t, self.ggml_type, self.cols)
+
+
+Weight = DenseWeight | QuantWeight

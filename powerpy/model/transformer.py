@@ -1,0 +1,241 @@
+"""LLaMA-family transformer over GGUF-named weights: RMSNorm, ggml RoPE, GQA attention.
+
+The model never opens files: ``loader.load_weights`` hands it weights. Arguments and weights
+(``Model``), per-step state (``KVCache``) and per-call options (``RunOptions``) are separate
+objects. The FFN of each block is ``powerpy.model.ffn.ffn``, the one split runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from powerpy.config import ModelArgs
+from powerpy.errors import NonFiniteError
+from powerpy.model.cache import KVCache, KVPlacement
+from powerpy.model.device import HOST, Accelerator, move
+from powerpy.model.ffn import HotRows, ffn
+from powerpy.model.matrices import Weight
+from powerpy.model.options import SPARSE, RunOptions
+from powerpy.model.timing import phase
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------- weights
+@dataclass
+class Block:
+    attn_norm: Tensor  # (n_embd,) f32
+    attn_q: Weight  # (n_embd, n_embd)
+    attn_k: Weight  # (n_embd_gqa, n_embd)
+    attn_v: Weight  # (n_embd_gqa, n_embd)
+    attn_output: Weight  # (n_embd, n_embd)
+    ffn_norm: Tensor  # (n_embd,) f32
+    ffn_gate: Weight  # (n_ff, n_embd)
+    ffn_up: Weight  # (n_ff, n_embd)
+    ffn_down_t: Weight  # (n_ff, n_embd): row j is neuron j's output
+    fc1: Weight | None = None  # (H, n_embd) predictor
+    fc2: Weight | None = None  # (n_ff, H)
+    hot: HotRows | None = None  # hybrid placements: this layer's rows on the accelerator
+
+
+@dataclass
+class Weights:
+    token_embd: Weight  # (n_vocab, n_embd)
+    output_norm: Tensor  # (n_embd,)
+    output: Weight  # (n_vocab, n_embd); token_embd itself when tied
+    blk: list[Block]
+
+
+# ----------------------------------------------------------------------------------- maths
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    if _HAS_RMS_NORM and x.dtype == w.dtype:
+        return F.rms_norm(x, w.shape, w, eps)  # one fused op (torch >= 2.4)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_tables(args: ModelArgs, pos0: int, n: int) -> Tensor:
+    """Rotations ``exp(i·pos·θ_j)`` (n, n_rot/2) complex64 for positions pos0..pos0+n-1, ggml
+    NORM mode (θ_j = base^(-2j/n_rot)), computed in float64."""
+    inv = args.rope_base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
+    ang = torch.arange(pos0, pos0 + n, dtype=torch.float64)[:, None] * inv[None]
+    return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
+
+
+def apply_rope(x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
+    """Rotate adjacent pairs (2i, 2i+1) of the first n_rot dims: x (T, heads, head_dim) f32, rot
+    (T, n_rot/2) from ``rope_tables``. Each pair is one complex number times its rotation."""
+    z = torch.view_as_complex(x[..., :n_rot].reshape(*x.shape[:-1], n_rot // 2, 2))
+    out = torch.view_as_real(z * rot[:, None]).flatten(-2)  # (T, heads, n_rot)
+    return torch.cat((out, x[..., n_rot:]), dim=-1) if n_rot < x.shape[-1] else out
+
+
+# ----------------------------------------------------------------------------------- model
+class Model:
+    """A LLaMA-family decoder: its arguments and weights, and nothing that changes per call.
+
+    ``forward(tokens, cache, opts)`` depends only on its arguments, so any number of sessions
+    (each with its own cache and options) can share one model. A hybrid placement
+    (``powerpy.placement.runtime``) builds a new ``Model`` whose weights live partly on an
+    accelerator; ``accel`` reaches that device and ``kv`` says which new caches go there.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        weights: Weights,
+        *,
+        accel: Accelerator | None = None,
+        kv: KVPlacement | None = None,
+    ) -> None:
+        self.args = args
+        self.weights = weights
+        self.accel = accel
+        self.kv = kv
+
+    @property
+    def can_gate(self) -> bool:
+        """The file has predictors for every layer (a PWRI model)."""
+        return self.args.sparse and all(b.fc1 is not None for b in self.weights.blk)
+
+    def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """A fresh KV cache for up to ``n_ctx`` positions (default: training context, ≤ 4096),
+        on the accelerator when the placement reserved room for it, else on the host."""
+        n_ctx = n_ctx or min(self.args.n_ctx_train, 4096)
+        if self.kv is not None and n_ctx <= self.kv.max_ctx:
+            return KVCache(self.args, n_ctx, dtype or self.kv.dtype, self.accel)
+        if self.kv is not None:
+            log.warning(
+                "a %d-position KV cache exceeds the %d placed on %s: it stays on the host",
+                n_ctx,
+                self.kv.max_ctx,
+                self.accel,
+            )
+        return KVCache(self.args, n_ctx, dtype or torch.float32)
+
+    def _to(self, t: Tensor, device: torch.device) -> Tensor:
+        return move(self.accel, t, device)
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: Tensor, cache: KVCache, opts: RunOptions = SPARSE, *, all_logits=False
+    ) -> Tensor:
+        """Run tokens (T,) int64 at positions cache.pos..; return logits (T or 1, n_vocab) f32.
+
+        Args:
+            tokens: (T,) token ids.
+            cache: the session's KV cache (advanced by T).
+            opts: how to run (sparse or dense, threshold, observer, timer, statistics).
+            all_logits: return every position's logits, not just the last.
+
+        Raises:
+            ValueError: the tokens do not fit the cache.
+            NonFiniteError: the logits are NaN or infinite; the message names the first layer
+                where the residual stream stopped being finite.
+        """
+        n, p0 = tokens.shape[0], cache.pos
+        if p0 + n > cache.n_ctx:
+            raise ValueError(
+                f"context is full: {p0} + {n} tokens exceed n_ctx {cache.n_ctx} "
+                "(use a larger context: -c, n_ctx)"
+            )
+        if not (opts.sparse and self.can_gate):
+            opts = dataclasses.replace(opts, sparse=False)
+        logits = self._run(tokens, cache, opts, all_logits)
+        # One reduction over the logits per call; only a bad one pays for the search below.
+        if not bool(torch.isfinite(logits).all()):
+            cache.pos = p0  # the rerun rewrites the same cache rows, then stops at the culprit
+            quiet = dataclasses.replace(opts, observer=None, timer=None, stats=None)
+            self._run(tokens, cache, quiet, all_logits, check=True)
+            raise NonFiniteError("the logits are not finite, but every layer's output is")
+        return logits
+
+    def _run(
+        self, tokens: Tensor, cache: KVCache, opts: RunOptions, all_logits: bool, check=False
+    ) -> Tensor:
+        a, w = self.args, self.weights
+        n = tokens.shape[0]
+        thr = a.sparse_threshold if opts.threshold is None else float(opts.threshold)
+        x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
+        if check:
+            _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
+        rot = {HOST: rope_tables(a, cache.pos, n)}  # (T, n_rot/2) complex, per device
+        for l, blk in enumerate(w.blk):
+            # Each step runs where its weights are and the residual stream follows (no move
+            # when the tensor is already there, e.g. CPU-only).
+            x = self._to(x, blk.attn_norm.device)
+            with phase(opts.timer, "attention"):
+                xn = rms_norm(x, blk.attn_norm, a.rms_eps)
+                ffn_inp = x + self._to(self.attention(l, blk, xn, cache, rot), x.device)
+            if check:
+                _check_finite(ffn_inp, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
+            with phase(opts.timer, "ffn"):
+                xn = rms_norm(self._to(ffn_inp, blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
+                y = ffn(l, blk, xn, ffn_inp, a.ffn_variant, thr, opts, self.accel)
+                x = ffn_inp + self._to(y, ffn_inp.device)
+            if check:
+                _check_finite(x, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
+        cache.pos += n
+        if not all_logits:
+            x = x[-1:]
+        with phase(opts.timer, "output"):
+            x = rms_norm(self._to(x, w.output_norm.device), w.output_norm, a.rms_eps)
+            logits = self._to(w.output.linear(self._to(x, w.output.device)), HOST)
+        if check:
+            _check_finite(logits, "output", "the output layer (output_norm, output)")
+        return logits
+
+    def attention(
+        self, l: int, blk: Block, x: Tensor, cache: KVCache, rot: dict[torch.device, Tensor]
+    ) -> Tensor:
+        """x (T, n_embd) normed -> (T, n_embd) on attn_output's device; writes the cache.
+
+        ``rot`` holds the rotations per device; they move to a device once per forward."""
+        a = self.args
+        n, p0 = x.shape[0], cache.pos
+        q = blk.attn_q.linear(self._to(x, blk.attn_q.device)).view(n, a.n_head, a.head_dim)
+        k = blk.attn_k.linear(self._to(x, blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
+        v = blk.attn_v.linear(self._to(x, blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
+        for dev in (q.device, k.device):
+            if dev not in rot:
+                rot[dev] = self._to(rot[HOST], dev)
+        q = apply_rope(q, rot[q.device], a.n_rot)
+        k = apply_rope(k, rot[k.device], a.n_rot)
+        dev = cache.device  # attention runs where the cache is
+        cache.k[l, p0 : p0 + n] = self._to(k, dev)
+        cache.v[l, p0 : p0 + n] = self._to(v, dev)
+        keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
+        vals = cache.v[l, : p0 + n].transpose(0, 1).float()
+        q = self._to(q, dev)
+        if n == 1:  # decode: query head h reads key/value head h // group, as two bmm
+            group = a.n_head // a.n_head_kv
+            qg = q.view(a.n_head_kv, group, a.head_dim)
+            scores = torch.bmm(qg, keys.transpose(1, 2)) * a.head_dim**-0.5  # (n_kv, group, S)
+            out = torch.bmm(scores.softmax(-1), vals).view(1, a.n_embd)  # head-major order
+        else:  # query i sees keys 0..p0+i
+            mask = keys.new_ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1), keys, vals, attn_mask=mask, enable_gqa=a.n_head != a.n_head_kv
+            )  # (n_head, T, head_dim)
+            out = out.transpose(0, 1).reshape(n, a.n_embd)
+        return blk.attn_output.linear(self._to(out, blk.attn_output.device))
+
+
+def _check_finite(x: Tensor, where: str, what: str) -> None:
+    """Raise ``NonFiniteError`` when ``x`` holds a NaN or an infinity (diagnosis only)."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        kind = "NaN" if bool(torch.isnan(x).any()) else "infinite"
+        raise NonFiniteError(
+            f"the residual stream became {kind} at {where}, in {what}: the model's weights "
+            f"there are corrupt or out of range (NaN or huge values, data of another type, a "
+            f"wrong alignment); check the file (`powerpy dump`) or re-convert the model"
+        )

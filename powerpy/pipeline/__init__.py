@@ -1,0 +1,1 @@
+"""The sparsification pipeline: corpus, profile, predictor training, convert, perplexity."""

@@ -1,0 +1,487 @@
+"""VRAM budget arithmetic: dense offload order, KV cache bytes and hot-neuron capacity.
+
+Plain data and integer arithmetic over tensor names and byte sizes; no torch, no device, no file
+access (``ModelArgs.from_gguf`` and ``FfnLayout.from_gguf`` read an open ``GGUFFile`` header).
+Spec: ``powerinfer-format.md`` §10.1 (budget), §10.2 (offload order) and §8.4 (budget → neuron
+capacity). The steps, as ``Placement.for_model`` and the GPU-index solver run them::
+
+    budget = budget_bytes(vram_budget_gib, free_vram)                   # §10.1
+    plan = plan_offload(tensor_sizes, budget=budget, n_layer=..., ...)  # §10.2
+    capacity = hot_capacity(plan.split_budget, FfnLayout.from_gguf(f, args))  # §8.4, neurons
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+from powerpy.config import ModelArgs
+from powerpy.formats.constants import TYPE_TRAITS, GGMLType, Names
+
+if TYPE_CHECKING:
+    from powerpy.formats.gguf_reader import GGUFFile
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ATTN",
+    "CAPACITY_MODES",
+    "CATEGORY_ORDER",
+    "DENSE_LEVELS",
+    "FFN",
+    "FFN_NORM",
+    "GIB",
+    "HOST",
+    "KV_K",
+    "KV_V",
+    "OUTPUT",
+    "PREDICTOR",
+    "CapacityMode",
+    "FfnLayout",
+    "OffloadEntry",
+    "OffloadPlan",
+    "budget_bytes",
+    "capacity_exact",
+    "capacity_upstream",
+    "classify_tensor",
+    "hot_capacity",
+    "kv_cache_bytes",
+    "plan_offload",
+]
+
+GIB = 1 << 30
+MIB = 1 << 20
+VRAM_RESERVE_BYTES = 256 * MIB  # --vram-budget < 0: free VRAM minus this (§10.1)
+
+# --- categories, in offload order (§10.2) --------------------------------------------------------
+ATTN = "attn"  # attn_norm(_2), q, k, v, qkv, attn_output, rot_embd, q/k norms (+ biases)
+PREDICTOR = "predictor"  # fc1, fc2
+FFN_NORM = "ffn_norm"
+OUTPUT = "output"  # output_norm, output
+KV_V = "kv_v"
+KV_K = "kv_k"
+DENSE_LEVELS = (ATTN, PREDICTOR, FFN_NORM, OUTPUT)
+CATEGORY_ORDER = (*DENSE_LEVELS, KV_V, KV_K)
+# not part of the dense pass
+FFN = "ffn"  # gate/up/down_t (+ biases): rows go to the GPU through the hot-neuron split
+HOST = "host"  # token_embd, token_embd_norm, position_embd, rope_freqs, unknown names
+
+# Per-layer creation order in llama.cpp's llm_load_sparse_model_tensors; within a level the
+# allocator keeps it (stable sort by level), and a weight comes before its bias.
+_LAYER_TENSORS: dict[str, tuple[str, int]] = {
+    "attn_norm": (ATTN, 0),
+    "attn_norm_2": (ATTN, 1),
+    "attn_qkv": (ATTN, 2),
+    "attn_q": (ATTN, 3),
+    "attn_k": (ATTN, 4),
+    "attn_v": (ATTN, 5),
+    "attn_output": (ATTN, 6),
+    "attn_q_norm": (ATTN, 7),
+    "attn_k_norm": (ATTN, 8),
+    "attn_rot_embd": (ATTN, 9),
+    "ffn_norm": (FFN_NORM, 10),
+    "ffn_gate": (FFN, 11),
+    "ffn_down_t": (FFN, 12),
+    "ffn_down": (FFN, 12),
+    "ffn_up": (FFN, 13),
+    "fc1": (PREDICTOR, 14),
+    "fc2": (PREDICTOR, 15),
+}
+_GLOBAL_TENSORS: dict[str, tuple[str, int]] = {
+    "token_embd": (HOST, 0),
+    "token_embd_norm": (HOST, 1),
+    "position_embd": (HOST, 2),
+    "rope_freqs": (HOST, 3),
+    "output_norm": (OUTPUT, 4),
+    "output": (OUTPUT, 5),
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
+
+
+def classify_tensor(name: str) -> tuple[str, int, int]:
+    """Offload category of a model tensor and its place in creation order.
+
+    Args:
+        name: GGUF tensor name, e.g. ``blk.3.attn_q.weight``.
+
+    Returns:
+        ``(category, layer, rank)``: ``layer`` is -1 for global tensors; ``rank`` orders the
+        tensors of one layer as llama.cpp creates them. Unknown names are ``HOST``.
+    """
+    m = _LAYER_RE.fullmatch(name)
+    if m:
+        kind, part = m.group(2), m.group(3)
+        if kind in _LAYER_TENSORS:
+            cat, rank = _LAYER_TENSORS[kind]
+            return cat, int(m.group(1)), 2 * rank + (part == "bias")
+        return HOST, int(m.group(1)), 1 << 20
+    m = _GLOBAL_RE.fullmatch(name)
+    if m and m.group(1) in _GLOBAL_TENSORS:
+        cat, rank = _GLOBAL_TENSORS[m.group(1)]
+        return cat, -1, 2 * rank + (m.group(2) == "bias")
+    return HOST, -1, 1 << 20
+
+
+# --- budget ---------------------------------------------------------------------------------------
+def budget_bytes(vram_budget_gib: float, free_vram: int | None = None) -> int:
+    """Convert ``--vram-budget`` (GiB) to bytes (§10.1); the one place that does.
+
+    Args:
+        vram_budget_gib: budget in GiB; a negative value means "all free VRAM".
+        free_vram: free device bytes (the caller asks the device; this module never touches
+            it), or None when there is no device that reports free memory (no CUDA device, or
+            the emulated CPU accelerator). Only read when the budget is negative.
+
+    Returns:
+        ``int(gib · 2**30)``, not clamped to the device; for a negative budget, ``free_vram``
+        minus 256 MiB (at least 0).
+
+    Raises:
+        ValueError: a negative budget without ``free_vram``, or a non-finite budget.
+    """
+    if vram_budget_gib != vram_budget_gib or vram_budget_gib in (float("inf"), float("-inf")):
+        raise ValueError(f"--vram-budget must be a finite number of GiB, got {vram_budget_gib}")
+    if vram_budget_gib < 0:
+        if free_vram is None:
+            raise ValueError(
+                f"--vram-budget {vram_budget_gib:g} means all free VRAM, but no device reports "
+                "its free memory (no CUDA device, or the emulated CPU accelerator); give the "
+                "budget in GiB"
+            )
+        return max(0, int(free_vram) - VRAM_RESERVE_BYTES)
+    return int(vram_budget_gib * GIB)
+
+
+def kv_cache_bytes(n_embd_gqa: int, n_layer: int, n_ctx: int, elem_bytes: int = 2) -> int:
+    """Bytes of the V cache (or of the K cache; they are equal), §10.2.
+
+    ``n_embd_gqa · n_layer · n_ctx · elem_bytes``; ``elem_bytes`` is 2 for f16, 4 with
+    ``--memory-f32``.
+    """
+    return n_embd_gqa * n_layer * n_ctx * elem_bytes
+
+
+# --- the dense offload pass -----------------------------------------------------------------------
+class OffloadEntry(NamedTuple):
+    """One candidate of the offload pass: a tensor, or ``"kv_v"``/``"kv_k"``."""
+
+    name: str
+    category: str
+    nbytes: int
+    on_gpu: bool
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What the dense pass puts on the GPU, and what is left for the hot neurons.
+
+    Attributes:
+        entries: every candidate in offload order (dense tensors, then V and K caches);
+            ``on_gpu`` is False from the first one that did not fit on.
+        bytes_by_category: bytes placed on the GPU per category (``CATEGORY_ORDER`` keys).
+        dense_complete: every dense tensor fit (the KV cache and the split are only tried then).
+        remaining: budget minus everything placed (``R`` of §8.4 when ``dense_complete``).
+        budget: the budget in bytes.
+        n_ctx: context length the KV cache candidates were sized for.
+        kv_elem_bytes: 2 (f16 cache) or 4 (f32 cache).
+        stopped_at: the first entry that did not fit, or None.
+        host_only: tensors that never move (token_embd, unknown names).
+    """
+
+    entries: list[OffloadEntry]
+    bytes_by_category: dict[str, int]
+    dense_complete: bool
+    remaining: int
+    budget: int
+    n_ctx: int
+    kv_elem_bytes: int
+    stopped_at: OffloadEntry | None = None
+    host_only: tuple[str, ...] = field(default=())
+
+    @property
+    def used(self) -> int:
+        """Bytes placed on the GPU."""
+        return self.budget - self.remaining
+
+    @property
+    def kv_on_gpu(self) -> bool:
+        """Both the V and the K cache are on the GPU."""
+        return all(e.on_gpu for e in self.entries if e.category in (KV_V, KV_K))
+
+    @property
+    def split_budget(self) -> int:
+        """Bytes for the hot-neuron split: ``remaining``, or 0 when the dense pass stopped."""
+        return self.remaining if self.dense_complete else 0
+
+    @property
+    def stop_message(self) -> str | None:
+        """Why the pass stopped, and what that leaves on the host; None when all fit.
+
+        The one place that says "the dense part does not fit" (§10.2: then the KV cache and
+        the hot-neuron split stay on the host).
+        """
+        e = self.stopped_at
+        if e is None:
+            return None
+        where = f"the offload pass stopped at {e.name} ({e.nbytes} bytes, {self.remaining} left)"
+        if not self.dense_complete:
+            return (
+                f"the dense tensors do not all fit in the {self.budget}-byte budget: {where}, "
+                "so the KV cache stays on the host and the hot-neuron split is skipped"
+            )
+        v_only = (
+            "; the V cache fit but the K cache did not: both caches stay on the host "
+            f"({self.bytes_by_category[KV_V]} bytes of the budget left unused)"
+            if e.category == KV_K
+            else ""
+        )
+        return f"the KV cache does not fit in the {self.budget}-byte budget: {where}{v_only}"
+
+
+def plan_offload(
+    tensors: Iterable[tuple[str, int]],
+    *,
+    budget: int,
+    n_layer: int,
+    n_embd_gqa: int,
+    n_ctx: int,
+    kv_elem_bytes: int = 2,
+) -> OffloadPlan:
+    """Run PowerInfer's dense offload pass (§10.2) over tensor sizes.
+
+    Order: ATTN → predictors (fc1, fc2) → ffn_norm → output_norm/output → V cache → K cache.
+    Within a level, layers go from 0, each tensor in llama.cpp's creation order. The first
+    tensor that does not fit stops the whole pass (nothing later is tried). The KV cache is
+    only tried when every dense tensor fit. FFN weights are left to the hot-neuron split, and
+    ``token_embd`` and friends never move.
+
+    Args:
+        tensors: ``(name, nbytes)`` of the model's tensors, in file order.
+        budget: VRAM budget in bytes (``>= 0``).
+        n_layer: layer count (for the KV cache).
+        n_embd_gqa: KV width (for the KV cache).
+        n_ctx: context length (for the KV cache).
+        kv_elem_bytes: 2 (f16 cache) or 4 (``--memory-f32``).
+
+    Returns:
+        An :class:`OffloadPlan`; placed bytes never exceed ``budget``.
+
+    Raises:
+        ValueError: a negative budget or size.
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0 bytes, got {budget}")
+    keyed = []
+    host: list[str] = []
+    for pos, (name, nbytes) in enumerate(tensors):
+        if nbytes < 0:
+            raise ValueError(f"tensor {name!r} has negative size {nbytes}")
+        cat, layer, rank = classify_tensor(name)
+        if cat in DENSE_LEVELS:
+            keyed.append(((DENSE_LEVELS.index(cat), layer, rank, pos), name, cat, int(nbytes)))
+        elif cat == HOST:
+            host.append(name)
+            if rank == 1 << 20:
+                logger.debug("tensor %s has no offload level; it stays on the host", name)
+    keyed.sort(key=lambda k: k[0])
+    kv = kv_cache_bytes(n_embd_gqa, n_layer, n_ctx, kv_elem_bytes)
+    candidates = [(name, cat, nb) for _, name, cat, nb in keyed]
+    candidates += [(KV_V, KV_V, kv), (KV_K, KV_K, kv)]
+
+    remaining = int(budget)
+    entries: list[OffloadEntry] = []
+    by_cat = dict.fromkeys(CATEGORY_ORDER, 0)
+    stopped: OffloadEntry | None = None
+    for name, cat, nb in candidates:
+        fits = stopped is None and nb <= remaining
+        entry = OffloadEntry(name, cat, nb, fits)
+        if fits:
+            remaining -= nb
+            by_cat[cat] += nb
+        elif stopped is None:
+            stopped = entry
+        entries.append(entry)
+    dense_complete = stopped is None or stopped.category in (KV_V, KV_K)
+    plan = OffloadPlan(
+        entries,
+        by_cat,
+        dense_complete,
+        remaining,
+        int(budget),
+        n_ctx,
+        kv_elem_bytes,
+        stopped,
+        tuple(host),
+    )
+    if plan.stop_message:
+        logger.info("%s", plan.stop_message)
+    return plan
+
+
+# --- what the budget needs from a model header ----------------------------------------------------
+_FFN_TEMPLATES = (Names.FFN_GATE, Names.FFN_UP, Names.FFN_DOWN_T)
+
+
+@dataclass(frozen=True)
+class FfnLayout:
+    """The FFN rows the hot-neuron split moves to the GPU (§8.4, §9.3).
+
+    Attributes:
+        n_ff: neurons per layer (rows of ffn_gate, ffn_up and ffn_down_t).
+        neuron_bytes: ``(n_layer,)`` bytes of one neuron in each layer: a row of gate (if
+            any), up and down_t at the file's types (biases are not sliced).
+        has_gate: the model has ``ffn_gate`` (LLaMA family, Bamboo).
+        up_type: ggml type of layer 0's ``ffn_up`` (what upstream's capacity formula reads);
+            None when the layout was built from byte sizes alone.
+    """
+
+    n_ff: int
+    neuron_bytes: tuple[int, ...]
+    has_gate: bool
+    up_type: GGMLType | None = None
+
+    @classmethod
+    def from_sizes(
+        cls,
+        sizes: Mapping[str, int],
+        n_layer: int,
+        n_ff: int,
+        *,
+        up_type: GGMLType | None = None,
+    ) -> FfnLayout:
+        """Bytes per neuron from the FFN matrices' byte sizes: the one place they are computed.
+
+        Args:
+            sizes: GGUF tensor name -> bytes (the model's tensors; others are ignored).
+            n_layer: layer count.
+            n_ff: neurons per layer.
+            up_type: layer 0's ``ffn_up`` type, when known.
+
+        Returns:
+            The layout.
+
+        Raises:
+            ValueError: ``ffn_up``/``ffn_down_t`` missing in a layer, or a matrix whose bytes are
+                not whole rows of ``n_ff``.
+        """
+        per_layer = []
+        for layer in range(n_layer):
+            total = 0
+            for template in _FFN_TEMPLATES:
+                name = template.format(l=layer)
+                if name not in sizes:
+                    if template is Names.FFN_GATE:
+                        continue  # ungated architectures slice up and down_t only
+                    raise ValueError(
+                        f"tensor {name!r} is missing: a hybrid split needs neuron-major FFN "
+                        f"matrices (a PowerInfer file)"
+                    )
+                if sizes[name] % n_ff:
+                    raise ValueError(
+                        f"{name} has {sizes[name]} bytes, not a multiple of n_ff {n_ff}"
+                    )
+                total += sizes[name] // n_ff
+            per_layer.append(total)
+        has_gate = Names.FFN_GATE.format(l=0) in sizes
+        return cls(n_ff, tuple(per_layer), has_gate, up_type)
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile, args: ModelArgs) -> FfnLayout:
+        """The layout of an open PowerInfer model from its infos (``args``: its ModelArgs).
+
+        Raises:
+            ValueError: no ``blk.0.ffn_up``, or FFN matrices that are not ``(n_ff, n_embd)``
+                (the message names the file and the tensor).
+        """
+        src, n_ff, n_embd = gguf.path, args.n_ff, args.n_embd
+        up = gguf.tensors.get(Names.FFN_UP.format(l=0))
+        if up is None:
+            raise ValueError(
+                f"{src}: no tensor {Names.FFN_UP.format(l=0)!r}; is this a PowerInfer model?"
+            )
+        for layer in range(args.n_layer):
+            for template in _FFN_TEMPLATES:
+                t = gguf.tensors.get(template.format(l=layer))
+                if t is not None and t.shape != (n_ff, n_embd):
+                    raise ValueError(
+                        f"{src}: {t.name} has shape {t.shape}, expected (n_ff, n_embd) = "
+                        f"({n_ff}, {n_embd}); PowerInfer files store ffn_down transposed as "
+                        f"ffn_down_t"
+                    )
+        sizes = {t.name: t.nbytes for t in gguf.tensors.values()}
+        return cls.from_sizes(sizes, args.n_layer, n_ff, up_type=up.ggml_type)
+
+
+# --- capacity (§8.4) ------------------------------------------------------------------------------
+CapacityMode = Literal["exact", "upstream"]
+CAPACITY_MODES: tuple[str, ...] = ("exact", "upstream")
+
+
+def capacity_exact(remaining: int, bytes_per_neuron: int) -> int:
+    """Neurons that fit in ``remaining`` bytes at their true size (powerpy's default).
+
+    Args:
+        remaining: bytes left for the split (``R``); negative counts as 0.
+        bytes_per_neuron: ``FfnLayout.neuron_bytes`` of a layer.
+
+    Returns:
+        ``floor(R / bytes_per_neuron)``.
+
+    Raises:
+        ValueError: ``bytes_per_neuron <= 0``.
+    """
+    if bytes_per_neuron <= 0:
+        raise ValueError(f"bytes per neuron must be > 0, got {bytes_per_neuron}")
+    return max(0, int(remaining)) // bytes_per_neuron
+
+
+def capacity_upstream(remaining: int, n_ff: int, ggml_type: GGMLType, *, has_gate: bool) -> int:
+    """Upstream's capacity formula (``llm_load_gpu_split_with_budget``), for parity.
+
+    ``slice = int(n_ff·size/blck)``, ``per_slice = int(slice · (4.5 if gate else 2))`` (C
+    truncation), ``capacity = floor(R / per_slice) · 4``. This charges ``1.125·n_ff·esize``
+    bytes per neuron with a gate instead of ``3·n_embd·esize`` (the 4.5 is an upstream TODO).
+
+    Args:
+        remaining: ``R`` in bytes; negative counts as 0.
+        n_ff: neurons per layer (``ne1`` of layer 0's ``ffn_up``).
+        ggml_type: type of layer 0's ``ffn_up``.
+        has_gate: the model has ``ffn_gate``.
+
+    Returns:
+        The capacity in neurons, summed over layers.
+    """
+    tr = TYPE_TRAITS[ggml_type]
+    slice_size = n_ff * tr.type_size // tr.block_size
+    per_slice = slice_size * 9 // 2 if has_gate else slice_size * 2  # int(slice * 4.5)
+    if per_slice <= 0:
+        return 0
+    return max(0, int(remaining)) // per_slice * 4
+
+
+def hot_capacity(remaining: int, ffn: FfnLayout, mode: CapacityMode = "exact") -> int:
+    """Hot-neuron capacity of a model for ``remaining`` bytes.
+
+    Args:
+        remaining: bytes for the split (``OffloadPlan.split_budget``).
+        ffn: the model's FFN layout (layer 0's bytes per neuron, as upstream).
+        mode: ``"exact"`` (true bytes per neuron; the default) or ``"upstream"`` (the 4.5-factor
+            formula of §8.4, a compatibility switch for parity with PowerInfer's engine).
+
+    Returns:
+        Neurons summed over layers (the solver floors it to whole groups).
+
+    Raises:
+        ValueError: unknown mode, or upstream mode without the FFN type.
+    """
+    if mode == "exact":
+        return capacity_exact(remaining, ffn.neuron_bytes[0])
+    if mode == "upstream":
+        if ffn.up_type is None:
+            raise ValueError("the upstream capacity formula needs the FFN type (a model header)")
+        return capacity_upstream(remaining, ffn.n_ff, ffn.up_type, has_gate=ffn.has_gate)
+    raise ValueError(f"capacity mode must be one of {', '.join(CAPACITY_MODES)}, got {mode!r}")

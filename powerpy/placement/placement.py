@@ -1,0 +1,488 @@
+"""Hybrid placement as plain data: what goes to the accelerator under a VRAM budget.
+
+A :class:`Placement` combines three decisions (``powerinfer-format.md`` §10):
+
+1. the dense offload pass of §10.2 (``budget.plan_offload``): attention, predictors, ffn_norm,
+   output, then the V and K caches, stopping at the first tensor that does not fit;
+2. the KV cache, on the accelerator only when every dense tensor **and** both caches fit;
+3. the hot-neuron split (§9.3): per layer the ``gpu_bucket`` of a
+   :class:`~powerpy.formats.gpuidx.GpuIndex`, charged ``k_l · neuron_bytes_l`` (exact rows of
+   gate, up and down_t at the file's types) and truncated deterministically when it would
+   overrun what is left of the budget.
+
+It holds names, byte counts and int32 numpy arrays only; no torch, no device. The dense pass
+runs once per placement: :meth:`Placement.with_index` applies another index to the same pass.
+``placement.runtime`` turns a placement into tensors on a device, ``placement.lifecycle`` is the
+§10.3 index lifecycle and ``placement.solve`` makes an index. :meth:`Placement.summary` is the
+one report, printed by ``powerpy gen-gpuidx`` and ``powerpy infer``::
+
+    with read_gguf(path) as f:
+        placement = Placement.for_model(f, budget_bytes(4.0), GpuIndex.read(idx_path))
+    print(placement.summary())
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from powerpy._fs import fmt_bytes
+from powerpy.config import ModelArgs
+from powerpy.formats.gpuidx import GpuIndex
+from powerpy.placement.budget import (
+    ATTN,
+    DENSE_LEVELS,
+    FFN_NORM,
+    KV_K,
+    KV_V,
+    OUTPUT,
+    PREDICTOR,
+    FfnLayout,
+    OffloadPlan,
+    plan_offload,
+)
+from powerpy.placement.split import check_stats, fit_buckets, mass_coverage
+
+if TYPE_CHECKING:
+    from powerpy.formats.gguf_reader import GGUFFile
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HOT_FFN", "KV", "LayerPlacement", "Placement", "SolveSummary"]
+
+KV = "kv"  # both caches (V and K)
+HOT_FFN = "hot_ffn"  # compact hot rows of gate/up/down_t
+SUMMARY_CATEGORIES = (ATTN, PREDICTOR, FFN_NORM, OUTPUT, KV, HOT_FFN)
+_MODE_LABELS = {"upstream": "powerinfer"}  # the --capacity-model flag's name for the mode
+
+
+@dataclass(frozen=True, eq=False)
+class LayerPlacement:
+    """The hot neurons of one layer.
+
+    Attributes:
+        n_ff: neurons in the layer.
+        gpu_bucket: ``(k,)`` int32, strictly ascending ids of the neurons on the accelerator.
+        neuron_bytes: bytes of one neuron's rows (gate, up, down_t) at the file's types.
+    """
+
+    n_ff: int
+    gpu_bucket: npt.NDArray[np.int32]
+    neuron_bytes: int
+
+    @property
+    def k(self) -> int:
+        """Neurons on the accelerator."""
+        return int(self.gpu_bucket.shape[0])
+
+    @property
+    def hot_bytes(self) -> int:
+        return self.k * self.neuron_bytes
+
+    @property
+    def share(self) -> float:
+        """Fraction of the layer's neurons on the accelerator."""
+        return self.k / self.n_ff if self.n_ff else 0.0
+
+    def gpu_idx(self) -> npt.NDArray[np.int32]:
+        """``(n_ff,)`` int32 mask, 1 where the neuron is on the accelerator."""
+        mask = np.zeros(self.n_ff, dtype=np.int32)
+        mask[self.gpu_bucket] = 1
+        return mask
+
+
+@dataclass(frozen=True)
+class SolveSummary:
+    """How a GPU index was solved (``placement.solve``), for the summary.
+
+    Attributes:
+        capacity: hot-neuron capacity in neurons (before flooring to groups).
+        capacity_mode: ``"exact"`` or ``"upstream"`` (§8.4).
+        batch: group size in neurons.
+        threshold: smallest non-zero neuron count per layer.
+        method: the solver method that ran, or None when nothing was solved.
+        optimal: the solver proved optimality.
+        seconds: solver wall time.
+        total_seconds: solver plus export (top-k per layer) wall time.
+    """
+
+    capacity: int
+    capacity_mode: str
+    batch: int
+    threshold: int
+    method: str | None = None
+    optimal: bool = False
+    seconds: float = 0.0
+    total_seconds: float = 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where every part of a model runs under a VRAM budget; plain data.
+
+    Attributes:
+        plan: the dense offload pass (§10.2), including the V/K candidates, the budget, n_ctx
+            and the KV element size.
+        ffn: the FFN rows the split moves (bytes per neuron per layer).
+        layers: per layer, the hot neurons.
+        index: the GPU index applied (before any truncation), or None.
+        notes: one line per noteworthy decision (KV cache refused, index truncated, ...).
+        empty_reason: why no neuron is on the accelerator, when none is.
+        coverage: ``(n_layer,)`` share of each layer's activation mass on the accelerator, when
+            statistics were given.
+        total_coverage: the same over all layers.
+        solve: how the index was solved, when it was solved here.
+    """
+
+    plan: OffloadPlan
+    ffn: FfnLayout
+    layers: tuple[LayerPlacement, ...]
+    index: GpuIndex | None = None
+    notes: tuple[str, ...] = field(default=())
+    empty_reason: str | None = None
+    coverage: tuple[float, ...] | None = None
+    total_coverage: float | None = None
+    solve: SolveSummary | None = None
+
+    def __post_init__(self) -> None:
+        # The one invariant everything else relies on.
+        if self.used > self.budget:
+            raise AssertionError(f"placement uses {self.used} bytes of a {self.budget} budget")
+
+    # --- construction
+    @classmethod
+    def build(
+        cls,
+        plan: OffloadPlan,
+        ffn: FfnLayout,
+        index: GpuIndex | None = None,
+        *,
+        stats: Sequence[npt.ArrayLike] | None = None,
+        solve: SolveSummary | None = None,
+        empty_reason: str | None = None,
+    ) -> Placement:
+        """Apply an index to a dense pass that already ran.
+
+        Args:
+            plan: the dense offload pass.
+            ffn: the model's FFN layout.
+            index: the hot-neuron split, or None for no split (``--disable-gpu-index``, or no
+                index could be made).
+            stats: per-layer activation statistics: they choose which neurons survive when the
+                index must be truncated (the hottest win; without them the lowest ids do) and
+                give the coverage.
+            solve: how the index was solved, for the summary.
+            empty_reason: why the split is empty, when the caller knows better than "no index".
+
+        Returns:
+            The placement; ``used <= budget`` always.
+
+        Raises:
+            ValueError: an index or statistics that do not match the layer count or n_ff.
+        """
+        n_layer, n_ff = len(ffn.neuron_bytes), ffn.n_ff
+        arrays = None if stats is None else check_stats(stats, n_layer, n_ff)
+        notes: list[str] = []
+        if plan.dense_complete and plan.stop_message:
+            notes.append(plan.stop_message)  # the KV cache did not fit (already logged)
+        buckets: list[npt.NDArray[np.int32]] = [np.zeros(0, np.int32)] * n_layer
+        if index is not None:
+            index.validate(n_layer, n_ff)
+            if plan.dense_complete:
+                buckets, note = fit_buckets(
+                    index.gpu_bucket, ffn.neuron_bytes, plan.split_budget, arrays
+                )
+                if note is None and index.vram_capacity > plan.split_budget:
+                    note = (
+                        f"the index was made for {index.vram_capacity} bytes, more than the "
+                        f"{plan.split_budget} left, but its rows fit at their exact size"
+                    )
+                    logger.info("%s", note)
+                if note:
+                    notes.append(note)
+        layers = tuple(
+            LayerPlacement(n_ff, b, nb) for b, nb in zip(buckets, ffn.neuron_bytes, strict=True)
+        )
+        if not plan.dense_complete:
+            empty_reason = plan.stop_message
+        elif any(lp.k for lp in layers):
+            empty_reason = None
+        elif empty_reason is None:
+            empty_reason = (
+                "no GPU index"
+                if index is None
+                else "the GPU index places no neuron"
+                if not index.counts.any()
+                else f"no hot row fits in the {plan.split_budget} bytes left"
+            )
+        coverage, total = (None, None) if arrays is None else mass_coverage(arrays, buckets)
+        return cls(plan, ffn, layers, index, tuple(notes), empty_reason, coverage, total, solve)
+
+    def with_index(
+        self,
+        index: GpuIndex | None,
+        *,
+        stats: Sequence[npt.ArrayLike] | None = None,
+        solve: SolveSummary | None = None,
+        empty_reason: str | None = None,
+    ) -> Placement:
+        """The same dense pass with another index applied (see :meth:`build`)."""
+        return Placement.build(
+            self.plan, self.ffn, index, stats=stats, solve=solve, empty_reason=empty_reason
+        )
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Iterable[tuple[str, int]],
+        *,
+        n_layer: int,
+        n_ff: int,
+        n_embd_gqa: int,
+        budget: int,
+        index: GpuIndex | None = None,
+        n_ctx: int = 2048,
+        kv_elem_bytes: int = 2,
+        stats: Sequence[npt.ArrayLike] | None = None,
+    ) -> Placement:
+        """Build a placement from tensor sizes (a model header, or model args plus infos).
+
+        Args:
+            tensors: ``(gguf_name, nbytes)`` of the model's tensors in file order.
+            n_layer: layer count.
+            n_ff: neurons per layer.
+            n_embd_gqa: KV width (for the KV cache bytes).
+            budget: VRAM budget in bytes (``>= 0``).
+            index: the hot-neuron split to apply, or None for no split.
+            n_ctx: context length of the KV cache.
+            kv_elem_bytes: 2 (f16) or 4 (f32) bytes per cached value.
+            stats: per-layer activation statistics (see :meth:`build`).
+
+        Returns:
+            The placement; ``used <= budget`` always.
+
+        Raises:
+            ValueError: a negative budget, a bad ``n_ctx``/``kv_elem_bytes``, an index that does
+                not match ``n_layer``/``n_ff``, or missing FFN tensors.
+        """
+        _check_kv(n_ctx, kv_elem_bytes)
+        sizes = dict(tensors)
+        ffn = FfnLayout.from_sizes(sizes, n_layer, n_ff)
+        plan = plan_offload(
+            sizes.items(),
+            budget=budget,
+            n_layer=n_layer,
+            n_embd_gqa=n_embd_gqa,
+            n_ctx=n_ctx,
+            kv_elem_bytes=kv_elem_bytes,
+        )
+        return cls.build(plan, ffn, index, stats=stats)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: GGUFFile,
+        budget: int,
+        index: GpuIndex | None = None,
+        *,
+        n_ctx: int = 2048,
+        kv_elem_bytes: int = 2,
+        stats: Sequence[npt.ArrayLike] | None = None,
+    ) -> Placement:
+        """:meth:`from_tensors` for an open PowerInfer model (its header only).
+
+        Raises:
+            ValueError: a dense (GGUF-magic) model, a header without the keys or FFN tensors a
+                split needs, or see :meth:`from_tensors`.
+        """
+        if not model.sparse:
+            raise ValueError(
+                f"{model.path} is a dense GGUF (magic {model.magic!r}); a hybrid placement and "
+                f"its GPU index are for PowerInfer (PWRI) models"
+            )
+        _check_kv(n_ctx, kv_elem_bytes)
+        args = ModelArgs.from_gguf(model)
+        plan = plan_offload(
+            ((t.name, t.nbytes) for t in model.tensors.values()),
+            budget=budget,
+            n_layer=args.n_layer,
+            n_embd_gqa=args.n_embd_gqa,
+            n_ctx=n_ctx,
+            kv_elem_bytes=kv_elem_bytes,
+        )
+        return cls.build(plan, FfnLayout.from_gguf(model, args), index, stats=stats)
+
+    # --- views
+    @property
+    def budget(self) -> int:
+        """The budget in bytes."""
+        return self.plan.budget
+
+    @property
+    def n_ctx(self) -> int:
+        """Context length the KV cache was charged for."""
+        return self.plan.n_ctx
+
+    @property
+    def kv_elem_bytes(self) -> int:
+        """2 (f16 cache) or 4 (f32 cache)."""
+        return self.plan.kv_elem_bytes
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layers)
+
+    @property
+    def n_ff(self) -> int:
+        return self.ffn.n_ff
+
+    @property
+    def index_capacity(self) -> int | None:
+        """``split.vram_capacity`` of the index applied, or None without one."""
+        return None if self.index is None else self.index.vram_capacity
+
+    @property
+    def gpu_tensors(self) -> tuple[str, ...]:
+        """Names of the dense tensors on the accelerator, in offload order."""
+        return tuple(e.name for e in self.plan.entries if e.on_gpu and e.category in DENSE_LEVELS)
+
+    @property
+    def kv_on_gpu(self) -> bool:
+        """Both caches on the accelerator (only when every dense tensor fit, §10.2)."""
+        return self.plan.dense_complete and self.plan.kv_on_gpu
+
+    @property
+    def kv_bytes(self) -> int:
+        """Accelerator bytes of the V and K caches (0 when they stay on the host)."""
+        by_cat = self.plan.bytes_by_category
+        return by_cat[KV_V] + by_cat[KV_K] if self.kv_on_gpu else 0
+
+    @property
+    def n_hot(self) -> int:
+        """Neurons on the accelerator, all layers."""
+        return sum(layer.k for layer in self.layers)
+
+    @property
+    def hot_bytes(self) -> int:
+        return sum(layer.hot_bytes for layer in self.layers)
+
+    @property
+    def bytes_by_category(self) -> dict[str, int]:
+        """Accelerator bytes per category: attn, predictor, ffn_norm, output, kv, hot_ffn."""
+        by_cat = self.plan.bytes_by_category
+        out = {cat: by_cat.get(cat, 0) for cat in DENSE_LEVELS}
+        out[KV] = self.kv_bytes
+        out[HOT_FFN] = self.hot_bytes
+        return out
+
+    @property
+    def used(self) -> int:
+        """Accelerator bytes of everything placed."""
+        return sum(self.bytes_by_category.values())
+
+    @property
+    def remaining(self) -> int:
+        """Budget left after the placement."""
+        return self.budget - self.used
+
+    @property
+    def gpu_share(self) -> npt.NDArray[np.float64]:
+        """``(n_layer,)`` fraction of each layer's neurons on the accelerator."""
+        return np.array([layer.share for layer in self.layers], dtype=np.float64)
+
+    def gpu_buckets(self) -> list[npt.NDArray[np.int32]]:
+        """Per layer, the ascending neuron ids on the accelerator."""
+        return [layer.gpu_bucket for layer in self.layers]
+
+    # --- report
+    def summary(self, device: str | None = None) -> str:
+        """The placement report ``powerpy gen-gpuidx`` and ``powerpy infer`` print.
+
+        Budget by category, the index and how it was solved, notes, then per layer the hot
+        neurons, their bytes and (with statistics) the activation mass they cover.
+        """
+        f = fmt_bytes
+        where = f" on {device}" if device else ""
+        lines = [
+            f"placement{where}: budget {f(self.budget)}, used {f(self.used)}, "
+            f"left {f(self.remaining)}"
+        ]
+        counts: dict[str, tuple[int, int]] = {}
+        for e in self.plan.entries:
+            if e.category in DENSE_LEVELS:
+                placed, total = counts.get(e.category, (0, 0))
+                counts[e.category] = (placed + e.on_gpu, total + 1)
+        by_cat = self.bytes_by_category
+        all_neurons = self.n_ff * self.n_layer
+        for cat in SUMMARY_CATEGORIES:
+            if cat == KV:
+                what = "on the accelerator" if self.kv_on_gpu else "host"
+                detail = f"{what}, n_ctx {self.n_ctx}, {self.kv_elem_bytes} B/value"
+            elif cat == HOT_FFN:
+                detail = f"{self.n_hot}/{all_neurons} neurons ({_pct(self.n_hot, all_neurons)})"
+            else:
+                placed, total = counts.get(cat, (0, 0))
+                detail = f"{placed}/{total} tensors"
+            lines.append(f"  {cat:<10} {f(by_cat[cat]):>11}  {detail}")
+        if self.index is not None:
+            lines.append(
+                f"  index made for {f(self.index.vram_capacity)}; split budget "
+                f"{f(self.plan.split_budget)}"
+            )
+        if self.solve is not None:
+            s = self.solve
+            lines.append(
+                f"  capacity   {s.capacity} neurons "
+                f"({_MODE_LABELS.get(s.capacity_mode, s.capacity_mode)} mode, "
+                f"{self.ffn.neuron_bytes[0]} bytes/neuron, batch {s.batch}, "
+                f"threshold {s.threshold})"
+            )
+            if s.method is not None:
+                lines.append(
+                    f"  solver     {s.method}{'' if s.optimal else ' (not proven optimal)'} in "
+                    f"{s.seconds:.3f} s ({s.total_seconds:.3f} s with export)"
+                )
+        lines.extend(f"  note: {n}" for n in self.notes)
+        if self.empty_reason:
+            lines.append(f"  empty placement: {self.empty_reason}")
+        if self.index is not None:
+            lines.extend(self._layer_table())
+        lines.append(
+            f"  hot rows   {self.hot_bytes} bytes; remaining budget {self.remaining} bytes"
+        )
+        return "\n".join(lines)
+
+    def _layer_table(self) -> list[str]:
+        cov = self.coverage
+        lines = [
+            f"  {'layer':>5} {'hot':>8} {'GPU % of neurons':>17} {'bytes':>14} {'coverage':>9}"
+        ]
+        for i, lp in enumerate(self.layers):
+            c = f"{100 * cov[i]:>8.2f}%" if cov is not None else f"{'-':>9}"
+            lines.append(f"  {i:>5} {lp.k:>8} {_pct(lp.k, lp.n_ff):>17} {lp.hot_bytes:>14} {c}")
+        total = self.n_ff * self.n_layer
+        c = (
+            f"{100 * self.total_coverage:>8.2f}%"
+            if self.total_coverage is not None
+            else f"{'-':>9}"
+        )
+        lines.append(
+            f"  {'total':>5} {self.n_hot:>8} {_pct(self.n_hot, total):>17} {self.hot_bytes:>14} {c}"
+        )
+        return lines
+
+
+def _check_kv(n_ctx: int, kv_elem_bytes: int) -> None:
+    if kv_elem_bytes not in (2, 4):
+        raise ValueError(f"kv_elem_bytes must be 2 (f16) or 4 (f32), got {kv_elem_bytes}")
+    if n_ctx <= 0:
+        raise ValueError(f"n_ctx must be > 0, got {n_ctx}")
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / max(whole, 1):.1f}%"

@@ -1,0 +1,346 @@
+"""Apply a placement to a model: the only module that moves weights to the accelerator.
+
+``build_hybrid(model, placement, accel)`` returns a new :class:`~powerpy.model.Model` whose
+
+- placed dense tensors (attention, norms, predictors, output) are device copies, and whose new
+  KV caches go to the device when the placement reserved room for them;
+- layers carry compact copies of their hot rows ``W[gpu_bucket]`` of ffn_gate, ffn_up and
+  ffn_down_t (raw ggml rows, quantized blocks intact) on the device. The host keeps its matrices
+  as they are (memory-mapped from the file): the CPU reads only cold rows from them, so the hot
+  rows cost file-backed page cache that decode never touches, not a second anonymous copy.
+
+The split FFN itself is ``powerpy.model.ffn.ffn`` (spec §9.3), the same code that runs a
+CPU-only model. :func:`place` is the one entry point of the API and the CLI: budget → placement
+(with the §10.3 index lifecycle) → ``build_hybrid``. The accelerator may be ``"cpu"``: an
+emulated device with the same budget accounting and the same split/merge code, so CI tests it
+without a GPU::
+
+    llm = powerpy.load("model.powerinfer.gguf", vram_budget=8.0)  # CUDA if present
+    print(llm.runtime.summary())  # llm.runtime is None when running CPU-only
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from powerpy._fs import fmt_bytes
+from powerpy.formats.constants import Names
+from powerpy.model.cache import KVPlacement
+from powerpy.model.device import Accelerator
+from powerpy.model.ffn import HotRows
+from powerpy.model.matrices import Weight
+from powerpy.model.transformer import Block, Model, Weights
+from powerpy.placement.budget import budget_bytes
+from powerpy.placement.lifecycle import resolve_placement
+from powerpy.placement.placement import Placement
+
+if TYPE_CHECKING:
+    from powerpy.formats.gguf_reader import GGUFFile
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HybridRuntime", "build_hybrid", "place"]
+
+
+@dataclass
+class HybridRuntime:
+    """A model with a placement applied, and the bytes it measured.
+
+    Attributes:
+        model: the hybrid model (use it instead of the CPU-only one it was built from).
+        accel: the accelerator (``cpu`` = emulated).
+        placement: the placement applied.
+        dense_bytes: bytes of the dense tensors now on the device.
+        hot_bytes: bytes of the compact hot rows on the device.
+        kv_bytes: bytes a KV cache of ``placement.n_ctx`` positions takes on the device (it is
+            allocated per session; 0 when caches stay on the host).
+        index_bytes: the per-layer bucket/row index vectors on the device (workspace, outside
+            the budget like upstream's ``gpu_bucket``: 16 bytes per hot neuron).
+        host_mapped_bytes: host weight bytes backed by the memory-mapped model file.
+        host_anon_bytes: host weight bytes in anonymous memory (dequantized at load, or the
+            hot-row copies of the emulated device).
+        skipped: placed tensors left on the host: no slot in the model, or loaded larger than
+            the file bytes the budget charged (their bytes stay reserved, unused).
+    """
+
+    model: Model
+    accel: Accelerator
+    placement: Placement
+    dense_bytes: int
+    hot_bytes: int
+    kv_bytes: int
+    index_bytes: int
+    host_mapped_bytes: int
+    host_anon_bytes: int
+    skipped: tuple[str, ...] = ()
+
+    @property
+    def device(self) -> torch.device:
+        return self.accel.device
+
+    @property
+    def device_bytes(self) -> int:
+        """Budgeted bytes on the device: dense + hot rows + KV reservation."""
+        return self.dense_bytes + self.hot_bytes + self.kv_bytes
+
+    def summary(self) -> str:
+        """The placement's summary (the one ``gen-gpuidx`` prints) plus the measured bytes."""
+        name = f"{self.device} (emulated accelerator)" if self.accel.emulated else str(self.device)
+        f = fmt_bytes
+        host = self.host_mapped_bytes + self.host_anon_bytes
+        lines = [
+            self.placement.summary(name),
+            f"  measured on device: dense {f(self.dense_bytes)}, hot rows {f(self.hot_bytes)}, "
+            f"KV {f(self.kv_bytes)} (total {f(self.device_bytes)}); row indexes "
+            f"{f(self.index_bytes)} outside the budget",
+            f"  host weights: {f(host)}: {f(self.host_mapped_bytes)} file-mapped, "
+            f"{f(self.host_anon_bytes)} anonymous",
+        ]
+        if self.skipped:
+            lines.append(f"  left on the host (reserved, unused): {', '.join(self.skipped)}")
+        return "\n".join(lines)
+
+
+def _slots(weights: Weights) -> dict[str, tuple[Any, str]]:
+    """GGUF tensor name -> (object, attribute) holding it in the weights."""
+    slots: dict[str, tuple[Any, str]] = {
+        Names.TOKEN_EMBD: (weights, "token_embd"),
+        Names.OUTPUT_NORM: (weights, "output_norm"),
+        Names.OUTPUT: (weights, "output"),
+    }
+    fields = {f.name for f in dataclasses.fields(Block)}
+    templates = [t for k, t in vars(Names).items() if k.isupper() and t.startswith("blk.{l}.")]
+    for layer, blk in enumerate(weights.blk):
+        for template in templates:
+            attr = template.split(".")[2]  # blk.{l}.<attr>.weight: attributes are GGUF names
+            if attr in fields and getattr(blk, attr) is not None:
+                slots[template.format(l=layer)] = (blk, attr)
+    return slots
+
+
+def _storage(t: Tensor | Weight) -> Tensor:
+    return t if isinstance(t, Tensor) else t.storage
+
+
+def _nbytes(t: Tensor | Weight) -> int:
+    s = _storage(t)
+    return s.numel() * s.element_size()
+
+
+def _to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
+    return (
+        accel.to_device(t) if isinstance(t, Tensor) else t.with_storage(accel.to_device(t.storage))
+    )
+
+
+def _host_bytes(weights: Weights, gf: GGUFFile | None, extra: list[Tensor]) -> tuple[int, int]:
+    """(memory-mapped, anonymous) bytes of the host-resident weights."""
+    mapped = anon = 0
+    seen: set[int] = set()
+    items = [(name, getattr(o, a)) for name, (o, a) in _slots(weights).items()]
+    items += [(None, t) for t in extra]
+    for name, obj in items:
+        t = _storage(obj)
+        if t.device.type != "cpu" or t.data_ptr() in seen or t.numel() == 0:
+            continue
+        seen.add(t.data_ptr())
+        file_ptr = None
+        if gf is not None and name is not None and name in gf.tensors and not gf.closed:
+            file_ptr = gf.raw(name).ctypes.data
+        if file_ptr == t.data_ptr():
+            mapped += _nbytes(t)
+        else:
+            anon += _nbytes(t)
+    return mapped, anon
+
+
+def build_hybrid(
+    model: Model,
+    placement: Placement,
+    accel: Accelerator | str | torch.device,
+    *,
+    file: GGUFFile | None = None,
+) -> HybridRuntime:
+    """Apply a placement: a new model with dense tensors and hot rows on the accelerator.
+
+    ``model`` itself is not changed (its host tensors are shared with the new model); drop it
+    to release the host mappings of the tensors that moved.
+
+    Args:
+        model: a CPU-only model.
+        placement: from ``Placement.for_model`` / ``resolve_placement``.
+        accel: the accelerator, or a device name (``"cuda[:N]"``, ``"cpu"`` = emulated).
+        file: the model's open file, so the summary can tell memory-mapped from anonymous bytes.
+
+    Returns:
+        A :class:`HybridRuntime` holding the new model and measured byte counts.
+
+    Raises:
+        ValueError: the placement does not match the model, the model is already hybrid, or hot
+            FFN rows are larger as loaded than the file rows the budget charged (e.g. loaded
+            with ``weight_format="f32"``).
+    """
+    a = model.args
+    if not isinstance(accel, Accelerator):
+        accel = Accelerator.choose(accel)
+        assert accel is not None
+    if model.accel is not None:
+        raise ValueError("the model is already hybrid; apply placements to a CPU-only model")
+    if (placement.n_layer, placement.n_ff) != (a.n_layer, a.n_ff):
+        raise ValueError(
+            f"the placement is for {placement.n_layer} layers of {placement.n_ff} neurons, the "
+            f"model has {a.n_layer} layers of {a.n_ff}"
+        )
+    # Shallow copies: the new model's slots are replaced, the old model keeps its own.
+    w = model.weights
+    weights = dataclasses.replace(w, blk=[dataclasses.replace(b) for b in w.blk])
+    slots = _slots(weights)
+    file_bytes = {e.name: e.nbytes for e in placement.plan.entries}
+
+    # Check every size first, so a refusal changes nothing. A dense tensor loaded larger than
+    # the file bytes it was charged (dequantized at load) stays on the host.
+    moves, skipped = [], []
+    for name in placement.gpu_tensors:
+        if name not in slots:
+            skipped.append(name)
+            continue
+        obj, attr = slots[name]
+        nb = _nbytes(getattr(obj, attr))
+        if nb > file_bytes[name]:
+            logger.warning(
+                "%s takes %d bytes as loaded but the budget charged its %d file bytes: it stays "
+                "on the host",
+                name,
+                nb,
+                file_bytes[name],
+            )
+            skipped.append(name)
+            continue
+        moves.append((obj, attr))
+    for layer, (lp, blk) in enumerate(zip(placement.layers, weights.blk, strict=True)):
+        mats = (blk.ffn_gate, blk.ffn_up, blk.ffn_down_t)
+        nb = sum(m.nbytes // a.n_ff for m in mats) * lp.k
+        if nb > lp.hot_bytes:
+            raise ValueError(
+                f"layer {layer}: {lp.k} hot rows take {nb} bytes as loaded but the budget charged "
+                f"{lp.hot_bytes} at the file's dtype (FFN matrices dequantized at load); load "
+                f"with weight_format='auto', or place without a GPU index"
+            )
+    if skipped:
+        logger.warning("placed tensors %s stay on the host (bytes reserved, unused)", skipped)
+
+    dense = 0
+    for obj, attr in moves:
+        moved = _to_device(accel, getattr(obj, attr))
+        setattr(obj, attr, moved)
+        dense += _nbytes(moved)
+    kv = None
+    if placement.kv_on_gpu:
+        kv = KVPlacement(torch.float16 if placement.kv_elem_bytes == 2 else torch.float32,
+                         placement.n_ctx)  # fmt: skip
+
+    hot_bytes = index_bytes = 0
+    extra_host: list[Tensor] = []
+    for lp, blk in zip(placement.layers, weights.blk, strict=True):
+        if not lp.k:
+            continue
+        bucket = torch.from_numpy(lp.gpu_bucket.astype(np.int64))  # (k,)
+        cold = torch.ones(a.n_ff, dtype=torch.bool)
+        cold[bucket] = False
+        # take_rows copies raw rows on the host; the accelerator then moves them ("cpu": kept).
+        gate, up, down_t = (
+            _to_device(accel, m.take_rows(bucket))
+            for m in (blk.ffn_gate, blk.ffn_up, blk.ffn_down_t)
+        )
+        blk.hot = HotRows(
+            lp.k,
+            gate,
+            up,
+            down_t,
+            accel.to_device(bucket),
+            cold,
+            cold.nonzero().squeeze(1),
+        )
+        hot_bytes += blk.hot.device_bytes
+        index_bytes += blk.hot.index_bytes
+        if accel.emulated:
+            extra_host += [m.storage for m in (gate, up, down_t)]
+    hybrid = Model(a, weights, accel=accel, kv=kv)
+    mapped, anon = _host_bytes(weights, file, extra_host)
+    rt = HybridRuntime(
+        model=hybrid,
+        accel=accel,
+        placement=placement,
+        dense_bytes=dense,
+        hot_bytes=hot_bytes,
+        kv_bytes=placement.kv_bytes,
+        index_bytes=index_bytes,
+        host_mapped_bytes=mapped,
+        host_anon_bytes=anon,
+        skipped=tuple(skipped),
+    )
+    assert rt.device_bytes <= placement.budget, (rt.device_bytes, placement.budget)
+    logger.debug("hybrid runtime on %s: %d device bytes", accel.device, rt.device_bytes)
+    return rt
+
+
+def place(
+    model: Model,
+    file: GGUFFile,
+    vram_budget: float,
+    *,
+    device: str | torch.device | Accelerator | None = None,
+    n_ctx: int | None = None,
+    kv_elem_bytes: int = 2,
+    reset_gpu_index: bool = False,
+    disable_gpu_index: bool = False,
+    activation_dir: str | os.PathLike[str] | None = None,
+    capacity_mode: str = "exact",
+) -> HybridRuntime | None:
+    """Budget → placement (with the §10.3 index lifecycle) → ``build_hybrid``, in one call.
+
+    The one entry point of ``powerpy.load(vram_budget=)`` and ``powerpy infer --vram-budget``.
+
+    Args:
+        model: a CPU-only PowerInfer (PWRI) model.
+        file: its open file (the header drives the placement).
+        vram_budget: GiB; negative means the free VRAM minus 256 MiB (CUDA only).
+        device: ``"cuda[:N]"``, ``"cpu"`` (emulated accelerator), an ``Accelerator``, or None:
+            CUDA when present, else nothing is placed (logged once) and None is returned.
+        n_ctx: context the KV cache is reserved for (default ``min(2048, n_ctx_train)``, the
+            ``gen-gpuidx`` default, so an index it wrote is reused).
+        kv_elem_bytes: 2 (f16 cache on the device) or 4 (f32).
+        reset_gpu_index: regenerate ``<model>.generated.gpuidx`` even if it could be reused.
+        disable_gpu_index: no hot-neuron split (dense parts are still placed).
+        activation_dir: statistics directory (default ``dirname(model)/activation``).
+        capacity_mode: ``"exact"`` or ``"upstream"`` capacity formula for a generated index.
+
+    Returns:
+        The runtime (its ``model`` replaces ``model``), or None when running CPU-only.
+
+    Raises:
+        ValueError: a dense GGUF model, a bad budget, or an unavailable CUDA device.
+    """
+    accel = device if isinstance(device, Accelerator) else Accelerator.choose(device)
+    if accel is None:
+        return None
+    budget = budget_bytes(vram_budget, accel.free_memory())
+    placement = resolve_placement(
+        file,
+        budget,
+        n_ctx=n_ctx or min(2048, model.args.n_ctx_train),
+        kv_elem_bytes=kv_elem_bytes,
+        reset_gpu_index=reset_gpu_index,
+        disable_gpu_index=disable_gpu_index,
+        activation_dir=activation_dir,
+        capacity_mode=capacity_mode,  # type: ignore[arg-type]
+    )
+    return build_hybrid(model, placement, accel, file=file)

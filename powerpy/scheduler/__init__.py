@@ -1,0 +1,42 @@
+"""Many sessions over one model: a bounded queue, session slots with their own KV caches, and
+one worker thread that advances them in turn (batching their decode steps where that pays).
+
+The HTTP server (``powerpy.serve``) talks to it through :class:`Request` callbacks; nothing here
+knows about HTTP.
+"""
+
+from powerpy.scheduler.engine import (
+    BATCH_MODES,
+    PromptTooLong,
+    QueueFull,
+    Scheduler,
+    ShuttingDown,
+    Stats,
+)
+from powerpy.scheduler.request import (
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    Request,
+    Sampling,
+    StopMatcher,
+    build_sampler,
+)
+
+__all__ = [
+    "BATCH_MODES",
+    "Delta",
+    "Event",
+    "Failed",
+    "Finished",
+    "PromptTooLong",
+    "QueueFull",
+    "Request",
+    "Sampling",
+    "Scheduler",
+    "ShuttingDown",
+    "Stats",
+    "StopMatcher",
+    "build_sampler",
+]

@@ -1,0 +1,148 @@
+"""llama.cpp's native endpoints, for PowerInfer's users: ``/completion``, ``/tokenize``,
+``/detokenize`` (llama-server's field names)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse
+
+from powerpy.scheduler import Delta, Failed, Finished, Sampling
+from powerpy.serve.errors import bad_request
+from powerpy.serve.openai_routes import collect, service_of, sse
+from powerpy.serve.schemas import DetokenizeRequest, LlamaCompletionRequest, TokenizeRequest, parse
+
+router = APIRouter()
+
+
+def settings(s: Sampling, n_predict: int, stop: list[str]) -> dict[str, Any]:
+    p = s.params
+    return {
+        "n_predict": n_predict,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_penalty": p.repeat_penalty,
+        "repeat_last_n": p.repeat_last_n,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "seed": -1 if p.seed is None else p.seed,
+        "ignore_eos": s.ignore_eos,
+        "stop": stop,
+    }
+
+
+def timings(f: Finished) -> dict[str, float]:
+    run = max(f.prompt_tokens - f.cached_tokens, 0)
+    decoded = max(f.completion_tokens - 1, 0)  # tokens after the first
+    return {
+        "prompt_n": run,
+        "prompt_ms": 1e3 * f.prompt_seconds,
+        "prompt_per_token_ms": 1e3 * f.prompt_seconds / max(run, 1),
+        "prompt_per_second": run / f.prompt_seconds if f.prompt_seconds > 0 else 0.0,
+        "predicted_n": f.completion_tokens,
+        "predicted_ms": 1e3 * f.decode_seconds,
+        "predicted_per_token_ms": 1e3 * f.decode_seconds / max(decoded, 1),
+        "predicted_per_second": decoded / f.decode_seconds if f.decode_seconds > 0 else 0.0,
+    }
+
+
+def final(f: Finished, content: str, tokens: list[int], extra: dict[str, Any]) -> dict[str, Any]:
+    stop_type = "word" if f.stop_word else "eos" if f.eos else "limit"
+    return {
+        "content": content,
+        "tokens": tokens,
+        "id_slot": f.slot,
+        "stop": True,
+        "tokens_predicted": f.completion_tokens,
+        "tokens_evaluated": f.prompt_tokens,
+        "tokens_cached": f.cached_tokens,
+        "truncated": False,
+        "stop_type": stop_type,
+        "stopped_eos": stop_type == "eos",
+        "stopped_word": stop_type == "word",
+        "stopped_limit": stop_type == "limit",
+        "stopping_word": f.stop_word or "",
+        "timings": timings(f),
+        **extra,
+    }
+
+
+@router.post("/completion")
+async def completion(request: HTTPRequest):
+    svc = service_of(request)
+    body = parse(LlamaCompletionRequest, await request.body())
+    svc.check_model(body.model)
+    if body.n_probs:
+        raise bad_request("n_probs is not supported", param="n_probs")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise bad_request("give one prompt", param="prompt")
+        prompt = prompt[0]
+    sampling, stop = svc.sampling(body), body.stop_list()
+    n_predict = svc.budget(body.n_predict, param="n_predict", allow_unlimited=True)
+    ids = await svc.encode(prompt)
+    gen = svc.generation([ids], n_predict, sampling, stop)
+    prompt_text = prompt if isinstance(prompt, str) else svc.scheduler.tokenizer.decode(prompt)
+    extra = {
+        "model": svc.config.model_id,
+        "prompt": prompt_text,
+        "generation_settings": settings(sampling, n_predict, stop),
+    }
+    if body.stream:
+
+        async def chunks():
+            tokens: list[int] = []
+            async for _, ev in gen.events():
+                if isinstance(ev, Delta):
+                    tokens.extend(ev.tokens)
+                    if ev.text:
+                        yield {"content": ev.text, "tokens": list(ev.tokens), "stop": False,
+                               "id_slot": -1, "index": 0}  # fmt: skip
+                elif isinstance(ev, Finished):
+                    yield {**final(ev, "", tokens if body.return_tokens else [], extra), "index": 0}
+                elif isinstance(ev, Failed):
+                    yield {"error": {"code": 500, "message": ev.message, "type": "server_error"}}
+                    return
+
+        return sse(gen, chunks(), done=False)
+    texts, finals, tokens = await collect(gen, request)
+    ids = tokens[0] if body.return_tokens else []
+    return JSONResponse(final(finals[0], texts[0], ids, extra))
+
+
+@router.post("/tokenize")
+async def tokenize(request: HTTPRequest):
+    svc = service_of(request)
+    body = parse(TokenizeRequest, await request.body())
+    tok = svc.scheduler.tokenizer
+    ids = await run_in_threadpool(
+        tok.encode, body.content, add_bos=body.add_special and tok.add_bos
+    )
+    if not body.with_pieces:
+        return {"tokens": ids}
+    pieces = []
+    for i in ids:
+        raw = tok.token_to_piece(i, special=True)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": i, "piece": piece})
+    return {"tokens": pieces}
+
+
+@router.post("/detokenize")
+async def detokenize(request: HTTPRequest):
+    svc = service_of(request)
+    body = parse(DetokenizeRequest, await request.body())
+    n_vocab = svc.scheduler.model.args.n_vocab
+    bad = [t for t in body.tokens if not 0 <= t < n_vocab]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary", param="tokens")
+    return {"content": svc.scheduler.tokenizer.decode(body.tokens)}

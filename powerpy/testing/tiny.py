@@ -1,0 +1,189 @@
+"""Tiny LLaMA-family models for tests and notebooks: random weights (dense GGUF or sparse PWRI),
+or a zero-data PWRI header for placement tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from powerpy.config import FFNVariant, ModelArgs
+from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names, TokenType
+
+BYTE_VOCAB = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    n_embd: int = 64
+    n_layer: int = 2
+    n_ff: int = 256
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_pred_hidden: int = 32
+    arch: str = "llama"
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+    n_ctx: int = 256
+
+
+def tiny_tensors(spec: TinySpec, *, sparse: bool, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random f32 weights with GGUF names and numpy shapes (PWRI layout when ``sparse``)."""
+    rng = np.random.default_rng(seed)
+    d, ff, hd = spec.n_embd, spec.n_ff, spec.n_embd // spec.n_head
+    gqa = hd * spec.n_head_kv
+    n_vocab = len(BYTE_VOCAB)
+
+    def mat(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+
+    t = {Names.TOKEN_EMBD: mat(n_vocab, d)}
+    for l in range(spec.n_layer):
+        f = {k: getattr(Names, k).format(l=l) for k in vars(Names) if k.isupper()}
+        t[f["ATTN_NORM"]] = norm()
+        t[f["ATTN_Q"]] = mat(d, d)
+        t[f["ATTN_K"]] = mat(gqa, d)
+        t[f["ATTN_V"]] = mat(gqa, d)
+        t[f["ATTN_OUTPUT"]] = mat(d, d)
+        t[f["FFN_NORM"]] = norm()
+        t[f["FFN_GATE"]] = mat(ff, d)
+        t[f["FFN_UP"]] = mat(ff, d)
+        down = mat(d, ff)  # HF down_proj (n_embd, n_ff)
+        if sparse:
+            t[f["FFN_DOWN_T"]] = np.ascontiguousarray(down.T)
+            t[f["FC1"]] = mat(spec.n_pred_hidden, d)
+            t[f["FC2"]] = mat(ff, spec.n_pred_hidden)
+        else:
+            t[f["FFN_DOWN"]] = down
+    t[Names.OUTPUT_NORM] = norm()
+    t[Names.OUTPUT] = mat(n_vocab, d)
+    return t
+
+
+def vocab_kv(n_vocab: int = len(BYTE_VOCAB)) -> dict:
+    """A byte-fallback SPM vocabulary (<unk>, <s>, </s>, 256 byte tokens, then unused filler
+    up to ``n_vocab``) as GGUF key/values."""
+    tokens = BYTE_VOCAB + [f"<unused{i}>" for i in range(n_vocab - len(BYTE_VOCAB))]
+    if len(tokens) != n_vocab:
+        raise ValueError(f"a vocabulary of {n_vocab} cannot hold the {len(BYTE_VOCAB)} base tokens")
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
+    types += [TokenType.UNUSED] * (n_vocab - len(types))
+    return {
+        Keys.TOKENIZER_MODEL: ("llama", GGUFValueType.STRING),
+        Keys.TOKENS: (tokens, GGUFValueType.ARRAY),
+        Keys.SCORES: (np.zeros(n_vocab, np.float32), GGUFValueType.ARRAY),
+        Keys.TOKEN_TYPE: (np.array(types, np.int32), GGUFValueType.ARRAY),
+        Keys.BOS_ID: (1, GGUFValueType.UINT32),
+        Keys.EOS_ID: (2, GGUFValueType.UINT32),
+        Keys.UNK_ID: (0, GGUFValueType.UINT32),
+    }
+
+
+def spec_args(spec: TinySpec, n_vocab: int = len(BYTE_VOCAB), *, sparse: bool = True) -> ModelArgs:
+    """The ``ModelArgs`` of a spec (the GGUF keys are written from them)."""
+    return ModelArgs(
+        arch=spec.arch,
+        n_vocab=n_vocab,
+        n_embd=spec.n_embd,
+        n_layer=spec.n_layer,
+        n_ff=spec.n_ff,
+        n_head=spec.n_head,
+        n_head_kv=spec.n_head_kv,
+        n_rot=spec.n_embd // spec.n_head,
+        rope_base=spec.rope_base,
+        rms_eps=spec.rms_eps,
+        n_ctx_train=spec.n_ctx,
+        sparse=sparse,
+        ffn_variant=FFNVariant.DRELU if spec.arch == "bamboo" else FFNVariant.REGLU,
+        sparse_threshold=0.0,
+    )
+
+
+def tiny_kv(spec: TinySpec, *, threshold: float | None = None) -> dict:
+    """GGUF key/values of a tiny llama-style model with a byte-fallback SPM vocabulary."""
+    kv = spec_args(spec).to_gguf_kv(name="powerpy-tiny")
+    if threshold is not None:
+        kv[Keys.SPARSE_THRESHOLD] = (threshold, GGUFValueType.FLOAT32)
+    kv.update(vocab_kv())
+    return kv
+
+
+def write_tiny_model(
+    path: str | Path,
+    spec: TinySpec = TinySpec(),
+    *,
+    sparse: bool = True,
+    seed: int = 0,
+    threshold: float | None = None,
+    dtype: GGMLType = GGMLType.F32,
+) -> dict[str, np.ndarray]:
+    """Write a tiny random model; return its f32 tensors (numpy shapes) for reference checks.
+
+    Args:
+        path: output file (written atomically).
+        spec: dimensions.
+        sparse: PWRI magic with predictors and ffn_down_t; else a dense GGUF with ffn_down.
+        seed: RNG seed.
+        threshold: value of powerinfer.sparse_threshold, or None to leave the key out.
+        dtype: F32 or F16 for 2-D tensors (1-D stay F32).
+    """
+    from powerpy.formats.gguf_writer import write_gguf
+
+    tensors = tiny_tensors(spec, sparse=sparse, seed=seed)
+    out = []
+    for name, arr in tensors.items():
+        if arr.ndim == 2 and dtype == GGMLType.F16:
+            out.append((name, arr.astype(np.float16), GGMLType.F16))
+        else:
+            out.append((name, arr, GGMLType.F32))
+    write_gguf(
+        path,
+        tiny_kv(spec, threshold=threshold),
+        out,
+        magic=b"PWRI" if sparse else b"GGUF",
+    )
+    return tensors
+
+
+def write_zero_model(
+    path: Path, spec: TinySpec = TinySpec(n_ff=512), *, n_vocab: int = 32, n_pred: int = 16
+) -> Path:
+    """A PWRI header for placement tests: F16 matrices of zeros, F32 norms of ones, no
+    tokenizer (only tensor sizes matter). File order: token_embd, output_norm, output, then per
+    layer attn_norm, attn_q/k/v/output, ffn_norm, ffn_gate, ffn_up, ffn_down_t, fc1, fc2.
+    """
+    from powerpy.formats.gguf_writer import write_gguf
+
+    d, ff = spec.n_embd, spec.n_ff
+    gqa = d // spec.n_head * spec.n_head_kv
+    kv = spec_args(spec, n_vocab).to_gguf_kv(name="gpuidx-test")
+
+    def f16(rows: int, cols: int) -> tuple:
+        return np.zeros((rows, cols), np.float16), GGMLType.F16
+
+    def f32(n: int) -> tuple:
+        return np.ones(n, np.float32), GGMLType.F32
+
+    tensors = [(Names.TOKEN_EMBD, *f16(n_vocab, d)), (Names.OUTPUT_NORM, *f32(d))]
+    tensors.append((Names.OUTPUT, *f16(n_vocab, d)))
+    for layer in range(spec.n_layer):
+        for template, t in (
+            (Names.ATTN_NORM, f32(d)),
+            (Names.ATTN_Q, f16(d, d)),
+            (Names.ATTN_K, f16(gqa, d)),
+            (Names.ATTN_V, f16(gqa, d)),
+            (Names.ATTN_OUTPUT, f16(d, d)),
+            (Names.FFN_NORM, f32(d)),
+            (Names.FFN_GATE, f16(ff, d)),
+            (Names.FFN_UP, f16(ff, d)),
+            (Names.FFN_DOWN_T, f16(ff, d)),
+            (Names.FC1, f16(n_pred, d)),
+            (Names.FC2, f16(ff, n_pred)),
+        ):
+            tensors.append((template.format(l=layer), *t))
+    write_gguf(path, kv, tensors, magic=b"PWRI")
+    return path

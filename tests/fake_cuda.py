@@ -1,0 +1,137 @@
+"""A fake CUDA accelerator for CPU-only machines, on torch's ``FakeTensorMode``.
+
+Device tensors are ``FakeTensor``s on ``cuda:0``: they carry shapes, dtypes and devices but no
+data. Fake tensors raise on every op that mixes devices and on data-dependent host syncs
+(``nonzero``, ``item``, ``bool(t)``), so running the hybrid runtime with :class:`FakeCuda`
+checks that device-side ops stay on the device and that they never wait for the host. Values
+cannot be checked this way; the emulated accelerator (``cpu``) checks them.
+
+Two limits of a CPU-only torch build are worked around here, not in the library:
+
+- ``tensor.to("cuda")`` needs CUDA, so :meth:`FakeCuda.to_device` creates the fake copy directly;
+- the Python bindings of some ops (indexing, ``copy_``, ``contiguous``, ``stack``, ``nonzero``)
+  open a CUDA device guard, which a CPU build lacks. :class:`FakeCudaOps` routes those to the
+  same aten ops, which fake tensors do support.
+
+Data leaves the device only through :meth:`FakeCuda.to_host`, which counts the transfers and
+returns zeros of the right shape.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from powerpy.model.device import Accelerator
+
+
+def _getitem(t: torch.Tensor, index) -> torch.Tensor:
+    """Basic and single-tensor indexing through aten ops: ints, slices, None, ..., 1-D ids."""
+    if not isinstance(index, tuple):
+        index = (index,)
+    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
+    out, dim = t, 0
+    for i in index:
+        if i is None:
+            out, dim = out.unsqueeze(dim), dim + 1
+        elif i is Ellipsis:
+            dim += t.dim() - n_real
+        elif isinstance(i, int):
+            out = out.select(dim, i)
+        elif isinstance(i, slice):
+            out = torch.ops.aten.slice.Tensor(out, dim, i.start, i.stop, i.step or 1)
+            dim += 1
+        elif isinstance(i, torch.Tensor) and i.dim() == 1 and not i.dtype.is_floating_point:
+            out, dim = out.index_select(dim, i), dim + 1
+        else:
+            raise TypeError(f"fake CUDA indexing does not support {i!r}")
+    return out
+
+
+class FakeCudaOps(TorchFunctionMode):
+    """Routes the ops whose Python bindings need a real CUDA device guard to aten ops."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        if isinstance(first, FakeTensor):
+            if func is torch.Tensor.__getitem__:
+                return _getitem(args[0], args[1])
+            if func is torch.Tensor.__setitem__:
+                torch.ops.aten.copy_.default(_getitem(args[0], args[1]), args[2])
+                return None
+            if func is torch.Tensor.copy_:
+                return torch.ops.aten.copy_.default(args[0], args[1])
+            if func is torch.Tensor.contiguous:
+                if args[0].is_contiguous():
+                    return args[0]
+                return torch.ops.aten.clone.default(args[0], memory_format=torch.contiguous_format)
+            if func is torch.stack:
+                return torch.ops.aten.stack.default(list(args[0]), kwargs.get("dim", 0))
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as e:  # the binding's device guard: call the aten op itself
+                op = getattr(torch.ops.aten, getattr(func, "__name__", ""), None)
+                if "not linked with support for cuda" not in str(e) or op is None:
+                    raise
+                return op(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+class OpLog(TorchDispatchMode):
+    """Counts aten ops by (name, device of the output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[tuple[str, str]] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        dev = out.device.type if isinstance(out, torch.Tensor) else "-"
+        self.ops[(func.overloadpacket.__name__, dev)] += 1
+        return out
+
+
+class FakeCuda(Accelerator):
+    """A CUDA accelerator with fake tensors: persistent device bytes and transfers counted."""
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode()
+        self.device = torch.device("cuda", 0)
+        self.gather_hot = False  # as on real CUDA: no nonzero on the device
+        self._stream = None
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        self.bytes_in = self.bytes_out = 0  # host -> device, device -> host
+        self.n_in = self.n_out = 0
+        self.allocated = 0  # persistent device allocations (caches)
+
+    def free_memory(self) -> int | None:
+        return 8 << 30
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        assert not isinstance(t, FakeTensor), "already on the device"
+        assert t.device.type == "cpu"
+        self.n_in += 1
+        self.bytes_in += t.numel() * t.element_size()
+        with self.mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        assert isinstance(t, FakeTensor) and t.device == self.device
+        self.n_out += 1
+        self.bytes_out += t.numel() * t.element_size()
+        return torch.zeros(t.shape, dtype=t.dtype)
+
+    def zeros(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        with self.mode:
+            out = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.allocated += out.numel() * out.element_size()
+        return out

@@ -1,0 +1,139 @@
+"""The CUDA path of the hybrid runtime, checked without a GPU (spec §9.3, §10).
+
+The accelerator is faked as CUDA (``tests/fake_cuda.py``): device tensors have no data, raise on
+any op that mixes devices and on data-dependent host syncs. A hybrid prefill and decode steps
+run through the same code as on a real GPU; the tests check that every placed tensor and every
+device-side matmul is on the device, that the bytes placed fit the budget, and that the device
+part of a decode step makes no host sync (only the planned transfers through the accelerator).
+Values are checked on the emulated accelerator (``test_hybrid.py``) and on a real GPU (``-m
+cuda``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fake_cuda import FakeCuda, FakeCudaOps, OpLog
+from torch._subclasses.fake_tensor import FakeTensor
+
+from powerpy.api import load
+from powerpy.formats.constants import GGMLType
+from powerpy.formats.gpuidx import GpuIndex
+from powerpy.placement.placement import Placement
+from powerpy.placement.runtime import build_hybrid
+from powerpy.testing import TinySpec, write_tiny_model
+
+SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
+N_CTX = 32
+PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]
+HOT = 100  # hot neurons per layer
+MATMUL = ("linear", "mm", "bmm", "matmul", "addmm")
+
+
+@pytest.fixture(scope="module", params=[GGMLType.F16, GGMLType.Q4_0])
+def model_path(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("fake") / f"m-{request.param.name}.powerinfer.gguf"
+    write_tiny_model(path, SPEC, sparse=True, seed=5, dtype=request.param)
+    return path
+
+
+def _index() -> GpuIndex:
+    rng = np.random.default_rng(1)
+    buckets = [np.sort(rng.choice(SPEC.n_ff, HOT, replace=False)) for _ in range(SPEC.n_layer)]
+    return GpuIndex.from_buckets(buckets, SPEC.n_ff, vram_capacity=0)
+
+
+def _budgets(gf) -> dict[str, int]:
+    full = Placement.for_model(gf, 1 << 40, n_ctx=N_CTX)
+    dense = sum(nb for cat, nb in full.bytes_by_category.items() if cat not in ("kv", "hot_ffn"))
+    neuron = full.layers[0].neuron_bytes
+    return {
+        "everything": full.used + SPEC.n_layer * HOT * neuron,  # dense, KV and every hot row
+        "hot-truncated": full.used + 120 * neuron,  # the index is cut to 120 neurons in all
+        "mid-dense": dense // 2,  # attention partly on the device, the FFN all on the host
+    }
+
+
+def _hybrid(path, what):
+    llm = load(path, threshold=0.0)
+    budget = _budgets(llm.file)[what]
+    placement = Placement.for_model(llm.file, budget, _index(), n_ctx=N_CTX, kv_elem_bytes=2)
+    accel = FakeCuda()
+    rt = build_hybrid(llm.model, placement, accel, file=llm.file)
+    return llm, rt, accel, budget
+
+
+def _device_tensors(model):
+    w = model.weights
+    out = {"output": w.output.storage, "output_norm": w.output_norm}
+    for l, b in enumerate(w.blk):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "fc1", "fc2"):
+            out[f"blk.{l}.{name}"] = getattr(b, name).storage
+        out[f"blk.{l}.attn_norm"], out[f"blk.{l}.ffn_norm"] = b.attn_norm, b.ffn_norm
+    return out
+
+
+@pytest.mark.parametrize("what", ["everything", "hot-truncated", "mid-dense"])
+def test_placed_bytes_fit_the_budget(model_path, what):
+    llm, rt, accel, budget = _hybrid(model_path, what)
+    p = rt.placement
+    placed = set(p.gpu_tensors)
+    for name, t in _device_tensors(rt.model).items():
+        gguf = name + ".weight" if not name.startswith("output") else f"{name}.weight"
+        on_device = isinstance(t, FakeTensor) and t.device.type == "cuda"
+        assert on_device == (gguf in placed), name
+    index_bytes = 8 * p.n_hot  # the int64 bucket of each layer: outside the budget (§10)
+    assert accel.bytes_in == rt.dense_bytes + rt.hot_bytes + index_bytes
+    assert rt.dense_bytes + rt.hot_bytes + p.kv_bytes <= budget
+    cache = rt.model.new_cache(N_CTX)
+    assert isinstance(cache.k, FakeTensor) == p.kv_on_gpu
+    assert accel.allocated == (p.kv_bytes if p.kv_on_gpu else 0)
+    assert accel.bytes_in + accel.allocated <= budget + index_bytes
+    if what == "everything":
+        assert p.n_hot == SPEC.n_layer * HOT and p.kv_on_gpu
+    if what == "hot-truncated":
+        assert p.n_hot == 120
+    if what == "mid-dense":
+        assert p.n_hot == 0 and not p.kv_on_gpu and 0 < len(placed)
+
+
+@pytest.mark.parametrize("what", ["everything", "hot-truncated", "mid-dense"])
+def test_prefill_and_decode_run_on_the_device_without_host_syncs(model_path, what):
+    """Any host sync on a device tensor (``nonzero``, ``item``) or a cross-device op raises."""
+    llm, rt, accel, _ = _hybrid(model_path, what)
+    model, n_layer = rt.model, SPEC.n_layer
+    cache = model.new_cache(N_CTX)
+    with FakeCudaOps():
+        logits = model.forward(torch.tensor(PROMPT), cache, llm.options)  # prefill
+        assert logits.shape == (1, model.args.n_vocab) and logits.device.type == "cpu"
+        for tok in (5, 6, 7):
+            accel.reset_counts()
+            log = OpLog()
+            with log:
+                model.forward(torch.tensor([tok]), cache, llm.options)
+            cuda_mm = sum(n for (op, dev), n in log.ops.items() if dev == "cuda" and op in MATMUL)
+            if what != "mid-dense":
+                # device -> host per layer: the predictor's mask and the FFN input of the cold
+                # rows, then the logits once; host -> device: the cold rows' output per layer,
+                # the token's embedding and its rotation
+                assert accel.n_out == 2 * n_layer + 1, accel.n_out
+                assert accel.n_in == n_layer + 2, accel.n_in
+            if what == "everything":
+                # per layer: q, k, v, output, fc1, fc2, hot gate, up, down, two attention bmm
+                assert cuda_mm >= n_layer * 11 + 1, log.ops
+                assert not any(dev == "cpu" and op in MATMUL for (op, dev) in log.ops)
+            if what == "mid-dense":
+                assert cuda_mm > 0, log.ops
+    assert cache.pos == len(PROMPT) + 3
+
+
+def test_a_host_sync_on_the_device_is_caught(model_path, monkeypatch):
+    """The checks are real: the gathered hot pass (``nonzero`` on the device) is refused."""
+    llm, rt, accel, _ = _hybrid(model_path, "everything")
+    accel.gather_hot = True
+    cache = rt.model.new_cache(N_CTX)
+    with FakeCudaOps():
+        rt.model.forward(torch.tensor(PROMPT), cache, llm.options)
+        with pytest.raises(Exception, match="nonzero|dynamic|data-dependent"):
+            rt.model.forward(torch.tensor([5]), cache, llm.options)

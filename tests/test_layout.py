@@ -1,0 +1,164 @@
+"""The architecture, checked from the source: the import graph of ``powerpy/`` and ``solver/``.
+
+Every ``import`` counts, including the ones inside functions and under ``TYPE_CHECKING``: a lazy
+import is still an arrow between modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("powerpy", "solver")
+
+# Layers along the data flow, lowest first; a module imports only its own layer or lower ones.
+LAYERS = [
+    ("powerpy._fs", "powerpy.errors", "powerpy.formats"),
+    ("powerpy.config", "powerpy.testing"),
+    ("powerpy.tokenizer",),
+    ("powerpy.model",),
+    ("powerpy.placement",),
+    ("powerpy.sampling", "powerpy.generate", "powerpy.chat", "powerpy.scheduler"),
+    ("powerpy.pipeline",),
+    ("powerpy.bench",),
+    ("powerpy.default_model", "powerpy.api", "powerpy.plot", "powerpy.serve"),
+    ("powerpy.commands", "powerpy.cli", "powerpy.__main__"),
+]
+TRAINING = {"powerpy.pipeline.train"}
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The package modules ``name`` imports (a ``from pkg import mod`` names the module)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_pkg else 0)]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+        for t in targets:
+            root = t.split(".")[0]
+            if root in ("torch", "powerpy") and root not in MODULES:
+                found.add(root)
+    # the externals that matter for the solver rule
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names if a.name.startswith("torch")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            found.add("torch")
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _layer(name: str) -> int:
+    for i, prefixes in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return i
+    if name == "powerpy":
+        return len(LAYERS) - 1  # the package facade: lazy names only
+    raise AssertionError(f"{name} is in no layer: add it to LAYERS")
+
+
+def _closure(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in GRAPH:
+            continue
+        seen.add(m)
+        todo.extend(GRAPH[m])
+    return seen
+
+
+def test_no_import_cycles() -> None:
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(GRAPH.get(m, ())):
+            if n not in GRAPH:
+                continue
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n) :] + [n] if n in stack else [m, n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n, [*stack, n])
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    bad = [
+        f"{m} (layer {_layer(m)}) imports {n} (layer {_layer(n)})"
+        for m, deps in GRAPH.items()
+        if m.startswith("powerpy")
+        for n in deps
+        if n.startswith("powerpy.") and _layer(n) > _layer(m)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_solver_imports_neither_torch_nor_powerpy() -> None:
+    for m, deps in GRAPH.items():
+        if m.startswith("solver") and m != "solver.__main__":
+            assert not {d for d in deps if d.split(".")[0] in ("torch", "powerpy")}, (m, deps)
+
+
+@pytest.mark.parametrize("entry", ["powerpy.api", "powerpy.generate", "powerpy.commands.infer"])
+def test_inference_path_does_not_import_training(entry) -> None:
+    """``powerpy.load`` -> generate (and ``powerpy infer``) never import the training code."""
+    reach = _closure(entry)
+    assert "powerpy.model.transformer" in reach or entry == "powerpy.commands.infer"
+    assert not reach & TRAINING, sorted(reach & TRAINING)
+
+
+def test_modules_are_small() -> None:
+    big = {}
+    for name, path in MODULES.items():
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > MAX_LINES:
+            big[name] = n
+    assert not big, big
+
+
+def test_the_graph_is_real() -> None:
+    """The parser sees the arrows it should (guards the tests above against a silent no-op)."""
+    assert "powerpy.model.transformer" in GRAPH["powerpy.api"] | _closure("powerpy.api")
+    assert "powerpy.formats.gguf_reader" in _closure("powerpy.api")
+    assert "torch" in GRAPH["powerpy.model.transformer"]
+    assert "powerpy.pipeline.train" in _closure("powerpy.commands.train_predictors")

@@ -1,0 +1,111 @@
+"""One model, many sessions: a forward depends only on its arguments (tokens, cache, options).
+
+Two sessions interleaved token by token on one model give exactly the tokens each gives alone,
+on a PWRI model and on a dense GGUF, even when the sessions run with different options (sparse
+and dense, different thresholds, a profiling observer) and on a hybrid placement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from powerpy.api import load
+from powerpy.formats.gpuidx import GpuIndex
+from powerpy.generate import generate_step
+from powerpy.model.options import DENSE, RunOptions, SparsityStats
+from powerpy.placement.placement import Placement
+from powerpy.placement.runtime import build_hybrid
+from powerpy.sampling import SamplingParams, make_sampler
+from powerpy.testing import TinySpec, write_tiny_model
+
+SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
+PROMPTS = ([1, 72, 101, 108, 108, 111], [1, 87, 111, 114, 108, 100, 33, 32, 65])
+N = 12
+
+
+@pytest.fixture(scope="module", params=["pwri", "dense"])
+def model_path(request, tmp_path_factory):
+    sparse = request.param == "pwri"
+    path = tmp_path_factory.mktemp("sessions") / f"m.{'powerinfer.' if sparse else ''}gguf"
+    write_tiny_model(path, SPEC, sparse=sparse, seed=11)
+    return path
+
+
+def steps(model, prompt, opts, seed=None):
+    """A generator of sampled tokens with its own cache and sampler."""
+    params = SamplingParams(temperature=0.0 if seed is None else 0.9, seed=seed)
+    cache = model.new_cache(len(prompt) + N + 1)
+    return generate_step(model, prompt, make_sampler(params), cache, opts)
+
+
+def alone(model, prompt, opts, seed=None) -> list[int]:
+    gen = steps(model, prompt, opts, seed)
+    return [next(gen) for _ in range(N)]
+
+
+def interleaved(model, runs) -> list[list[int]]:
+    """``runs``: (prompt, opts, seed) per session; one token of each in turn."""
+    gens = [steps(model, p, o, s) for p, o, s in runs]
+    out: list[list[int]] = [[] for _ in runs]
+    for _ in range(N):
+        for i, g in enumerate(gens):
+            out[i].append(next(g))
+    return out
+
+
+def session_options(model):
+    base = RunOptions(threshold=0.0, stats=SparsityStats.empty(SPEC.n_layer, SPEC.n_ff))
+    seen = []
+    observer = dataclasses.replace(base, sparse=False, observer=lambda l, x, h: seen.append(l))
+    return [
+        (PROMPTS[0], base, None),
+        (PROMPTS[1], DENSE, 3),  # sampled, with its own seed
+        (PROMPTS[0], RunOptions(threshold=-0.5), None),
+        (PROMPTS[1], observer, None),
+    ], seen
+
+
+def test_interleaved_sessions_equal_each_alone(model_path):
+    llm = load(model_path)
+    runs, seen = session_options(llm.model)
+    want = [alone(llm.model, p, o, s) for p, o, s in runs]
+    assert seen and set(seen) == set(range(SPEC.n_layer))  # the observer saw every layer
+    runs, _ = session_options(llm.model)
+    got = interleaved(llm.model, runs)
+    assert got == want
+    if llm.model.can_gate:  # the options really differ: not every run is the same text
+        assert want[0] != want[2] or want[0] != want[3]
+        assert runs[0][1].stats.tokens.sum() > 0  # the first session's statistics only
+        assert runs[2][1].stats is None
+
+
+def test_interleaved_sessions_on_a_hybrid_placement(tmp_path):
+    path = tmp_path / "h.powerinfer.gguf"
+    write_tiny_model(path, SPEC, sparse=True, seed=11)
+    llm = load(path)
+    rng = np.random.default_rng(0)
+    buckets = [np.sort(rng.choice(SPEC.n_ff, 100, replace=False)) for _ in range(SPEC.n_layer)]
+    index = GpuIndex.from_buckets(buckets, SPEC.n_ff, vram_capacity=0)
+    placement = Placement.for_model(llm.file, 1 << 30, index, n_ctx=64, kv_elem_bytes=4)
+    hybrid = build_hybrid(llm.model, placement, "cpu", file=llm.file).model
+    runs, _ = session_options(hybrid)
+    want = [alone(llm.model, p, o, s) for p, o, s in runs]  # CPU-only, one at a time
+    runs, _ = session_options(hybrid)
+    got = interleaved(hybrid, runs)
+    assert got[1] == want[1] and got[3] == want[3]  # dense runs: bitwise the same path
+    # sparse runs: the same greedy tokens (hybrid = CPU-only up to f32 rounding, test_hybrid)
+    assert got[0] == want[0] and got[2] == want[2]
+
+
+def test_the_model_holds_no_run_state(model_path):
+    """Nothing a forward reads can be flipped on the model: it has args, weights and the
+    placement it was built with, nothing else."""
+    llm = load(model_path)
+    assert set(vars(llm.model)) == {"args", "weights", "accel", "kv"}
+    cache = llm.model.new_cache(16)
+    llm.model.forward(torch.tensor(PROMPTS[0]), cache, DENSE)
+    assert set(vars(llm.model)) == {"args", "weights", "accel", "kv"}
