@@ -210,8 +210,8 @@ class Model:
         q = apply_rope(q, rot[q.device], a.n_rot)
         k = apply_rope(k, rot[k.device], a.n_rot)
         dev = cache.device  # attention runs where the cache is
-        cache.k[l, p0 : p0 + n] = self._to(k, dev)
-        cache.v[l, p0 : p0 + n] = self._to(v, dev)
+        cache.k[l, p0 : p0 + n].copy_(self._to(k, dev))
+        cache.v[l, p0 : p0 + n].copy_(self._to(v, dev))
         keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
         vals = cache.v[l, : p0 + n].transpose(0, 1).float()
         q = self._to(q, dev)
