@@ -19,6 +19,7 @@ import torch
 
 from powerpy.chat import ChatSession, Message, encode_chat
 from powerpy.config import ModelArgs
+from powerpy.errors import TokenizerError
 from powerpy.formats.gguf_reader import GGUFFile, read_gguf
 from powerpy.generate import Response, generate, stream_generate
 from powerpy.model.loader import load_weights
@@ -191,7 +192,10 @@ def load(
     t0 = time.perf_counter()
     gf = read_gguf(path)
     args = ModelArgs.from_gguf(gf).with_ffn_act(ffn_act, source=str(path))
-    tokenizer = Tokenizer.from_gguf_kv(gf.kv)
+    try:
+        tokenizer = Tokenizer.from_gguf_kv(gf.kv)
+    except TokenizerError as e:  # the tokenizer reads key/values: name the file here
+        raise TokenizerError(f"{path}: {e}") from None
     weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
     model = Model(args, weights)
     stats = SparsityStats.empty(args.n_layer, args.n_ff)

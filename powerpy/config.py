@@ -114,7 +114,7 @@ class ModelArgs:
             thr = _scalar(kv[Keys.SPARSE_THRESHOLD], Keys.SPARSE_THRESHOLD, float, source)
         if arch == "bamboo":
             variant = FFNVariant.DRELU
-        elif sparse and kv.get(Keys.SPARSE_ACTIVATION, "relu") == "relu":
+        elif sparse and _activation(kv, source) == "relu":
             variant = FFNVariant.REGLU
         else:
             variant = FFNVariant.SWIGLU
@@ -187,7 +187,8 @@ class ModelArgs:
                 f"{source}: hidden_size {n_embd}, num_attention_heads {n_head} and head_dim "
                 f"{head_dim} are not a supported LLaMA layout (head_dim x heads = hidden_size)"
             )
-        act = {"swish": "silu"}.get(cfg.get("hidden_act", "silu"), cfg.get("hidden_act"))
+        act = cfg.get("hidden_act", "silu")  # HF LlamaConfig's default
+        act = "silu" if act == "swish" else act
         if act not in ACTIVATIONS:
             raise ModelConfigError(f"{source}: hidden_act {act!r} is not one of {ACTIVATIONS}")
         args = cls(
@@ -210,9 +211,18 @@ class ModelArgs:
         return args
 
     def to_gguf_kv(self, *, name: str | None = None, vocab_size: bool = False) -> dict:
-        """The architecture's GGUF key/values, ``{key: (value, GGUFValueType)}``: the inverse
-        of :meth:`from_gguf_kv` for these fields (the file's magic carries ``sparse``, and the
-        threshold key is written by whoever knows it)."""
+        """The architecture's GGUF key/values, ``{key: (value, GGUFValueType)}``.
+
+        The inverse of :meth:`from_gguf_kv`: ``from_gguf_kv(plain, sparse=a.sparse,
+        n_vocab=a.n_vocab) == a`` for every ``a`` it can return, where ``plain`` holds the
+        values without their types. The file's magic carries ``sparse``. A sparse model's
+        nonzero threshold and SiLU marker are written too (an absent threshold reads as 0.0); a
+        dense file has no activation key (see :meth:`with_ffn_act`).
+
+        Args:
+            name: ``general.name``, or None to leave it out.
+            vocab_size: write ``{arch}.vocab_size`` (else readers count the token list).
+        """
         u32, f32, a = GGUFValueType.UINT32, GGUFValueType.FLOAT32, self.arch
         kv: dict = {Keys.ARCHITECTURE: (a, GGUFValueType.STRING)}
         if name is not None:
@@ -230,6 +240,10 @@ class ModelArgs:
         })  # fmt: skip
         if vocab_size:
             kv[Keys.VOCAB_SIZE.format(arch=a)] = (self.n_vocab, u32)
+        if self.sparse and self.sparse_threshold != 0.0:
+            kv[Keys.SPARSE_THRESHOLD] = (self.sparse_threshold, f32)
+        if self.sparse and self.ffn_variant is FFNVariant.SWIGLU:
+            kv[Keys.SPARSE_ACTIVATION] = ("silu", GGUFValueType.STRING)
         return kv
 
     def validate(self, source: str = "model", *, n_tokens: int | None = None) -> None:
@@ -288,6 +302,17 @@ class ModelArgs:
                 raise ModelConfigError(f"{source}: bamboo's FFN is dReLU; --ffn-act {act} is wrong")
             return self
         return dataclasses.replace(self, ffn_variant=variants[act])
+
+
+def _activation(kv: Mapping[str, Any], source: str) -> str:
+    """The ``powerpy.sparse_activation`` string ("relu" when absent)."""
+    act = kv.get(Keys.SPARSE_ACTIVATION, "relu")
+    if not isinstance(act, str):
+        raise ModelConfigError(
+            f"{source}: key {Keys.SPARSE_ACTIVATION!r} must be a string, got {_short(act)}; "
+            'remove the key or set it to "relu" or "silu"'
+        )
+    return act
 
 
 def _short(v: Any) -> str:

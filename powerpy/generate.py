@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from powerpy.errors import TokenizerError
 from powerpy.model.cache import KVCache
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.transformer import Model
@@ -85,6 +86,11 @@ def stream_generate(
     params = params or SamplingParams()
     tok = tokenizer
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if isinstance(prompt, str) and prompt and not ids:
+        raise TokenizerError(
+            f"the prompt {prompt[:40]!r} has no token in this vocabulary (no piece and no byte "
+            "fallback matches it): the file's tokenizer is incomplete; re-convert the model"
+        )
     if cache is None:
         if max_tokens < 0:
             max_tokens = model.args.n_ctx_train - len(ids)

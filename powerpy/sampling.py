@@ -69,6 +69,8 @@ def make_sampler(params: SamplingParams) -> Sampler:
             return int(torch.argmax(logits))
         logits = filter_logits(logits, params.top_k, params.top_p, params.min_p)
         probs = torch.softmax(logits / params.temperature, dim=-1)
+        if not bool(torch.isfinite(probs).all()):  # huge finite logits overflowed when scaled
+            probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=gen))
 
     return sample

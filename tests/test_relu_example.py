@@ -1,6 +1,6 @@
 """The committed PowerInfer-native example ``models/kjv-relu/`` (built by
 ``tools/build_relu_example.py``): format, tokenizer, ReGLU numerics, sparsity and a golden
-greedy continuation. Skipped when the model file is absent (e.g. an installed wheel)."""
+greedy continuation. The files are committed: a missing one fails the tests."""
 
 from __future__ import annotations
 

@@ -72,17 +72,11 @@ def train_finished(work: Path) -> bool:
 
 # ------------------------------------------------------------------------------ checks
 def load_training_model(work: Path):
-    """The trained ``ReluLlama`` from WORK/ckpt.pt (the trainer module loaded from tools/)."""
-    import importlib.util
-
+    """The trained ``ReluLlama`` from WORK/ckpt.pt, and the trainer module (its neighbour in
+    tools/, importable because Python puts a script's folder first on the module path)."""
     import torch
+    import train_relu_model as mod
 
-    spec = importlib.util.spec_from_file_location(
-        "train_relu_model", REPO / "tools" / "train_relu_model.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_relu_model"] = mod
-    spec.loader.exec_module(mod)
     state = torch.load(work / "ckpt.pt", weights_only=True)
     model = mod.ReluLlama(mod.Hparams(**state["hparams"]))
     model.load_state_dict(state["model"])

@@ -117,27 +117,32 @@ def run(args: argparse.Namespace) -> int:
         n_prompt = len(llm.tokenize(prompt))
         need = n_prompt + args.n_predict if args.n_predict > 0 else a.n_ctx_train
         setup_hybrid(llm, args, args.ctx_size or max(min(2048, a.n_ctx_train), need))
-    if args.conversation:
-        first = prompt if args.prompt is not None or args.file else None
-        last = converse(llm, args, params, first)
-    else:
-        from powerpy.generate import stream_generate
+    from powerpy.errors import NonFiniteError
 
-        if not args.no_display_prompt:
-            sys.stdout.write(prompt)
-        last = None
-        for last in stream_generate(
-            llm.model,
-            llm.tokenizer,
-            prompt,
-            args.n_predict,
-            params,
-            n_ctx=args.ctx_size or None,
-            opts=llm.options,
-        ):
-            sys.stdout.write(last.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+    try:
+        if args.conversation:
+            first = prompt if args.prompt is not None or args.file else None
+            last = converse(llm, args, params, first)
+        else:
+            from powerpy.generate import stream_generate
+
+            if not args.no_display_prompt:
+                sys.stdout.write(prompt)
+            last = None
+            for last in stream_generate(
+                llm.model,
+                llm.tokenizer,
+                prompt,
+                args.n_predict,
+                params,
+                n_ctx=args.ctx_size or None,
+                opts=llm.options,
+            ):
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+    except NonFiniteError as e:  # the model does not know its file: name it here
+        raise NonFiniteError(f"{llm.path}: {e}") from None
     if last is not None:
         print(
             f"load: {llm.load_seconds:.2f} s | prompt: {last.prompt_tokens} tokens, "

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from powerpy.errors import FileFormatError
 from powerpy.formats.constants import (
     GGUF_TYPE_IDS,
     PWRI_MAGIC,
@@ -90,7 +91,7 @@ VIEW_DTYPES: dict[GGMLType, str] = {
 
 
 # --- errors and records -------------------------------------------------------------------------
-class GGUFFormatError(ValueError):
+class GGUFFormatError(FileFormatError):
     """A malformed or unsupported GGUF/PWRI file.
 
     The message names the file, the byte offset and the offending value. The parts are also

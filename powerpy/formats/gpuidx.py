@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
+from powerpy.errors import FileFormatError, PlacementError, PowerpyError
 from powerpy.formats.constants import (
     GPUIDX_SUFFIX,
     PWRI_MAGIC,
@@ -86,16 +87,16 @@ class GpuIndex:
             A validated index.
 
         Raises:
-            ValueError: ids out of range or repeated.
+            PlacementError: ids out of range or repeated.
         """
         bkt = []
         for layer, b in enumerate(buckets):
             ids = np.asarray(b, dtype=np.int64).reshape(-1)
             if ids.size and (ids.min() < 0 or ids.max() >= n_ff):
-                raise ValueError(f"layer {layer}: neuron ids must be in [0, {n_ff})")
+                raise PlacementError(f"layer {layer}: neuron ids must be in [0, {n_ff})")
             ids = np.sort(ids)
             if np.any(np.diff(ids) == 0):
-                raise ValueError(f"layer {layer}: repeated neuron ids")
+                raise PlacementError(f"layer {layer}: repeated neuron ids")
             bkt.append(ids.astype(np.int32))
         n_layer = len(bkt)
         count = n_layer if block_count is None else block_count
@@ -158,36 +159,36 @@ class GpuIndex:
             n_ff: the model's neurons per layer, or None to skip that check.
 
         Raises:
-            ValueError: a layer-count or n_ff mismatch (e.g. "the index holds 80 tensors but a
+            PlacementError: a layer-count or n_ff mismatch (e.g. "the index holds 80 tensors but a
                 32-layer model needs 64"), buckets that are not 1-D, not strictly increasing or
                 out of range, or counts that do not fit the file's integer types.
         """
         if n_layer is not None and self.n_layer != n_layer:
-            raise ValueError(
+            raise PlacementError(
                 f"the index holds {2 * self.n_layer} tensors but a {n_layer}-layer model needs "
                 f"{2 * n_layer}; regenerate it with `powerpy gen-gpuidx` (or --reset-gpu-index)"
             )
         if n_ff is not None and self.n_ff != n_ff:
-            raise ValueError(
+            raise PlacementError(
                 f"the index is for n_ff = {self.n_ff} neurons per layer but the model has "
                 f"n_ff = {n_ff}"
             )
         if not 0 <= self.vram_capacity < 2**64:
-            raise ValueError(f"vram_capacity {self.vram_capacity} does not fit a UINT64")
+            raise PlacementError(f"vram_capacity {self.vram_capacity} does not fit a UINT64")
         if not 0 <= self.block_count < 2**32:
-            raise ValueError(f"block_count {self.block_count} does not fit a UINT32")
+            raise PlacementError(f"block_count {self.block_count} does not fit a UINT32")
         for layer, bucket in enumerate(self.gpu_bucket):
             where = f"layer {layer}"
             if bucket.ndim != 1:
-                raise ValueError(f"{where}: gpu_bucket must be 1-D, got shape {bucket.shape}")
+                raise PlacementError(f"{where}: gpu_bucket must be 1-D, got shape {bucket.shape}")
             if not bucket.size:
                 continue
             if bucket[0] < 0 or bucket[-1] >= self.n_ff or np.any(bucket < 0):
-                raise ValueError(f"{where}: gpu_bucket has ids outside [0, {self.n_ff})")
+                raise PlacementError(f"{where}: gpu_bucket has ids outside [0, {self.n_ff})")
             steps = np.flatnonzero(np.diff(bucket.astype(np.int64)) <= 0)
             if steps.size:
                 j = int(steps[0])
-                raise ValueError(
+                raise PlacementError(
                     f"{where}: gpu_bucket is not strictly increasing "
                     f"(bucket[{j}] = {bucket[j]}, bucket[{j + 1}] = {bucket[j + 1]})"
                 )
@@ -207,7 +208,7 @@ class GpuIndex:
             The path.
 
         Raises:
-            ValueError: the index is inconsistent (see :meth:`validate`).
+            PlacementError: the index is inconsistent (see :meth:`validate`).
         """
         self.validate()
         kv = {
@@ -251,10 +252,10 @@ class GpuIndex:
 
         Raises:
             FileNotFoundError: no such file.
-            ValueError: not a PWRI file, a missing or mistyped ``split.vram_capacity``, a tensor
-                that is not 1-D I32 (type id 18), names out of place, masks that are not 0/1 or
-                disagree with their bucket, or any check of :meth:`validate`
-                (``GGUFFormatError`` for malformed containers).
+            FileFormatError: not a PWRI file, a missing or mistyped ``split.vram_capacity``, a
+                tensor that is not 1-D I32 (type id 18), names out of place, masks that are not
+                0/1 or disagree with their bucket (``GGUFFormatError`` for malformed containers).
+            PlacementError: any check of :meth:`validate` (the message names the file).
         """
         path = Path(path)
         with read_gguf(path) as f:
@@ -266,27 +267,27 @@ class GpuIndex:
     ) -> GpuIndex:
         src = f.path
         if f.magic != PWRI_MAGIC:
-            raise ValueError(
+            raise FileFormatError(
                 f"{src}: magic {f.magic!r}; a GPU index is a PWRI file (upstream writes it with "
                 f"gguf-py and patches the magic)"
             )
         arch = f.kv.get(Keys.ARCHITECTURE)
-        if arch != Keys.GPUIDX_ARCH:
+        if not isinstance(arch, str) or arch != Keys.GPUIDX_ARCH:
             logger.warning("%s: architecture %r, expected %r", src, arch, Keys.GPUIDX_ARCH)
         if Keys.SPLIT_VRAM_CAPACITY not in f.kv:
-            raise ValueError(f"{src}: required key {Keys.SPLIT_VRAM_CAPACITY!r} is missing")
+            raise FileFormatError(f"{src}: required key {Keys.SPLIT_VRAM_CAPACITY!r} is missing")
         vtype = f.kv_types[Keys.SPLIT_VRAM_CAPACITY]
         if vtype is not GGUFValueType.UINT64:
-            raise ValueError(
+            raise FileFormatError(
                 f"{src}: {Keys.SPLIT_VRAM_CAPACITY} is {vtype.name}, the engine reads a UINT64"
             )
         infos = list(f.tensors.values())
         if len(infos) % 2:
-            raise ValueError(
+            raise FileFormatError(
                 f"{src}: {len(infos)} tensors; an index holds gpu_idx and gpu_bucket per layer"
             )
         if n_layer is not None and len(infos) != 2 * n_layer:
-            raise ValueError(
+            raise FileFormatError(
                 f"{src}: the index holds {len(infos)} tensors but a {n_layer}-layer model needs "
                 f"{2 * n_layer}; regenerate it with `powerpy gen-gpuidx` (or --reset-gpu-index)"
             )
@@ -301,27 +302,32 @@ class GpuIndex:
                     f"as {expected!r}"
                 )
                 if strict_names:
-                    raise ValueError(msg + "; the file would load wrong data")
+                    raise FileFormatError(msg + "; the file would load wrong data")
                 logger.warning("%s; loading by position as the engine does", msg)
             if info.ggml_type is not GGMLType.I32 or info.file_type_id != I32_PWRI_ID:
-                raise ValueError(
+                raise FileFormatError(
                     f"{src}: tensor {info.name!r} has type id {info.file_type_id} "
                     f"({info.ggml_type.name}); the engine needs I32 = {I32_PWRI_ID}"
                 )
             if len(info.ne) != 1:
-                raise ValueError(f"{src}: tensor {info.name!r} has ne {info.ne}, expected 1-D")
+                raise FileFormatError(f"{src}: tensor {info.name!r} has ne {info.ne}, expected 1-D")
             arr = np.array(f.array(info.name), dtype=np.int32)  # copy out of the mapping
             (buckets if pos % 2 else masks).append(arr)
         if n_ff is None:
             n_ff = int(masks[0].shape[0]) if masks else 0
-        block_count = int(f.kv.get(Keys.GPUIDX_BLOCK_COUNT, len(masks)))
-        index = cls(buckets, n_ff, int(f.kv[Keys.SPLIT_VRAM_CAPACITY]), block_count)
+        block_count = f.kv.get(Keys.GPUIDX_BLOCK_COUNT, len(masks))
+        if isinstance(block_count, bool) or not isinstance(block_count, (int, np.integer)):
+            raise FileFormatError(
+                f"{src}: {Keys.GPUIDX_BLOCK_COUNT} is {block_count!r:.40}, expected an integer; "
+                "regenerate the index with `powerpy gen-gpuidx` (or --reset-gpu-index)"
+            )
+        index = cls(buckets, n_ff, int(f.kv[Keys.SPLIT_VRAM_CAPACITY]), int(block_count))
         try:
             _check_masks(masks, n_ff)
             index.validate(n_layer, n_ff)
             _check_mask_matches_bucket(masks, buckets)
-        except ValueError as e:
-            raise ValueError(f"{src}: {e}") from None
+        except PowerpyError as e:
+            raise type(e)(f"{src}: {e}") from None
         return index
 
 
@@ -329,13 +335,13 @@ def _check_masks(masks: list[npt.NDArray[np.int32]], n_ff: int) -> None:
     """Each stored ``gpu_idx`` is a 1-D 0/1 vector of ``n_ff`` (buckets: see ``validate``)."""
     for layer, mask in enumerate(masks):
         if mask.ndim != 1 or mask.shape[0] != n_ff:
-            raise ValueError(
+            raise FileFormatError(
                 f"layer {layer}: gpu_idx has shape {mask.shape} but the model has n_ff = {n_ff}"
             )
         bad = np.flatnonzero((mask != 0) & (mask != 1))
         if bad.size:
             j = int(bad[0])
-            raise ValueError(f"layer {layer}: gpu_idx[{j}] = {mask[j]}, expected 0 or 1")
+            raise FileFormatError(f"layer {layer}: gpu_idx[{j}] = {mask[j]}, expected 0 or 1")
 
 
 def _check_mask_matches_bucket(
@@ -346,10 +352,12 @@ def _check_mask_matches_bucket(
         off = np.flatnonzero(mask[bucket] != 1)
         if off.size:
             j = int(bucket[off[0]])
-            raise ValueError(f"layer {layer}: gpu_bucket lists neuron {j} but gpu_idx[{j}] = 0")
+            raise FileFormatError(
+                f"layer {layer}: gpu_bucket lists neuron {j} but gpu_idx[{j}] = 0"
+            )
         total = int(mask.sum())
         if total != bucket.shape[0]:
-            raise ValueError(
+            raise FileFormatError(
                 f"layer {layer}: gpu_idx marks {total} neurons but gpu_bucket lists "
                 f"{bucket.shape[0]}"
             )

@@ -25,6 +25,7 @@ import numpy.typing as npt
 import torch
 
 from powerpy._fs import atomic_write
+from powerpy.errors import StatsError
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def find_activation_files(directory: str | os.PathLike[str], n_layer: int) -> li
 
     Raises:
         FileNotFoundError: the directory does not exist.
-        ValueError: the path is not a directory, files are missing for some layers, extra
+        StatsError: the path is not a directory, files are missing for some layers, extra
             layer numbers, or two names for one layer (``activation_1.pt`` and
             ``activation_01.pt``); the message names them.
     """
@@ -79,7 +80,7 @@ def find_activation_files(directory: str | os.PathLike[str], n_layer: int) -> li
             f"activation_{n_layer - 1}.pt there); pass --activation DIR"
         )
     if not d.is_dir():
-        raise ValueError(f"activation directory {d} is not a directory")
+        raise StatsError(f"activation directory {d} is not a directory")
     by_layer: dict[int, list[str]] = {}
     for entry in d.iterdir():
         m = ACTIVATION_FILE_RE.fullmatch(entry.name)
@@ -87,7 +88,7 @@ def find_activation_files(directory: str | os.PathLike[str], n_layer: int) -> li
             by_layer.setdefault(int(m.group(1)), []).append(entry.name)
     dup = sorted(n for names in by_layer.values() if len(names) > 1 for n in names)
     if dup:
-        raise ValueError(f"{d}: several files name the same layer: {_listing(dup)}")
+        raise StatsError(f"{d}: several files name the same layer: {_listing(dup)}")
     missing = [activation_file_name(i) for i in range(n_layer) if i not in by_layer]
     extra = [by_layer[i][0] for i in sorted(by_layer) if i >= n_layer]
     if missing or extra:
@@ -96,7 +97,7 @@ def find_activation_files(directory: str | os.PathLike[str], n_layer: int) -> li
             parts.append(f"missing {_listing(missing)}")
         if extra:
             parts.append(f"unexpected {_listing(extra)}")
-        raise ValueError(
+        raise StatsError(
             f"{d}: activation statistics do not match the {n_layer}-layer model "
             f"(need activation_0.pt … activation_{n_layer - 1}.pt): {'; '.join(parts)}"
         )
@@ -131,7 +132,7 @@ def load_stats_file(path: str | os.PathLike[str], n_ff: int) -> npt.NDArray[np.g
         becomes int32).
 
     Raises:
-        ValueError: the file is not a plain tensor (an unsafe or foreign pickle is refused), is
+        StatsError: the file is not a plain tensor (an unsafe or foreign pickle is refused), is
             not 1-D of length ``n_ff``, or holds a value that is not finite or is negative; the
             message names the file and the value.
     """
@@ -141,42 +142,72 @@ def load_stats_file(path: str | os.PathLike[str], n_ff: int) -> npt.NDArray[np.g
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if "weights only" in str(e).lower() or "weights_only" in str(e):
-            raise ValueError(
+            raise StatsError(
                 f"{p}: refused to load: it is not a plain tensor file and loading it would "
                 f"unpickle arbitrary objects ({first}); re-save it with torch.save(tensor)"
             ) from None
-        raise ValueError(f"{p}: not a torch.save file ({first})") from None
-    except (RuntimeError, EOFError, OSError, ValueError, TypeError) as e:
-        raise ValueError(f"{p}: cannot read activation statistics ({e})") from None
+        raise StatsError(f"{p}: not a torch.save file ({first})") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # any other pickle, zip or storage error: a corrupt file
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise StatsError(
+            f"{p}: cannot read activation statistics ({type(e).__name__}: {first[:200]}); "
+            "re-save it with torch.save(tensor) or regenerate it with `powerpy profile`"
+        ) from None
     if not isinstance(obj, torch.Tensor):
-        raise ValueError(
+        raise StatsError(
             f"{p}: expected a 1-D tensor of {n_ff} activation counts, got {type(obj).__name__}"
         )
     t = obj.detach()
+    kind = _unusual_kind(t)
+    if kind:
+        raise StatsError(
+            f"{p}: holds a {kind} tensor; statistics must be a dense 1-D tensor of {n_ff} "
+            "numbers: re-save it with torch.save(t.to_dense().float().cpu())"
+        )
     if t.dim() != 1:
-        raise ValueError(f"{p}: expected a 1-D tensor of {n_ff} values, got shape {tuple(t.shape)}")
+        raise StatsError(f"{p}: expected a 1-D tensor of {n_ff} values, got shape {tuple(t.shape)}")
     if t.numel() != n_ff:
-        raise ValueError(f"{p}: holds {t.numel()} values but the model's n_ff is {n_ff}")
+        raise StatsError(f"{p}: holds {t.numel()} values but the model's n_ff is {n_ff}")
     if t.is_complex():
-        raise ValueError(f"{p}: complex statistics ({t.dtype}) are not supported")
+        raise StatsError(f"{p}: complex statistics ({t.dtype}) are not supported")
     if t.dtype == torch.bfloat16:
         t = t.float()  # numpy has no bfloat16; exact widening keeps the order
     elif t.dtype == torch.bool:
         t = t.int()
-    arr = t.cpu().numpy().copy()
+    try:
+        arr = t.cpu().numpy().copy()
+    except (TypeError, RuntimeError) as e:
+        raise StatsError(f"{p}: statistics of dtype {t.dtype} are not supported ({e})") from None
+    if arr.dtype.kind not in "iuf":
+        raise StatsError(f"{p}: statistics of dtype {t.dtype} are not numbers")
     if arr.dtype.kind == "f":
         bad = np.flatnonzero(~np.isfinite(arr))
         if bad.size:
             j = int(bad[0])
-            raise ValueError(f"{p}: value {arr[j]} at neuron {j} is not finite")
+            raise StatsError(f"{p}: value {arr[j]} at neuron {j} is not finite")
     neg = np.flatnonzero(arr < 0)
     if neg.size:
         j = int(neg[0])
-        raise ValueError(
+        raise StatsError(
             f"{p}: value {arr[j]} at neuron {j} is negative (statistics are activation counts "
             f"or frequencies)"
         )
     return arr
+
+
+def _unusual_kind(t: torch.Tensor) -> str | None:
+    """What makes ``t`` other than a dense tensor with data on the host, or None."""
+    if t.is_nested:
+        return "nested"
+    if t.layout != torch.strided:
+        return f"sparse ({t.layout})"
+    if t.is_quantized:
+        return f"quantized ({t.dtype})"
+    if t.is_meta or t.device.type != "cpu":
+        return f"{t.device.type} (data-less or off-host)"
+    return None
 
 
 def load_activation_stats(
@@ -204,7 +235,7 @@ def load_activation_stats(
 
     Raises:
         FileNotFoundError: the directory does not exist (the message names it).
-        ValueError: missing, extra or malformed files (the message names them and the values).
+        StatsError: missing, extra or malformed files (the message names them and the values).
     """
     paths = find_activation_files(directory, n_layer)
     stats = [load_stats_file(p, n_ff) for p in paths]

@@ -16,6 +16,8 @@ import torch
 from tqdm.auto import tqdm
 
 from powerpy.config import ModelArgs
+from powerpy.errors import FileFormatError, ModelConfigError
+from powerpy.formats import quants
 from powerpy.formats.constants import GGMLType, Names
 from powerpy.formats.gguf_reader import GGUFFile
 from powerpy.model.matrices import DenseWeight, QuantWeight, Weight
@@ -58,10 +60,20 @@ class _TensorSource:
     def info(self, name: str, shape: tuple[int, ...]):
         t = self.gf.tensors.get(name)
         if t is None:
-            raise ValueError(f"{self.gf.path}: tensor {name!r} is missing")
+            raise FileFormatError(
+                f"{self.gf.path}: tensor {name!r} is missing; the file is incomplete or its "
+                "block_count is wrong: re-convert the model"
+            )
         if tuple(t.shape) != tuple(shape):
-            raise ValueError(
-                f"{self.gf.path}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}"
+            raise ModelConfigError(
+                f"{self.gf.path}: tensor {name!r} has shape {tuple(t.shape)}, but the "
+                f"hyperparameters need {shape}; the file's keys and tensors disagree: "
+                "re-convert the model"
+            )
+        if t.ggml_type not in quants.SUPPORTED_TYPES:
+            raise FileFormatError(
+                f"{self.gf.path}: tensor {name!r} has type {t.ggml_type.name}, which powerpy "
+                "cannot compute with; re-convert the model with a supported type"
             )
         return t
 
@@ -96,6 +108,30 @@ class _TensorSource:
         return torch.from_numpy(np.ascontiguousarray(w.T if transpose else w))
 
 
+def check_tensor_sizes(gf: GGUFFile) -> None:
+    """Each tensor's bytes (from its type and shape) must fill its slot up to the next tensor.
+
+    Writers pack tensors at aligned offsets, so a type or shape that disagrees with the data
+    (F32 bytes labelled Q4_0, a wrong dimension) leaves a gap the reader cannot see as overlap.
+
+    Raises:
+        FileFormatError: the first tensor whose slot is larger than its padded size.
+    """
+    size = gf.path.stat().st_size
+    spans = sorted((t.offset, t.nbytes, t.name) for t in gf.tensors.values())
+    nexts = [off for off, _, _ in spans[1:]] + [size]
+    for (off, nbytes, name), nxt in zip(spans, nexts, strict=True):
+        padded = -(-nbytes // gf.alignment) * gf.alignment
+        if nxt - off > padded:
+            t = gf.tensors[name]
+            raise FileFormatError(
+                f"{gf.path}: tensor {name!r} ({t.ggml_type.name}, shape {t.shape}) takes "
+                f"{nbytes} bytes, but {nxt - off} bytes lie before the next tensor or the end "
+                "of the file: its type or shape does not match its data (e.g. F32 data "
+                "labelled Q4_0); re-convert the model"
+            )
+
+
 def load_weights(
     gf: GGUFFile, args: ModelArgs, *, weight_format: str = "auto", progress: bool = False
 ) -> Weights:
@@ -109,9 +145,12 @@ def load_weights(
         progress: show a progress bar over the layers.
 
     Raises:
-        ValueError: a tensor is missing or has the wrong shape; a PWRI file lacks predictors.
+        FileFormatError: a tensor is missing, of an unusable type, or its data does not match
+            its type and shape; a PWRI file lacks predictors.
+        ModelConfigError: a tensor's shape disagrees with the hyperparameters.
     """
     src = _TensorSource(gf, weight_format)
+    check_tensor_sizes(gf)
     d, ff, gqa = args.n_embd, args.n_ff, args.n_embd_gqa
     token_embd = src.matrix(Names.TOKEN_EMBD, (args.n_vocab, d))
     output = token_embd
@@ -123,7 +162,7 @@ def load_weights(
         fc1 = fc2 = None
         if args.sparse:
             if n["FC1"] not in gf.tensors or n["FC2"] not in gf.tensors:
-                raise ValueError(
+                raise FileFormatError(
                     f"{gf.path}: PWRI model lacks predictor {n['FC1']!r}/{n['FC2']!r}; "
                     "rebuild it with `powerpy convert MODEL PREDICTOR_DIR`"
                 )

@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 OUTTYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_*
-HF_MODEL_TYPES = ("llama", "mistral")
 
 _HF_SKIP = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -139,17 +138,19 @@ def _predictor_tensors(preds: Predictors, outtype: str) -> list[_Tensor]:
 def _resolve_activation(
     preds: Predictors, model_act: str | None, override: str | None, src: Path
 ) -> str:
-    """The sparse activation the file is marked with: "relu" (PowerInfer's) or "silu"."""
+    """The sparse activation the file is marked with: "relu" (PowerInfer's) or "silu".
+
+    ``model_act`` is the source model's activation ("relu"/"silu", from its HF config), or None
+    for a GGUF source, which carries none."""
     act = override or preds.activation
     if model_act is not None:
-        model_kind = "silu" if model_act in ("silu", "swish") else "relu"
-        if act is None and model_kind == "silu":
+        if act is None and model_act == "silu":
             raise ValueError(
                 f"{src}: the model uses SiLU (hidden_act {model_act!r}) but the predictor config "
                 'has no "sparse_activation": "silu" marker; train predictors with '
                 "`powerpy train-predictors` or pass --activation silu"
             )
-        if act is not None and act != model_kind:
+        if act is not None and act != model_act:
             raise ValueError(
                 f"{src}: hidden_act {model_act!r} but the predictors are marked {act!r}"
             )

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from powerpy.config import ModelArgs
+from powerpy.errors import PlacementError
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType, Names
 
 if TYPE_CHECKING:
@@ -144,10 +145,10 @@ def budget_bytes(vram_budget_gib: float, free_vram: int | None = None) -> int:
         ValueError: a negative budget without ``free_vram``, or a non-finite budget.
     """
     if vram_budget_gib != vram_budget_gib or vram_budget_gib in (float("inf"), float("-inf")):
-        raise ValueError(f"--vram-budget must be a finite number of GiB, got {vram_budget_gib}")
+        raise PlacementError(f"--vram-budget must be a finite number of GiB, got {vram_budget_gib}")
     if vram_budget_gib < 0:
         if free_vram is None:
-            raise ValueError(
+            raise PlacementError(
                 f"--vram-budget {vram_budget_gib:g} means all free VRAM, but no device reports "
                 "its free memory (no CUDA device, or the emulated CPU accelerator); give the "
                 "budget in GiB"
@@ -376,12 +377,12 @@ class FfnLayout:
                 if name not in sizes:
                     if template is Names.FFN_GATE:
                         continue  # ungated architectures slice up and down_t only
-                    raise ValueError(
+                    raise PlacementError(
                         f"tensor {name!r} is missing: a hybrid split needs neuron-major FFN "
                         f"matrices (a PowerInfer file)"
                     )
                 if sizes[name] % n_ff:
-                    raise ValueError(
+                    raise PlacementError(
                         f"{name} has {sizes[name]} bytes, not a multiple of n_ff {n_ff}"
                     )
                 total += sizes[name] // n_ff
@@ -400,14 +401,14 @@ class FfnLayout:
         src, n_ff, n_embd = gguf.path, args.n_ff, args.n_embd
         up = gguf.tensors.get(Names.FFN_UP.format(l=0))
         if up is None:
-            raise ValueError(
+            raise PlacementError(
                 f"{src}: no tensor {Names.FFN_UP.format(l=0)!r}; is this a PowerInfer model?"
             )
         for layer in range(args.n_layer):
             for template in _FFN_TEMPLATES:
                 t = gguf.tensors.get(template.format(l=layer))
                 if t is not None and t.shape != (n_ff, n_embd):
-                    raise ValueError(
+                    raise PlacementError(
                         f"{src}: {t.name} has shape {t.shape}, expected (n_ff, n_embd) = "
                         f"({n_ff}, {n_embd}); PowerInfer files store ffn_down transposed as "
                         f"ffn_down_t"

@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from powerpy._fs import fmt_bytes
 from powerpy.config import ModelArgs
+from powerpy.errors import PlacementError
 from powerpy.formats.gpuidx import GpuIndex
 from powerpy.placement.budget import (
     ATTN,
@@ -301,7 +302,7 @@ class Placement:
                 split needs, or see :meth:`from_tensors`.
         """
         if not model.sparse:
-            raise ValueError(
+            raise PlacementError(
                 f"{model.path} is a dense GGUF (magic {model.magic!r}); a hybrid placement and "
                 f"its GPU index are for PowerInfer (PWRI) models"
             )

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from powerpy._fs import fmt_bytes
+from powerpy.errors import PlacementError
 from powerpy.formats.constants import Names
 from powerpy.model.cache import KVPlacement
 from powerpy.model.device import Accelerator
@@ -195,7 +196,7 @@ def build_hybrid(
     if model.accel is not None:
         raise ValueError("the model is already hybrid; apply placements to a CPU-only model")
     if (placement.n_layer, placement.n_ff) != (a.n_layer, a.n_ff):
-        raise ValueError(
+        raise PlacementError(
             f"the placement is for {placement.n_layer} layers of {placement.n_ff} neurons, the "
             f"model has {a.n_layer} layers of {a.n_ff}"
         )
@@ -229,7 +230,7 @@ def build_hybrid(
         mats = (blk.ffn_gate, blk.ffn_up, blk.ffn_down_t)
         nb = sum(m.nbytes // a.n_ff for m in mats) * lp.k
         if nb > lp.hot_bytes:
-            raise ValueError(
+            raise PlacementError(
                 f"layer {layer}: {lp.k} hot rows take {nb} bytes as loaded but the budget charged "
                 f"{lp.hot_bytes} at the file's dtype (FFN matrices dequantized at load); load "
                 f"with weight_format='auto', or place without a GPU index"

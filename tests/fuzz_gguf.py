@@ -1,0 +1,180 @@
+"""Structure-aware mutations of whole model inputs, for the load-path fuzzer (issue 13).
+
+A case is ``(mutation, seed)``; a mutation belongs to one family (``FAMILIES``). ``prepare``
+writes the case's files into a directory: a tiny model built with ``powerpy.testing`` and
+``write_gguf`` (raw bytes written here when the writer refuses the mutation), plus a
+``.generated.gpuidx`` or an ``activation/`` directory for the placement families. ``run``
+takes them through read -> ``powerpy.load`` -> two generated tokens -> detokenize and returns
+the outcome: ``"ok"``, ``"PowerpyError"`` or ``"NonFiniteError"``. Any other exception is a
+library bug and propagates (``run_case`` is both).
+
+The drafts and the raw writer are in ``fuzz_files``, the model-file mutations in
+``fuzz_mutations``, the gpuidx/statistics mutations and the issue's seed cases in
+``fuzz_side_files``. Used by ``tests/test_fuzz_path.py`` (hypothesis), ``tests/test_cli_errors.py``
+and ``tools/fuzz.py`` (subprocesses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import fuzz_mutations  # noqa: F401 - registers the model-file mutations
+import numpy as np
+from fuzz_files import (
+    BUDGET_GIB,
+    FAMILIES,
+    MUTATIONS,
+    OUTCOMES,
+    PROMPT,
+    SPEC,
+    Draft,
+    base_draft,
+    pick,
+    write_draft,
+)  # fmt: skip
+from fuzz_side_files import SEED_CASES
+
+
+class GeneratorError(Exception):
+    """The generator itself failed to build a case (a bug here, not in the library)."""
+
+
+MODEL_FAMILIES = ("kv", "hparams", "tokenizer", "tensors", "alignment", "predictor")
+PROMPTS = (PROMPT, PROMPT, "<s> a</s>", "日本語 ok\n", "  ", "\udcff\x00x")
+
+
+# --- cases ----------------------------------------------------------------------------------------
+@dataclass
+class Prepared:
+    family: str
+    mutation: str
+    seed: int
+    description: str
+    model: Path
+    load: dict[str, Any]
+    index: Path | None = None  # .gpuidx written
+    activation: Path | None = None  # activation dir written
+    errors: list[str] = field(default_factory=list)  # messages of the PowerpyErrors raised
+    prompt: str = PROMPT
+
+
+def _finish(d: Draft, family: str, name: str, seed: int, what: str, workdir: Path) -> Prepared:
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = workdir / ("model.powerinfer.gguf" if d.sparse else "model.gguf")
+    write_draft(model, d)
+    p = Prepared(family, name, seed, what, model, dict(d.load))
+    if d.gpuidx is not None:
+        p.index = Path(str(model) + ".generated.gpuidx")
+        d.gpuidx(model, p.index)
+    if d.stats is not None:
+        p.activation = workdir / "activation"
+        d.stats(p.activation)
+    if p.activation is not None or "vram_budget" in p.load:
+        p.load.setdefault("activation_dir", workdir / "activation")
+    return p
+
+
+def prepare(name: str, seed: int, workdir: Path) -> Prepared:
+    """Write the files of mutation ``name`` (a key of ``MUTATIONS``) with ``seed``."""
+    family, fn = MUTATIONS[name]
+    rng = np.random.default_rng(seed)
+    sparse = family in ("predictor", "gpuidx", "stats") or bool(rng.random() < 0.7)
+    d = base_draft(sparse, seed=seed % 4)
+    what = fn(d, rng)
+    if family in MODEL_FAMILIES and rng.random() < 0.2:  # a second mutation on top
+        other = pick(rng, [m for m, (f, _) in MUTATIONS.items() if f in MODEL_FAMILIES])
+        try:
+            what += f" + {other}: {MUTATIONS[other][1](d, rng)}"
+        except (StopIteration, ValueError, KeyError, IndexError, TypeError):
+            what += f" + {other} (not applicable)"  # e.g. predictor edits on a dense model
+    if family in ("tensors", "predictor", "alignment") and rng.random() < 0.3:
+        d.load = {"vram_budget": BUDGET_GIB, "device": "cpu"}
+        what += " (placed)"
+    if "vram_budget" in d.load and rng.random() < 0.3:
+        d.load["vram_budget"] = pick(rng, (0.0, 0.00005, 0.0002, 1.0))
+        what += f" budget {d.load['vram_budget']} GiB"
+    if not d.load and rng.random() < 0.2:
+        d.load = pick(rng, ({"weight_format": "f32"}, {"dense": True}))
+        what += f" {d.load}"
+    p = _finish(d, family, name, seed, what, workdir)
+    p.prompt = pick(rng, PROMPTS)
+    return p
+
+
+def prepare_seed_case(name: str, workdir: Path) -> Prepared:
+    """Write the files of one of the issue's seed cases (``SEED_CASES``)."""
+    family, fn = SEED_CASES[name]
+    d = base_draft(True)
+    fn(d)
+    return _finish(d, family, name, 0, name, workdir)
+
+
+def run(p: Prepared) -> str:
+    """read -> load -> two tokens -> detokenize; returns the outcome (see ``OUTCOMES``).
+
+    Raises:
+        Exception: anything that is not a ``PowerpyError`` (a library bug).
+    """
+    import powerpy
+    from powerpy.errors import NonFiniteError, PowerpyError
+    from powerpy.formats.gguf_reader import read_gguf
+
+    side = None
+    try:  # the side files on their own: they may only be refused with a PowerpyError
+        if p.index is not None:
+            from powerpy.formats.gpuidx import GpuIndex
+
+            GpuIndex.read(p.index, n_layer=SPEC.n_layer, n_ff=SPEC.n_ff)
+        if p.activation is not None:
+            from powerpy.formats.stats import load_activation_stats
+
+            load_activation_stats(p.activation, SPEC.n_layer, SPEC.n_ff)
+    except PowerpyError as e:
+        side = "PowerpyError"
+        p.errors.append(str(e))
+    try:
+        with read_gguf(p.model):
+            pass
+        llm = powerpy.load(p.model, **p.load)
+        try:
+            ids = [r.token for r in llm.stream(p.prompt, 2, temperature=0.8, seed=p.seed)]
+            llm.detokenize(ids)
+        finally:
+            llm.file.close()
+    except NonFiniteError as e:
+        p.errors.append(str(e))
+        return "NonFiniteError"
+    except PowerpyError as e:
+        p.errors.append(str(e))
+        return "PowerpyError"
+    return side or "ok"
+
+
+def run_case(name: str, seed: int, workdir: Path) -> tuple[str, str]:
+    """(outcome, description) of one case; other exceptions propagate with the description
+    added as a note."""
+    try:
+        p = prepare(name, seed, workdir)
+    except Exception as e:
+        raise GeneratorError(f"{name} seed {seed}: {type(e).__name__}: {e}") from e
+    try:
+        return run(p), p.description
+    except Exception as e:
+        e.add_note(f"fuzz case {name} seed {seed}: {p.description}")
+        raise
+
+
+def families() -> dict[str, list[str]]:
+    """family -> its mutation names."""
+    out: dict[str, list[str]] = {f: [] for f in FAMILIES}
+    for name, (family, _) in MUTATIONS.items():
+        out[family].append(name)
+    return out
+
+
+__all__ = [
+    "BUDGET_GIB", "FAMILIES", "MUTATIONS", "OUTCOMES", "SEED_CASES", "Prepared", "base_draft",
+    "families", "prepare", "prepare_seed_case", "run", "run_case",
+]  # fmt: skip

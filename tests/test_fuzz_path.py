@@ -1,0 +1,112 @@
+"""The whole load path under mutated inputs (issue 13): every mutated model, gpuidx or statistics
+file goes through read -> ``powerpy.load`` -> two generated tokens -> detokenize, and the only
+allowed outcomes are: it runs, it raises a ``PowerpyError``, or a ``NonFiniteError`` (also a
+``PowerpyError``). Any other exception escapes ``fuzz_gguf.run`` and fails the test.
+
+The generator is ``tests/fuzz_gguf.py``; ``tools/fuzz.py`` runs it at scale in subprocesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import warnings
+from pathlib import Path
+
+import fuzz_gguf as fz
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+EXAMPLES_PER_FAMILY = 150
+FAMILY_MUTATIONS = fz.families()
+
+
+@pytest.fixture(autouse=True)
+def _quiet(one_thread):
+    """Tiny models on one thread; the library's logging and warnings are not under test."""
+    logging.disable(logging.CRITICAL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logging.disable(logging.NOTSET)
+
+
+def test_every_family_has_mutations():
+    assert set(FAMILY_MUTATIONS) == set(fz.FAMILIES)
+    assert all(len(ms) >= 3 for ms in FAMILY_MUTATIONS.values()), FAMILY_MUTATIONS
+
+
+@pytest.mark.parametrize("family", fz.FAMILIES)
+@settings(
+    max_examples=EXAMPLES_PER_FAMILY,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(data=st.data())
+def test_mutated_inputs_give_one_clear_outcome(family, data):
+    name = data.draw(st.sampled_from(FAMILY_MUTATIONS[family]), label="mutation")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    with tempfile.TemporaryDirectory() as tmp:
+        outcome, what = fz.run_case(name, seed, Path(tmp))  # other exceptions fail the test
+    assert outcome in fz.OUTCOMES, (name, seed, what, outcome)
+
+
+# --- the cases the issue lists, one test each ------------------------------------------------
+NON_FINITE = {"weights_nan", "weights_huge"}
+
+
+@pytest.mark.parametrize("name", sorted(fz.SEED_CASES))
+def test_seed_case(name, tmp_path):
+    p = fz.prepare_seed_case(name, tmp_path)
+    outcome = fz.run(p)
+    if name in NON_FINITE:
+        assert outcome == "NonFiniteError"
+        assert "residual stream became" in p.errors[-1], p.errors
+        return
+    assert outcome == "PowerpyError", (name, p.errors)
+    message = p.errors[0]
+    if p.activation is not None:  # the statistics file is named; the load itself still runs
+        assert "activation_" in message and str(p.activation) in message, message
+        assert len(p.errors) == 1, p.errors
+    else:
+        assert str(p.model) in message, message
+
+
+def test_seed_case_messages_say_what_is_wrong(tmp_path):
+    """A few messages in full: the key or tensor, the value, and what to do."""
+    expected = {
+        "head_count_0": ("n_head is 0", "re-convert"),
+        "vocab_size_too_large": ("vocab_size 300", "259 tokens"),
+        "eos_float_inf": ("tokenizer.ggml.eos_token_id", "inf"),
+        "f32_labelled_q4_0": ("blk.0.ffn_up.weight", "Q4_0"),
+        "stats_sparse_coo": ("activation_", "sparse"),
+        "stats_truncated": ("activation_", "cannot read"),
+    }
+    for name, parts in expected.items():
+        p = fz.prepare_seed_case(name, tmp_path / name)
+        assert fz.run(p) == "PowerpyError"
+        for part in parts:
+            assert part in p.errors[0], (name, p.errors[0])
+
+
+def test_valid_model_runs(tmp_path):
+    """The unmutated base model (sparse and dense, and placed) runs: outcomes are not vacuous."""
+    for sparse, load in ((True, {}), (False, {}), (True, {"vram_budget": fz.BUDGET_GIB})):
+        d = fz.base_draft(sparse)
+        d.load = dict(load, device="cpu") if load else {}
+        p = fz._finish(d, "none", "base", 0, "base", tmp_path / f"{sparse}{bool(load)}")
+        assert fz.run(p) == "ok", p.errors
+
+
+def test_unexpected_error_is_not_swallowed(tmp_path, monkeypatch):
+    """The harness lets a non-PowerpyError through (so a leak fails the tests above)."""
+    import powerpy
+
+    def boom(*a, **k):
+        raise IndexError("leaked")
+
+    monkeypatch.setattr(powerpy, "load", boom)
+    p = fz.prepare_seed_case("head_count_0", tmp_path)
+    with pytest.raises(IndexError, match="leaked"):
+        fz.run(p)
