@@ -26,21 +26,12 @@ from torch import Tensor
 
 from powerpy.model.cache import KVCache
 from powerpy.model.device import HOST, move
-from powerpy.model.ffn import ffn, glu, rows_sum
+from powerpy.model.ffn import ffn, ffn_union, predict
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
-from powerpy.model.transformer import Block, Model, apply_rope, rms_norm
+from powerpy.model.transformer import Block, Model, apply_rope, rms_norm, rope_tables
 
 FFN_MODES = ("rows", "union", "batch")
-
-
-def rope_at(model: Model, positions: Sequence[int]) -> Tensor:
-    """Rotations (B, n_rot/2) complex64 at arbitrary ``positions``; each row is the one
-    ``rope_tables(args, pos, 1)`` gives (same float64 arithmetic)."""
-    a = model.args
-    inv = a.rope_base ** (-torch.arange(0, a.n_rot, 2, dtype=torch.float64) / a.n_rot)
-    ang = torch.tensor(list(positions), dtype=torch.float64)[:, None] * inv[None]
-    return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
 
 
 @torch.inference_mode()
@@ -75,7 +66,8 @@ def decode_batch(
         opts = dataclasses.replace(opts, sparse=False)
     thr = a.sparse_threshold if opts.threshold is None else float(opts.threshold)
     x = w.token_embd.take_rows(tokens).dequantize()  # (B, n_embd) on the host
-    rot = {HOST: rope_at(model, [c.pos for c in caches])}  # (B, n_rot/2)
+    pos = torch.tensor([c.pos for c in caches])
+    rot = {HOST: rope_tables(a, 0, n, positions=pos)}  # (B, n_rot/2)
     for l, blk in enumerate(w.blk):
         x = move(model.accel, x, blk.attn_norm.device)
         with phase(opts.timer, "attention"):
@@ -149,17 +141,9 @@ def _union_ffn(
     run :func:`ffn`). x, ffn_inp (B, n_embd) -> (B, n_embd)."""
     if blk.hot is not None or opts.observer is not None:
         return ffn(l, blk, x, ffn_inp, model.args.ffn_variant, thr, opts, model.accel)
-    from powerpy.model.ffn import predict
-
     with phase(opts.timer, "predictor"):
         act = predict(ffn_inp, blk.fc1, blk.fc2, model.accel) >= thr  # (B, n_ff) bool
     act = move(model.accel, act, HOST)
     if opts.stats is not None:
         opts.stats.record(l, act)
-    rows = act.any(0).nonzero().squeeze(1)  # (r,)
-    if rows.numel() == 0:
-        return x.new_zeros(x.shape[0], blk.ffn_down_t.shape[1])
-    g = blk.ffn_gate.take_rows(rows).linear(x)  # (B, r)
-    u = blk.ffn_up.take_rows(rows).linear(x)
-    h = glu(g, u, model.args.ffn_variant) * act[:, rows]
-    return rows_sum(h, blk.ffn_down_t.take_rows(rows))
+    return ffn_union(x, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, model.args.ffn_variant, act)

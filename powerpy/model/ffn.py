@@ -55,7 +55,6 @@ def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: FFNVaria
     Raises:
         ValueError: unknown variant.
     """
-    variant = FFNVariant(variant)
     ku, kg = up._kernel(), gate._kernel()
     if ku is not None and kg is not None:
         (lib, um), gm = ku, kg[1]
@@ -108,6 +107,20 @@ def ffn_rows(
         return x.new_zeros(down_t.shape[1])
     h = glu_rows(x, gate, up, idx, variant)  # (k,)
     return down_t.gather_axpy(h, idx)
+
+
+def ffn_union(
+    x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant, mask: Tensor
+) -> Tensor:
+    """Masked FFN over the union of the batch's rows: x (T, n_embd), mask (T, n_ff) bool on the
+    host -> (T, n_embd). Only rows some token needs are read; most rows: one dense masked pass."""
+    rows = mask.any(0).nonzero().squeeze(1)  # (r,) rows any token needs
+    if rows.numel() == 0:
+        return x.new_zeros(x.shape[0], down_t.shape[1])
+    if 2 * rows.numel() >= mask.shape[1]:
+        return ffn_masked(x, gate, up, down_t, variant, mask)
+    g, u = gate.take_rows(rows).linear(x), up.take_rows(rows).linear(x)  # (T, r)
+    return rows_sum(glu(g, u, variant) * mask[:, rows], down_t.take_rows(rows))
 
 
 # ----------------------------------------------------------------------------------- split
@@ -255,10 +268,4 @@ def _cold(blk, hot: HotRows | None, x: Tensor, act: Tensor | None, variant: FFNV
         idx = hot.cold_idx if act is None else (act[0] & hot.cold).nonzero().squeeze(1)
         return ffn_rows(x[0], gate, up, down_t, variant, idx)[None]
     mask = hot.cold.expand(x.shape[0], -1) if act is None else act & hot.cold  # (T, n_ff)
-    rows = mask.any(0).nonzero().squeeze(1)  # (r,) cold rows any token needs
-    if rows.numel() == 0:
-        return x.new_zeros(x.shape[0], down_t.shape[1])
-    if 2 * rows.numel() >= mask.shape[1]:  # most rows needed: one dense masked pass
-        return ffn_masked(x, gate, up, down_t, variant, mask)
-    g, u = gate.take_rows(rows).linear(x), up.take_rows(rows).linear(x)  # (T, r)
-    return rows_sum(glu(g, u, variant) * mask[:, rows], down_t.take_rows(rows))
+    return ffn_union(x, gate, up, down_t, variant, mask)

@@ -62,11 +62,14 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope_tables(args: ModelArgs, pos0: int, n: int) -> Tensor:
-    """Rotations ``exp(i·pos·θ_j)`` (n, n_rot/2) complex64 for positions pos0..pos0+n-1, ggml
-    NORM mode (θ_j = base^(-2j/n_rot)), computed in float64."""
+def rope_tables(args: ModelArgs, pos0: int, n: int, positions: Tensor | None = None) -> Tensor:
+    """Rotations ``exp(i·pos·θ_j)`` (n, n_rot/2) complex64 for positions pos0..pos0+n-1 (or the
+    given ``positions`` (n,), e.g. one per session), ggml NORM mode (θ_j = base^(-2j/n_rot)),
+    computed in float64."""
     inv = args.rope_base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
-    ang = torch.arange(pos0, pos0 + n, dtype=torch.float64)[:, None] * inv[None]
+    if positions is None:
+        positions = torch.arange(pos0, pos0 + n, dtype=torch.float64)
+    ang = positions.to(torch.float64)[:, None] * inv[None]
     return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
 
 

@@ -250,6 +250,7 @@ class Placement:
         n_ctx: int = 2048,
         kv_elem_bytes: int = 2,
         stats: Sequence[npt.ArrayLike] | None = None,
+        ffn: FfnLayout | None = None,
     ) -> Placement:
         """Build a placement from tensor sizes (a model header, or model args plus infos).
 
@@ -263,6 +264,7 @@ class Placement:
             n_ctx: context length of the KV cache.
             kv_elem_bytes: 2 (f16) or 4 (f32) bytes per cached value.
             stats: per-layer activation statistics (see :meth:`build`).
+            ffn: the FFN layout when known (from the header); else computed from ``tensors``.
 
         Returns:
             The placement; ``used <= budget`` always.
@@ -273,7 +275,7 @@ class Placement:
         """
         _check_kv(n_ctx, kv_elem_bytes)
         sizes = dict(tensors)
-        ffn = FfnLayout.from_sizes(sizes, n_layer, n_ff)
+        ffn = ffn or FfnLayout.from_sizes(sizes, n_layer, n_ff)
         plan = plan_offload(
             sizes.items(),
             budget=budget,
@@ -308,15 +310,18 @@ class Placement:
             )
         _check_kv(n_ctx, kv_elem_bytes)
         args = ModelArgs.from_gguf(model)
-        plan = plan_offload(
+        return cls.from_tensors(
             ((t.name, t.nbytes) for t in model.tensors.values()),
-            budget=budget,
             n_layer=args.n_layer,
+            n_ff=args.n_ff,
             n_embd_gqa=args.n_embd_gqa,
+            budget=budget,
+            index=index,
             n_ctx=n_ctx,
             kv_elem_bytes=kv_elem_bytes,
+            stats=stats,
+            ffn=FfnLayout.from_gguf(model, args),
         )
-        return cls.build(plan, FfnLayout.from_gguf(model, args), index, stats=stats)
 
     # --- views
     @property
