@@ -29,7 +29,14 @@ from powerpy.model.device import HOST, move
 from powerpy.model.ffn import ffn, ffn_union, predict
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
-from powerpy.model.transformer import Block, Model, apply_rope, rms_norm, rope_tables
+from powerpy.model.transformer import (
+    Block,
+    Model,
+    apply_rope,
+    decode_attention,
+    rms_norm,
+    rope_tables,
+)
 
 FFN_MODES = ("rows", "union", "batch")
 
@@ -119,17 +126,14 @@ def _attention(
             rot[dev] = move(acc, rot[HOST], dev)
     q = apply_rope(q, rot[q.device], a.n_rot)  # (B, n_head, head_dim)
     k = apply_rope(k, rot[k.device], a.n_rot)
-    group = a.n_head // a.n_head_kv
     outs = []
-    for i, cache in enumerate(caches):  # query head h reads key/value head h // group
+    for i, cache in enumerate(caches):
         dev, p = cache.device, cache.pos
         cache.k[l, p] = move(acc, k[i], dev)
         cache.v[l, p] = move(acc, v[i], dev)
         keys = cache.k[l, : p + 1].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
         vals = cache.v[l, : p + 1].transpose(0, 1).float()
-        qg = move(acc, q[i], dev).view(a.n_head_kv, group, a.head_dim)
-        scores = torch.bmm(qg, keys.transpose(1, 2)) * a.head_dim**-0.5  # (n_kv, group, S)
-        out = torch.bmm(scores.softmax(-1), vals).view(1, a.n_embd)
+        out = decode_attention(a, move(acc, q[i], dev), keys, vals)  # (1, n_embd)
         outs.append(move(acc, out, blk.attn_output.device))
     return blk.attn_output.linear(torch.cat(outs))
 

@@ -73,6 +73,16 @@ def rope_tables(args: ModelArgs, pos0: int, n: int, positions: Tensor | None = N
     return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
 
 
+def decode_attention(args: ModelArgs, q: Tensor, keys: Tensor, vals: Tensor) -> Tensor:
+    """One query token: q (n_head, head_dim) (or (1, n_head, head_dim)), keys/vals (n_head_kv, S,
+    head_dim) -> (1, n_embd) head-major. Query head h reads key/value head h // group, as two bmm
+    (torch's SDPA with GQA costs ~10x more here)."""
+    group = args.n_head // args.n_head_kv
+    qg = q.reshape(args.n_head_kv, group, args.head_dim)
+    scores = torch.bmm(qg, keys.transpose(1, 2)) * args.head_dim**-0.5  # (n_kv, group, S)
+    return torch.bmm(scores.softmax(-1), vals).view(1, args.n_embd)
+
+
 def apply_rope(x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
     """Rotate adjacent pairs (2i, 2i+1) of the first n_rot dims: x (T, heads, head_dim) f32, rot
     (T, n_rot/2) from ``rope_tables``. Each pair is one complex number times its rotation."""
@@ -218,11 +228,8 @@ class Model:
         keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
         vals = cache.v[l, : p0 + n].transpose(0, 1).float()
         q = self._to(q, dev)
-        if n == 1:  # decode: query head h reads key/value head h // group, as two bmm
-            group = a.n_head // a.n_head_kv
-            qg = q.view(a.n_head_kv, group, a.head_dim)
-            scores = torch.bmm(qg, keys.transpose(1, 2)) * a.head_dim**-0.5  # (n_kv, group, S)
-            out = torch.bmm(scores.softmax(-1), vals).view(1, a.n_embd)  # head-major order
+        if n == 1:
+            out = decode_attention(a, q, keys, vals)
         else:  # query i sees keys 0..p0+i
             mask = keys.new_ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)
             out = F.scaled_dot_product_attention(
