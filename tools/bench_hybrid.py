@@ -135,10 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    accel = Accelerator.choose(args.device) or Accelerator("cpu")
-    accel.gather_hot = (
-        accel.gather_hot if HOT_MODES[args.hot_mode] is None else HOT_MODES[args.hot_mode]
-    )
+    chosen = Accelerator.choose(args.device) or Accelerator("cpu")
+    accel = Accelerator(chosen.device, gather_hot=HOT_MODES[args.hot_mode])
     dev = accel.device
     kind = "cuda" if dev.type == "cuda" else "cpu (EMULATED accelerator: same CPU cores)"
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "no GPU"
