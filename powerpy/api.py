@@ -29,6 +29,10 @@ from powerpy.sampling import SamplingParams
 from powerpy.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from powerpy.benchmark import BenchResult
+    from powerpy.pipeline.profile import ProfileResult
+    from powerpy.pipeline.sweep import SweepResult
+    from powerpy.pipeline.train_report import TrainReport
     from powerpy.placement.runtime import HybridRuntime
 
 log = logging.getLogger(__name__)
@@ -146,6 +150,164 @@ class LLM:
         """Per-layer predicted sparsity counters of this handle's calls so far (None: dense)."""
         return self.options.stats if self.options.sparse else None
 
+    @property
+    def name(self) -> str:
+        """The model file's name without ``.gguf`` and ``.powerinfer`` (for titles)."""
+        name = self.path.name.removesuffix(".gguf").removesuffix(".powerinfer")
+        return name or self.path.name
+
+    # --- research: what sparsity does (``powerpy.plot`` draws these results)
+    def _ids(self, text: str | Sequence[int]) -> list[int]:
+        return self.tokenize(text, add_bos=False) if isinstance(text, str) else list(text)
+
+    def profile(
+        self,
+        text: str | Sequence[int],
+        tokens: int | None = 20_000,
+        *,
+        ctx: int | None = None,
+        target_sparsity: float = 0.5,
+        progress: bool = True,
+    ) -> ProfileResult:
+        """Activation statistics of the model on a text (``pipeline.profile.profile``).
+
+        Args:
+            text: the text, or its token ids.
+            tokens: tokens to run, spread over the text (None: all).
+            ctx: window length (default: min(256, the training context)).
+            target_sparsity: SiLU models: the per-layer share of scores counted inactive.
+            progress: show a tqdm bar.
+        """
+        from powerpy.pipeline.profile import profile
+
+        ctx = ctx or min(256, self.model.args.n_ctx_train)
+        res = profile(
+            self.model, self._ids(text), ctx=ctx, max_tokens=tokens,
+            target_sparsity=target_sparsity, progress=progress,
+        )  # fmt: skip
+        res.model = self.name
+        return res
+
+    def train_predictors(
+        self,
+        text: str | Sequence[int],
+        out_dir: str | os.PathLike[str] | None = None,
+        *,
+        tokens: int | None = 20_000,
+        progress: bool = True,
+        **options,
+    ) -> TrainReport:
+        """Profile the model on a text and train one predictor per layer (spec §14).
+
+        Args:
+            text: the training text, or its token ids.
+            out_dir: the predictor directory (``model_{l}.pt``, ``config.json``, statistics);
+                default: a new temporary directory, named in ``report.directory``.
+            tokens: tokens to profile and train on.
+            progress: tqdm bars.
+            **options: fields of ``pipeline.train.TrainOptions`` (``hidden``, ``epochs``,
+                ...) and ``ctx``, ``target_sparsity`` of ``train_predictors``.
+
+        Returns:
+            The held-out metrics per layer. The model keeps its own predictors: build a PWRI
+            file with ``powerpy convert`` to run the new ones.
+        """
+        import tempfile
+
+        from powerpy.pipeline.train import TrainOptions, train_predictors
+
+        kw = {k: options.pop(k) for k in ("ctx", "target_sparsity") if k in options}
+        kw.setdefault("ctx", min(256, self.model.args.n_ctx_train))
+        opts = TrainOptions(**options)
+        out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="powerpy-"))
+        report, _ = train_predictors(
+            self.model, self._ids(text), out, opts, tokens=tokens, progress=progress, **kw
+        )
+        report.model, report.directory = self.name, str(out)
+        return report
+
+    def sparsity_sweep(
+        self,
+        text: str | Sequence[int],
+        thresholds: Sequence[float] | None = None,
+        *,
+        oracle: Sequence[float] | None = None,
+        ctx: int | None = None,
+        chunks: int | None = 8,
+        progress: bool = True,
+    ) -> SweepResult:
+        """Perplexity and skipped share at each predictor threshold, or of the top-k oracle at
+        each skipped share (``oracle=[0.2, 0.5, ...]``), on held-out text.
+
+        Args:
+            text: held-out text, or its token ids.
+            thresholds: predictor thresholds (default ``sweep.DEFAULT_THRESHOLDS``).
+            oracle: run the oracle at these skipped shares instead of the predictors.
+            ctx: chunk length (default: min(512, the training context)).
+            chunks: at most this many chunks (None: the whole text).
+            progress: tqdm bars.
+        """
+        from powerpy.pipeline import sweep
+
+        kw = dict(
+            ctx=ctx or min(512, self.model.args.n_ctx_train),
+            chunks=chunks,
+            bos_id=self.tokenizer.bos_id if self.tokenizer.add_bos else None,
+            name=self.name,
+            progress=progress,
+        )
+        ids = self._ids(text)
+        if oracle is not None:
+            return sweep.oracle_sweep(self.model, ids, oracle, **kw)
+        return sweep.sparsity_sweep(self.model, ids, thresholds or sweep.DEFAULT_THRESHOLDS, **kw)
+
+    def bench(
+        self, n_prompt: int = 128, n_gen: int = 32, repetitions: int = 1, **kwargs
+    ) -> BenchResult:
+        """Prompt and generation speed, sparse and dense (``benchmark.run_bench``)."""
+        from powerpy.benchmark import run_bench
+
+        return run_bench(
+            self.model, name=self.name, n_prompt=n_prompt, n_gen=n_gen,
+            repetitions=repetitions, threshold=self.options.threshold,
+            first_token=self.tokenizer.bos_id or 0, size_bytes=self.path.stat().st_size,
+            **kwargs,
+        )  # fmt: skip
+
+    # --- display
+    def __repr__(self) -> str:
+        a = self.model.args
+        mode = f"sparse, threshold {self.options.threshold:g}" if self.sparse_run else "dense"
+        where = f", hybrid on {self.runtime.device}" if self.runtime is not None else ""
+        return f"<LLM {self.name}: {a.arch}, {a.n_layer} layers, {mode}{where}>"
+
+    @property
+    def sparse_run(self) -> bool:
+        """This handle's calls run the predictors."""
+        return self.options.sparse and self.model.can_gate
+
+    def _repr_html_(self) -> str:
+        from powerpy import _html
+        from powerpy._fs import fmt_bytes
+
+        a = self.model.args
+        items = [
+            ("file", str(self.path)),
+            ("size", fmt_bytes(self.path.stat().st_size)),
+            ("architecture", f"{a.arch}, {a.ffn_variant.value} FFN"),
+            ("layers", a.n_layer),
+            ("n_embd / n_ff", f"{a.n_embd} / {a.n_ff}"),
+            ("heads (KV)", f"{a.n_head} ({a.n_head_kv})"),
+            ("vocabulary", a.n_vocab),
+            ("context (training)", a.n_ctx_train),
+            ("mode", f"sparse, threshold {self.options.threshold:g}"
+             if self.sparse_run else "dense"),
+            ("placement", "CPU only" if self.runtime is None
+             else f"hybrid on {self.runtime.device}"),
+            ("load time", f"{self.load_seconds:.2f} s"),
+        ]  # fmt: skip
+        return _html.pairs(self.name, items)
+
 
 def load(
     path: str | Path | None = None,
@@ -233,3 +395,8 @@ def resolve_threshold(threshold: float | None, file_value: float) -> float:
     if math.isnan(value) or value == math.inf:
         raise ValueError(f"{source} {value} is not usable: give a finite number (or -inf)")
     return value
+
+
+def bench(llm: LLM, n_prompt: int = 128, n_gen: int = 32, repetitions: int = 1, **kwargs):
+    """``llm.bench(...)``: prompt and generation speed, sparse and dense (a ``BenchResult``)."""
+    return llm.bench(n_prompt, n_gen, repetitions, **kwargs)

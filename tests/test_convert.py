@@ -645,3 +645,21 @@ def test_malformed_tokenizer_config_names_the_file(tmp_path, text) -> None:
     ):
         convert(src, tmp_path / "pred", tmp_path / "o.gguf")
     assert not (tmp_path / "o.gguf").exists()
+
+
+@pytest.mark.parametrize("act", ["relu", "silu"])
+def test_hf_without_predictors_becomes_a_dense_gguf(tmp_path, vocab_gguf, act) -> None:
+    from powerpy.api import load
+
+    t = hf_tensors()
+    src = write_hf(tmp_path / "hf", t, act=act)
+    out = convert(src, None, tmp_path / "m.gguf", outtype="f32", vocab_gguf=vocab_gguf)
+    with read_gguf(out) as gf:
+        assert not gf.sparse and "blk.0.ffn_down.weight" in gf.tensors
+        assert not any(".fc1." in n or "ffn_down_t" in n for n in gf.tensors)
+    llm = load(out, weight_format="f32", ffn_act="relu" if act == "relu" else None)
+    got = llm.logits(TOKENS).numpy()
+    np.testing.assert_allclose(got, hf_reference_logits(t, TOKENS, act), rtol=1e-4, atol=1e-4)
+    llm.file.close()
+    with pytest.raises(ValueError, match="predictor directory"):
+        convert(out, None, tmp_path / "again.gguf")

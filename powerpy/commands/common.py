@@ -67,3 +67,30 @@ def load_model(args: argparse.Namespace):
         ffn_act=args.ffn_act,
         progress=sys.stderr.isatty(),
     )
+
+
+def add_plot_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """``--plot FILE.png``: also draw the result (needs the ``plot`` extra)."""
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help=f"also save a figure: {what} (.png, .pdf or .svg; needs powerpy[plot])",
+    )
+
+
+def check_plot(args: argparse.Namespace) -> None:
+    """Fail before long work when ``--plot`` cannot be written or matplotlib is missing."""
+    if getattr(args, "plot", None):
+        from powerpy import plot
+
+        plot.check_path(args.plot)
+        if not plot.available():
+            raise plot.PlotError("--plot needs matplotlib: pip install 'powerpy[plot]'")
+
+
+def save_plot(fig, path: str) -> None:
+    """Write a figure atomically and say where."""
+    from powerpy import plot
+
+    out = plot.save(fig, path)
+    print(f"wrote plot {out}", file=sys.stderr)

@@ -12,8 +12,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="build a PowerInfer (PWRI) model from an HF checkpoint or a dense GGUF + predictors",
     )
     p.add_argument("src", help="HF LLaMA-family checkpoint directory, or a dense GGUF file")
-    p.add_argument("predictor_dir", help="directory with model_{i}.pt (+ optional config.json)")
-    p.add_argument("-o", "--outfile", required=True, help="output .powerinfer.gguf file")
+    p.add_argument(
+        "predictor_dir",
+        nargs="?",
+        help="directory with model_{i}.pt (+ optional config.json); without it an HF "
+        "checkpoint becomes a dense GGUF (to profile and train predictors on)",
+    )
+    p.add_argument(
+        "-o", "--outfile", required=True, help="output file (.powerinfer.gguf, or .gguf when dense)"
+    )
     p.add_argument("--outtype", choices=("f32", "f16", "q8_0", "q4_0"), default="f16")
     p.add_argument("--vocab-gguf", help="copy the tokenizer from this GGUF (HF sources)")
     p.add_argument(

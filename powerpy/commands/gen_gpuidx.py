@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from powerpy.commands.common import add_plot_arg, check_plot, save_plot
+
 
 def register(subparsers: Any) -> None:
     """Add the ``gen-gpuidx`` subcommand to the powerpy CLI."""
@@ -64,6 +66,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--output", "-o", help="output path (default: <model>.generated.gpuidx)")
     p.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds")
     p.add_argument("--memory-f32", action="store_true", help="f32 KV cache (4 bytes per value)")
+    add_plot_arg(p, "GPU-served share of activations vs VRAM budget, this budget marked")
     p.set_defaults(func=run)
 
 
@@ -85,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--output {output} is the model file; refusing to overwrite it")
     if args.ctx <= 0 or args.batch <= 0 or args.threshold < 0 or args.time_limit <= 0:
         raise ValueError("--ctx, --batch and --time-limit must be > 0 and --threshold >= 0")
+    check_plot(args)
     free = None
     if args.vram_budget < 0:
         from powerpy.model.device import Accelerator  # CUDA, when there is one
@@ -122,4 +126,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"statistics {activation}{' (lexicographic pairing)' if export else ''}")
     print(placement.summary())
     print(f"wrote {output}")
+    if args.plot:
+        from powerpy import plot
+        from powerpy.placement.coverage import coverage_curve
+
+        with read_gguf(model_path) as model:
+            curve = coverage_curve(
+                model, stats, n_ctx=args.ctx, kv_elem_bytes=4 if args.memory_f32 else 2,
+                batch=args.batch, include=(budget,), name=model_path.name,
+            )  # fmt: skip
+        save_plot(plot.coverage_vs_budget(curve, mark=budget), args.plot)
     return 0

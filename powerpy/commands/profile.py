@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from powerpy.commands.common import add_load_args, add_text_args, load_model, text_ids
+from powerpy.commands.common import (
+    add_load_args,
+    add_plot_arg,
+    add_text_args,
+    check_plot,
+    load_model,
+    save_plot,
+    text_ids,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,12 +39,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="SiLU models: per-layer quantile of |h|·‖down‖ counted as inactive (default 0.5)",
     )
     p.add_argument("--seed", type=int, default=0)
+    add_plot_arg(p, "the activation power law per layer")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from powerpy.pipeline.profile import profile, write_profile
 
+    check_plot(args)
     llm = load_model(args)
     ids = text_ids(llm, args)
     res = profile(
@@ -50,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=sys.stderr.isatty(),
     )
+    res.model = llm.name
     paths = write_profile(res, args.output)
     frac = res.active_fraction()
     print(
@@ -58,4 +69,8 @@ def run(args: argparse.Namespace) -> int:
         f"to {args.output}" + (f", {res.n_samples} samples/layer" if res.n_samples else ""),
         file=sys.stderr,
     )
+    if args.plot:
+        from powerpy import plot
+
+        save_plot(plot.power_law(res), args.plot)
     return 0

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from powerpy.commands.common import add_load_args, add_text_args, load_model, text_ids
+from powerpy.commands.common import (
+    add_load_args,
+    add_plot_arg,
+    add_text_args,
+    check_plot,
+    load_model,
+    save_plot,
+    text_ids,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--work-dir", help="keep the sample dump here (default: temporary)")
     p.add_argument("--seed", type=int, default=0)
+    add_plot_arg(p, "recall, precision and predicted vs true active share per layer")
     p.set_defaults(func=run)
 
 
@@ -68,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     progress = sys.stderr.isatty()
+    check_plot(args)
 
     def show(r) -> None:
         print(
@@ -82,6 +93,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--calibrate-from needs --from-samples DIR and --skip-fraction F")
         _calibrate(args, args.calibrate_from, opts, progress)
         _maybe_pack(args)
+        if args.plot:
+            from powerpy import plot
+            from powerpy.pipeline.train_report import TrainReport
+
+            report = TrainReport.load(args.calibrate_from)
+            save_plot(plot.predictor_quality(report), args.plot)
         return 0
     if args.from_samples:
         report = train_from_samples(
@@ -107,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
             log_layer=show,
         )
     _maybe_pack(args)
+    if args.plot:
+        from powerpy import plot
+
+        report.model = report.model or (Path(args.model).name if args.model else "")
+        save_plot(plot.predictor_quality(report), args.plot)
     s = report.summary()
     print(
         f"mean recall {s['recall_mean']:.4f} (min {s['recall_min']:.4f}), precision "

@@ -179,18 +179,21 @@ def ffn(
         (T, n_embd) f32 on x's device.
     """
     act = None
-    if opts.sparse and blk.fc1 is not None:
+    if opts.sparse and blk.fc1 is not None and opts.oracle is None:
         with phase(opts.timer, "predictor"):
             act = predict(ffn_inp, blk.fc1, blk.fc2, accel) >= threshold  # (T, n_ff) bool
-    if opts.observer is None:
+    if opts.observer is None and opts.oracle is None:
         return split_ffn(blk, x, act, variant, accel, l=l, opts=opts)
-    # Profiling: the true activation of every neuron, from the host matrices.
+    # Profiling or an oracle: the true activation of every neuron, from the host matrices.
     x_host = move(accel, x, HOST)
+    h = glu(blk.ffn_gate.linear(x_host), blk.ffn_up.linear(x_host), variant)  # (T, n_ff)
     act_host = None if act is None else move(accel, act, HOST)
+    if opts.oracle is not None:
+        act_host = opts.oracle(l, h)  # (T, n_ff) bool
     if act_host is not None and opts.stats is not None:
         opts.stats.record(l, act_host)
-    h = glu(blk.ffn_gate.linear(x_host), blk.ffn_up.linear(x_host), variant)  # (T, n_ff)
-    opts.observer(l, move(accel, ffn_inp, HOST), h)
+    if opts.observer is not None:
+        opts.observer(l, move(accel, ffn_inp, HOST), h)
     y = rows_sum(h if act_host is None else h * act_host, blk.ffn_down_t)
     return move(accel, y, x.device)
 

@@ -13,6 +13,8 @@ from powerpy.model.timing import PhaseTimer
 
 # FFN observer: (layer, ffn_inp (T, n_embd) pre-norm, h (T, n_ff) true activation) -> None
 Observer = Callable[[int, Tensor, Tensor], None]
+# FFN oracle: (layer, h (T, n_ff) true activation) -> (T, n_ff) bool, the neurons to keep
+Oracle = Callable[[int, Tensor], Tensor]
 
 
 @dataclass
@@ -60,6 +62,9 @@ class RunOptions:
             runs on the host matrices); for profiling.
         timer: per-phase wall-clock accounting (benchmarks).
         stats: where predicted-active counts are recorded (None: not recorded).
+        oracle: research: chooses the kept neurons from the true activation instead of the
+            predictors (an ideal predictor; the FFN runs on the host matrices, like the
+            observer). ``stats`` then record the oracle's masks.
     """
 
     sparse: bool = True
@@ -67,6 +72,7 @@ class RunOptions:
     observer: Observer | None = None
     timer: PhaseTimer | None = None
     stats: SparsityStats | None = None
+    oracle: Oracle | None = None
 
 
 SPARSE = RunOptions()  # the default: gate where the model has predictors

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from powerpy.config import ACTIVATIONS, ModelArgs
 from powerpy.formats import quants
 from powerpy.formats.constants import (
+    GGUF_MAGIC,
     PWRI_MAGIC,
     GGMLType,
     GGUFValueType,
@@ -113,11 +114,16 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def _write_stream(
-    path: Path, kv: Mapping[str, tuple], plan: list[_Tensor], *, progress: bool
+    path: Path,
+    kv: Mapping[str, tuple],
+    plan: list[_Tensor],
+    *,
+    progress: bool,
+    magic: bytes = PWRI_MAGIC,
 ) -> None:
-    """Write a PWRI file tensor by tensor (only one tensor in memory), atomically."""
+    """Write a PWRI (or GGUF) file tensor by tensor (only one tensor in memory), atomically."""
     table = [(t.name, t.shape, t.ggml_type) for t in plan]
-    with GGUFStreamWriter(path, kv, table, magic=PWRI_MAGIC) as w:
+    with GGUFStreamWriter(path, kv, table, magic=magic) as w:
         for t in tqdm(plan, desc="convert", unit="tensor", disable=not progress):
             w.write(t.name, _encode(t).view(np.uint8), t.shape)
 
@@ -168,7 +174,7 @@ def _sparse_kv(thr: float | None, act: str) -> dict[str, tuple]:
 
 def convert(
     src: str | os.PathLike[str],
-    predictor_dir: str | os.PathLike[str],
+    predictor_dir: str | os.PathLike[str] | None,
     out: str | os.PathLike[str],
     *,
     outtype: str = "f16",
@@ -184,7 +190,10 @@ def convert(
         src: an HF LLaMA-family checkpoint directory (config.json + safetensors, BF16/F16/F32,
             sharded or not) or a dense GGUF file (already q/k-permuted; a PWRI file is accepted
             too, its predictors are replaced).
-        predictor_dir: ``model_{l}.pt`` per layer and an optional ``config.json``.
+        predictor_dir: ``model_{l}.pt`` per layer and an optional ``config.json``; None
+            (HF sources only) writes a dense GGUF (magic ``GGUF``, ``ffn_down`` untransposed)
+            to profile and train predictors on. A dense GGUF carries no activation: load a
+            ReLU model's with ``ffn_act="relu"``.
         out: the output file; written atomically, and never one of the inputs.
         outtype: "f16" (default), "f32", "q8_0" or "q4_0".
         vocab_gguf: copy the tokenizer from this GGUF (HF sources; default: tokenizer.model or
@@ -202,7 +211,8 @@ def convert(
         ValueError: unsupported source, mismatched predictors (file and numbers named), an
             output that is an input, a bad outtype or activation.
     """
-    src_p, pred_p, out_p = Path(src), Path(predictor_dir), Path(out)
+    src_p, out_p = Path(src), Path(out)
+    pred_p = None if predictor_dir is None else Path(predictor_dir)
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype {outtype!r} is not one of {tuple(OUTTYPES)}")
     if activation is not None and activation not in ACTIVATIONS:
@@ -213,7 +223,7 @@ def convert(
         raise IsADirectoryError(f"output {out_p} is a directory")
     inputs = [src_p, Path(vocab_gguf)] if vocab_gguf else [src_p]
     for d in (src_p, pred_p):
-        if d.is_dir():
+        if d is not None and d.is_dir():
             inputs += [f for f in d.iterdir() if f.is_file()]
     for p in inputs:
         if _same_file(out_p, p):
@@ -225,6 +235,8 @@ def convert(
         _convert_hf(
             src_p, pred_p, out_p, outtype, vocab_gguf, vocab_pre, activation, name, progress
         )
+    elif pred_p is None:
+        raise ValueError(f"{src_p} is already a GGUF file: give a predictor directory")
     else:
         _convert_gguf(src_p, pred_p, out_p, outtype, activation, name, progress)
     log.debug("wrote %s", out_p)
@@ -233,7 +245,7 @@ def convert(
 
 def _convert_hf(
     src: Path,
-    pred_dir: Path,
+    pred_dir: Path | None,
     out: Path,
     outtype: str,
     vocab_gguf: str | os.PathLike[str] | None,
@@ -245,8 +257,10 @@ def _convert_hf(
     hf = HFSource(src)
     try:
         a = ModelArgs.from_hf_config(hf.config, source=str(src / "config.json"))
-        preds = scan_predictors(pred_dir, a.n_layer, a.n_embd, a.n_ff)
-        act = _resolve_activation(preds, a.ffn_variant.activation, activation, src)
+        preds = None
+        if pred_dir is not None:
+            preds = scan_predictors(pred_dir, a.n_layer, a.n_embd, a.n_ff)
+            act = _resolve_activation(preds, a.ffn_variant.activation, activation, src)
         if vocab_gguf is not None:
             vocab = vocab_kv_from_gguf(vocab_gguf)
         else:
@@ -259,7 +273,8 @@ def _convert_hf(
             )
         kv = a.to_gguf_kv(name=name or src.name)
         kv[Keys.FILE_TYPE] = (FILE_TYPES[outtype], GGUFValueType.UINT32)
-        kv.update(_sparse_kv(preds.threshold, act))
+        if preds is not None:
+            kv.update(_sparse_kv(preds.threshold, act))
         kv.update(vocab)
 
         plan: list[_Tensor] = []
@@ -303,7 +318,11 @@ def _convert_hf(
             add(p + "post_attention_layernorm.weight", Names.FFN_NORM.format(l=l), (d,))
             add(p + "mlp.gate_proj.weight", Names.FFN_GATE.format(l=l), (ff, d))
             add(p + "mlp.up_proj.weight", Names.FFN_UP.format(l=l), (ff, d))
-            add(p + "mlp.down_proj.weight", Names.FFN_DOWN_T.format(l=l), (d, ff), transpose=True)
+            if preds is None:  # dense GGUF: ggml's ffn_down (n_embd, n_ff)
+                add(p + "mlp.down_proj.weight", Names.FFN_DOWN.format(l=l), (d, ff))
+            else:
+                down_t = Names.FFN_DOWN_T.format(l=l)
+                add(p + "mlp.down_proj.weight", down_t, (d, ff), transpose=True)
         add("model.norm.weight", Names.OUTPUT_NORM, (d,))
         if "lm_head.weight" in hf.shapes:
             add("lm_head.weight", Names.OUTPUT, (nv, d))
@@ -312,8 +331,13 @@ def _convert_hf(
             raise ValueError(
                 f"{src}: {len(left)} tensors are not part of a LLaMA model, e.g. {left[:3]}"
             )
-        plan += _predictor_tensors(preds, outtype)
-        _write_stream(out, kv, plan, progress=progress)
+        if preds is None:
+            if a.ffn_variant.activation == "relu":
+                log.info("%s: a dense GGUF carries no activation: load it with ffn_act='relu'", out)
+            _write_stream(out, kv, plan, progress=progress, magic=GGUF_MAGIC)
+        else:
+            plan += _predictor_tensors(preds, outtype)
+            _write_stream(out, kv, plan, progress=progress)
     finally:
         hf.close()
 

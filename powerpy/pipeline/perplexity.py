@@ -108,7 +108,7 @@ def perplexity(
         progress: show a tqdm bar with the running perplexity.
         desc: the bar's label.
         opts: run options: dense, or predictor-gated (the default, where the model has
-            predictors) at ``opts.threshold``.
+            predictors) at ``opts.threshold``, or gated by ``opts.oracle``.
 
     Returns:
         A ``PerplexityResult``; its sparsity counts every token run (both halves).
@@ -123,7 +123,7 @@ def perplexity(
         raise ValueError(
             f"context {ctx} exceeds the model's training context {model.args.n_ctx_train}"
         )
-    sparse = opts.sparse and model.can_gate
+    sparse = (opts.sparse and model.can_gate) or opts.oracle is not None  # FFN gated
     stats = SparsityStats.empty(model.args.n_layer, model.args.n_ff)
     opts = dataclasses.replace(opts, sparse=sparse, stats=stats)
     total, count = 0.0, 0

@@ -110,11 +110,49 @@ class ProfileResult:
     target_sparsity: float | None
     n_samples: int = 0  # tokens dumped per layer
     samples_dir: Path | None = None
+    model: str = ""  # the model's name, for titles
 
     def active_fraction(self) -> npt.NDArray[np.float64]:
         """(n_layer,) mean fraction of active neurons per token."""
         n_ff = len(self.counts[0])
         return np.array([c.sum() / (self.n_tokens * n_ff) for c in self.counts])
+
+    def top_coverage(self, fraction: float = 0.1) -> npt.NDArray[np.float64]:
+        """(n_layer,) share of each layer's activations carried by its ``fraction`` most
+        active neurons (0 for a layer that never fired)."""
+        k = max(1, round(fraction * len(self.counts[0])))
+        out = []
+        for c in self.counts:
+            total = c.sum()
+            out.append(np.sort(c)[::-1][:k].sum() / total if total else 0.0)
+        return np.array(out, dtype=np.float64)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ProfileResult {self.model or 'model'}: {self.kind}, {len(self.counts)} layers, "
+            f"{self.n_tokens} tokens, mean active {100 * self.active_fraction().mean():.1f}%>"
+        )
+
+    def _repr_html_(self) -> str:
+        from powerpy import _html
+
+        frac, top = self.active_fraction(), self.top_coverage(0.1)
+        rows = [
+            (l, _html.pct(f), _html.pct(t), int((c > 0).sum()))
+            for l, (f, t, c) in enumerate(zip(frac, top, self.counts, strict=True))
+        ]
+        rule = "h != 0" if self.kind == KIND_RELU else "|h|·‖down‖ above the layer threshold"
+        notes = [
+            f"{self.n_tokens} tokens; active means {rule}; mean active "
+            f"{_html.pct(float(frac.mean()))}, top-10% neurons carry "
+            f"{_html.pct(float(top.mean()))} of activations"
+        ]
+        return _html.table(
+            f"{self.model or 'model'}: activation profile",
+            ("layer", "active per token", "top-10% coverage", "neurons ever active"),
+            rows,
+            notes=notes,
+        )
 
 
 class _SampleWriter:

@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +62,7 @@ from powerpy.pipeline.profile import (
     sample_arrays,
     write_profile,
 )
+from powerpy.pipeline.train_report import LayerReport, TrainReport
 
 log = logging.getLogger(__name__)
 
@@ -87,41 +88,6 @@ class TrainOptions:
     threshold: float = 0.0  # runtime predictor threshold: metrics, and written to config.json
     weight_eps: float = 0.005  # w = mean(y) + weight_eps
     seed: int = 0
-
-
-@dataclass
-class LayerReport:
-    """Held-out metrics of one layer's exported predictor at the runtime threshold."""
-
-    layer: int
-    hidden: int
-    recall: float
-    precision: float
-    pred_active: float  # fraction of neurons predicted active per token
-    true_active: float  # fraction of neurons labelled active per token
-    epochs: int
-    n_train: int
-    n_val: int
-
-
-@dataclass
-class TrainReport:
-    kind: str
-    layers: list[LayerReport] = field(default_factory=list)
-    magnitude_thresholds: list[float] | None = None
-
-    def summary(self) -> dict[str, float]:
-        """Mean recall/precision/active fractions over layers, and the min recall."""
-        if not self.layers:
-            return {}
-        rec = [r.recall for r in self.layers]
-        return {
-            "recall_mean": float(np.mean(rec)),
-            "recall_min": float(np.min(rec)),
-            "precision_mean": float(np.mean([r.precision for r in self.layers])),
-            "pred_active_mean": float(np.mean([r.pred_active for r in self.layers])),
-            "true_active_mean": float(np.mean([r.true_active for r in self.layers])),
-        }
 
 
 # ----------------------------------------------------------------------------------- one layer
@@ -319,7 +285,7 @@ def train_from_samples(
     out = Path(out_dir)
     check_out_dir(out, n_layer)
     out.mkdir(parents=True, exist_ok=True)
-    report = TrainReport(kind, magnitude_thresholds=thr)
+    report = TrainReport(kind, magnitude_thresholds=thr, threshold=opts.threshold)
     todo = list(range(n_layer)) if layers is None else list(layers)
     for l in tqdm(todo, desc="train", unit="layer", disable=not progress):
         xa, aa, dn = sample_arrays(meta, l)

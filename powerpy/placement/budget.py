@@ -64,6 +64,8 @@ FFN_NORM = "ffn_norm"
 OUTPUT = "output"  # output_norm, output
 KV_V = "kv_v"
 KV_K = "kv_k"
+KV = "kv"  # both caches (V and K), as a placement reports them
+HOT_FFN = "hot_ffn"  # compact hot rows of gate/up/down_t
 DENSE_LEVELS = (ATTN, PREDICTOR, FFN_NORM, OUTPUT)
 CATEGORY_ORDER = (*DENSE_LEVELS, KV_V, KV_K)
 # not part of the dense pass

@@ -31,18 +31,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from powerpy._fs import fmt_bytes
 from powerpy.config import ModelArgs
 from powerpy.errors import PlacementError
 from powerpy.formats.gpuidx import GpuIndex
 from powerpy.placement.budget import (
-    ATTN,
     DENSE_LEVELS,
-    FFN_NORM,
+    HOT_FFN,
+    KV,
     KV_K,
     KV_V,
-    OUTPUT,
-    PREDICTOR,
     FfnLayout,
     OffloadPlan,
     plan_offload,
@@ -55,11 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["HOT_FFN", "KV", "LayerPlacement", "Placement", "SolveSummary"]
-
-KV = "kv"  # both caches (V and K)
-HOT_FFN = "hot_ffn"  # compact hot rows of gate/up/down_t
-SUMMARY_CATEGORIES = (ATTN, PREDICTOR, FFN_NORM, OUTPUT, KV, HOT_FFN)
-_MODE_LABELS = {"upstream": "powerinfer"}  # the --capacity-model flag's name for the mode
 
 
 @dataclass(frozen=True, eq=False)
@@ -412,75 +404,20 @@ class Placement:
         Budget by category, the index and how it was solved, notes, then per layer the hot
         neurons, their bytes and (with statistics) the activation mass they cover.
         """
-        f = fmt_bytes
-        where = f" on {device}" if device else ""
-        lines = [
-            f"placement{where}: budget {f(self.budget)}, used {f(self.used)}, "
-            f"left {f(self.remaining)}"
-        ]
-        counts: dict[str, tuple[int, int]] = {}
-        for e in self.plan.entries:
-            if e.category in DENSE_LEVELS:
-                placed, total = counts.get(e.category, (0, 0))
-                counts[e.category] = (placed + e.on_gpu, total + 1)
-        by_cat = self.bytes_by_category
-        all_neurons = self.n_ff * self.n_layer
-        for cat in SUMMARY_CATEGORIES:
-            if cat == KV:
-                what = "on the accelerator" if self.kv_on_gpu else "host"
-                detail = f"{what}, n_ctx {self.n_ctx}, {self.kv_elem_bytes} B/value"
-            elif cat == HOT_FFN:
-                detail = f"{self.n_hot}/{all_neurons} neurons ({_pct(self.n_hot, all_neurons)})"
-            else:
-                placed, total = counts.get(cat, (0, 0))
-                detail = f"{placed}/{total} tensors"
-            lines.append(f"  {cat:<10} {f(by_cat[cat]):>11}  {detail}")
-        if self.index is not None:
-            lines.append(
-                f"  index made for {f(self.index.vram_capacity)}; split budget "
-                f"{f(self.plan.split_budget)}"
-            )
-        if self.solve is not None:
-            s = self.solve
-            lines.append(
-                f"  capacity   {s.capacity} neurons "
-                f"({_MODE_LABELS.get(s.capacity_mode, s.capacity_mode)} mode, "
-                f"{self.ffn.neuron_bytes[0]} bytes/neuron, batch {s.batch}, "
-                f"threshold {s.threshold})"
-            )
-            if s.method is not None:
-                lines.append(
-                    f"  solver     {s.method}{'' if s.optimal else ' (not proven optimal)'} in "
-                    f"{s.seconds:.3f} s ({s.total_seconds:.3f} s with export)"
-                )
-        lines.extend(f"  note: {n}" for n in self.notes)
-        if self.empty_reason:
-            lines.append(f"  empty placement: {self.empty_reason}")
-        if self.index is not None:
-            lines.extend(self._layer_table())
-        lines.append(
-            f"  hot rows   {self.hot_bytes} bytes; remaining budget {self.remaining} bytes"
-        )
-        return "\n".join(lines)
+        from powerpy.placement.report import summary_text
 
-    def _layer_table(self) -> list[str]:
-        cov = self.coverage
-        lines = [
-            f"  {'layer':>5} {'hot':>8} {'GPU % of neurons':>17} {'bytes':>14} {'coverage':>9}"
-        ]
-        for i, lp in enumerate(self.layers):
-            c = f"{100 * cov[i]:>8.2f}%" if cov is not None else f"{'-':>9}"
-            lines.append(f"  {i:>5} {lp.k:>8} {_pct(lp.k, lp.n_ff):>17} {lp.hot_bytes:>14} {c}")
-        total = self.n_ff * self.n_layer
-        c = (
-            f"{100 * self.total_coverage:>8.2f}%"
-            if self.total_coverage is not None
-            else f"{'-':>9}"
+        return summary_text(self, device)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Placement: budget {self.budget} B, used {self.used} B, "
+            f"{self.n_hot}/{self.n_layer * self.n_ff} neurons hot>"
         )
-        lines.append(
-            f"  {'total':>5} {self.n_hot:>8} {_pct(self.n_hot, total):>17} {self.hot_bytes:>14} {c}"
-        )
-        return lines
+
+    def _repr_html_(self) -> str:
+        from powerpy.placement.report import summary_html
+
+        return summary_html(self)
 
 
 def _check_kv(n_ctx: int, kv_elem_bytes: int) -> None:
@@ -488,7 +425,3 @@ def _check_kv(n_ctx: int, kv_elem_bytes: int) -> None:
         raise ValueError(f"kv_elem_bytes must be 2 (f16) or 4 (f32), got {kv_elem_bytes}")
     if n_ctx <= 0:
         raise ValueError(f"n_ctx must be > 0, got {n_ctx}")
-
-
-def _pct(part: int, whole: int) -> str:
-    return f"{100 * part / max(whole, 1):.1f}%"

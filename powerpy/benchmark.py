@@ -178,3 +178,146 @@ def dispatch_overhead_ms(model: Model, sparse: bool, n_gen: int = 32) -> float:
             run_tg(tiny, 4, opts)
             secs = run_tg(tiny, n_gen, opts)
     return 1e3 * secs / n_gen
+
+
+@dataclass
+class BenchResult:
+    """A ``powerpy bench`` run: its rows and the machine figures they are judged against.
+
+    Attributes:
+        model: the model's name.
+        rows: pp and tg rows per mode, sparse first.
+        bandwidth_gb_s: measured memory read bandwidth (the ceiling of ``ceiling_share``).
+        threads: CPU threads.
+        size_bytes: the model file's size.
+        dispatch_ms: per-token time of a same-depth model with tiny matrices (0: not measured).
+    """
+
+    model: str
+    rows: list[BenchRow]
+    bandwidth_gb_s: float
+    threads: int
+    size_bytes: int = 0
+    dispatch_ms: float = 0.0
+
+    def tg(self, mode: str) -> BenchRow | None:
+        """The token-generation row of ``mode`` ("sparse" or "dense"), if measured."""
+        return next((r for r in self.rows if r.mode == mode and r.test.startswith("tg")), None)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "size_gb": self.size_bytes / 1e9,
+            "threads": self.threads,
+            "bandwidth_gb_s": self.bandwidth_gb_s,
+            "python_overhead_ms_per_token": self.dispatch_ms,
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    def table(self) -> str:
+        """The llama-bench-style table ``powerpy bench`` prints, with the phase breakdown."""
+        out = [
+            f"| {'mode':6} | {'test':6} | {'t/s':>9} | {'active':>6} | {'MB/token':>9} | "
+            f"{'GB/s':>6} | {'of BW':>6} |",
+            "|" + "|".join("-" * w for w in (8, 8, 11, 8, 11, 8, 8)) + "|",
+        ]
+        for r in self.rows:
+            if r.test.startswith("tg"):
+                tail = (
+                    f"{100 * r.active_fraction:5.1f}% | {r.bytes_per_token / 1e6:9.1f} | "
+                    f"{r.gb_s:6.2f} | {100 * r.ceiling_share:5.1f}% |"
+                )
+            else:
+                tail = f"{'':6} | {'':9} | {'':6} | {'':6} |"
+            out.append(f"| {r.mode:6} | {r.test:6} | {r.tok_s:9.2f} | " + tail)
+        s, d = self.tg("sparse"), self.tg("dense")
+        if s is not None and d is not None:
+            out.append(f"sparse/dense tg speed: {s.tok_s / d.tok_s:.2f}x")
+        for r in (s, d):
+            if r is not None:
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r.phases_ms.items()))
+                out.append(f"{r.mode} tg ms/token: {parts}")
+        if self.dispatch_ms:
+            out.append(
+                f"python/dispatch floor (same depth, tiny matrices): {self.dispatch_ms:.2f} "
+                "ms/token"
+            )
+        return "\n".join(out)
+
+    def __repr__(self) -> str:
+        tests = ", ".join(f"{r.mode} {r.test} {r.tok_s:.1f} tok/s" for r in self.rows)
+        return f"<BenchResult {self.model}: {tests}>"
+
+    def _repr_html_(self) -> str:
+        from powerpy import _html
+
+        rows = []
+        for r in self.rows:
+            tg = r.test.startswith("tg")
+            rows.append(
+                (r.mode, r.test, f"{r.tok_s:.2f}",
+                 _html.pct(r.active_fraction) if tg else "",
+                 f"{r.bytes_per_token / 1e6:.1f}" if tg else "",
+                 f"{r.gb_s:.2f}" if tg else "",
+                 _html.pct(r.ceiling_share) if tg else "")
+            )  # fmt: skip
+        notes = [f"{self.threads} threads, measured read bandwidth {self.bandwidth_gb_s:.1f} GB/s"]
+        s, d = self.tg("sparse"), self.tg("dense")
+        if s is not None and d is not None:
+            notes.append(f"sparse/dense tg speed: {s.tok_s / d.tok_s:.2f}x")
+        return _html.table(
+            f"{self.model}: speed",
+            ("mode", "test", "tok/s", "active", "MB/token", "GB/s", "of BW"),
+            rows,
+            notes=notes,
+        )
+
+
+def run_bench(
+    model: Model,
+    *,
+    name: str = "",
+    n_prompt: int = 512,
+    n_gen: int = 128,
+    repetitions: int = 1,
+    modes: tuple[str, ...] | None = None,
+    threshold: float | None = None,
+    first_token: int = 0,
+    size_bytes: int = 0,
+    floor: bool = True,
+) -> BenchResult:
+    """Measure pp and tg speed per mode (``bench_mode``), with the bandwidth ceiling.
+
+    Args:
+        model: the model.
+        name: its name, for tables and plots.
+        n_prompt, n_gen: tokens of the pp and tg tests (0 skips a test).
+        repetitions: best of this many runs.
+        modes: ("sparse", "dense") by default for a model with predictors, else ("dense",).
+        threshold: the predictor threshold (None: the file's).
+        first_token: the warm-up token of tg (e.g. BOS).
+        size_bytes: the model file's size, for the record.
+        floor: also measure the dispatch floor (``dispatch_overhead_ms``).
+
+    Raises:
+        ValueError: negative token counts or an unknown mode.
+    """
+    if n_prompt < 0 or n_gen < 0 or repetitions < 1:
+        raise ValueError(
+            f"bench needs n_prompt >= 0, n_gen >= 0 and repetitions >= 1 (got {n_prompt}, "
+            f"{n_gen}, {repetitions})"
+        )
+    if modes is None:
+        modes = ("sparse", "dense") if model.can_gate else ("dense",)
+    bad = [m for m in modes if m not in ("sparse", "dense")]
+    if bad:
+        raise ValueError(f"unknown bench mode {bad[0]!r}: use 'sparse' or 'dense'")
+    bw = measure_bandwidth()
+    rows = []
+    for mode in modes:
+        rows += bench_mode(
+            model, mode, n_prompt, n_gen, bw, repetitions,
+            threshold=threshold, first_token=first_token,
+        )  # fmt: skip
+    dispatch = dispatch_overhead_ms(model, modes[0] == "sparse") if floor and n_gen > 0 else 0.0
+    return BenchResult(name, rows, bw, torch.get_num_threads(), size_bytes, dispatch)
