@@ -279,3 +279,27 @@ def test_sweep_settings_are_checked(llm) -> None:
         sparsity_sweep(llm.model, ids, [math.nan], ctx=128, chunks=1)
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         oracle_sweep(llm.model, ids, [1.0], ctx=128, chunks=1)
+
+
+def test_interrupted_training_leaves_no_partial_file(llm, tmp_path) -> None:
+    """Ctrl-C in the middle of train_predictors: every file there is whole, no scratch left."""
+    from powerpy.pipeline.predictors import load_predictor_file
+    from powerpy.pipeline.train import TrainOptions, train_predictors
+
+    def stop(report) -> None:
+        if report.layer == 1:
+            raise KeyboardInterrupt
+
+    ids = llm.tokenize(kjv_text("train")[:40_000], add_bos=False)
+    out = tmp_path / "pred"
+    with pytest.raises(KeyboardInterrupt):
+        train_predictors(
+            llm.model, ids, out, TrainOptions(hidden=32, epochs=1), tokens=1024, log_layer=stop
+        )
+    assert [p.name for p in tmp_path.iterdir()] == ["pred"]  # the sample dump is gone
+    names = sorted(p.name for p in out.rglob("*") if p.is_file())
+    assert names == sorted(
+        ["model_0.pt", "model_1.pt", "profile.json"] + [f"activation_{i}.pt" for i in range(4)]
+    )
+    for l in (0, 1):
+        assert set(load_predictor_file(out / f"model_{l}.pt")) == {"fc1.weight", "fc2.weight"}
