@@ -1,15 +1,26 @@
-"""Decode speed of powerpy and llama.cpp (llama-cpp-python) side by side on one model.
+"""Speed of powerpy and llama.cpp (llama-cpp-python) side by side: prompt processing and decode.
 
-    python tools/compare_llama_cpp.py [-m MODEL.gguf] [-n 64] [-t THREADS] [--rounds 3]
+    python tools/compare_llama_cpp.py [-m MODEL.gguf] [-n 64] [--prompt 512] [-t THREADS]
+    python tools/compare_llama_cpp.py --shape 1b --dtype f16 --prompt 512 -n 32 -t 2
 
-Both engines decode the same greedy continuation in alternating rounds; the best round of each
-is reported with their ratio. Timings on a shared machine are noisy: compare ratios only.
+Without ``--shape`` both engines run one file (default: SmolLM2-135M Q4_1), powerpy densely
+(it has no predictors). With ``--shape`` a synthetic PowerInfer model of that shape is written
+once into ``--work`` (power-law neurons, ~10% predicted active, ``tools/make_synthetic_model.py``)
+together with a dense GGUF of the same weights for llama.cpp; powerpy runs the PWRI file sparse
+and dense. (llama.cpp runs that file as SwiGLU, the synthetic model is ReGLU: the same bytes
+and operations, so speeds compare, outputs do not.)
+
+The engines run in paired rounds (llama.cpp, then powerpy, back to back); the table gives the
+median of each and the median of the per-round ratios. Timings on a shared machine drift:
+compare the ratios, not the absolute numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,7 +28,64 @@ import torch
 PROMPT = "In the beginning God created the heaven and the earth. And the earth was"
 
 
-def llama_cpp_decode(ref, ids: list[int], n: int) -> float:
+# ----------------------------------------------------------------------------- the files
+def dense_gguf_from_pwri(src: Path, out: Path) -> Path:
+    """The dense GGUF llama.cpp reads, from a PWRI file: predictors dropped, ``ffn_down_t``
+    (n_ff, n_embd) transposed back to ggml's ``ffn_down`` (n_embd, n_ff), same types."""
+    from powerpy.formats import quants
+    from powerpy.formats.constants import Keys
+    from powerpy.formats.gguf_reader import read_gguf
+    from powerpy.formats.gguf_writer import GGUFStreamWriter
+
+    with read_gguf(src) as gf:
+        names = [n for n in gf.tensors if ".fc1." not in n and ".fc2." not in n]
+        table = []
+        for n in names:
+            t = gf.tensors[n]
+            shape = tuple(t.shape)
+            if n.endswith(".ffn_down_t.weight"):
+                n, shape = n.replace(".ffn_down_t.", ".ffn_down."), shape[::-1]
+            table.append((n, shape, t.ggml_type))
+        kv = {
+            k: v
+            for k, v in gf.typed_kv().items()
+            if k not in (Keys.SPARSE_THRESHOLD, Keys.SPARSE_ACTIVATION)
+        }
+        with GGUFStreamWriter(out, kv, table) as w:
+            for src_name, (name, shape, ggml_type) in zip(names, table, strict=True):
+                if src_name.endswith(".ffn_down_t.weight"):
+                    down = np.ascontiguousarray(gf.dequantize(src_name).T)  # (n_embd, n_ff)
+                    w.write(name, quants.quantize(down, ggml_type).reshape(-1), shape)
+                else:
+                    w.write(name, gf.raw(src_name).reshape(-1), shape)
+    return out
+
+
+def synthetic_pair(shape: str, dtype: str, work: Path) -> tuple[Path, Path]:
+    """(PWRI, dense GGUF) of a synthetic model, written once into ``work``."""
+    from powerpy.testing.synthetic import write_synthetic_model
+
+    work.mkdir(parents=True, exist_ok=True)
+    pwri = work / f"synthetic-{shape}-{dtype}.powerinfer.gguf"
+    dense = work / f"synthetic-{shape}-{dtype}.dense.gguf"
+    if not pwri.is_file():
+        print(f"writing {pwri} ...", flush=True)
+        write_synthetic_model(pwri, shape, dtype, active=0.10, powerlaw=True)
+    if not dense.is_file():
+        print(f"writing {dense} ...", flush=True)
+        dense_gguf_from_pwri(pwri, dense)
+    return pwri, dense
+
+
+# ----------------------------------------------------------------------------- the runs
+def llama_cpp_pp(ref, ids: list[int]) -> float:
+    ref.reset()
+    t0 = time.perf_counter()
+    ref.eval(ids)
+    return len(ids) / (time.perf_counter() - t0)
+
+
+def llama_cpp_tg(ref, ids: list[int], n: int) -> float:
     ref.reset()
     ref.eval(ids)
     t0 = time.perf_counter()
@@ -26,13 +94,19 @@ def llama_cpp_decode(ref, ids: list[int], n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def powerpy_decode(llm, ids: list[int], n: int) -> float:
-    m = llm.model
-    cache = m.new_cache(len(ids) + n + 1)
-    logits = m.forward(torch.tensor(ids), cache)
+def powerpy_pp(model, ids: list[int], opts) -> float:
+    cache = model.new_cache(len(ids))
+    t0 = time.perf_counter()
+    model.forward(torch.tensor(ids), cache, opts)
+    return len(ids) / (time.perf_counter() - t0)
+
+
+def powerpy_tg(model, ids: list[int], n: int, opts) -> float:
+    cache = model.new_cache(len(ids) + n + 1)
+    logits = model.forward(torch.tensor(ids), cache, opts)
     t0 = time.perf_counter()
     for _ in range(n):
-        logits = m.forward(logits.argmax(-1), cache)
+        logits = model.forward(logits.argmax(-1), cache, opts)
     return n / (time.perf_counter() - t0)
 
 
@@ -41,29 +115,55 @@ def main() -> None:
 
     import powerpy
     from powerpy.default_model import smollm2_path
+    from powerpy.model.options import DENSE, SPARSE
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-m", "--model", default=None)
-    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("-m", "--model", default=None, help="one GGUF for both (default SmolLM2)")
+    ap.add_argument("--shape", choices=("tiny", "1b", "7b"), help="synthetic model shape")
+    ap.add_argument("--dtype", choices=("f16", "q8_0", "q4_0"), default="f16")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/powerpy-compare"))
+    ap.add_argument("-n", type=int, default=64, help="decoded tokens (0: no tg test)")
+    ap.add_argument("--prompt", type=int, default=0, metavar="N", help="pp test of N tokens")
     ap.add_argument("-t", "--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    path = args.model or str(smollm2_path())
     torch.set_num_threads(args.threads)
-    llm = powerpy.load(path)
+    if args.shape:
+        ours_path, ref_path = synthetic_pair(args.shape, args.dtype, args.work)
+    else:
+        ours_path = ref_path = Path(args.model or smollm2_path())
+    llm = powerpy.load(ours_path)
+    modes = {"sparse": SPARSE, "dense": DENSE} if llm.model.can_gate else {"dense": DENSE}
+    n_ctx = -(-(max(args.prompt, 16) + args.n + 8) // 256) * 256  # llama.cpp rounds up to 256
     ref = llama_cpp.Llama(
-        model_path=path, n_ctx=512, n_threads=args.threads, logits_all=True, verbose=False
-    )
-    ids = llm.tokenize(PROMPT)
-    ours, theirs = [], []
+        model_path=str(ref_path), n_ctx=n_ctx, n_batch=max(512, args.prompt),
+        n_threads=args.threads, logits_all=True, verbose=False,
+    )  # fmt: skip
+    g = np.random.default_rng(0)
+    pp_ids = [int(x) for x in g.integers(3, llm.model.args.n_vocab, args.prompt)]
+    tg_ids = llm.tokenize(PROMPT)
+    tests = ([f"pp{args.prompt}"] if args.prompt else []) + ([f"tg{args.n}"] if args.n else [])
+    speeds: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
-        theirs.append(llama_cpp_decode(ref, ids, args.n))
-        ours.append(powerpy_decode(llm, ids, args.n))
-    print(f"model {path}, {args.threads} threads, {args.n} tokens, best of {args.rounds}")
-    for name, speeds in (("llama.cpp", theirs), ("powerpy", ours)):
-        rounds = ", ".join(f"{x:.1f}" for x in speeds)
-        print(f"{name:9} decode: {max(speeds):8.2f} tok/s   (rounds: {rounds})")
-    print(f"powerpy / llama.cpp: {max(ours) / max(theirs):.3f}")
+        for test in tests:
+            pp = test.startswith("pp")
+            run = llama_cpp_pp(ref, pp_ids) if pp else llama_cpp_tg(ref, tg_ids, args.n)
+            speeds.setdefault(("llama.cpp", test), []).append(run)
+            for mode, opts in modes.items():
+                m = llm.model
+                run = powerpy_pp(m, pp_ids, opts) if pp else powerpy_tg(m, tg_ids, args.n, opts)
+                speeds.setdefault((f"powerpy {mode}", test), []).append(run)
+    print(
+        f"powerpy {ours_path.name} vs llama.cpp {ref_path.name}: {args.threads} threads, "
+        f"{args.rounds} paired rounds, medians"
+    )
+    print(f"| {'engine':16} | {'test':7} | {'tok/s':>8} | {'vs llama.cpp':>12} | rounds")
+    for (engine, test), xs in speeds.items():
+        base = speeds[("llama.cpp", test)]
+        ratio = statistics.median(a / b for a, b in zip(xs, base, strict=True))
+        rounds = ", ".join(f"{x:.1f}" for x in xs)
+        mid = statistics.median(xs)
+        print(f"| {engine:16} | {test:7} | {mid:8.2f} | {ratio:11.3f}x | {rounds}")
 
 
 if __name__ == "__main__":
