@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from quant_fixtures import random_blocks
 
 from powerpy.formats.constants import GGMLType
 from powerpy.model import kernels
@@ -25,7 +26,8 @@ from powerpy.model.ffn import glu, glu_rows
 from powerpy.model.matrices import DenseWeight, QuantWeight
 
 FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-QUANTS = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
+QUANTS = {t.name.lower(): t for t in kernels.QUANT_TYPES}
+K_QUANTS = ("q4_k", "q5_k", "q6_k")  # 256-element super-blocks
 DTYPES = [*FLOATS, *QUANTS]
 VARIANTS = ["reglu", "drelu", "swiglu"]
 ROWS = 203  # odd, not a multiple of anything useful
@@ -44,7 +46,7 @@ def quantize(w: np.ndarray, qt: GGMLType) -> np.ndarray:
         raw = np.asarray(fn(w))
         if raw.dtype == np.uint8 and raw.shape[0] == w.shape[0]:
             return raw.reshape(w.shape[0], -1)
-    except (ImportError, AttributeError):
+    except (ImportError, AttributeError, KeyError):
         pass
     import gguf
 
@@ -64,14 +66,23 @@ def make_weight(dtype: str, rows: int, cols: int, seed: int = 0):
     if dtype in FLOATS:
         t = torch.from_numpy(w).to(FLOATS[dtype])
         return DenseWeight(t), t.double()
-    raw = quantize(w, QUANTS[dtype])
+    if dtype in K_QUANTS:  # no quantizer in gguf-py: random blocks
+        raw = random_blocks(QUANTS[dtype], rows, cols, rng)
+    else:
+        raw = quantize(w, QUANTS[dtype])
     exact = torch.from_numpy(dequantize_oracle(raw, QUANTS[dtype])).double()
     return QuantWeight(torch.from_numpy(raw), QUANTS[dtype], cols), exact
 
 
 def cols_for(dtype: str) -> list[int]:
     # 72: a tail after whole 32-element blocks; 96: an odd block count; 2048: a real width
+    if dtype in K_QUANTS:
+        return [256, 768, 2048]
     return [72, 96, 2048] if dtype in FLOATS else [64, 96, 2048]
+
+
+def small_cols(dtype: str) -> tuple[int, int]:
+    return (256, 512) if dtype in K_QUANTS else (64, 96)
 
 
 def index_sets(rows: int, seed: int = 0) -> Iterator[torch.Tensor]:
@@ -89,6 +100,14 @@ def close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, eps: float 
     assert got.shape == ref.shape, (got.shape, ref.shape)
     bad = err > tol
     assert not bad.any(), f"max err {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
+
+
+@pytest.fixture(autouse=True)
+def exact_activations() -> Iterator[None]:
+    """These tests compare with f32 math; llama.cpp's rounding: test_quant_activations.py."""
+    kernels.set_quantized_activations(False)
+    yield
+    kernels.set_quantized_activations(True)
 
 
 @pytest.fixture
@@ -324,7 +343,7 @@ def path(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_weight_methods(dtype, path, threads) -> None:
     eps = EPS if path == "kernel" else fallback_eps(dtype)
-    for cols in (64, 96):
+    for cols in small_cols(dtype):
         wobj, w = make_weight(dtype, ROWS, cols, seed=5 * cols)
         x = torch.randn(cols)
         xd = x.double()
@@ -352,9 +371,10 @@ def test_weight_methods(dtype, path, threads) -> None:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_glu_rows(dtype, variant, path, threads) -> None:
     eps = 4 * (EPS if path == "kernel" else fallback_eps(dtype))
-    gobj, g = make_weight(dtype, ROWS, 96, seed=11)
-    uobj, u = make_weight(dtype, ROWS, 96, seed=12)
-    x = torch.randn(96)
+    cols = small_cols(dtype)[0]
+    gobj, g = make_weight(dtype, ROWS, cols, seed=11)
+    uobj, u = make_weight(dtype, ROWS, cols, seed=12)
+    x = torch.randn(cols)
     xd = x.double()
     for nt in (1, 2):
         torch.set_num_threads(nt)
@@ -402,7 +422,7 @@ def test_kernel_and_fallback_agree(dtype, kernels_on) -> None:
 
 
 def test_quant_kernel_equals_dequantize_then_f32(kernels_on) -> None:
-    """Q8_0/Q4_0 kernels match f32 math on the dequantized matrix within fp32 rounding."""
+    """Quantized kernels match f32 math on the dequantized matrix within fp32 rounding."""
     for dtype in QUANTS:
         wobj, _ = make_weight(dtype, ROWS, 2048, seed=31)
         deq = wobj.dequantize()  # (rows, cols) f32, exact
@@ -414,10 +434,11 @@ def test_quant_kernel_equals_dequantize_then_f32(kernels_on) -> None:
         close(wobj.gather_axpy(h, idx), f32_axpy.double(), h.abs() @ deq[idx].abs(), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("dtype", QUANTS)
 def test_torch_dequantize_matches_oracle(dtype) -> None:
-    wobj, w = make_weight(dtype, 17, 96)
-    got = weights.dequantize_rows_torch(wobj.raw, wobj.ggml_type, 96)
+    cols = small_cols(dtype)[1]
+    wobj, w = make_weight(dtype, 17, cols)
+    got = weights.dequantize_rows_torch(wobj.raw, wobj.ggml_type, cols)
     assert torch.equal(got.double(), w)
 
 

@@ -453,9 +453,14 @@ def test_ctrl_c_drains_running_requests(keyed, reference):
 
 
 # ----------------------------------------------------------------------------------- real model
-def test_smollm2_chat_and_prefix_reuse(smollm2_path):
+def test_smollm2_chat_and_prefix_reuse(smollm2_path, exact_activations):
+    """f32 activations (as the reference below): with llama.cpp's Q8_1 rounding this Q4_1 model
+    answers "L'Étoile, la Cité, ..." here, in llama.cpp and in powerpy alike."""
     threads = str(torch.get_num_threads())  # as the reference below
-    server = ServerProcess("-m", str(smollm2_path), "-np", "1", "--alias", "smol", "-t", threads)
+    server = ServerProcess(
+        "-m", str(smollm2_path), "-np", "1", "--alias", "smol", "-t", threads,
+        "--exact-activations",
+    )  # fmt: skip
     try:
         llm = load(smollm2_path)
         client = server.client()

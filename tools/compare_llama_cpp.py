@@ -126,8 +126,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=0, metavar="N", help="pp test of N tokens")
     ap.add_argument("-t", "--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--exact-activations", action="store_true", help="powerpy keeps activations f32"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.exact_activations:
+        from powerpy.model import kernels
+
+        kernels.set_quantized_activations(False)
     if args.shape:
         ours_path, ref_path = synthetic_pair(args.shape, args.dtype, args.work)
     else:

@@ -9,7 +9,7 @@ THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """``-m``, ``-t``, ``--sparse-threshold`` and ``--ffn-act``."""
+    """``-m``, ``-t``, ``--sparse-threshold``, ``--ffn-act`` and ``--exact-activations``."""
     p.add_argument("-m", "--model", help="model file (default: the sparse SmolLM2-135M)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
     p.add_argument(
@@ -24,6 +24,12 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="FFN activation when the file does not say it (a dense GGUF of a ReLU model, "
         "e.g. ReluLLaMA, needs relu; default: silu for GGUF, relu for PWRI)",
+    )
+    p.add_argument(
+        "--exact-activations",
+        action="store_true",
+        help="keep activations f32 in quantized matmuls (default: round them to Q8 blocks as "
+        "llama.cpp does, with integer dot products)",
     )
 
 
@@ -59,6 +65,10 @@ def load_model(args: argparse.Namespace):
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if getattr(args, "exact_activations", False):
+        from powerpy.model import kernels
+
+        kernels.set_quantized_activations(False)
     return load(
         args.model,
         threshold=args.sparse_threshold,  # None: env LLAMA_SPARSE_PRED_THRESHOLD, file, 0

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from powerpy.config import FFNVariant
 from powerpy.model.device import HOST, Accelerator, move
-from powerpy.model.matrices import DenseWeight, Weight
+from powerpy.model.matrices import DenseWeight, TransposedWeight, Weight
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
 
@@ -67,6 +67,8 @@ def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: FFNVaria
 
 def rows_sum(h: Tensor, w: Weight, chunk: int = 2048, small_batch: int = 8) -> Tensor:
     """``h @ W`` for a neuron-major W: h (T, n_ff) f32, W (n_ff, n_embd) -> (T, n_embd) f32."""
+    if isinstance(w, TransposedWeight):  # a dense file's ffn_down, as stored: its linear
+        return w.rows_sum(h)
     if w.device.type != "cpu":  # an accelerator's hot rows: one matmul over the f32 rows
         return h.float() @ w.dequantize()
     if isinstance(w, DenseWeight) and w.w.dtype == torch.float32:

@@ -1,4 +1,4 @@
-"""Native CPU kernels (powerpy/csrc/sparse_ffn.cpp): build on first use, load with ctypes.
+"""Native CPU kernels (powerpy/model/csrc/sparse_ffn.cpp): build on first use, load with ctypes.
 
 The library is compiled with the system C++ compiler (``-O3 -march=native -fopenmp``) into a
 per-user cache, ``$XDG_CACHE_HOME/powerpy/kernels`` (default ``~/.cache/powerpy/kernels``), under
@@ -12,6 +12,9 @@ reason once; callers (``powerpy.model.matrices``) then use their torch code path
 :func:`set_enabled` switches the kernels off (for example from a CLI flag). Every kernel runs on
 ``torch.get_num_threads()`` OpenMP threads, so ``torch.set_num_threads`` controls them too
 (the library binds to torch's own ``libgomp.so.1``, so there is one thread pool).
+
+Quantized matrices (:data:`QUANT_TYPES`) are read as raw ggml blocks; their matmuls round the
+activations as llama.cpp does unless :func:`set_quantized_activations` says otherwise.
 
 The wrappers here take CPU tensors and check shapes; ``powerpy.model.matrices`` decides when to call
 them. Weight matrices are passed as ``(rows, row_bytes)`` uint8 views or float tensors whose
@@ -40,7 +43,7 @@ from powerpy.formats.constants import GGMLType
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 SOURCE = Path(__file__).parent / "csrc" / "sparse_ffn.cpp"
 DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
@@ -54,12 +57,19 @@ DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
     GGMLType.BF16: 2,
     GGMLType.Q8_0: 3,
     GGMLType.Q4_0: 4,
+    GGMLType.Q4_1: 5,
+    GGMLType.Q5_0: 6,
+    GGMLType.Q5_1: 7,
+    GGMLType.Q4_K: 8,
+    GGMLType.Q5_K: 9,
+    GGMLType.Q6_K: 10,
 }
+QUANT_TYPES = tuple(t for t in DTYPE_CODES if isinstance(t, GGMLType) and t.name[0] == "Q")
 # GLU variants (enum Variant): h = act(gate·x, up·x)
 VARIANTS = {FFNVariant.REGLU: 0, FFNVariant.DRELU: 1, FFNVariant.SWIGLU: 2}
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
 
-_ERR_INDEX, _ERR_ARG = 1, 2
+_ERR_INDEX = 1
 
 
 class KernelBuildError(RuntimeError):
@@ -73,17 +83,17 @@ _SIGNATURES = {
     "pp_abi_version": ([], _i32),
     "pp_simd_level": ([], _i32),
     "pp_set_tuning": ([_i64, _i64], None),
-    # dtype, W, ld, nrows, cols, x, idx, k, out, nthreads
-    "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32], _i32),
+    # dtype, W, ld, nrows, cols, x, idx, k, out, act, nthreads
+    "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
     # dtype, W, ld, nrows, cols, h, idx, k, out, accumulate, nthreads
     "pp_gather_axpy": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
-    # dtype, G, ldg, U, ldu, nrows, cols, x, idx, k, variant, out, nthreads
+    # dtype, G, ldg, U, ldu, nrows, cols, x, idx, k, variant, out, act, nthreads
     "pp_glu_gemv": (
-        [_i32, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _i64, _i32, _p, _i32],
+        [_i32, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _i64, _i32, _p, _i32, _i32],
         _i32,
     ),
-    # dtype, W, ld, nrows, cols, x, ldx, T, out, ldo, nthreads
-    "pp_gemm": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32], _i32),
+    # dtype, W, ld, nrows, cols, x, ldx, T, out, ldo, act, nthreads
+    "pp_gemm": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32, _i32], _i32),
     # dtype, W, ld, nrows, cols, idx, k, out, nthreads
     "pp_dequant_rows": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
 }
@@ -186,6 +196,7 @@ class KernelLibrary:
             ip,
             k,
             out.data_ptr(),
+            _quant_act,
             torch.get_num_threads(),
         )
         if st:
@@ -260,6 +271,7 @@ class KernelLibrary:
             k,
             code,
             out.data_ptr(),
+            _quant_act,
             torch.get_num_threads(),
         )
         if st:
@@ -291,6 +303,7 @@ class KernelLibrary:
             T,
             out.data_ptr(),
             out.stride(0),
+            _quant_act,
             torch.get_num_threads(),
         )
         if st:
@@ -434,6 +447,7 @@ def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) 
 
 _lock = threading.Lock()
 _enabled = True
+_quant_act = 1  # 1: quantized weights see ggml's vec_dot_type activations; 0: f32 activations
 _library: KernelLibrary | None = None
 _failure: str | None = None  # why the build failed (logged once)
 
@@ -442,6 +456,20 @@ def set_enabled(enabled: bool) -> None:
     """Turn the native kernels on or off for this process (off: torch code paths only)."""
     global _enabled
     _enabled = bool(enabled)
+
+
+def set_quantized_activations(on: bool) -> None:
+    """On (default): quantized matmuls round x as llama.cpp does (ggml's ``vec_dot_type``: Q8_0
+    blocks for Q8_0/Q4_0/Q5_0, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants) and take integer block
+    dot products. Off (``--exact-activations``): x stays f32. Float weights and row sums
+    (``gather_axpy``) always use f32. Process-wide, like :func:`set_enabled`."""
+    global _quant_act
+    _quant_act = 1 if on else 0
+
+
+def quantized_activations() -> bool:
+    """Whether quantized matmuls round their activations like llama.cpp (see above)."""
+    return bool(_quant_act)
 
 
 def enabled() -> bool:

@@ -1,9 +1,10 @@
 """File -> (ModelArgs, Weights): the only place that turns GGUF tensors into runtime weights.
 
-Float tensors stay memory-mapped (no copy). Q8_0 and Q4_0 matrices keep their raw blocks when the
-CPU kernels are available; other quantized matrices (Q4_1, Q5_x, K-quants) are dequantized once,
-at load, to f16: their values need at most 11 significant bits plus the block scales, so f16
-loses almost nothing and takes half the memory of f32 (a 7B Q4_K_M model: 13.5 GB, not 27 GB).
+Float tensors stay memory-mapped (no copy). Quantized matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K) keep their raw blocks, memory-mapped, when the CPU kernels are available, so
+resident memory stays close to the file size. Without the kernels they are dequantized once, at
+load, to f16 (their values need at most 11 significant bits plus the block scales). A dense
+file's ``ffn_down`` stays as stored, seen neuron-major through ``TransposedWeight``.
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from powerpy.errors import FileFormatError, ModelConfigError
 from powerpy.formats import quants
 from powerpy.formats.constants import GGMLType, Names
 from powerpy.formats.gguf_reader import GGUFFile
-from powerpy.model.matrices import DenseWeight, QuantWeight, Weight
+from powerpy.model.kernels import QUANT_TYPES
+from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
 from powerpy.model.transformer import Block, Weights
 
 log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("auto", "f32", "raw")
 _FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
-_RAW_TYPES = (GGMLType.Q8_0, GGMLType.Q4_0)
+
 F16_MAX = 65504.0
 
 
@@ -88,24 +90,20 @@ class _TensorSource:
                 raw = self.gf.raw(name).view(np.int16).reshape(shape)
                 return DenseWeight(_torch_view(raw).view(torch.bfloat16))
             return DenseWeight(_torch_view(self.gf.array(name)))
-        if t.ggml_type in _RAW_TYPES and self.keep_raw:
+        if t.ggml_type in QUANT_TYPES and self.keep_raw:
             return QuantWeight(_torch_view(self.gf.raw(name)), t.ggml_type, shape[1])
-        return DenseWeight(self._dequantized(name, transpose=False))
+        return DenseWeight(self._dequantized(name))
 
     def transposed(self, name: str, shape: tuple[int, int]) -> Weight:
-        """A matrix stored as ``shape`` returned transposed (dense files' ffn_down)."""
-        t = self.info(name, shape)
-        if t.ggml_type in _FLOAT_TYPES and not self.f32:
-            w = self.matrix(name, shape)
-            return DenseWeight(w.w.t().contiguous())
-        return DenseWeight(self._dequantized(name, transpose=True))
+        """A matrix stored as ``shape``, seen transposed (dense files' ffn_down), not copied."""
+        return TransposedWeight(self.matrix(name, shape))
 
-    def _dequantized(self, name: str, *, transpose: bool) -> torch.Tensor:
+    def _dequantized(self, name: str) -> torch.Tensor:
         """A quantized matrix as f16 (f32 with weight_format "f32" or values beyond f16)."""
         w = self.gf.dequantize(name)  # f32
         if not self.f32 and float(np.abs(w).max(initial=0.0)) < F16_MAX:
             w = w.astype(np.float16)
-        return torch.from_numpy(np.ascontiguousarray(w.T if transpose else w))
+        return torch.from_numpy(np.ascontiguousarray(w))
 
 
 def check_tensor_sizes(gf: GGUFFile) -> None:
@@ -140,8 +138,8 @@ def load_weights(
     Args:
         gf: the open file (its memory map must outlive the weights).
         args: hyperparameters from the same file.
-        weight_format: "auto" (floats as stored, Q8_0/Q4_0 raw when kernels exist, other
-            quantized types f16), "f32" (dequantize everything to f32) or "raw".
+        weight_format: "auto" (floats as stored, quantized types raw when the kernels exist,
+            else f16), "f32" (dequantize everything to f32) or "raw".
         progress: show a progress bar over the layers.
 
     Raises:

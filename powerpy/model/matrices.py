@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -32,7 +31,7 @@ KERNEL_GEMM_MAX_T = 8
 TILE_ELEMENTS = 1 << 21  # 8 MiB of f32
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_KERNEL_QUANTS = (GGMLType.Q8_0, GGMLType.Q4_0)
+_KERNEL_QUANTS = kernels.QUANT_TYPES
 
 
 # ---- helpers -------------------------------------------------------------------------------------
@@ -100,33 +99,84 @@ def _tiled_linear(lib: kernels.KernelLibrary, m: kernels.Matrix, x: Tensor) -> T
     return out_t.t().contiguous()
 
 
-def dequantize_rows_torch(raw: Tensor, ggml_type: GGMLType, cols: int) -> Tensor:
-    """Decode raw ggml rows with torch ops (any device): raw (n, row_bytes) -> (n, cols) f32.
+def _f16_field(b: Tensor, start: int) -> Tensor:
+    # b (..., type_size) uint8 -> the f16 at byte `start` as f32 (..., 1)
+    return b[..., start : start + 2].contiguous().view(torch.float16).float()
 
-    Q8_0, Q4_0 and the float types run on the tensor's device; other types go through
-    ``powerpy.formats.quants.dequantize`` (numpy, on the CPU).
-    """
+
+def _nibbles(qs: Tensor, dim: int) -> Tensor:
+    # qs (..., k) uint8 -> low and high nibbles stacked along `dim`, as int16
+    q = qs.to(torch.int16)
+    return torch.stack([q & 15, q >> 4], dim=dim)
+
+
+def _bits_u32(b: Tensor) -> Tensor:
+    # b (..., 4) uint8 little-endian -> (..., 32) bits as int16, bit j at j
+    v = b.to(torch.int64)
+    word = v[..., 0] | v[..., 1] << 8 | v[..., 2] << 16 | v[..., 3] << 24
+    shifts = torch.arange(32, device=b.device)
+    return ((word[..., None] >> shifts) & 1).to(torch.int16)
+
+
+def _scales_k4(s: Tensor) -> tuple[Tensor, Tensor]:
+    # s (..., 12) uint8 packed 6-bit scales and mins of Q4_K/Q5_K -> two (..., 8) f32
+    s = s.to(torch.int16)
+    lo, hi = s[..., 0:4], s[..., 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=-1)
+    m = torch.cat([s[..., 4:8] & 63, (hi >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
+    return sc.float(), m.float()
+
+
+def _decode_blocks(b: Tensor, t: GGMLType) -> Tensor:
+    """Blocks (..., type_size) uint8 -> (..., block_size) f32, in ggml's f32 operation order."""
+    if t == GGMLType.Q8_0:
+        return b[..., 2:].contiguous().view(torch.int8).float() * _f16_field(b, 0)
+    if t == GGMLType.Q4_0:
+        q = _nibbles(b[..., 2:], -2).flatten(-2) - 8  # (..., 32)
+        return q.float() * _f16_field(b, 0)
+    if t in (GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
+        qs_at = {GGMLType.Q4_1: 4, GGMLType.Q5_0: 6, GGMLType.Q5_1: 8}[t]
+        q = _nibbles(b[..., qs_at:], -2).flatten(-2)  # (..., 32)
+        if t != GGMLType.Q4_1:
+            q = q | _bits_u32(b[..., qs_at - 4 : qs_at]) << 4
+        if t == GGMLType.Q5_0:
+            return (q - 16).float() * _f16_field(b, 0)
+        return _f16_field(b, 0) * q.float() + _f16_field(b, 2)
+    if t in (GGMLType.Q4_K, GGMLType.Q5_K):
+        sc, m = _scales_k4(b[..., 4:16])  # (..., 8)
+        qs = b[..., -128:].reshape(*b.shape[:-1], 4, 32)
+        q = _nibbles(qs, -2).reshape(*b.shape[:-1], 8, 32)  # sub-block s: pair s // 2, nibble s % 2
+        if t == GGMLType.Q5_K:
+            qh = b[..., 16:48].to(torch.int16)  # bit s of byte l: element l of sub-block s
+            q = q | ((qh[..., None, :] >> torch.arange(8, device=b.device)[:, None]) & 1) << 4
+        d = _f16_field(b, 0) * sc  # (..., 8)
+        mn = _f16_field(b, 2) * m
+        return (d[..., None] * q.float() - mn[..., None]).flatten(-2)
+    if t == GGMLType.Q6_K:
+        lead = b.shape[:-1]
+        ql = b[..., :128].reshape(*lead, 2, 2, 32)  # (half, k & 1, l)
+        lo4 = _nibbles(ql, -3).reshape(*lead, 2, 4, 32)  # (half, k = 2 * hi + (k & 1), l)
+        qh = b[..., 128:192].reshape(*lead, 2, 1, 32).to(torch.int16)
+        hi2 = (qh >> (2 * torch.arange(4, device=b.device))[:, None]) & 3
+        q = (lo4 | hi2 << 4) - 32  # (..., 2, 4, 32)
+        sc = b[..., 192:208].contiguous().view(torch.int8).reshape(*lead, 2, 4, 2).float()
+        dsc = _f16_field(b, 208)[..., None, None] * sc.repeat_interleave(16, dim=-1)
+        return (dsc * q.float()).reshape(*lead, 256)
+    raise ValueError(f"no torch decoder for {t.name}")
+
+
+def dequantize_rows_torch(raw: Tensor, ggml_type: GGMLType, cols: int) -> Tensor:
+    """Decode raw ggml rows with torch ops on the tensor's device (no host round trip):
+    raw (n, row_bytes) -> (n, cols) f32, equal to ``gguf.quants.dequantize``."""
     n = raw.shape[0]
     if ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         dt = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16}.get(
             ggml_type, torch.bfloat16
         )
         return raw.contiguous().view(dt).reshape(n, cols).float()
-    if ggml_type == GGMLType.Q8_0:
-        b = raw.reshape(n, cols // 32, 34)  # (n, blocks, d:2 + qs:32)
-        d = b[..., :2].contiguous().view(torch.float16).float()  # (n, blocks, 1)
-        q = b[..., 2:].contiguous().view(torch.int8).float()  # (n, blocks, 32)
-        return (q * d).reshape(n, cols)
-    if ggml_type == GGMLType.Q4_0:
-        b = raw.reshape(n, cols // 32, 18)  # (n, blocks, d:2 + qs:16)
-        d = b[..., :2].contiguous().view(torch.float16).float()  # (n, blocks, 1)
-        qs = b[..., 2:].to(torch.int16)  # (n, blocks, 16)
-        q = torch.cat([(qs & 15) - 8, (qs >> 4) - 8], dim=-1).float()  # (n, blocks, 32)
-        return (q * d).reshape(n, cols)
-    from powerpy.formats.quants import dequantize
-
-    arr = dequantize(raw.cpu().numpy(), ggml_type, (n, cols))
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(raw.device)
+    tr = TYPE_TRAITS[ggml_type]
+    b = raw.reshape(n, cols // tr.block_size, tr.type_size)
+    return _decode_blocks(b, ggml_type).reshape(n, cols)
 
 
 # ---- dense ---------------------------------------------------------------------------------------
@@ -248,9 +298,9 @@ class DenseWeight:
 class QuantWeight:
     """Raw ggml blocks ``(rows, row_bytes)`` uint8 of a quantized ``(rows, cols)`` matrix.
 
-    Q8_0 and Q4_0 run on the native kernels (CPU) or decode with torch ops (any device); other
-    types decode the rows they touch through ``powerpy.formats.quants``. Nothing here
-    dequantizes the whole matrix at once except :meth:`dequantize`.
+    Every type of ``kernels.QUANT_TYPES`` runs on the native kernels (CPU) or decodes the rows
+    it touches with torch ops (any device). Nothing here dequantizes the whole matrix at once
+    except :meth:`dequantize`.
     """
 
     def __init__(self, raw: Tensor, ggml_type: GGMLType, cols: int) -> None:
@@ -295,7 +345,8 @@ class QuantWeight:
     def linear(self, x: Tensor) -> Tensor:
         """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)).
 
-        Small batches read the blocks once with the native GEMM; larger ones (and the
+        The native GEMM reads the blocks once (with llama.cpp's activation rounding, an
+        integer GEMM at any batch size); with f32 activations larger batches (and the torch
         fallback) decode tiles of rows to f32 and multiply with BLAS, so no full f32 copy of
         the matrix ever exists.
         """
@@ -304,8 +355,8 @@ class QuantWeight:
         x = x.float()
         rows, T = self.raw.shape[0], x.shape[0]
         kern = self._kernel()
-        if kern is not None and T <= KERNEL_GEMM_MAX_T:
-            return kern[0].gemm(kern[1], x)
+        if kern is not None and (T <= KERNEL_GEMM_MAX_T or kernels.quantized_activations()):
+            return kern[0].gemm(kern[1], x)  # llama.cpp's rounding needs the integer GEMM
         if kern is not None:
             return _tiled_linear(kern[0], kern[1], x)
         out_t = self.raw.new_empty((rows, T), dtype=torch.float32)  # (rows, T)
@@ -375,4 +426,71 @@ class QuantWeight:
         return QuantWeight(t, self.ggml_type, self.cols)
 
 
-Weight = DenseWeight | QuantWeight
+# ---- transposed ----------------------------------------------------------------------------------
+
+
+class TransposedWeight:
+    """A neuron-major ``(n_ff, n_embd)`` view of a matrix stored ``(n_embd, n_ff)``: a dense
+    GGUF's ``ffn_down``, kept as stored (raw blocks, memory-mapped) instead of transposed.
+
+    Summing all rows (``h @ W_t``) is the stored matrix's ``linear``, as in llama.cpp; row
+    gathers and row copies, which only research paths need on dense files, decode the matrix.
+    """
+
+    def __init__(self, inner: DenseWeight | QuantWeight) -> None:
+        self.inner = inner  # (n_embd, n_ff)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.inner.shape
+        return (cols, rows)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def _kernel(self) -> None:
+        return None  # rows are not contiguous in memory
+
+    def rows_sum(self, h: Tensor) -> Tensor:
+        """``h @ W_t``: h (T, n_ff) -> (T, n_embd) f32."""
+        return self.inner.linear(h.float())
+
+    def gather_axpy(self, h: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
+        """``sum_j h[j] * W_t[idx[j]]``: h (k,), idx (k,) -> (n_embd,) f32 (reads every row)."""
+        full = h.new_zeros(self.shape[0], dtype=torch.float32)
+        full.index_put_((_as_idx(idx),), h.float(), accumulate=True)
+        res = self.inner.linear(full)
+        return res if out is None else out.add_(res)
+
+    def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
+        """Rows ``idx`` of ``W_t @ x``: x (n_embd,) -> (k,) f32."""
+        return self.dequantize().index_select(0, _as_idx(idx)) @ x.float()
+
+    def linear(self, x: Tensor) -> Tensor:
+        """``x @ W_t.T``: x (T, n_embd) -> (T, n_ff) f32 (decodes the matrix)."""
+        return x.float() @ self.inner.dequantize()
+
+    def take_rows(self, idx: Tensor) -> DenseWeight:
+        """Rows ``idx`` of the neuron-major view as a new f32 weight."""
+        return DenseWeight(self.dequantize().index_select(0, _as_idx(idx)).contiguous())
+
+    def dequantize(self) -> Tensor:
+        """The neuron-major matrix as f32 (n_ff, n_embd), a transposed view of a full copy."""
+        return self.inner.dequantize().t()
+
+    @property
+    def storage(self) -> Tensor:
+        """The tensor holding the stored matrix."""
+        return self.inner.storage
+
+    def with_storage(self, t: Tensor) -> TransposedWeight:
+        """The same matrix over another copy of its data (e.g. on a device)."""
+        return TransposedWeight(self.inner.with_storage(t))
+
+
+Weight = DenseWeight | QuantWeight | TransposedWeight

@@ -32,7 +32,10 @@
 
 namespace {
 
-enum DType { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q8_0 = 3, DT_Q4_0 = 4 };
+enum DType {
+  DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q8_0 = 3, DT_Q4_0 = 4,
+  DT_Q4_1 = 5, DT_Q5_0 = 6, DT_Q5_1 = 7, DT_Q4_K = 8, DT_Q5_K = 9, DT_Q6_K = 10
+};
 enum Variant { V_REGLU = 0, V_DRELU = 1, V_SWIGLU = 2 };
 enum Status { PP_OK = 0, PP_ERR_INDEX = 1, PP_ERR_ARG = 2 };
 
@@ -148,6 +151,8 @@ template <>
 struct Dec<DT_F32> {
   static constexpr int64_t BB = 128;
   static constexpr bool QUANT = false;
+  static constexpr int64_t QK = 32, TS = BB;
+  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
   static inline void block(const uint8_t* p, vf* w) {
     for (int u = 0; u < NV; ++u) w[u] = v_load((const float*)p + u * VL);
   }
@@ -162,6 +167,8 @@ template <>
 struct Dec<DT_F16> {
   static constexpr int64_t BB = 64;
   static constexpr bool QUANT = false;
+  static constexpr int64_t QK = 32, TS = BB;
+  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
   static inline void block(const uint8_t* p, vf* w) {
 #if PP_SIMD == 2
     for (int u = 0; u < NV; ++u)
@@ -179,6 +186,8 @@ template <>
 struct Dec<DT_BF16> {
   static constexpr int64_t BB = 64;
   static constexpr bool QUANT = false;
+  static constexpr int64_t QK = 32, TS = BB;
+  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
   static inline void block(const uint8_t* p, vf* w) {
 #if PP_SIMD == 2
     for (int u = 0; u < NV; ++u) {
@@ -202,6 +211,8 @@ template <>
 struct Dec<DT_Q8_0> {
   static constexpr int64_t BB = 34;
   static constexpr bool QUANT = true;
+  static constexpr int64_t QK = 32, TS = BB;
+  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
   static inline void block(const uint8_t* p, vf* w) {
     const float d = half_to_float(load_u16(p));
     const uint8_t* qs = p + 2;
@@ -229,6 +240,8 @@ template <>
 struct Dec<DT_Q4_0> {
   static constexpr int64_t BB = 18;
   static constexpr bool QUANT = true;
+  static constexpr int64_t QK = 32, TS = BB;
+  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
   static inline void block(const uint8_t* p, vf* w) {
     const float d = half_to_float(load_u16(p));
     const uint8_t* qs = p + 2;
@@ -260,9 +273,519 @@ struct Dec<DT_Q4_0> {
   static inline float one(const uint8_t*, int64_t) { return 0.0f; }  // never called (QUANT)
 };
 
+// ---- byte decoders for the other ggml types --------------------------------------------------
+// A 32-element chunk decodes to 32 bytes q plus one affine map per half (elements 0..15 and
+// 16..31): y = a_h * q + b_h. Every value is exact in f32 (a_h * q needs at most 25 bits and one
+// rounding, as in ggml), so the f32 decode equals ggml's dequantization. The same bytes feed the
+// integer dot products against quantized activations (vec_dot) below. q is unsigned except for
+// Q8_0 (SIGNED: the bytes are int8 values).
+
+#if defined(__AVX2__)
+#define PP_ISIMD 1
+struct U8x32 {
+  __m256i v;
+};
+#else
+#define PP_ISIMD 0
+struct U8x32 {
+  uint8_t b[32];
+};
+#endif
+
+struct Affine {
+  float a0, a1, b0, b1;
+};
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 16 bytes -> 32 nibbles: low nibbles are elements 0..15, high nibbles 16..31 (Q4_0/Q4_1/Q5_x).
+inline void nibbles_split(const uint8_t* qs, U8x32& q) {
+#if PP_ISIMD
+  const __m128i v = _mm_loadu_si128((const __m128i*)qs);
+  const __m128i m4 = _mm_set1_epi8(15);
+  q.v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+#else
+  for (int j = 0; j < 16; ++j) {
+    q.b[j] = qs[j] & 15;
+    q.b[j + 16] = qs[j] >> 4;
+  }
+#endif
+}
+
+// 32 bytes -> their low (hi == false) or high nibbles, in order (K-quants).
+inline void nibbles_32(const uint8_t* qs, bool hi, U8x32& q) {
+#if PP_ISIMD
+  __m256i v = _mm256_loadu_si256((const __m256i*)qs);
+  if (hi) v = _mm256_srli_epi16(v, 4);
+  q.v = _mm256_and_si256(v, _mm256_set1_epi8(15));
+#else
+  for (int j = 0; j < 32; ++j) q.b[j] = hi ? qs[j] >> 4 : qs[j] & 15;
+#endif
+}
+
+// q[j] |= 16 where bit j of `bits` is set (Q5_0/Q5_1 high bits).
+inline void or_bits16(uint32_t bits, U8x32& q) {
+#if PP_ISIMD
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m256i h = _mm256_maskz_set1_epi8((__mmask32)bits, 16);
+#else
+  const __m256i shuf = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                        2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+  __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), shuf);
+  h = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, sel), sel), _mm256_set1_epi8(16));
+#endif
+  q.v = _mm256_or_si256(q.v, h);
+#else
+  for (int j = 0; j < 32; ++j) q.b[j] |= ((bits >> j) & 1u) << 4;
+#endif
+}
+
+// q[j] |= ((hb[j] >> shift) & mask) << 4 for the 32 bytes hb (Q5_K: mask 1, Q6_K: mask 3).
+inline void or_high(const uint8_t* hb, int shift, int mask, U8x32& q) {
+#if PP_ISIMD
+  __m256i h = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i*)hb), _mm_cvtsi32_si128(shift));
+  h = _mm256_slli_epi16(_mm256_and_si256(h, _mm256_set1_epi8((char)mask)), 4);
+  q.v = _mm256_or_si256(q.v, h);
+#else
+  for (int j = 0; j < 32; ++j) q.b[j] |= ((hb[j] >> shift) & mask) << 4;
+#endif
+}
+
+// ggml's 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block.
+inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+template <int DT>
+struct UDec;
+
+// Q8_0 (34 B / 32): f16 d, int8 qs[32].
+template <>
+struct UDec<DT_Q8_0> {
+  static constexpr int64_t QK = 32, TS = 34;
+  static constexpr bool SIGNED = true;
+  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+    const uint8_t* p = row + c * TS;
+    const float d = half_to_float(load_u16(p));
+    f = {d, d, 0.0f, 0.0f};
+#if PP_ISIMD
+    q.v = _mm256_loadu_si256((const __m256i*)(p + 2));
+#else
+    std::memcpy(q.b, p + 2, 32);
+#endif
+  }
+};
+
+// Q4_0 (18 B / 32): f16 d, qs[16]; y = (q - 8) d.
+template <>
+struct UDec<DT_Q4_0> {
+  static constexpr int64_t QK = 32, TS = 18;
+  static constexpr bool SIGNED = false;
+  static constexpr int OFF = 8;  // ggml's signed value: q - OFF
+  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+    const uint8_t* p = row + c * TS;
+    const float d = half_to_float(load_u16(p));
+    f = {d, d, -8.0f * d, -8.0f * d};
+    nibbles_split(p + 2, q);
+  }
+};
+
+// Q4_1 (20 B / 32): f16 d, f16 m, qs[16]; y = q d + m.
+template <>
+struct UDec<DT_Q4_1> {
+  static constexpr int64_t QK = 32, TS = 20;
+  static constexpr bool SIGNED = false;
+  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+    const uint8_t* p = row + c * TS;
+    const float d = half_to_float(load_u16(p)), m = half_to_float(load_u16(p + 2));
+    f = {d, d, m, m};
+    nibbles_split(p + 4, q);
+  }
+};
+
+// Q5_0 (22 B / 32): f16 d, u32 qh, qs[16]; q = nibble | bit << 4, y = (q - 16) d.
+template <>
+struct UDec<DT_Q5_0> {
+  static constexpr int64_t QK = 32, TS = 22;
+  static constexpr bool SIGNED = false;
+  static constexpr int OFF = 16;  // ggml's signed value: q - OFF
+  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+    const uint8_t* p = row + c * TS;
+    const float d = half_to_float(load_u16(p));
+    f = {d, d, -16.0f * d, -16.0f * d};
+    nibbles_split(p + 6, q);
+    or_bits16(load_u32(p + 2), q);
+  }
+};
+
+// Q5_1 (24 B / 32): f16 d, f16 m, u32 qh, qs[16]; y = q d + m.
+template <>
+struct UDec<DT_Q5_1> {
+  static constexpr int64_t QK = 32, TS = 24;
+  static constexpr bool SIGNED = false;
+  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+    const uint8_t* p = row + c * TS;
+    const float d = half_to_float(load_u16(p)), m = half_to_float(load_u16(p + 2));
+    f = {d, d, m, m};
+    nibbles_split(p + 8, q);
+    or_bits16(load_u32(p + 4), q);
+  }
+};
+
+// Q4_K (144 B / 256): f16 d, f16 dmin, scales[12], qs[128]; sub-block s of 32 elements:
+// y = d sc_s q - dmin m_s, q the low (s even) or high nibbles of qs[32 (s / 2) ...].
+template <>
+struct UDec<DT_Q4_K> {
+  static constexpr int64_t QK = 256, TS = 144;
+  static constexpr bool SIGNED = false;
+  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+    const uint8_t* p = row + (c >> 3) * TS;
+    const int s = (int)(c & 7);
+    int sc, m;
+    scale_min_k4(s, p + 4, &sc, &m);
+    const float a = half_to_float(load_u16(p)) * sc, b = -(half_to_float(load_u16(p + 2)) * m);
+    f = {a, a, b, b};
+    nibbles_32(p + 16 + 32 * (s >> 1), s & 1, q);
+  }
+};
+
+// Q5_K (176 B / 256): f16 d, f16 dmin, scales[12], qh[32], qs[128]; as Q4_K plus bit s of qh.
+template <>
+struct UDec<DT_Q5_K> {
+  static constexpr int64_t QK = 256, TS = 176;
+  static constexpr bool SIGNED = false;
+  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+    const uint8_t* p = row + (c >> 3) * TS;
+    const int s = (int)(c & 7);
+    int sc, m;
+    scale_min_k4(s, p + 4, &sc, &m);
+    const float a = half_to_float(load_u16(p)) * sc, b = -(half_to_float(load_u16(p + 2)) * m);
+    f = {a, a, b, b};
+    nibbles_32(p + 48 + 32 * (s >> 1), s & 1, q);
+    or_high(p + 16, s, 1, q);
+  }
+};
+
+// Q6_K (210 B / 256): ql[128], qh[64], int8 scales[16], f16 d; sub-block s = 4 n + k:
+// q = nibble of ql[64 n + 32 (k & 1) ...] (high when k >= 2) | 2 bits (2 k) of qh[32 n ...] << 4,
+// y = d sc (q - 32) with sc = scales[8 n + 2 k] for elements 0..15, scales[8 n + 2 k + 1] after.
+template <>
+struct UDec<DT_Q6_K> {
+  static constexpr int64_t QK = 256, TS = 210;
+  static constexpr bool SIGNED = false;
+  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+    const uint8_t* p = row + (c >> 3) * TS;
+    const int s = (int)(c & 7), n = s >> 2, k = s & 3;
+    const float d = half_to_float(load_u16(p + 208));
+    const int8_t* sc = (const int8_t*)(p + 192 + 8 * n + 2 * k);
+    const float a0 = d * sc[0], a1 = d * sc[1];
+    f = {a0, a1, -32.0f * a0, -32.0f * a1};
+    nibbles_32(p + 64 * n + 32 * (k & 1), k >= 2, q);
+    or_high(p + 128 + 32 * n, 2 * k, 3, q);
+  }
+};
+
+// f32 decode of the byte decoders: the primary template of Dec (Q4_1, Q5_x, K-quants).
+template <int DT>
+struct Dec {
+  using U = UDec<DT>;
+  static constexpr int64_t QK = U::QK, TS = U::TS, BB = TS * 32 / QK;  // BB: prefetch pacing
+  static constexpr bool QUANT = true;
+  static inline void chunk(const uint8_t* row, int64_t c, vf* w) {
+    U8x32 q;
+    Affine f;
+    U::chunk(row, c, q, f);
+#if PP_SIMD == 2
+    const __m128i lo = _mm256_castsi256_si128(q.v), hi = _mm256_extracti128_si256(q.v, 1);
+    w[0] = v_fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), v_set1(f.a0), v_set1(f.b0));
+    w[1] = v_fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), v_set1(f.a1), v_set1(f.b1));
+#elif PP_SIMD == 1
+    const __m128i lo = _mm256_castsi256_si128(q.v), hi = _mm256_extracti128_si256(q.v, 1);
+    const vf a0 = v_set1(f.a0), b0 = v_set1(f.b0), a1 = v_set1(f.a1), b1 = v_set1(f.b1);
+    w[0] = v_fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), a0, b0);
+    w[1] = v_fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))), a0, b0);
+    w[2] = v_fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), a1, b1);
+    w[3] = v_fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))), a1, b1);
+#else
+#if PP_ISIMD
+    alignas(32) uint8_t b[32];
+    _mm256_store_si256((__m256i*)b, q.v);
+#else
+    const uint8_t* b = q.b;
+#endif
+    for (int j = 0; j < 32; ++j)
+      w[j] = j < 16 ? std::fma((float)b[j], f.a0, f.b0) : std::fma((float)b[j], f.a1, f.b1);
+#endif
+  }
+  static inline float one(const uint8_t*, int64_t) { return 0.0f; }  // never called (QUANT)
+};
+
 template <int DT>
 inline int64_t row_bytes(int64_t cols) {
-  return Dec<DT>::QUANT ? cols / 32 * Dec<DT>::BB : cols * (Dec<DT>::BB / 32);
+  return Dec<DT>::QUANT ? cols / Dec<DT>::QK * Dec<DT>::TS : cols * (Dec<DT>::BB / 32);
+}
+
+// ---- quantized activations (ggml's vec_dot_type) -----------------------------------------------
+// With act != 0, x is rounded the way llama.cpp rounds it before a quantized matmul: Q8_0 blocks
+// for Q8_0/Q4_0/Q5_0 weights, Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants; each 32-element chunk
+// then contributes d_x (a0 I0 + a1 I1) + bias, with I_h the integer dot of the weight bytes and the
+// int8 activations of half h, and the bias b0 S0 + b1 S1 scaled by d_x (S_h: sums of the int8
+// values); for Q8_1, b s with llama.cpp's f16 s = d_x * (S0 + S1).
+
+enum ActKind { ACT_F32 = 0, ACT_Q8_0 = 1, ACT_Q8_1 = 2, ACT_Q8_K = 3 };
+
+template <int DT>
+constexpr int act_kind() {
+  return DT == DT_Q4_1 || DT == DT_Q5_1                    ? ACT_Q8_1
+         : DT == DT_Q4_K || DT == DT_Q5_K || DT == DT_Q6_K ? ACT_Q8_K
+         : DT == DT_Q8_0 || DT == DT_Q4_0 || DT == DT_Q5_0 ? ACT_Q8_0
+                                                           : ACT_F32;
+}
+
+struct QAct {  // one 32-element chunk of quantized activations
+  float d;         // scale: f16-rounded (Q8_0, Q8_1) or f32 (Q8_K)
+  float s;         // Q8_1: f16(d_f32 * sum); otherwise d * sum
+  int32_t s0, s1;  // sums of qs[0..15] and qs[16..31]
+  int8_t qs[32];
+};
+
+inline float round_f16(float f) {
+#if defined(__F16C__)
+  return _cvtsh_ss(_cvtss_sh(f, 0));
+#else
+  // round to nearest even at f16 precision (normal range; tiny values go through subnormals)
+  if (!std::isfinite(f) || f == 0.0f) return f;
+  int e;
+  std::frexp(f, &e);
+  const int shift = e - 11 < -24 ? -24 : e - 11;  // f16: 11 significant bits, min exp -24
+  const float scale = std::ldexp(1.0f, shift);
+  float r = std::nearbyint(f / scale) * scale;
+  return std::fabs(r) > 65504.0f ? std::copysign(INFINITY, f) : r;
+#endif
+}
+
+// x (cols, a multiple of 32; of 256 for Q8_K) -> cols / 32 chunks.
+inline void quantize_act(int kind, const float* x, int64_t cols, QAct* out) {
+  const int64_t nch = cols / 32;
+  if (kind == ACT_Q8_K) {
+    for (int64_t b = 0; b < cols / 256; ++b) {
+      const float* xb = x + 256 * b;
+      float amax = 0.0f, mx = 0.0f;
+      for (int j = 0; j < 256; ++j) {
+        const float ax = std::fabs(xb[j]);
+        if (ax > amax) {
+          amax = ax;
+          mx = xb[j];
+        }
+      }
+      const float iscale = amax != 0.0f ? -127.0f / mx : 0.0f;
+      const float d = amax != 0.0f ? 1.0f / iscale : 0.0f;
+      for (int c = 0; c < 8; ++c) {
+        QAct& a = out[8 * b + c];
+        a.d = d;
+        a.s0 = a.s1 = 0;
+        for (int j = 0; j < 32; ++j) {
+          int v = (int)std::nearbyint(iscale * xb[32 * c + j]);
+          v = v > 127 ? 127 : v;
+          a.qs[j] = (int8_t)v;
+          (j < 16 ? a.s0 : a.s1) += v;
+        }
+        a.s = d * (float)(a.s0 + a.s1);
+      }
+    }
+    return;
+  }
+  for (int64_t c = 0; c < nch; ++c) {
+    const float* xb = x + 32 * c;
+    QAct& a = out[c];
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+    const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    a.s0 = a.s1 = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int v = (int)std::nearbyint(xb[j] * id);
+      a.qs[j] = (int8_t)v;
+      (j < 16 ? a.s0 : a.s1) += v;
+    }
+    a.d = round_f16(d);
+    a.s = kind == ACT_Q8_1 ? round_f16(d * (float)(a.s0 + a.s1)) : a.d * (float)(a.s0 + a.s1);
+  }
+}
+
+// Integer dot of the 32 weight bytes with the chunk's int8 values, per half.
+template <bool SIGNED>
+inline void idot32(const U8x32& q, const int8_t* x, int32_t& i0, int32_t& i1) {
+#if PP_ISIMD
+  const __m256i xv = _mm256_loadu_si256((const __m256i*)x);
+  __m256i u = q.v, s = xv;
+  if (SIGNED) {  // |w| as unsigned times sign(w) * x
+    u = _mm256_sign_epi8(q.v, q.v);
+    s = _mm256_sign_epi8(xv, q.v);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+  __m128i t = _mm_hadd_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+  t = _mm_hadd_epi32(t, t);  // [I0, I1, I0, I1]
+  i0 = _mm_cvtsi128_si32(t);
+  i1 = _mm_extract_epi32(t, 1);
+#else
+  int32_t a = 0, b = 0;
+  for (int j = 0; j < 16; ++j) {
+    a += (SIGNED ? (int)(int8_t)q.b[j] : (int)q.b[j]) * x[j];
+    b += (SIGNED ? (int)(int8_t)q.b[j + 16] : (int)q.b[j + 16]) * x[j + 16];
+  }
+  i0 = a;
+  i1 = b;
+#endif
+}
+
+template <int DT>
+inline float chunk_qdot(const U8x32& q, const Affine& f, const QAct& a) {
+  int32_t i0, i1;
+  idot32<UDec<DT>::SIGNED>(q, a.qs, i0, i1);
+  const float dot = f.a0 == f.a1 ? (f.a0 * a.d) * (float)(i0 + i1)
+                                 : a.d * (f.a0 * (float)i0 + f.a1 * (float)i1);
+  if (f.b0 == f.b1) return dot + f.b0 * a.s;  // Q8_1: llama.cpp's m * s
+  return dot + a.d * (f.b0 * (float)a.s0 + f.b1 * (float)a.s1);
+}
+
+// ggml's order for the 32-element block types (vec_dot_q4_0_q8_0 and friends on AVX2): eight
+// lanes, each the integer sum of four products (q - OFF) y, scaled by d_w d_x and accumulated
+// with one FMA per block; then a fixed horizontal sum, plus (Q8_1) the sequential sum of m s.
+// Following it exactly keeps powerpy's matmuls within rounding noise of llama.cpp's.
+#if PP_ISIMD
+typedef __m256 F8;
+inline F8 f8_zero() { return _mm256_setzero_ps(); }
+inline void lanes8(const U8x32& q, const int8_t* x, bool sgn, int off, F8& acc, float d) {
+  __m256i u = q.v, y = _mm256_loadu_si256((const __m256i*)x);
+  if (off) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)off));
+  if (sgn || off) {  // |w| as unsigned times sign(w) * y
+    y = _mm256_sign_epi8(y, u);
+    u = _mm256_sign_epi8(u, u);
+  }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y);
+#else
+  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
+#endif
+  acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
+}
+inline float f8_hsum(F8 x) {
+  __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+#else
+struct F8 {
+  float v[8];
+};
+inline F8 f8_zero() { return F8{{0, 0, 0, 0, 0, 0, 0, 0}}; }
+inline void lanes8(const U8x32& q, const int8_t* x, bool sgn, int off, F8& acc, float d) {
+  for (int l = 0; l < 8; ++l) {
+    int32_t s = 0;
+    for (int j = 4 * l; j < 4 * l + 4; ++j) s += ((sgn ? (int)(int8_t)q.b[j] : (int)q.b[j]) - off) * x[j];
+    acc.v[l] = std::fma(d, (float)s, acc.v[l]);
+  }
+}
+inline float f8_hsum(const F8& x) {
+  float r[4];
+  for (int i = 0; i < 4; ++i) r[i] = x.v[4 + i] + x.v[i];
+  return (r[0] + r[2]) + (r[1] + r[3]);
+}
+#endif
+
+template <int DT, int NT>
+inline void row_qdot_blocks(const uint8_t* w, const QAct* xa, int64_t nch, const uint8_t* nx,
+                            float* out, int64_t ldo) {
+  using U = UDec<DT>;
+  F8 acc[NT];
+  float summs[NT];
+  for (int t = 0; t < NT; ++t) {
+    acc[t] = f8_zero();
+    summs[t] = 0.0f;
+  }
+  int64_t pf = 0;
+  for (int64_t c = 0; c < nch; ++c) {
+    if (nx) prefetch_span(nx, pf, (c + 1) * Dec<DT>::BB);
+    U8x32 q;
+    Affine f;
+    U::chunk(w, c, q, f);
+    for (int t = 0; t < NT; ++t) {
+      const QAct& a = xa[t * nch + c];
+      lanes8(q, a.qs, U::SIGNED, U::OFF, acc[t], f.a0 * a.d);
+      if (act_kind<DT>() == ACT_Q8_1) summs[t] += f.b0 * a.s;
+    }
+  }
+  if (nx) prefetch_span(nx, pf, row_bytes<DT>(nch * 32));
+  for (int t = 0; t < NT; ++t) out[t * ldo] = f8_hsum(acc[t]) + summs[t];
+}
+
+// dot(W row w, quantized x); prefetches row nx (may be null).
+template <int DT>
+inline float row_qdot(const uint8_t* w, const QAct* xa, int64_t nch, const uint8_t* nx) {
+  if constexpr (UDec<DT>::QK == 32) {
+    float r;
+    row_qdot_blocks<DT, 1>(w, xa, nch, nx, &r, 0);
+    return r;
+  }
+  float s0 = 0.0f, s1 = 0.0f;
+  int64_t pf = 0, c = 0;
+  for (; c + 2 <= nch; c += 2) {
+    if (nx) prefetch_span(nx, pf, (c + 2) * Dec<DT>::BB);
+    U8x32 q0, q1;
+    Affine f0, f1;
+    UDec<DT>::chunk(w, c, q0, f0);
+    UDec<DT>::chunk(w, c + 1, q1, f1);
+    s0 += chunk_qdot<DT>(q0, f0, xa[c]);
+    s1 += chunk_qdot<DT>(q1, f1, xa[c + 1]);
+  }
+  if (c < nch) {
+    U8x32 q;
+    Affine f;
+    UDec<DT>::chunk(w, c, q, f);
+    s0 += chunk_qdot<DT>(q, f, xa[c]);
+  }
+  if (nx) prefetch_span(nx, pf, row_bytes<DT>(nch * 32));
+  return s0 + s1;
+}
+
+// out[t * ldo] = dot(row w, x_t) for NT quantized vectors x_t = xa + t * nch.
+template <int DT, int NT>
+inline void row_qdot_multi(const uint8_t* w, const QAct* xa, int64_t nch, const uint8_t* nx,
+                           float* out, int64_t ldo) {
+  if constexpr (UDec<DT>::QK == 32) return row_qdot_blocks<DT, NT>(w, xa, nch, nx, out, ldo);
+  float acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = 0.0f;
+  int64_t pf = 0;
+  for (int64_t c = 0; c < nch; ++c) {
+    if (nx) prefetch_span(nx, pf, (c + 1) * Dec<DT>::BB);
+    U8x32 q;
+    Affine f;
+    UDec<DT>::chunk(w, c, q, f);
+    for (int t = 0; t < NT; ++t) acc[t] += chunk_qdot<DT>(q, f, xa[t * nch + c]);
+  }
+  for (int t = 0; t < NT; ++t) out[t * ldo] = acc[t];
 }
 
 // ---- per-row primitives ---------------------------------------------------------------------
@@ -284,8 +807,8 @@ inline float row_dot(const uint8_t* w, const float* x, int64_t cols, const uint8
   for (; b + 2 <= nb; b += 2) {
     if (nx) prefetch_span(nx, pf, (b + 2) * D::BB);
     vf w0[NV], w1[NV];
-    D::block(w + b * D::BB, w0);
-    D::block(w + (b + 1) * D::BB, w1);
+    D::chunk(w, b, w0);
+    D::chunk(w, b + 1, w1);
     const float* xb = x + b * 32;
     for (int u = 0; u < NV; ++u) {
       a[u] = v_fma(w0[u], v_load(xb + u * VL), a[u]);
@@ -294,7 +817,7 @@ inline float row_dot(const uint8_t* w, const float* x, int64_t cols, const uint8
   }
   if (b < nb) {
     vf w0[NV];
-    D::block(w + b * D::BB, w0);
+    D::chunk(w, b, w0);
     for (int u = 0; u < NV; ++u) a[u] = v_fma(w0[u], v_load(x + b * 32 + u * VL), a[u]);
   }
   if (nx) prefetch_span(nx, pf, row_bytes<DT>(cols));
@@ -316,8 +839,8 @@ inline void row_dot2(const uint8_t* g, const uint8_t* up, const float* x, int64_
     if (ng) prefetch_span(ng, pg, (b + 1) * D::BB);
     if (nu) prefetch_span(nu, pu, (b + 1) * D::BB);
     vf wg[NV], wu[NV];
-    D::block(g + b * D::BB, wg);
-    D::block(up + b * D::BB, wu);
+    D::chunk(g, b, wg);
+    D::chunk(up, b, wu);
     const float* xb = x + b * 32;
     for (int u = 0; u < NV; ++u) {
       const vf xv = v_load(xb + u * VL);
@@ -347,7 +870,7 @@ inline void row_axpy(const uint8_t* w, float hj, float* acc, int64_t cols, const
   for (int64_t b = 0; b < nb; ++b) {
     if (nx) prefetch_span(nx, pf, (b + 1) * D::BB);
     vf wv[NV];
-    D::block(w + b * D::BB, wv);
+    D::chunk(w, b, wv);
     float* ab = acc + b * 32;
     for (int u = 0; u < NV; ++u) v_store(ab + u * VL, v_fma(wv[u], hv, v_load(ab + u * VL)));
   }
@@ -368,7 +891,7 @@ inline void row_dot_multi(const uint8_t* w, const float* x, int64_t ldx, int64_t
   for (int64_t b = 0; b < nb; ++b) {
     if (nx) prefetch_span(nx, pf, (b + 1) * D::BB);
     vf wv[NV];
-    D::block(w + b * D::BB, wv);
+    D::chunk(w, b, wv);
     for (int t = 0; t < NT; ++t) {
       const float* xb = x + t * ldx + b * 32;
       for (int u = 0; u < NV; ++u) a[t][u] = v_fma(wv[u], v_load(xb + u * VL), a[t][u]);
@@ -387,7 +910,7 @@ inline void row_decode(const uint8_t* w, float* y, int64_t cols) {
   const int64_t nb = cols / 32;
   for (int64_t b = 0; b < nb; ++b) {
     vf wv[NV];
-    D::block(w + b * D::BB, wv);
+    D::chunk(w, b, wv);
     for (int u = 0; u < NV; ++u) v_store(y + b * 32 + u * VL, wv[u]);
   }
   for (int64_t i = nb * 32; i < cols; ++i) y[i] = D::one(w, i);
@@ -456,11 +979,37 @@ inline int run_partitioned(int nt, int64_t k, Fn fn) {
 
 // ---- kernels ----------------------------------------------------------------------------------
 
+// dot(W row w, x), with the quantized activations xa when given (null: f32 x).
+template <int DT>
+inline float row_dot_any(const uint8_t* w, const float* x, const QAct* xa, int64_t cols,
+                         const uint8_t* nx) {
+  if constexpr (act_kind<DT>() != ACT_F32)
+    if (xa) return row_qdot<DT>(w, xa, cols / 32, nx);
+  return row_dot<DT>(w, x, cols, nx);
+}
+
+// Quantized activations for the kernels (act != 0 and a quantized DT): T vectors x + t * ldx.
+template <int DT>
+struct ActBuf {
+  QAct* p = nullptr;
+  ActBuf(int act, const float* x, int64_t ldx, int64_t T, int64_t cols) {
+    if (!act || act_kind<DT>() == ACT_F32) return;
+    const int64_t nch = cols / 32;
+    p = (QAct*)std::malloc(sizeof(QAct) * (size_t)(nch * T > 0 ? nch * T : 1));
+    if (p)
+      for (int64_t t = 0; t < T; ++t) quantize_act(act_kind<DT>(), x + t * ldx, cols, p + t * nch);
+  }
+  ~ActBuf() { std::free(p); }
+  bool failed(int act) const { return act && act_kind<DT>() != ACT_F32 && !p; }
+};
+
 template <int DT>
 int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
-              const int64_t* idx, int64_t k, float* out, int nthreads) {
+              const int64_t* idx, int64_t k, float* out, int act, int nthreads) {
   const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
   const int nt = team_size(nthreads, k * rb);
+  ActBuf<DT> xa(act, x, cols, 1, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
   return run_partitioned(nt, k, [&](int64_t a, int64_t b) -> int {
     int err = 0;
     for (int64_t j = a; j < b; ++j) {
@@ -471,7 +1020,8 @@ int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
         continue;
       }
       const int64_t rn = j + dist < b ? row_at(idx, j + dist, nrows) : -1;
-      out[j] = row_dot<DT>(W + r * ld, x, cols, rn >= 0 ? W + rn * ld : nullptr);
+      const uint8_t* nx = rn >= 0 ? W + rn * ld : nullptr;
+      out[j] = row_dot_any<DT>(W + r * ld, x, xa.p, cols, nx);
     }
     return err;
   });
@@ -491,9 +1041,11 @@ inline float activate(int variant, float g, float u) {
 template <int DT>
 int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64_t nrows,
              int64_t cols, const float* x, const int64_t* idx, int64_t k, int variant, float* out,
-             int nthreads) {
+             int act, int nthreads) {
   const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
   const int nt = team_size(nthreads, k * rb * 2);
+  ActBuf<DT> xa(act, x, cols, 1, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
   return run_partitioned(nt, k, [&](int64_t a, int64_t b) -> int {
     int err = 0;
     for (int64_t j = a; j < b; ++j) {
@@ -505,8 +1057,14 @@ int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64
       }
       const int64_t rn = j + dist < b ? row_at(idx, j + dist, nrows) : -1;
       const uint8_t* nu = rn >= 0 ? U + rn * ldu : nullptr;
+      const uint8_t* ng = rn >= 0 ? G + rn * ldg : nullptr;
       float g, u;
-      row_dot2<DT>(G + r * ldg, U + r * ldu, x, cols, rn >= 0 ? G + rn * ldg : nullptr, nu, &g, &u);
+      if (xa.p) {
+        g = row_dot_any<DT>(G + r * ldg, x, xa.p, cols, ng);
+        u = row_dot_any<DT>(U + r * ldu, x, xa.p, cols, nu);
+      } else {
+        row_dot2<DT>(G + r * ldg, U + r * ldu, x, cols, ng, nu, &g, &u);
+      }
       out[j] = activate(variant, g, u);
     }
     return err;
@@ -567,13 +1125,55 @@ int axpy_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
   return err;
 }
 
+// Quantized-activation GEMM: tokens in tiles of QT (their int8 rows stay in cache), rows split
+// over the threads, each weight chunk decoded once per 4 tokens.
+template <int DT>
+int qgemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x, int64_t ldx,
+          int64_t T, float* out, int64_t ldo, int nt) {
+  constexpr int64_t QT = 32;
+  ActBuf<DT> xa(1, x, ldx, T, cols);
+  if (!xa.p) return PP_ERR_ARG;
+  const int64_t nch = cols / 32, dist = prefetch_dist(row_bytes<DT>(cols));
+  return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
+    for (int64_t t0 = 0; t0 < T; t0 += QT) {
+      const int64_t t1 = t0 + QT < T ? t0 + QT : T;
+      for (int64_t r = a; r < b; ++r) {
+        const uint8_t* w = W + r * ld;
+        const uint8_t* nx = r + dist < b ? W + (r + dist) * ld : nullptr;
+        for (int64_t t = t0; t < t1; t += 4) {
+          const QAct* xt = xa.p + t * nch;
+          float* o = out + t * ldo + r;
+          const uint8_t* p = t == t0 ? nx : nullptr;
+          switch (t1 - t >= 4 ? 4 : t1 - t) {
+            case 1:
+              row_qdot_multi<DT, 1>(w, xt, nch, p, o, ldo);
+              break;
+            case 2:
+              row_qdot_multi<DT, 2>(w, xt, nch, p, o, ldo);
+              break;
+            case 3:
+              row_qdot_multi<DT, 3>(w, xt, nch, p, o, ldo);
+              break;
+            default:
+              row_qdot_multi<DT, 4>(w, xt, nch, p, o, ldo);
+              break;
+          }
+        }
+      }
+    }
+    return 0;
+  });
+}
+
 template <int DT>
 int gemm_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
-              int64_t ldx, int64_t T, float* out, int64_t ldo, int nthreads) {
+              int64_t ldx, int64_t T, float* out, int64_t ldo, int act, int nthreads) {
   constexpr int G = VL == 16 ? 4 : 2;  // vectors per pass (register budget)
-  if (T == 1) return gemv_impl<DT>(W, ld, nrows, cols, x, nullptr, nrows, out, nthreads);
+  if (T == 1) return gemv_impl<DT>(W, ld, nrows, cols, x, nullptr, nrows, out, act, nthreads);
   const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
   const int nt = team_size(nthreads, nrows * (rb + T * 64));
+  if constexpr (act_kind<DT>() != ACT_F32)
+    if (act) return qgemm<DT>(W, ld, nrows, cols, x, ldx, T, out, ldo, nt);
   return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
     for (int64_t r = a; r < b; ++r) {
       const uint8_t* w = W + r * ld;
@@ -623,8 +1223,9 @@ int dequant_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, cons
 
 inline bool valid_shape(int dtype, int64_t cols) {
   if (cols < 0) return false;
-  if (dtype == DT_Q8_0 || dtype == DT_Q4_0) return cols % 32 == 0;
-  return dtype >= DT_F32 && dtype <= DT_Q4_0;
+  if (dtype >= DT_Q4_K && dtype <= DT_Q6_K) return cols % 256 == 0;
+  if (dtype >= DT_Q8_0 && dtype <= DT_Q5_1) return cols % 32 == 0;
+  return dtype >= DT_F32 && dtype <= DT_BF16;
 }
 
 }  // namespace
@@ -641,6 +1242,18 @@ inline bool valid_shape(int dtype, int64_t cols) {
       return FN<DT_Q8_0>(__VA_ARGS__);         \
     case DT_Q4_0:                              \
       return FN<DT_Q4_0>(__VA_ARGS__);         \
+    case DT_Q4_1:                              \
+      return FN<DT_Q4_1>(__VA_ARGS__);         \
+    case DT_Q5_0:                              \
+      return FN<DT_Q5_0>(__VA_ARGS__);         \
+    case DT_Q5_1:                              \
+      return FN<DT_Q5_1>(__VA_ARGS__);         \
+    case DT_Q4_K:                              \
+      return FN<DT_Q4_K>(__VA_ARGS__);         \
+    case DT_Q5_K:                              \
+      return FN<DT_Q5_K>(__VA_ARGS__);         \
+    case DT_Q6_K:                              \
+      return FN<DT_Q6_K>(__VA_ARGS__);         \
     default:                                   \
       return PP_ERR_ARG;                       \
   }
@@ -648,7 +1261,7 @@ inline bool valid_shape(int dtype, int64_t cols) {
 extern "C" {
 
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
-int pp_abi_version(void) { return 1; }
+int pp_abi_version(void) { return 2; }
 
 // 2 = AVX-512F, 1 = AVX2+FMA+F16C, 0 = scalar.
 int pp_simd_level(void) { return PP_SIMD; }
@@ -661,9 +1274,10 @@ void pp_set_tuning(int64_t prefetch_bytes, int64_t min_bytes_per_thread) {
 
 // out[j] = dot(W[idx[j]], x) for j < k; idx == NULL means rows 0..k-1 (dense GEMV).
 int pp_gather_gemv(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
-                   const float* x, const int64_t* idx, int64_t k, float* out, int nthreads) {
+                   const float* x, const int64_t* idx, int64_t k, float* out, int act,
+                   int nthreads) {
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
-  PP_DISPATCH(dtype, gemv_impl, (const uint8_t*)W, ld, nrows, cols, x, idx, k, out, nthreads)
+  PP_DISPATCH(dtype, gemv_impl, (const uint8_t*)W, ld, nrows, cols, x, idx, k, out, act, nthreads)
 }
 
 // out (+)= sum_{j: h[j] != 0} h[j] * W[idx[j]]; out is zeroed first unless accumulate.
@@ -678,18 +1292,18 @@ int pp_gather_axpy(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t 
 // out[j] = act(G[idx[j]]·x, U[idx[j]]·x) (variant 0 reglu, 1 drelu, 2 swiglu).
 int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ldu, int64_t nrows,
                 int64_t cols, const float* x, const int64_t* idx, int64_t k, int variant,
-                float* out, int nthreads) {
+                float* out, int act, int nthreads) {
   if (!valid_shape(dtype, cols) || variant < V_REGLU || variant > V_SWIGLU || !G) return PP_ERR_ARG;
   const uint8_t* g = (const uint8_t*)G;
   PP_DISPATCH(dtype, glu_impl, g, ldg, (const uint8_t*)U, ldu, nrows, cols, x, idx, k, variant,
-              out, nthreads)
+              out, act, nthreads)
 }
 
 // out[t * ldo + r] = dot(W[r], x[t * ldx : t * ldx + cols]) for r < nrows, t < T.
 int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
-            int64_t ldx, int64_t T, float* out, int64_t ldo, int nthreads) {
+            int64_t ldx, int64_t T, float* out, int64_t ldo, int act, int nthreads) {
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
-  PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo,
+  PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, act,
               nthreads)
 }
 

@@ -1,0 +1,134 @@
+"""llama.cpp's activation rounding (ggml's vec_dot_type) in the native kernels.
+
+Quantized weights multiply activations rounded to Q8_0 (Q8_0, Q4_0, Q5_0 weights), Q8_1 (Q4_1,
+Q5_1) or Q8_K (K-quants) blocks with integer dot products. Every kernel and SIMD build is checked
+against ``quant_fixtures.ref_qdot``: the gguf-py dequantized weights times the activations
+rounded in numpy the same way, in float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from quant_fixtures import ACT_KIND, random_blocks, ref_qdot, ref_quantize_act
+
+from powerpy.formats.constants import GGMLType
+from powerpy.model import kernels
+from powerpy.model.ffn import glu
+from powerpy.model.matrices import QuantWeight
+
+ROWS = 67
+EPS = 2e-5  # relative to sum |w_i| |xq_i|: f32 accumulation of exact integer block sums
+
+
+@pytest.fixture(scope="module", params=["native", "avx2", "scalar"])
+def lib(request) -> kernels.KernelLibrary:
+    """Each SIMD build (the AVX2 and scalar builds come from test_kernels' cached flags)."""
+    from test_kernels import _VARIANT_FLAGS
+
+    if kernels.find_compiler() is None or not kernels.available():
+        pytest.skip("native kernels unavailable")
+    if request.param == "native":
+        return kernels.library()
+    try:
+        return kernels.build(flags=_VARIANT_FLAGS[request.param])
+    except kernels.KernelBuildError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(autouse=True)
+def quantized() -> Iterator[None]:
+    saved = kernels.quantized_activations()
+    kernels.set_quantized_activations(True)
+    yield
+    kernels.set_quantized_activations(saved)
+
+
+def weight(t: GGMLType, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray, kernels.Matrix]:
+    """(raw blocks, exact values (rows, cols) float64, kernel matrix)."""
+    import gguf
+
+    raw = random_blocks(t, ROWS, cols, np.random.default_rng(seed))
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t))).astype(np.float64)
+    return raw, w, kernels.Matrix.of_quant(torch.from_numpy(raw), t, cols)
+
+
+def bound(w: np.ndarray, x: np.ndarray, kind: str) -> np.ndarray:
+    xq, _ = ref_quantize_act(x, kind)
+    return np.abs(w) @ np.abs(xq) + 1e-30
+
+
+def check(got: torch.Tensor, want: np.ndarray, tol: np.ndarray) -> None:
+    err = np.abs(got.double().numpy() - want)
+    assert (err <= EPS * tol).all(), f"max err {err.max():.3g}, worst {(err / tol).max():.3g}"
+
+
+def activations(cols: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal(cols).astype(np.float32)
+    x[:32] = 0.0  # an all-zero block (d = 0)
+    x[256:288] *= 100.0  # a block with a large dynamic range
+    x[-5] = -50.0  # a negative extreme (Q8_K's scale sign)
+    return x
+
+
+@pytest.mark.parametrize("t", kernels.QUANT_TYPES, ids=lambda t: t.name)
+def test_gemv_gather_and_glu(lib, t) -> None:
+    cols = 512
+    raw, w, m = weight(t, cols, seed=1)
+    graw, gw, gm = weight(t, cols, seed=2)
+    x = activations(cols, seed=3)
+    kind = ACT_KIND[t]
+    want, tol = ref_qdot(w, raw, t, x), bound(w, x, kind)
+    check(lib.gather_gemv(m, torch.from_numpy(x), None), want, tol)
+    gwant, gtol = ref_qdot(gw, graw, t, x), bound(gw, x, kind)
+    for idx in (torch.tensor([], dtype=torch.int64), torch.tensor([3, 0, 66, 3]), None):
+        sel = np.arange(ROWS) if idx is None else idx.numpy()
+        if idx is not None:
+            check(lib.gather_gemv(m, torch.from_numpy(x), idx), want[sel], tol[sel])
+        full = torch.arange(ROWS) if idx is None else idx
+        got = lib.glu(gm, m, torch.from_numpy(x), full, "reglu")
+        ref = glu(torch.from_numpy(gwant[sel]), torch.from_numpy(want[sel]), "reglu").numpy()
+        gb = np.maximum(gwant[sel], 0)
+        check(got, ref, gtol[sel] * np.abs(want[sel]) + gb * tol[sel] + gtol[sel] * tol[sel])
+
+
+@pytest.mark.parametrize("t", kernels.QUANT_TYPES, ids=lambda t: t.name)
+def test_gemm_rounds_each_token(lib, t) -> None:
+    cols = 512
+    raw, w, m = weight(t, cols, seed=4)
+    for T in (2, 5, 40):
+        X = np.stack([activations(cols, seed=10 + i) * (1 + i % 3) for i in range(T)])
+        got = lib.gemm(m, torch.from_numpy(X))
+        for i in range(T):
+            check(got[i], ref_qdot(w, raw, t, X[i]), bound(w, X[i], ACT_KIND[t]))
+
+
+def test_f32_mode_is_exact_and_differs() -> None:
+    """--exact-activations: the same call in f32 matches the float64 product, not the rounded."""
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    raw, w, _ = weight(GGMLType.Q4_1, 256, seed=5)
+    qw = QuantWeight(torch.from_numpy(raw), GGMLType.Q4_1, 256)
+    x = activations(256, seed=6)
+    rounded = qw.linear(torch.from_numpy(x)).double().numpy()
+    kernels.set_quantized_activations(False)
+    exact = qw.linear(torch.from_numpy(x)).double().numpy()
+    tol = np.abs(w) @ np.abs(x)
+    assert np.all(np.abs(exact - w @ x) <= EPS * tol)
+    assert np.all(np.abs(rounded - ref_qdot(w, raw, GGMLType.Q4_1, x)) <= EPS * tol)
+    assert np.abs(rounded - exact).max() > 1e-3 * tol.max()  # the rounding is visible
+
+
+def test_large_batches_use_the_integer_gemm() -> None:
+    """T > 8 goes through the integer GEMM too (llama.cpp rounds prompt tokens the same way)."""
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    raw, w, _ = weight(GGMLType.Q4_0, 256, seed=7)
+    qw = QuantWeight(torch.from_numpy(raw), GGMLType.Q4_0, 256)
+    X = np.random.default_rng(8).standard_normal((20, 256)).astype(np.float32)
+    got = qw.linear(torch.from_numpy(X))
+    for i in (0, 19):
+        check(got[i], ref_qdot(w, raw, GGMLType.Q4_0, X[i]), bound(w, X[i], "q8_0"))
