@@ -320,3 +320,30 @@ def test_non_finite_weights_name_the_first_bad_layer(tmp_path, tensor, value, wh
     with pytest.raises(NonFiniteError, match=where) as e:
         llm.generate(TOKENS, max_tokens=2, temperature=0.8, seed=1)
     assert isinstance(e.value, PowerpyError) and "powerpy dump" in str(e.value)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_fused_decode_ffn_equals_the_general_path(sparse_path, monkeypatch, dense):
+    """CPU-only decode runs each FFN (predictor included) as one native call; it computes the
+    same neurons, statistics and logits as the step-by-step path."""
+    from powerpy.model import ffn, kernels
+
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    path, _ = sparse_path
+    llm = load(path, threshold=0.0, dense=dense)
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(ffn, "_fused_decode", lambda *a: None)
+        if llm.sparsity is not None:
+            llm.sparsity.reset()
+        got = [r.token for r in llm.stream(TOKENS[:4], 12, temperature=0)]
+        frac = None if dense else llm.sparsity.active_fraction().copy()
+        runs.append((got, frac, _logits(llm, TOKENS[:5])))
+    (t1, s1, l1), (t2, s2, l2) = runs
+    assert t1 == t2
+    np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-5)
+    if not dense:
+        np.testing.assert_allclose(s1, s2)
+        assert np.all((s1 > 0.05) & (s1 < 0.95)), s1

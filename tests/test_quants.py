@@ -1,4 +1,4 @@
-"""quants: dequantization and the Q8_0/Q4_0 quantizers are bit-identical to gguf.quants."""
+"""quants: dequantization and the Q8_0/Q4_0/Q4_1 quantizers are bit-identical to gguf.quants."""
 
 from __future__ import annotations
 
@@ -160,7 +160,12 @@ def _quantizer_inputs() -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("fn", "qt"), [(quants.quantize_q8_0, GQ.Q8_0), (quants.quantize_q4_0, GQ.Q4_0)]
+    ("fn", "qt"),
+    [
+        (quants.quantize_q8_0, GQ.Q8_0),
+        (quants.quantize_q4_0, GQ.Q4_0),
+        (quants.quantize_q4_1, GQ.Q4_1),
+    ],
 )
 def test_quantizers_match_gguf(fn, qt):
     x = _quantizer_inputs()
@@ -180,6 +185,7 @@ def test_quantizers_match_gguf(fn, qt):
     [
         (GGMLType.Q8_0, GQ.Q8_0),
         (GGMLType.Q4_0, GQ.Q4_0),
+        (GGMLType.Q4_1, GQ.Q4_1),
         (GGMLType.BF16, GQ.BF16),
         (GGMLType.F16, GQ.F16),
         (GGMLType.F32, GQ.F32),
@@ -189,7 +195,7 @@ def test_quantize_dispatch_matches_gguf(t, qt):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 64)).astype(np.float32)
     x[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
-    if t in (GGMLType.Q8_0, GGMLType.Q4_0):
+    if t in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1):
         x[0, :4] = 0.0
     got = quants.quantize(x, t)
     expected = np.ascontiguousarray(gguf.quants.quantize(x, qt)).view(np.uint8)
@@ -198,7 +204,7 @@ def test_quantize_dispatch_matches_gguf(t, qt):
     if t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         np.testing.assert_allclose(back, x, rtol=1e-2)
     else:
-        np.testing.assert_allclose(back, x, atol=0.6 if t is GGMLType.Q4_0 else 0.03)
+        np.testing.assert_allclose(back, x, atol=0.03 if t is GGMLType.Q8_0 else 0.6)
 
 
 # --- the real model -------------------------------------------------------------------------------

@@ -21,7 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-o", "--outfile", required=True, help="output file (.powerinfer.gguf, or .gguf when dense)"
     )
-    p.add_argument("--outtype", choices=("f32", "f16", "q8_0", "q4_0"), default="f16")
+    p.add_argument(
+        "--outtype",
+        choices=("f32", "f16", "q8_0", "q4_0", "q4_1", "auto"),
+        default="f16",
+        help="tensor type (auto: a GGUF source's own types, blocks copied untouched)",
+    )
     p.add_argument("--vocab-gguf", help="copy the tokenizer from this GGUF (HF sources)")
     p.add_argument(
         "--vocab-pre", default="default", help="tokenizer.ggml.pre for a tokenizer.json BPE vocab"

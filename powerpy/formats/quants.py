@@ -26,6 +26,7 @@ __all__ = [
     "dequantize",
     "quantize",
     "quantize_q4_0",
+    "quantize_q4_1",
     "quantize_q8_0",
 ]
 
@@ -366,8 +367,39 @@ def _quantize_bf16(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
 
 
 QUANTIZE_TYPES = frozenset(
-    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0}
+    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1}
 )
+
+
+def quantize_q4_1(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """Quantize to Q4_1 exactly like ggml's reference ``quantize_row_q4_1_ref``.
+
+    Per block of 32: ``d = (max - min) / 15``, ``q = min(15, trunc((x - min) * (1/d) + 0.5))``,
+    ``d`` and ``m = min`` stored as fp16; nibbles packed as in Q4_0.
+
+    Args:
+        x: finite values, cast to float32, with ``shape[-1] % 32 == 0``.
+
+    Returns:
+        uint8 array of shape ``(..., shape[-1] // 32 * 20)``.
+
+    Raises:
+        ValueError: the last dimension is not a multiple of 32.
+    """
+    blocks, shape = _as_blocks(x, 32, "quantize_q4_1")
+    out = np.empty((len(blocks), 20), dtype=np.uint8)  # (n_blocks, 20)
+    step = max(1, _CHUNK_ELEMS // 32)
+    for i in range(0, len(blocks), step):
+        b = blocks[i : i + step]  # (nb, 32)
+        lo = b.min(axis=1, keepdims=True)  # (nb, 1)
+        d = (b.max(axis=1, keepdims=True) - lo) / np.float32(15)
+        q = np.trunc((b - lo) * _inverse_or_zero(d) + np.float32(0.5))
+        q = np.minimum(q, 15).astype(np.uint8)  # (nb, 32)
+        with np.errstate(over="ignore", under="ignore"):  # fp16 inf / subnormal, as in ggml
+            out[i : i + step, 0:2] = d.astype("<f2").view(np.uint8)
+            out[i : i + step, 2:4] = lo.astype("<f2").view(np.uint8)
+        out[i : i + step, 4:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
+    return out.reshape(*shape[:-1], shape[-1] // 32 * 20)
 
 
 def quantize(x: npt.ArrayLike, ggml_type: GGMLType | int) -> npt.NDArray[np.uint8]:
@@ -375,7 +407,7 @@ def quantize(x: npt.ArrayLike, ggml_type: GGMLType | int) -> npt.NDArray[np.uint
 
     Args:
         x: values with at least one dimension (cast to float32 first).
-        ggml_type: one of F32, F16, BF16, Q8_0, Q4_0.
+        ggml_type: one of F32, F16, BF16, Q8_0, Q4_0, Q4_1.
 
     Returns:
         uint8 array of shape ``(..., row_bytes)``, ready for ``gguf_writer.write_gguf``.
@@ -388,6 +420,8 @@ def quantize(x: npt.ArrayLike, ggml_type: GGMLType | int) -> npt.NDArray[np.uint
         return quantize_q8_0(x)
     if gt is GGMLType.Q4_0:
         return quantize_q4_0(x)
+    if gt is GGMLType.Q4_1:
+        return quantize_q4_1(x)
     arr = np.asarray(x, dtype=np.float32)
     if arr.ndim == 0:
         raise ValueError("quantize: need at least one dimension")

@@ -180,6 +180,10 @@ def ffn(
     Returns:
         (T, n_embd) f32 on x's device.
     """
+    if accel is None and x.shape[0] == 1 and opts.observer is None and opts.oracle is None:
+        y = _fused_decode(l, blk, x, ffn_inp, variant, threshold, opts)
+        if y is not None:
+            return y
     act = None
     if opts.sparse and blk.fc1 is not None and opts.oracle is None:
         with phase(opts.timer, "predictor"):
@@ -198,6 +202,25 @@ def ffn(
         opts.observer(l, move(accel, ffn_inp, HOST), h)
     y = rows_sum(h if act_host is None else h * act_host, blk.ffn_down_t)
     return move(accel, y, x.device)
+
+
+def _fused_decode(
+    l: int, blk, x: Tensor, ffn_inp: Tensor, variant: FFNVariant, thr: float, opts: RunOptions
+) -> Tensor | None:
+    """A CPU-only decode step's FFN (predictor included) as one native call: x, ffn_inp (1,
+    n_embd) -> (1, n_embd); None when a matrix cannot run on the kernels (then the general
+    path below runs)."""
+    mats = [blk.ffn_gate._kernel(), blk.ffn_up._kernel(), blk.ffn_down_t._kernel()]
+    gated = opts.sparse and blk.fc1 is not None
+    preds = [blk.fc1._kernel(), blk.fc2._kernel()] if gated else [(None, None)] * 2
+    if any(m is None for m in (*mats, *preds)):
+        return None
+    lib = mats[0][0]
+    out = torch.empty(blk.ffn_down_t.shape[1], dtype=torch.float32)  # (n_embd,)
+    k = lib.ffn_decode([m[1] for m in (*preds, *mats)], thr, ffn_inp[0], x[0], variant, out)
+    if gated and opts.stats is not None:
+        opts.stats.record_count(l, k)
+    return out[None]
 
 
 def split_ffn(

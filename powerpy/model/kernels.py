@@ -24,12 +24,7 @@ rows are contiguous (``stride(1) == 1``).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +32,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from powerpy._fs import atomic_write, file_lock
 from powerpy.config import FFNVariant
 from powerpy.formats.constants import GGMLType
+from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
+    DEFAULT_FLAGS,
+    SOURCE,
+    KernelBuildError,
+    compile_library,
+    default_cache_dir,
+    find_compiler,
+)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 2
-SOURCE = Path(__file__).parent / "csrc" / "sparse_ffn.cpp"
-DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+ABI_VERSION = 3
 
 # dtype codes of the C library (enum DType)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -72,10 +72,6 @@ SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
 _ERR_INDEX = 1
 
 
-class KernelBuildError(RuntimeError):
-    """The kernel library could not be compiled or loaded."""
-
-
 # ---- library wrapper -----------------------------------------------------------------------------
 
 _i64, _i32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
@@ -96,6 +92,9 @@ _SIGNATURES = {
     "pp_gemm": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32, _i32], _i32),
     # dtype, W, ld, nrows, cols, idx, k, out, nthreads
     "pp_dequant_rows": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
+    "pp_stream_read": ([_p, _i64, _i32], ctypes.c_double),  # buffer, bytes, nthreads
+    # mats (5 x 5 int64), thr, xp, x, variant, out, act, nthreads
+    "pp_ffn_decode": ([_p, ctypes.c_float, _p, _p, _i32, _p, _i32, _i32], _i64),
 }
 
 
@@ -107,6 +106,9 @@ def _raise(status: int, what: str, idx: Tensor | None = None, nrows: int = 0) ->
 
 
 _F32, _I64 = torch.float32, torch.int64
+
+
+_threads = torch.get_num_threads
 
 
 def _f32(x: Tensor) -> Tensor:
@@ -197,7 +199,7 @@ class KernelLibrary:
             k,
             out.data_ptr(),
             _quant_act,
-            torch.get_num_threads(),
+            _threads(),
         )
         if st:
             _raise(st, "gather_gemv", idx, w.nrows)
@@ -237,7 +239,7 @@ class KernelLibrary:
             k,
             out.data_ptr(),
             accumulate,
-            torch.get_num_threads(),
+            _threads(),
         )
         if st:
             _raise(st, "gather_axpy", idx, w.nrows)
@@ -272,7 +274,7 @@ class KernelLibrary:
             code,
             out.data_ptr(),
             _quant_act,
-            torch.get_num_threads(),
+            _threads(),
         )
         if st:
             _raise(st, "glu", idx, up.nrows)
@@ -304,11 +306,48 @@ class KernelLibrary:
             out.data_ptr(),
             out.stride(0),
             _quant_act,
-            torch.get_num_threads(),
+            _threads(),
         )
         if st:
             _raise(st, "gemm")
         return out
+
+    def ffn_decode(
+        self,
+        mats: list[Matrix | None],
+        thr: float,
+        xp: Tensor,
+        x: Tensor,
+        variant: FFNVariant,
+        out: Tensor,
+    ) -> int:
+        """One token's FFN in one call: ``mats`` = fc1, fc2 (both None: dense), gate, up, down_t.
+
+        xp (n_embd,) is the predictor's input, x (n_embd,) the FFN's; ``out`` (n_embd,) f32
+        receives ``sum_j h_j down_t[j]`` over the neurons with ``fc2·relu(fc1·xp) >= thr``.
+        Returns how many neurons were computed.
+        """
+        vals = []
+        for m in mats:
+            vals += [0] * 5 if m is None else [m.code, m.ptr, m.ld, m.nrows, m.cols]
+        xp, x = _f32(xp), _f32(x)
+        k = self._lib.pp_ffn_decode(
+            (ctypes.c_int64 * 25)(*vals),
+            thr,
+            xp.data_ptr(),
+            x.data_ptr(),
+            VARIANTS[FFNVariant(variant)],
+            out.data_ptr(),
+            _quant_act,
+            _threads(),
+        )
+        if k < 0:
+            _raise(-k, "ffn_decode")
+        return k
+
+    def stream_read(self, buf: Tensor) -> float:
+        """Read all of ``buf`` (contiguous CPU) on every thread, as the kernels read weights."""
+        return self._lib.pp_stream_read(buf.data_ptr(), buf.numel() * buf.itemsize, _threads())
 
     def dequant_rows(
         self,
@@ -339,43 +378,7 @@ class KernelLibrary:
         return out
 
 
-# ---- build and cache -----------------------------------------------------------------------------
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/powerpy/kernels``, or ``~/.cache/powerpy/kernels``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "powerpy" / "kernels"
-
-
-def find_compiler() -> str | None:
-    """The first C++ compiler on PATH (g++, c++, clang++), or None."""
-    for name in ("g++", "c++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler_id(compiler: str) -> str:
-    try:
-        res = subprocess.run(
-            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
-        )
-        return res.stdout.splitlines()[0] if res.stdout else compiler
-    except (OSError, subprocess.SubprocessError):
-        return compiler
+# ---- build ---------------------------------------------------------------------------------------
 
 
 def build(
@@ -384,63 +387,16 @@ def build(
     cache_dir: Path | None = None,
     compiler: str | None = None,
 ) -> KernelLibrary:
-    """Compile ``source`` (or reuse the cached build) and load it.
-
-    Args:
-        source: the C++ file.
-        flags: compiler flags; ``-march=...`` selects the SIMD level (tests build
-            ``-march=x86-64-v3`` and ``-march=x86-64`` variants to cover AVX2 and scalar code).
-        cache_dir: where builds are kept (default :func:`default_cache_dir`).
-        compiler: compiler executable (default :func:`find_compiler`).
-
-    Returns:
-        The loaded library.
+    """Compile ``source`` (or reuse the cached build, :func:`compile_library`) and load it.
 
     Raises:
         KernelBuildError: no compiler, a failed compile, or a library that will not load.
     """
-    compiler = compiler or find_compiler()
-    if compiler is None:
-        raise KernelBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
-    src = source.read_bytes()
-    key = hashlib.sha256()
-    for part in (
-        src,
-        " ".join(flags).encode(),
-        _compiler_id(compiler).encode(),
-        _cpu_flags().encode(),
-        platform.machine().encode(),
-    ):
-        key.update(part)
-        key.update(b"\0")
-    cache_dir = cache_dir or default_cache_dir()
-    target = cache_dir / f"{source.stem}-{key.hexdigest()[:20]}.so"
-    if not target.exists():
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise KernelBuildError(f"cannot create kernel cache {cache_dir}: {e}") from e
-        with file_lock(cache_dir / (target.name + ".lock")):
-            if not target.exists():  # another process may have built it while we waited
-                _compile(compiler, source, flags, target)
+    target = compile_library(source, flags, cache_dir, compiler)
     try:
         return KernelLibrary(target)
     except OSError as e:
         raise KernelBuildError(f"cannot load {target}: {e}") from e
-
-
-def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
-    cmd = [compiler, *flags, "-o", "<tmp>", str(source)]
-    try:
-        with atomic_write(target) as tmp:  # readers see the old name or a complete file
-            cmd[-2] = str(tmp)  # the -o argument
-            logger.info("building powerpy kernels: %s", " ".join(cmd))
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-            if res.returncode != 0:
-                tail = "\n".join(res.stderr.strip().splitlines()[-20:])
-                raise KernelBuildError(f"{' '.join(cmd)} failed ({res.returncode}):\n{tail}")
-    except (OSError, subprocess.SubprocessError) as e:
-        raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
 
 
 # ---- process-wide state --------------------------------------------------------------------------

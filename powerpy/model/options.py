@@ -40,6 +40,12 @@ class SparsityStats:
         self.tokens[layer] += act.shape[0]
         self.last[layer] = float(counts[-1]) / self.n_ff
 
+    def record_count(self, layer: int, active: int) -> None:
+        """Count one token of one layer from its number of active neurons."""
+        self.active[layer] += active
+        self.tokens[layer] += 1
+        self.last[layer] = active / self.n_ff
+
     def active_fraction(self) -> np.ndarray:
         """Mean predicted-active fraction per layer (NaN where no token was gated)."""
         with np.errstate(invalid="ignore", divide="ignore"):

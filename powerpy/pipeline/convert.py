@@ -10,7 +10,10 @@ Layout (spec §5, PowerInfer's ``convert.py``):
   ``sparse_threshold``; ``powerpy.sparse_activation = "silu"`` when the predictors were trained
   on magnitude labels of a SiLU model (``config.json``: ``"sparse_activation": "silu"``).
 - Types: ``f16`` (default) writes 2-D tensors as F16 and 1-D as F32; ``f32`` all F32;
-  ``q8_0``/``q4_0`` quantize 2-D tensors whose rows are whole 32-blocks (others F16).
+  ``q8_0``/``q4_0``/``q4_1`` quantize 2-D tensors whose rows are whole 32-blocks (others F16).
+  ``auto`` (GGUF sources) keeps every tensor's stored type and copies its blocks untouched; the
+  transposed ``ffn_down_t`` of a quantized source is written as Q8_0 (one fine rounding of the
+  decoded values) and the predictors as Q8_0.
 - Tensor order: model tensors, then predictors. Magic ``PWRI``.
 
 Tensors stream one at a time (HF shards through ``safetensors.safe_open``, GGUF through its
@@ -52,8 +55,15 @@ from powerpy.pipeline.predictors import (
 
 log = logging.getLogger(__name__)
 
-OUTTYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
-FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_*
+OUTTYPES = {
+    "f32": GGMLType.F32,
+    "f16": GGMLType.F16,
+    "q8_0": GGMLType.Q8_0,
+    "q4_0": GGMLType.Q4_0,
+    "q4_1": GGMLType.Q4_1,
+}
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_*
+AUTO = "auto"  # GGUF sources: every tensor keeps its type (see the module docstring)
 
 _HF_SKIP = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -85,6 +95,7 @@ class _Tensor:
     shape: tuple[int, ...]  # numpy shape
     ggml_type: GGMLType
     load: Callable[[], np.ndarray]  # float32 values of `shape`
+    raw: Callable[[], np.ndarray] | None = None  # the stored bytes, copied as they are
 
 
 def out_type(shape: tuple[int, ...], outtype: str) -> GGMLType:
@@ -92,12 +103,27 @@ def out_type(shape: tuple[int, ...], outtype: str) -> GGMLType:
     if len(shape) == 1 or outtype == "f32":
         return GGMLType.F32
     t = OUTTYPES[outtype]
-    if t in (GGMLType.Q8_0, GGMLType.Q4_0) and shape[-1] % 32:
+    if t in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1) and shape[-1] % 32:
         return GGMLType.F16
     return t
 
 
+def _requant_type(source: GGMLType, shape: tuple[int, ...]) -> GGMLType:
+    """``auto``: the type of a transposed copy of a ``source``-typed tensor.
+
+    Floats keep their type. Quantized values become Q8_0: rounding them again to a 4-bit type
+    stacks a second rounding error (SmolLM2's ffn_down to Q4_1 and back: +6% perplexity);
+    Q8_0's step is ~1/16 of a 4-bit block's, and F16 (rows whose length is not whole blocks)
+    keeps every value.
+    """
+    if source in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
+        return source
+    return GGMLType.Q8_0 if shape[-1] % 32 == 0 else GGMLType.F16
+
+
 def _encode(t: _Tensor) -> np.ndarray:
+    if t.raw is not None:
+        return np.asarray(t.raw(), dtype=np.uint8).reshape(-1)
     arr = np.asarray(t.load(), dtype=np.float32)
     if arr.shape != t.shape:
         raise ValueError(f"tensor {t.name!r}: produced shape {arr.shape}, expected {t.shape}")
@@ -137,7 +163,11 @@ def _predictor_tensors(preds: Predictors, outtype: str) -> list[_Tensor]:
                 return load_predictor_file(path, mmap=True)[key].float().numpy()
 
             shape = tuple(load_predictor_file(path, mmap=True)[key].shape)
-            out.append(_Tensor(template.format(l=l), shape, out_type(shape, outtype), load))
+            if outtype == AUTO:  # Q8_0: the shipped int8 rows cost 1/2 of F16 per token
+                t = out_type(shape, "q8_0")
+            else:
+                t = out_type(shape, outtype)
+            out.append(_Tensor(template.format(l=l), shape, t, load))
     return out
 
 
@@ -195,7 +225,8 @@ def convert(
             to profile and train predictors on. A dense GGUF carries no activation: load a
             ReLU model's with ``ffn_act="relu"``.
         out: the output file; written atomically, and never one of the inputs.
-        outtype: "f16" (default), "f32", "q8_0" or "q4_0".
+        outtype: "f16" (default), "f32", "q8_0", "q4_0", "q4_1", or "auto" (GGUF sources: keep
+            the stored types; see the module docstring).
         vocab_gguf: copy the tokenizer from this GGUF (HF sources; default: tokenizer.model or
             tokenizer.json of the checkpoint).
         vocab_pre: ``tokenizer.ggml.pre`` for a tokenizer.json BPE vocabulary.
@@ -213,8 +244,8 @@ def convert(
     """
     src_p, out_p = Path(src), Path(out)
     pred_p = None if predictor_dir is None else Path(predictor_dir)
-    if outtype not in OUTTYPES:
-        raise ValueError(f"outtype {outtype!r} is not one of {tuple(OUTTYPES)}")
+    if outtype not in (*OUTTYPES, AUTO):
+        raise ValueError(f"outtype {outtype!r} is not one of {(*OUTTYPES, AUTO)}")
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
     if not src_p.exists():
@@ -232,6 +263,7 @@ def convert(
         raise FileNotFoundError(f"cannot write {out_p}: directory {out_p.parent} does not exist")
 
     if src_p.is_dir():
+        outtype = "f16" if outtype == AUTO else outtype  # HF weights are floats
         _convert_hf(
             src_p, pred_p, out_p, outtype, vocab_gguf, vocab_pre, activation, name, progress
         )
@@ -366,12 +398,13 @@ def _convert_gguf(
         for key, spec in gf.typed_kv().items():
             if key in (Keys.SPARSE_THRESHOLD, Keys.SPARSE_ACTIVATION):
                 continue
-            if key == Keys.FILE_TYPE:
+            if key == Keys.FILE_TYPE and outtype != AUTO:
                 spec = (FILE_TYPES[outtype], GGUFValueType.UINT32)
             if key == Keys.NAME and name is not None:
                 spec = (name, GGUFValueType.STRING)
             kv[key] = spec
-        kv.setdefault(Keys.FILE_TYPE, (FILE_TYPES[outtype], GGUFValueType.UINT32))
+        if outtype != AUTO:
+            kv.setdefault(Keys.FILE_TYPE, (FILE_TYPES[outtype], GGUFValueType.UINT32))
         kv.update(_sparse_kv(preds.threshold, act))
         plan = list(_gguf_tensors(gf, outtype))
         plan += _predictor_tensors(preds, outtype)
@@ -391,10 +424,21 @@ def _gguf_tensors(gf: GGUFFile, outtype: str) -> Iterator[_Tensor]:
             def load_t(tname: str = tname) -> np.ndarray:
                 return np.ascontiguousarray(gf.dequantize(tname).T)
 
-            yield _Tensor(new, shape_t, out_type(shape_t, outtype), load_t)
+            if outtype == AUTO:
+                t = _requant_type(info.ggml_type, shape_t)
+            else:
+                t = out_type(shape_t, outtype)
+            yield _Tensor(new, shape_t, t, load_t)
         else:
 
             def load(tname: str = tname) -> np.ndarray:
                 return gf.dequantize(tname)
 
-            yield _Tensor(tname, shape, out_type(shape, outtype), load)
+            if outtype == AUTO:  # the stored blocks, untouched
+
+                def raw(tname: str = tname) -> np.ndarray:
+                    return gf.raw(tname)
+
+                yield _Tensor(tname, shape, info.ggml_type, load, raw)
+            else:
+                yield _Tensor(tname, shape, out_type(shape, outtype), load)

@@ -1258,10 +1258,79 @@ inline bool valid_shape(int dtype, int64_t cols) {
       return PP_ERR_ARG;                       \
   }
 
+// ---- the fused decode FFN ------------------------------------------------------------------------
+
+struct Mat {  // one matrix as Python describes it: 5 int64s (dtype, data, ld, nrows, cols)
+  int dtype;
+  const uint8_t* w;
+  int64_t ld, nrows, cols;
+  explicit Mat(const int64_t* p)
+      : dtype((int)p[0]), w((const uint8_t*)(intptr_t)p[1]), ld(p[2]), nrows(p[3]), cols(p[4]) {}
+};
+
+static int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
+                    int act, int nt) {
+  if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
+  PP_DISPATCH(m.dtype, gemv_impl, m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt)
+}
+
+static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
+                   int variant, float* out, int act, int nt) {
+  if (!valid_shape(u.dtype, u.cols) || g.dtype != u.dtype) return PP_ERR_ARG;
+  PP_DISPATCH(u.dtype, glu_impl, g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out,
+              act, nt)
+}
+
+static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k, float* out,
+                    int nt) {
+  if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
+  PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt)
+}
+
 extern "C" {
 
+// One token's FFN in one call (CPU-only decode): with a predictor (mats 0, 1 = fc1, fc2), the
+// neurons j with fc2·relu(fc1·xp) >= thr; without (mats 0, 1 zero), all of them. Then
+// h_j = act(gate_j·x, up_j·x) and out = sum_j h_j down_t[j]. mats: 5 x 5 int64 (Mat) for fc1,
+// fc2, gate, up, down_t. Returns the number of computed neurons, or -status.
+int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* xp, const float* x,
+                      int variant, float* out, int act, int nthreads) {
+  const Mat fc1(mats), fc2(mats + 5), gate(mats + 10), up(mats + 15), down(mats + 20);
+  const int64_t n_ff = up.nrows;
+  if (variant < V_REGLU || variant > V_SWIGLU || gate.nrows != n_ff || down.nrows != n_ff)
+    return -PP_ERR_ARG;
+  const int64_t H = fc1.w ? fc1.nrows : 0;
+  float* buf = (float*)std::malloc(sizeof(float) * (H + 2 * n_ff) + sizeof(int64_t) * n_ff);
+  if (!buf) return -PP_ERR_ARG;
+  float *z = buf, *logit = buf + H, *h = logit + n_ff;
+  int64_t* idx = (int64_t*)(h + n_ff);
+  int64_t k = n_ff;
+  int st = 0;
+  const int64_t* sel = nullptr;
+  if (fc1.w) {
+    if (fc2.nrows != n_ff || fc2.cols != H) st = PP_ERR_ARG;
+    if (!st) st = mat_gemv(fc1, xp, nullptr, H, z, act, nthreads);
+    for (int64_t i = 0; i < H && !st; ++i) z[i] = z[i] > 0.0f ? z[i] : 0.0f;
+    if (!st) st = mat_gemv(fc2, z, nullptr, n_ff, logit, act, nthreads);
+    k = 0;
+    for (int64_t j = 0; j < n_ff && !st; ++j)
+      if (logit[j] >= thr) idx[k++] = j;
+    sel = idx;
+  }
+  if (!st && k) st = mat_glu(gate, up, x, sel, k, variant, h, act, nthreads);
+  if (!st) {
+    if (k) {
+      st = mat_axpy(down, h, sel, k, out, nthreads);
+    } else {
+      std::memset(out, 0, sizeof(float) * down.cols);
+    }
+  }
+  std::free(buf);
+  return st ? -st : k;
+}
+
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
-int pp_abi_version(void) { return 2; }
+int pp_abi_version(void) { return 3; }
 
 // 2 = AVX-512F, 1 = AVX2+FMA+F16C, 0 = scalar.
 int pp_simd_level(void) { return PP_SIMD; }
@@ -1305,6 +1374,30 @@ int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, c
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, act,
               nthreads)
+}
+
+// Reads `bytes` of p (64-byte aligned) with `nthreads` threads, as the GEMV kernels read weights;
+// returns a checksum so the loads cannot be optimized away. For measuring read bandwidth.
+double pp_stream_read(const void* p, int64_t bytes, int nthreads) {
+  const int64_t n = bytes / 64;
+  double total = 0.0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(nthreads > 0 ? nthreads : 1) schedule(static) reduction(+ : total)
+#endif
+  for (int64_t t = 0; t < 64; ++t) {  // 64 contiguous slices, spread over the threads
+    const float* q = (const float*)p + n * 16 * t / 64;
+    const int64_t m = n * (t + 1) / 64 - n * t / 64;
+    vf a0 = v_zero(), a1 = v_zero();
+    for (int64_t i = 0; i < m; ++i) {
+      prefetch_l2(q + 16 * (i + 32));
+      for (int u = 0; u < 16 / VL; u += 2) {
+        a0 = v_add(a0, v_load(q + 16 * i + u * VL));
+        if (u + 1 < 16 / VL) a1 = v_add(a1, v_load(q + 16 * i + (u + 1) * VL));
+      }
+    }
+    total += v_sum(v_add(a0, a1));
+  }
+  return total;
 }
 
 // out[j, :] = W[idx[j], :] as f32 (idx == NULL: rows 0..k-1); out is (k, cols) contiguous.

@@ -1,0 +1,118 @@
+"""Compiling the native kernels: the system C++ compiler, a per-user cache keyed by source, flags,
+compiler and CPU, atomic builds under a file lock (see ``powerpy.model.kernels``)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+from powerpy._fs import atomic_write, file_lock
+
+logger = logging.getLogger("powerpy.model.kernels")
+
+SOURCE = Path(__file__).parent / "csrc" / "sparse_ffn.cpp"
+DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+class KernelBuildError(RuntimeError):
+    """The kernel library could not be compiled or loaded."""
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/powerpy/kernels``, or ``~/.cache/powerpy/kernels``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "powerpy" / "kernels"
+
+
+def find_compiler() -> str | None:
+    """The first C++ compiler on PATH (g++, c++, clang++), or None."""
+    for name in ("g++", "c++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_id(compiler: str) -> str:
+    try:
+        res = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+        return res.stdout.splitlines()[0] if res.stdout else compiler
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+
+
+def compile_library(
+    source: Path = SOURCE,
+    flags: tuple[str, ...] = DEFAULT_FLAGS,
+    cache_dir: Path | None = None,
+    compiler: str | None = None,
+) -> Path:
+    """Compile ``source`` into the cache (or find the cached build) and return its path.
+
+    Args:
+        source: the C++ file.
+        flags: compiler flags; ``-march=...`` selects the SIMD level (tests build
+            ``-march=x86-64-v3`` and ``-march=x86-64`` variants to cover AVX2 and scalar code).
+        cache_dir: where builds are kept (default :func:`default_cache_dir`).
+        compiler: compiler executable (default :func:`find_compiler`).
+
+    Raises:
+        KernelBuildError: no compiler, or a failed compile.
+    """
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
+    src = source.read_bytes()
+    key = hashlib.sha256()
+    for part in (
+        src,
+        " ".join(flags).encode(),
+        _compiler_id(compiler).encode(),
+        _cpu_flags().encode(),
+        platform.machine().encode(),
+    ):
+        key.update(part)
+        key.update(b"\0")
+    cache_dir = cache_dir or default_cache_dir()
+    target = cache_dir / f"{source.stem}-{key.hexdigest()[:20]}.so"
+    if not target.exists():
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KernelBuildError(f"cannot create kernel cache {cache_dir}: {e}") from e
+        with file_lock(cache_dir / (target.name + ".lock")):
+            if not target.exists():  # another process may have built it while we waited
+                _compile(compiler, source, flags, target)
+    return target
+
+
+def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
+    cmd = [compiler, *flags, "-o", "<tmp>", str(source)]
+    try:
+        with atomic_write(target) as tmp:  # readers see the old name or a complete file
+            cmd[-2] = str(tmp)  # the -o argument
+            logger.info("building powerpy kernels: %s", " ".join(cmd))
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+            if res.returncode != 0:
+                tail = "\n".join(res.stderr.strip().splitlines()[-20:])
+                raise KernelBuildError(f"{' '.join(cmd)} failed ({res.returncode}):\n{tail}")
+    except (OSError, subprocess.SubprocessError) as e:
+        raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
