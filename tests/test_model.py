@@ -326,7 +326,7 @@ def test_non_finite_weights_name_the_first_bad_layer(tmp_path, tensor, value, wh
 def test_fused_decode_ffn_equals_the_general_path(sparse_path, monkeypatch, dense):
     """CPU-only decode runs each FFN (predictor included) as one native call; it computes the
     same neurons, statistics and logits as the step-by-step path."""
-    from powerpy.model import ffn, kernels
+    from powerpy.model import kernels, transformer
 
     if not kernels.available():
         pytest.skip("native kernels unavailable")
@@ -335,7 +335,7 @@ def test_fused_decode_ffn_equals_the_general_path(sparse_path, monkeypatch, dens
     runs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(ffn, "_fused_decode", lambda *a: None)
+            monkeypatch.setattr(transformer, "fused_decode", lambda *a: None)
         if llm.sparsity is not None:
             llm.sparsity.reset()
         got = [r.token for r in llm.stream(TOKENS[:4], 12, temperature=0)]
@@ -347,3 +347,28 @@ def test_fused_decode_ffn_equals_the_general_path(sparse_path, monkeypatch, dens
     if not dense:
         np.testing.assert_allclose(s1, s2)
         assert np.all((s1 > 0.05) & (s1 < 0.95)), s1
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_fused_decode_attention_equals_the_torch_path(dense_path, monkeypatch, cache_dtype):
+    """CPU-only decode runs attention (q/k/v, RoPE, cache write, GQA softmax, output) as one
+    native call; its logits and cache rows match the torch path over many positions."""
+    from powerpy.model import kernels, transformer
+
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    path, _ = dense_path
+    model = load(path).model
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(transformer, "_fused_attention", lambda *a: None)
+        cache = model.new_cache(32, dtype=cache_dtype)
+        model.forward(torch.tensor(TOKENS[:3]), cache)  # prefill: the torch path
+        steps = [model.forward(torch.tensor([t]), cache) for t in TOKENS[3:]]  # decode
+        runs.append((torch.cat(steps), cache.k[:, : cache.pos].clone(), cache.v.clone()))
+    (l1, k1, v1), (l2, k2, v2) = runs
+    tol = 1e-5 if cache_dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(l1, l2, rtol=tol, atol=tol)
+    torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
+    torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)

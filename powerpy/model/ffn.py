@@ -180,10 +180,6 @@ def ffn(
     Returns:
         (T, n_embd) f32 on x's device.
     """
-    if accel is None and x.shape[0] == 1 and opts.observer is None and opts.oracle is None:
-        y = _fused_decode(l, blk, x, ffn_inp, variant, threshold, opts)
-        if y is not None:
-            return y
     act = None
     if opts.sparse and blk.fc1 is not None and opts.oracle is None:
         with phase(opts.timer, "predictor"):
@@ -204,23 +200,32 @@ def ffn(
     return move(accel, y, x.device)
 
 
-def _fused_decode(
-    l: int, blk, x: Tensor, ffn_inp: Tensor, variant: FFNVariant, thr: float, opts: RunOptions
+def fused_decode(
+    l: int, blk, x: Tensor, norm_eps: float, variant: FFNVariant, thr: float, opts: RunOptions
 ) -> Tensor | None:
-    """A CPU-only decode step's FFN (predictor included) as one native call: x, ffn_inp (1,
-    n_embd) -> (1, n_embd); None when a matrix cannot run on the kernels (then the general
-    path below runs)."""
-    mats = [blk.ffn_gate._kernel(), blk.ffn_up._kernel(), blk.ffn_down_t._kernel()]
-    gated = opts.sparse and blk.fc1 is not None
+    """A CPU-only decode step's FFN block (ffn_norm, predictor, GLU rows, down rows, residual)
+    as one native call: x (1, n_embd) the residual stream -> x + FFN (1, n_embd); None when it
+    does not apply (a matrix the kernels cannot read, profiling, an oracle)."""
+    if opts.observer is not None or opts.oracle is not None or blk.hot is not None:
+        return None
+    down = blk.ffn_down_t
+    stored = isinstance(down, TransposedWeight)  # a dense file's ffn_down: (n_embd, n_ff)
+    mats = [
+        blk.ffn_gate._kernel(),
+        blk.ffn_up._kernel(),
+        (down.inner if stored else down)._kernel(),
+    ]
+    gated = opts.sparse and blk.fc1 is not None and not stored
     preds = [blk.fc1._kernel(), blk.fc2._kernel()] if gated else [(None, None)] * 2
-    if any(m is None for m in (*mats, *preds)):
+    if any(m is None for m in (*mats, *preds)) or blk.ffn_norm.device.type != "cpu":
         return None
     lib = mats[0][0]
-    out = torch.empty(blk.ffn_down_t.shape[1], dtype=torch.float32)  # (n_embd,)
-    k = lib.ffn_decode([m[1] for m in (*preds, *mats)], thr, ffn_inp[0], x[0], variant, out)
+    mat_list = [m[1] for m in (*preds, *mats)]
+    norm = (blk.ffn_norm, norm_eps)
+    y, k = lib.ffn_decode(mat_list, thr, x[0], norm, variant, down_stored=stored)
     if gated and opts.stats is not None:
         opts.stats.record_count(l, k)
-    return out[None]
+    return y[None]
 
 
 def split_ffn(

@@ -45,7 +45,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 3
+ABI_VERSION = 6
 
 # dtype codes of the C library (enum DType)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -74,7 +74,7 @@ _ERR_INDEX = 1
 
 # ---- library wrapper -----------------------------------------------------------------------------
 
-_i64, _i32, _p = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+_i64, _i32, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
     "pp_abi_version": ([], _i32),
     "pp_simd_level": ([], _i32),
@@ -93,8 +93,13 @@ _SIGNATURES = {
     # dtype, W, ld, nrows, cols, idx, k, out, nthreads
     "pp_dequant_rows": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
     "pp_stream_read": ([_p, _i64, _i32], ctypes.c_double),  # buffer, bytes, nthreads
-    # mats (5 x 5 int64), thr, xp, x, variant, out, act, nthreads
-    "pp_ffn_decode": ([_p, ctypes.c_float, _p, _p, _i32, _p, _i32, _i32], _i64),
+    # mats, x, norm, eps, rot, n_rot, n_head, n_kv, hd, k, v, cache dtype, pos, out, act, nthr
+    "pp_attn_decode": (
+        [_p, _p, _p, _f, _p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i64, _p, _i32, _i32],
+        _i32,
+    ),
+    # mats (5 x 5 int64), thr, resid, norm, eps, variant, down_stored, out, act, nthreads
+    "pp_ffn_decode": ([_p, _f, _p, _p, _f, _i32, _i32, _p, _i32, _i32], _i64),
 }
 
 
@@ -312,38 +317,83 @@ class KernelLibrary:
             _raise(st, "gemm")
         return out
 
+    def attn_decode(
+        self,
+        mats: list[Matrix],
+        x: Tensor,
+        norm: tuple[Tensor, float],
+        rot: Tensor,
+        shape: tuple[int, int, int],
+        cache: tuple[Tensor, Tensor, int],
+    ) -> Tensor:
+        """One token's attention block in one call: x (n_embd,) the residual stream.
+
+        ``mats`` = q, k, v, output; ``norm`` = (attn_norm (n_embd,) f32, eps); ``rot``
+        (n_rot / 2, 2) f32 holds (cos, sin) per pair; ``shape`` = (n_head, n_head_kv,
+        head_dim); ``cache`` = one layer's contiguous f32/f16 keys and values ``(n_ctx, n_kv,
+        head_dim)`` and the position whose row is written. Returns x + attention (n_embd,).
+        """
+        vals = [v for m in mats for v in (m.code, m.ptr, m.ld, m.nrows, m.cols)]
+        x, rot, w = _f32(x), _f32(rot), _f32(norm[0])
+        k, v, pos = cache
+        out = torch.empty(x.numel(), dtype=_F32)
+        st = self._lib.pp_attn_decode(
+            (ctypes.c_int64 * 20)(*vals),
+            x.data_ptr(),
+            w.data_ptr(),
+            norm[1],
+            rot.data_ptr(),
+            rot.numel(),
+            *shape,
+            k.data_ptr(),
+            v.data_ptr(),
+            0 if k.dtype is _F32 else 1,
+            pos,
+            out.data_ptr(),
+            _quant_act,
+            _threads(),
+        )
+        if st:
+            _raise(st, "attn_decode")
+        return out
+
     def ffn_decode(
         self,
         mats: list[Matrix | None],
         thr: float,
-        xp: Tensor,
         x: Tensor,
+        norm: tuple[Tensor, float],
         variant: FFNVariant,
-        out: Tensor,
-    ) -> int:
-        """One token's FFN in one call: ``mats`` = fc1, fc2 (both None: dense), gate, up, down_t.
+        down_stored: bool = False,
+    ) -> tuple[Tensor, int]:
+        """One token's FFN block in one call: x (n_embd,) the residual stream (the predictor's
+        input), ``norm`` = (ffn_norm, eps) for the FFN's input.
 
-        xp (n_embd,) is the predictor's input, x (n_embd,) the FFN's; ``out`` (n_embd,) f32
-        receives ``sum_j h_j down_t[j]`` over the neurons with ``fc2·relu(fc1·xp) >= thr``.
-        Returns how many neurons were computed.
+        ``mats`` = fc1, fc2 (both None: dense), gate, up, down_t: the block adds
+        ``sum_j h_j down_t[j]`` over the neurons with ``fc2·relu(fc1·x) >= thr``. With
+        ``down_stored`` the last matrix is a dense file's ``ffn_down`` (n_embd, n_ff) and the
+        FFN is dense. Returns (x + FFN (n_embd,), how many neurons were computed).
         """
         vals = []
         for m in mats:
             vals += [0] * 5 if m is None else [m.code, m.ptr, m.ld, m.nrows, m.cols]
-        xp, x = _f32(xp), _f32(x)
+        x, w = _f32(x), _f32(norm[0])
+        out = torch.empty(x.numel(), dtype=_F32)
         k = self._lib.pp_ffn_decode(
             (ctypes.c_int64 * 25)(*vals),
             thr,
-            xp.data_ptr(),
             x.data_ptr(),
+            w.data_ptr(),
+            norm[1],
             VARIANTS[FFNVariant(variant)],
+            int(down_stored),
             out.data_ptr(),
             _quant_act,
             _threads(),
         )
         if k < 0:
             _raise(-k, "ffn_decode")
-        return k
+        return out, k
 
     def stream_read(self, buf: Tensor) -> float:
         """Read all of ``buf`` (contiguous CPU) on every thread, as the kernels read weights."""

@@ -19,7 +19,7 @@ from powerpy.config import ModelArgs
 from powerpy.errors import NonFiniteError
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, move
-from powerpy.model.ffn import HotRows, ffn
+from powerpy.model.ffn import HotRows, ffn, fused_decode
 from powerpy.model.matrices import Weight
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
@@ -181,19 +181,26 @@ class Model:
         if check:
             _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
         rot = {HOST: rope_tables(a, cache.pos, n)}  # (T, n_rot/2) complex, per device
+        fused = n == 1 and self.accel is None  # CPU-only decode: one native call per block
         for l, blk in enumerate(w.blk):
             # Each step runs where its weights are and the residual stream follows (no move
             # when the tensor is already there, e.g. CPU-only).
             x = self._to(x, blk.attn_norm.device)
             with phase(opts.timer, "attention"):
-                xn = rms_norm(x, blk.attn_norm, a.rms_eps)
-                ffn_inp = x + self._to(self.attention(l, blk, xn, cache, rot), x.device)
+                ffn_inp = _fused_attention(l, blk, x, cache, rot[HOST], a) if fused else None
+                if ffn_inp is None:
+                    xn = rms_norm(x, blk.attn_norm, a.rms_eps)
+                    ffn_inp = x + self._to(self.attention(l, blk, xn, cache, rot), x.device)
             if check:
                 _check_finite(ffn_inp, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
             with phase(opts.timer, "ffn"):
-                xn = rms_norm(self._to(ffn_inp, blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
-                y = ffn(l, blk, xn, ffn_inp, a.ffn_variant, thr, opts, self.accel)
-                x = ffn_inp + self._to(y, ffn_inp.device)
+                x = None
+                if fused:
+                    x = fused_decode(l, blk, ffn_inp, a.rms_eps, a.ffn_variant, thr, opts)
+                if x is None:
+                    xn = rms_norm(self._to(ffn_inp, blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
+                    y = ffn(l, blk, xn, ffn_inp, a.ffn_variant, thr, opts, self.accel)
+                    x = ffn_inp + self._to(y, ffn_inp.device)
             if check:
                 _check_finite(x, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
         cache.pos += n
@@ -237,6 +244,28 @@ class Model:
             )  # (n_head, T, head_dim)
             out = out.transpose(0, 1).reshape(n, a.n_embd)
         return blk.attn_output.linear(self._to(out, blk.attn_output.device))
+
+
+def _fused_attention(
+    l: int, blk: Block, x: Tensor, cache: KVCache, rot: Tensor, a: ModelArgs
+) -> Tensor | None:
+    """A CPU-only decode step's attention block (attn_norm, q/k/v, RoPE, cache row, GQA
+    softmax, output, residual) as one native call: x (1, n_embd) the residual stream -> x +
+    attention (1, n_embd); None when a matrix or the cache is not for the kernels."""
+    mats = [m._kernel() for m in (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output)]
+    k, v = cache.k[l], cache.v[l]  # (n_ctx, n_kv, head_dim)
+    if any(m is None for m in mats) or k.device.type != "cpu" or k.dtype not in _CACHE_DTYPES:
+        return None
+    if blk.attn_norm.device.type != "cpu":
+        return None
+    rot = torch.view_as_real(rot[0])  # (n_rot / 2, 2): cos, sin
+    shape = (a.n_head, a.n_head_kv, a.head_dim)
+    norm = (blk.attn_norm, a.rms_eps)
+    lib = mats[0][0]
+    return lib.attn_decode([m[1] for m in mats], x[0], norm, rot, shape, (k, v, cache.pos))[None]
+
+
+_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 def _check_finite(x: Tensor, where: str, what: str) -> None:

@@ -74,6 +74,26 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+inline uint16_t float_to_half(float f) {  // round to nearest even
+#if defined(__F16C__)
+  return _cvtss_sh(f, 0);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds to infinity
+  if (ax < 0x38800000u) {  // subnormal or zero: scale into f16's subnormal grid
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return (uint16_t)(sign | (uint32_t)std::nearbyint(a * 16777216.0f));
+  }
+  const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);  // round the 13 dropped bits to even
+  return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+#endif
+}
+
 inline float bf16_to_float(uint16_t h) {
   uint32_t bits = (uint32_t)h << 16;
   float f;
@@ -566,20 +586,7 @@ struct QAct {  // one 32-element chunk of quantized activations
   int8_t qs[32];
 };
 
-inline float round_f16(float f) {
-#if defined(__F16C__)
-  return _cvtsh_ss(_cvtss_sh(f, 0));
-#else
-  // round to nearest even at f16 precision (normal range; tiny values go through subnormals)
-  if (!std::isfinite(f) || f == 0.0f) return f;
-  int e;
-  std::frexp(f, &e);
-  const int shift = e - 11 < -24 ? -24 : e - 11;  // f16: 11 significant bits, min exp -24
-  const float scale = std::ldexp(1.0f, shift);
-  float r = std::nearbyint(f / scale) * scale;
-  return std::fabs(r) > 65504.0f ? std::copysign(INFINITY, f) : r;
-#endif
-}
+inline float round_f16(float f) { return half_to_float(float_to_half(f)); }
 
 // x (cols, a multiple of 32; of 256 for Q8_K) -> cols / 32 chunks.
 inline void quantize_act(int kind, const float* x, int64_t cols, QAct* out) {
@@ -1260,6 +1267,14 @@ inline bool valid_shape(int dtype, int64_t cols) {
 
 // ---- the fused decode FFN ------------------------------------------------------------------------
 
+// y = x / sqrt(mean(x^2) + eps) * w, in ggml's order (squares summed in double).
+static void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += (double)(x[i] * x[i]);
+  const float scale = 1.0f / std::sqrt((float)(sum / (double)n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * scale) * w[i];
+}
+
 struct Mat {  // one matrix as Python describes it: 5 int64s (dtype, data, ld, nrows, cols)
   int dtype;
   const uint8_t* w;
@@ -1289,21 +1304,112 @@ static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k,
 
 extern "C" {
 
-// One token's FFN in one call (CPU-only decode): with a predictor (mats 0, 1 = fc1, fc2), the
-// neurons j with fc2·relu(fc1·xp) >= thr; without (mats 0, 1 zero), all of them. Then
-// h_j = act(gate_j·x, up_j·x) and out = sum_j h_j down_t[j]. mats: 5 x 5 int64 (Mat) for fc1,
-// fc2, gate, up, down_t. Returns the number of computed neurons, or -status.
-int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* xp, const float* x,
-                      int variant, float* out, int act, int nthreads) {
+// One token's attention block in one call (CPU-only decode): xn = rms_norm(x) * norm_w; q, k,
+// v = W·xn; RoPE on the first n_rot
+// dims of each head (adjacent pairs times rot[i] = (cos, sin)); k, v written to the cache row
+// `pos` (f32 or f16: cdt 0 / 1, rows of n_kv * hd); each query head h reads kv head
+// h / (n_head / n_kv) over positions 0..pos; out = W_o · attention. mats: 4 x 5 int64 (q, k,
+// v, output); out = x + W_o · attention (the residual stream). Returns 0 or a status.
+int pp_attn_decode(const int64_t* mats, const float* x, const float* norm_w, float eps,
+                   const float* rot, int64_t n_rot, int64_t n_head, int64_t n_kv, int64_t hd,
+                   void* kc, void* vc, int cdt, int64_t pos, float* out, int act, int nthreads) {
+  const Mat wq(mats), wk(mats + 5), wv(mats + 10), wo(mats + 15);
+  const int64_t nq = n_head * hd, nkv = n_kv * hd, S = pos + 1, group = n_head / n_kv;
+  if (wq.nrows != nq || wk.nrows != nkv || wv.nrows != nkv || wo.cols != nq || n_rot > hd ||
+      n_rot % 2 || n_head % n_kv || (cdt != 0 && cdt != 1))
+    return PP_ERR_ARG;
+  const int64_t d = wq.cols;
+  float* buf = (float*)std::malloc(sizeof(float) * (2 * nq + 2 * nkv + n_head * S + 2 * d));
+  if (!buf) return PP_ERR_ARG;
+  float *q = buf, *k = q + nq, *v = k + nkv, *att = v + nkv, *sc = att + nq, *xn = sc + n_head * S;
+  float* y = xn + d;
+  rms_norm(x, norm_w, d, eps, xn);
+  int st = mat_gemv(wq, xn, nullptr, nq, q, act, nthreads);
+  if (!st) st = mat_gemv(wk, xn, nullptr, nkv, k, act, nthreads);
+  if (!st) st = mat_gemv(wv, xn, nullptr, nkv, v, act, nthreads);
+  if (st) {
+    std::free(buf);
+    return st;
+  }
+  auto rope = [&](float* y, int64_t heads) {
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < n_rot / 2; ++i) {
+        float* p = y + h * hd + 2 * i;
+        const float a = p[0], b = p[1], c = rot[2 * i], s = rot[2 * i + 1];
+        p[0] = a * c - b * s;
+        p[1] = a * s + b * c;
+      }
+  };
+  rope(q, n_head);
+  rope(k, n_kv);
+  for (int64_t i = 0; i < nkv; ++i) {  // the cache row of this position
+    if (cdt == 0) {
+      ((float*)kc)[pos * nkv + i] = k[i];
+      ((float*)vc)[pos * nkv + i] = v[i];
+    } else {
+      ((uint16_t*)kc)[pos * nkv + i] = float_to_half(k[i]);
+      ((uint16_t*)vc)[pos * nkv + i] = float_to_half(v[i]);
+    }
+  }
+  auto kv = [&](const void* c, int64_t t, int64_t g, int64_t d) -> float {
+    const int64_t at = t * nkv + g * hd + d;
+    return cdt == 0 ? ((const float*)c)[at] : half_to_float(((const uint16_t*)c)[at]);
+  };
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const int nt = team_size(nthreads, S * nkv * 8 * group);
+  run_partitioned(nt, n_head, [&](int64_t h0, int64_t h1) -> int {
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t g = h / group;
+      const float* qh = q + h * hd;
+      float* s = sc + h * S;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < S; ++t) {
+        float d = 0.0f;
+        for (int64_t i = 0; i < hd; ++i) d += qh[i] * kv(kc, t, g, i);
+        s[t] = d * scale;
+        mx = s[t] > mx ? s[t] : mx;
+      }
+      float sum = 0.0f;
+      for (int64_t t = 0; t < S; ++t) sum += (s[t] = std::exp(s[t] - mx));
+      float* o = att + h * hd;
+      for (int64_t i = 0; i < hd; ++i) o[i] = 0.0f;
+      for (int64_t t = 0; t < S; ++t) {
+        const float pt = s[t] / sum;
+        for (int64_t i = 0; i < hd; ++i) o[i] += pt * kv(vc, t, g, i);
+      }
+    }
+    return 0;
+  });
+  st = mat_gemv(wo, att, nullptr, wo.nrows, y, act, nthreads);
+  for (int64_t i = 0; i < d && !st; ++i) out[i] = x[i] + y[i];
+  std::free(buf);
+  return st;
+}
+
+// One token's FFN block in one call (CPU-only decode): with a predictor (mats 0, 1 = fc1, fc2),
+// the neurons j with fc2·relu(fc1·r) >= thr for the residual r; without (mats 0, 1 zero), all
+// of them. Then xn = rms_norm(r) * norm_w, h_j = act(gate_j·xn, up_j·xn) and
+// out = r + sum_j h_j down_t[j]. mats: 5 x 5 int64 (Mat) for fc1,
+// fc2, gate, up, down_t; with down_stored (a dense GGUF's ffn_down, (n_embd, n_ff) as stored),
+// mat 4 is ffn_down and out = ffn_down · h (no predictor then). Returns the number of computed
+// neurons, or -status.
+int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* r, const float* norm_w,
+                      float eps, int variant, int down_stored, float* out, int act,
+                      int nthreads) {
   const Mat fc1(mats), fc2(mats + 5), gate(mats + 10), up(mats + 15), down(mats + 20);
   const int64_t n_ff = up.nrows;
-  if (variant < V_REGLU || variant > V_SWIGLU || gate.nrows != n_ff || down.nrows != n_ff)
+  if (variant < V_REGLU || variant > V_SWIGLU || gate.nrows != n_ff ||
+      (down_stored ? down.cols != n_ff || fc1.w : down.nrows != n_ff))
     return -PP_ERR_ARG;
   const int64_t H = fc1.w ? fc1.nrows : 0;
-  float* buf = (float*)std::malloc(sizeof(float) * (H + 2 * n_ff) + sizeof(int64_t) * n_ff);
+  const int64_t d = up.cols, nd = down_stored ? down.nrows : down.cols;
+  float* buf =
+      (float*)std::malloc(sizeof(float) * (H + 2 * n_ff + d + nd) + sizeof(int64_t) * n_ff);
   if (!buf) return -PP_ERR_ARG;
-  float *z = buf, *logit = buf + H, *h = logit + n_ff;
-  int64_t* idx = (int64_t*)(h + n_ff);
+  float *z = buf, *logit = buf + H, *h = logit + n_ff, *x = h + n_ff, *y = x + d;
+  int64_t* idx = (int64_t*)(y + nd);
+  const float* xp = r;
+  rms_norm(r, norm_w, d, eps, x);
   int64_t k = n_ff;
   int st = 0;
   const int64_t* sel = nullptr;
@@ -1319,18 +1425,21 @@ int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* xp, const flo
   }
   if (!st && k) st = mat_glu(gate, up, x, sel, k, variant, h, act, nthreads);
   if (!st) {
-    if (k) {
-      st = mat_axpy(down, h, sel, k, out, nthreads);
+    if (down_stored) {
+      st = mat_gemv(down, h, nullptr, down.nrows, y, act, nthreads);
+    } else if (k) {
+      st = mat_axpy(down, h, sel, k, y, nthreads);
     } else {
-      std::memset(out, 0, sizeof(float) * down.cols);
+      std::memset(y, 0, sizeof(float) * nd);
     }
   }
+  for (int64_t i = 0; i < nd && !st; ++i) out[i] = r[i] + y[i];
   std::free(buf);
   return st ? -st : k;
 }
 
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
-int pp_abi_version(void) { return 3; }
+int pp_abi_version(void) { return 6; }
 
 // 2 = AVX-512F, 1 = AVX2+FMA+F16C, 0 = scalar.
 int pp_simd_level(void) { return PP_SIMD; }
