@@ -683,17 +683,23 @@ inline float chunk_qdot(const U8x32& q, const Affine& f, const QAct& a) {
 #if PP_ISIMD
 typedef __m256 F8;
 inline F8 f8_zero() { return _mm256_setzero_ps(); }
-inline void lanes8(const U8x32& q, const int8_t* x, bool sgn, int off, F8& acc, float d) {
-  __m256i u = q.v, y = _mm256_loadu_si256((const __m256i*)x);
-  if (off) u = _mm256_sub_epi8(u, _mm256_set1_epi8((char)off));
-  if (sgn || off) {  // |w| as unsigned times sign(w) * y
-    y = _mm256_sign_epi8(y, u);
-    u = _mm256_sign_epi8(u, u);
-  }
+struct Prep {  // a block's weight bytes, ready for the u8 x s8 dot: |q - off| and its sign
+  __m256i u, s;
+  bool sgn;
+};
+inline Prep prep8(const U8x32& q, bool sgn, int off) {
+  Prep p{q.v, q.v, sgn || off};
+  if (off) p.s = p.u = _mm256_sub_epi8(q.v, _mm256_set1_epi8((char)off));
+  if (p.sgn) p.u = _mm256_sign_epi8(p.u, p.u);
+  return p;
+}
+inline void lanes8(const Prep& w, const int8_t* x, F8& acc, float d) {
+  __m256i y = _mm256_loadu_si256((const __m256i*)x);
+  if (w.sgn) y = _mm256_sign_epi8(y, w.s);  // |w| times sign(w) * y
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, y);
+  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w.u, y);
 #else
-  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, y), _mm256_set1_epi16(1));
+  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, y), _mm256_set1_epi16(1));
 #endif
   acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
 }
@@ -708,7 +714,16 @@ struct F8 {
   float v[8];
 };
 inline F8 f8_zero() { return F8{{0, 0, 0, 0, 0, 0, 0, 0}}; }
-inline void lanes8(const U8x32& q, const int8_t* x, bool sgn, int off, F8& acc, float d) {
+struct Prep {
+  const U8x32* q;
+  bool sgn;
+  int off;
+};
+inline Prep prep8(const U8x32& q, bool sgn, int off) { return Prep{&q, sgn, off}; }
+inline void lanes8(const Prep& w, const int8_t* x, F8& acc, float d) {
+  const U8x32& q = *w.q;
+  const bool sgn = w.sgn;
+  const int off = w.off;
   for (int l = 0; l < 8; ++l) {
     int32_t s = 0;
     for (int j = 4 * l; j < 4 * l + 4; ++j) s += ((sgn ? (int)(int8_t)q.b[j] : (int)q.b[j]) - off) * x[j];
@@ -738,9 +753,10 @@ inline void row_qdot_blocks(const uint8_t* w, const QAct* xa, int64_t nch, const
     U8x32 q;
     Affine f;
     U::chunk(w, c, q, f);
+    const Prep pw = prep8(q, U::SIGNED, U::OFF);
     for (int t = 0; t < NT; ++t) {
       const QAct& a = xa[t * nch + c];
-      lanes8(q, a.qs, U::SIGNED, U::OFF, acc[t], f.a0 * a.d);
+      lanes8(pw, a.qs, acc[t], f.a0 * a.d);
       if (act_kind<DT>() == ACT_Q8_1) summs[t] += f.b0 * a.s;
     }
   }
@@ -1147,11 +1163,11 @@ int qgemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float
       for (int64_t r = a; r < b; ++r) {
         const uint8_t* w = W + r * ld;
         const uint8_t* nx = r + dist < b ? W + (r + dist) * ld : nullptr;
-        for (int64_t t = t0; t < t1; t += 4) {
+        for (int64_t t = t0; t < t1; t += 8) {
           const QAct* xt = xa.p + t * nch;
           float* o = out + t * ldo + r;
           const uint8_t* p = t == t0 ? nx : nullptr;
-          switch (t1 - t >= 4 ? 4 : t1 - t) {
+          switch (t1 - t >= 8 ? 8 : t1 - t) {
             case 1:
               row_qdot_multi<DT, 1>(w, xt, nch, p, o, ldo);
               break;
@@ -1161,8 +1177,18 @@ int qgemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float
             case 3:
               row_qdot_multi<DT, 3>(w, xt, nch, p, o, ldo);
               break;
-            default:
+            case 4:
+            case 5:
               row_qdot_multi<DT, 4>(w, xt, nch, p, o, ldo);
+              if (t1 - t == 5) row_qdot_multi<DT, 1>(w, xt + 4 * nch, nch, nullptr, o + 4 * ldo, ldo);
+              break;
+            case 6:
+            case 7:
+              row_qdot_multi<DT, 6>(w, xt, nch, p, o, ldo);
+              if (t1 - t == 7) row_qdot_multi<DT, 1>(w, xt + 6 * nch, nch, nullptr, o + 6 * ldo, ldo);
+              break;
+            default:
+              row_qdot_multi<DT, 8>(w, xt, nch, p, o, ldo);
               break;
           }
         }
