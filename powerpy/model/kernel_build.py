@@ -1,5 +1,12 @@
-"""Compiling the native kernels: the system C++ compiler, a per-user cache keyed by source, flags,
-compiler and CPU, atomic builds under a file lock (see ``powerpy.model.kernels``)."""
+"""Compiling the native kernels (``powerpy.model.kernels`` loads them).
+
+The library is compiled with the system C++ compiler into a per-user cache,
+``$XDG_CACHE_HOME/powerpy/kernels`` (default ``~/.cache/powerpy/kernels``), under a name that
+hashes the source, the flags, the compiler version and the CPU flags, so a cache shared between
+machines never hands a binary to a CPU it was not built for. Builds go to a temporary file that
+is renamed into place, under a file lock, so concurrent processes neither race nor see
+half-written files.
+"""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
 """Native CPU kernels (powerpy/model/csrc/sparse_ffn.cpp): build on first use, load with ctypes.
 
-The library is compiled with the system C++ compiler (``-O3 -march=native -fopenmp``) into a
-per-user cache, ``$XDG_CACHE_HOME/powerpy/kernels`` (default ``~/.cache/powerpy/kernels``), under
-a name that hashes the source, the flags, the compiler version and the CPU flags, so a cache
-shared between machines never hands a binary to a CPU it was not built for. Builds go to a
-temporary file that is renamed into place, under a file lock, so concurrent processes neither
-race nor see half-written files.
-
-When no compiler is found or the build fails, :func:`available` returns False and logs the
+``powerpy.model.kernel_build`` compiles it (``-O3 -march=native -fopenmp``) into a per-user
+cache keyed by source, flags, compiler and CPU. When no compiler is found or the build fails, :func:`available` returns False and logs the
 reason once; callers (``powerpy.model.matrices``) then use their torch code paths.
 :func:`set_enabled` switches the kernels off (for example from a CLI flag). Every kernel runs on
 ``torch.get_num_threads()`` OpenMP threads, so ``torch.set_num_threads`` controls them too

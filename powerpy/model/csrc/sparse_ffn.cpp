@@ -1148,6 +1148,84 @@ int axpy_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
   return err;
 }
 
+#if PP_SIMD == 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PP_WIDE 1
+// Prompt batches (AVX-512 VNNI, 32-element block types): two blocks per 512-bit integer dot,
+// activations as separate int8 rows (qs: T x cols), scales d and Q8_1 sums s (T x nch). Each
+// token's result sums 16 lanes, so it equals the one-token path to rounding, not bit for bit.
+template <int DT, int NT>
+inline void row_qdot_wide(const uint8_t* w, const int8_t* qs, const float* dx, const float* sx,
+                          int64_t cols, int64_t nch, float* out, int64_t ldo) {
+  using U = UDec<DT>;
+  constexpr bool SGN = U::SIGNED || U::OFF != 0;
+  __m512 acc[NT];
+  float summs[NT];
+  for (int t = 0; t < NT; ++t) {
+    acc[t] = _mm512_setzero_ps();
+    summs[t] = 0.0f;
+  }
+  const __m512i sel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t c = 0; c < nch; c += 2) {
+    U8x32 q0, q1;
+    Affine f0, f1;
+    U::chunk(w, c, q0, f0);
+    U::chunk(w, c + 1, q1, f1);
+    __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(q0.v), q1.v, 1);
+    if (U::OFF) wq = _mm512_sub_epi8(wq, _mm512_set1_epi8((char)U::OFF));
+    const __m512i wu = SGN ? _mm512_abs_epi8(wq) : wq;
+    const __mmask64 neg = SGN ? _mm512_movepi8_mask(wq) : 0;
+    const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(f0.a0), _mm256_set1_ps(f1.a0), 1);
+    for (int t = 0; t < NT; ++t) {
+      __m512i y = _mm512_loadu_si512(qs + t * cols + 32 * c);
+      if (SGN) y = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);  // sign(w) * y
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, y);
+      const __m128i d2 = _mm_loadl_epi64((const __m128i*)(dx + t * nch + c));
+      const __m512 dxv = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(_mm_castsi128_ps(d2)));
+      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dxv), _mm512_cvtepi32_ps(p), acc[t]);
+      if (act_kind<DT>() == ACT_Q8_1)
+        summs[t] += f0.b0 * sx[t * nch + c] + f1.b0 * sx[t * nch + c + 1];
+    }
+  }
+  for (int t = 0; t < NT; ++t) out[t * ldo] = _mm512_reduce_add_ps(acc[t]) + summs[t];
+}
+
+template <int DT>
+int qgemm_wide(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const QAct* xa,
+               int64_t T, float* out, int64_t ldo, int nt) {
+  constexpr int64_t QT = 32;
+  const int64_t nch = cols / 32;
+  int8_t* qs = (int8_t*)std::malloc((size_t)(T * cols) + sizeof(float) * 2 * T * nch);
+  if (!qs) return PP_ERR_ARG;
+  float* dx = (float*)(qs + T * cols);  // T * cols is a multiple of 64: aligned enough
+  float* sx = dx + T * nch;
+  for (int64_t i = 0; i < T * nch; ++i) {
+    std::memcpy(qs + 32 * i, xa[i].qs, 32);
+    dx[i] = xa[i].d;
+    sx[i] = xa[i].s;
+  }
+  const int64_t dist = prefetch_dist(row_bytes<DT>(cols));
+  int st = run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
+    for (int64_t t0 = 0; t0 < T; t0 += QT) {
+      const int64_t t1 = t0 + QT < T ? t0 + QT : T;
+      for (int64_t r = a; r < b; ++r) {
+        const uint8_t* w = W + r * ld;
+        if (r + dist < b) prefetch_l2(W + (r + dist) * ld);
+        int64_t t = t0;
+        for (; t + 8 <= t1; t += 8)
+          row_qdot_wide<DT, 8>(w, qs + t * cols, dx + t * nch, sx + t * nch, cols, nch,
+                               out + t * ldo + r, ldo);
+        for (; t < t1; ++t)
+          row_qdot_wide<DT, 1>(w, qs + t * cols, dx + t * nch, sx + t * nch, cols, nch,
+                               out + t * ldo + r, ldo);
+      }
+    }
+    return 0;
+  });
+  std::free(qs);
+  return st;
+}
+#endif
+
 // Quantized-activation GEMM: tokens in tiles of QT (their int8 rows stay in cache), rows split
 // over the threads, each weight chunk decoded once per 4 tokens.
 template <int DT>
@@ -1157,6 +1235,10 @@ int qgemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float
   ActBuf<DT> xa(1, x, ldx, T, cols);
   if (!xa.p) return PP_ERR_ARG;
   const int64_t nch = cols / 32, dist = prefetch_dist(row_bytes<DT>(cols));
+#if defined(PP_WIDE)
+  if constexpr (UDec<DT>::QK == 32)
+    if (T >= 8 && nch % 2 == 0) return qgemm_wide<DT>(W, ld, nrows, cols, xa.p, T, out, ldo, nt);
+#endif
   return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
     for (int64_t t0 = 0; t0 < T; t0 += QT) {
       const int64_t t1 = t0 + QT < T ? t0 + QT : T;
