@@ -1,11 +1,12 @@
 """Native CPU kernels (powerpy/model/csrc/sparse_ffn.cpp): build on first use, load with ctypes.
 
-``powerpy.model.kernel_build`` compiles it (``-O3 -march=native -fopenmp``) into a per-user
-cache keyed by source, flags, compiler and CPU. When no compiler is found or the build fails, :func:`available` returns False and logs the
-reason once; callers (``powerpy.model.matrices``) then use their torch code paths.
-:func:`set_enabled` switches the kernels off (for example from a CLI flag). Every kernel runs on
-``torch.get_num_threads()`` OpenMP threads, so ``torch.set_num_threads`` controls them too
-(the library binds to torch's own ``libgomp.so.1``, so there is one thread pool).
+``powerpy.model.kernel_build`` compiles the library (``-O3 -march=native -fopenmp``) into a
+per-user cache keyed by source, flags, compiler and CPU. When no compiler is found or the build
+fails, :func:`available` returns False and logs the reason once; callers
+(``powerpy.model.matrices``) then use their torch code paths. :func:`set_enabled` switches the
+kernels off (for example from a CLI flag). Every kernel runs on ``torch.get_num_threads()``
+OpenMP threads, so ``torch.set_num_threads`` controls them too (the library binds to torch's
+own ``libgomp.so.1``, so there is one thread pool).
 
 Quantized matrices (:data:`QUANT_TYPES`) are read as raw ggml blocks; their matmuls round the
 activations as llama.cpp does unless :func:`set_quantized_activations` says otherwise.
