@@ -11,9 +11,8 @@ own ``libgomp.so.1``, so there is one thread pool).
 Quantized matrices (:data:`QUANT_TYPES`) are read as raw ggml blocks; their matmuls round the
 activations as llama.cpp does unless :func:`set_quantized_activations` says otherwise.
 
-The wrappers here take CPU tensors and check shapes; ``powerpy.model.matrices`` decides when to call
-them. Weight matrices are passed as ``(rows, row_bytes)`` uint8 views or float tensors whose
-rows are contiguous (``stride(1) == 1``).
+The wrappers take CPU tensors and check shapes; ``powerpy.model.matrices`` decides when to call
+them. Matrices are ``(rows, row_bytes)`` uint8 views or float tensors with contiguous rows.
 """
 
 from __future__ import annotations
