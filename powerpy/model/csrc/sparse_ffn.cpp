@@ -584,7 +584,12 @@ struct QAct {  // one 32-element chunk of quantized activations
   float s;         // Q8_1: f16(d_f32 * sum); otherwise d * sum
   int32_t s0, s1;  // sums of qs[0..15] and qs[16..31]
   int8_t qs[32];
+  int32_t ls[8];  // sums of qs[4 i .. 4 i + 3]: the offset (q - OFF) of Q4_0/Q5_0, per lane
 };
+
+inline void lane_sums(QAct& a) {
+  for (int i = 0; i < 8; ++i) a.ls[i] = a.qs[4 * i] + a.qs[4 * i + 1] + a.qs[4 * i + 2] + a.qs[4 * i + 3];
+}
 
 inline float round_f16(float f) { return half_to_float(float_to_half(f)); }
 
@@ -615,6 +620,7 @@ inline void quantize_act(int kind, const float* x, int64_t cols, QAct* out) {
           (j < 16 ? a.s0 : a.s1) += v;
         }
         a.s = d * (float)(a.s0 + a.s1);
+        lane_sums(a);
       }
     }
     return;
@@ -631,6 +637,7 @@ inline void quantize_act(int kind, const float* x, int64_t cols, QAct* out) {
       a.qs[j] = (int8_t)v;
       (j < 16 ? a.s0 : a.s1) += v;
     }
+    lane_sums(a);
     a.d = round_f16(d);
     a.s = kind == ACT_Q8_1 ? round_f16(d * (float)(a.s0 + a.s1)) : a.d * (float)(a.s0 + a.s1);
   }
@@ -683,24 +690,28 @@ inline float chunk_qdot(const U8x32& q, const Affine& f, const QAct& a) {
 #if PP_ISIMD
 typedef __m256 F8;
 inline F8 f8_zero() { return _mm256_setzero_ps(); }
-struct Prep {  // a block's weight bytes, ready for the u8 x s8 dot: |q - off| and its sign
-  __m256i u, s;
-  bool sgn;
+struct Prep {  // a block's weight bytes, ready for the u8 x s8 dot
+  __m256i u, s;  // unsigned bytes (|q| for signed q), and the signs
+  bool sgn;      // q is signed (Q8_0): the dot takes |q| times sign(q) * y
+  int shift;     // q - OFF with OFF = 1 << shift: the dot subtracts OFF * (lane sums of y)
 };
 inline Prep prep8(const U8x32& q, bool sgn, int off) {
-  Prep p{q.v, q.v, sgn || off};
-  if (off) p.s = p.u = _mm256_sub_epi8(q.v, _mm256_set1_epi8((char)off));
-  if (p.sgn) p.u = _mm256_sign_epi8(p.u, p.u);
+  Prep p{q.v, q.v, sgn, off == 8 ? 3 : off == 16 ? 4 : 0};
+  if (sgn) p.u = _mm256_sign_epi8(q.v, q.v);
   return p;
 }
-inline void lanes8(const Prep& w, const int8_t* x, F8& acc, float d) {
-  __m256i y = _mm256_loadu_si256((const __m256i*)x);
-  if (w.sgn) y = _mm256_sign_epi8(y, w.s);  // |w| times sign(w) * y
+inline void lanes8(const Prep& w, const QAct& a, F8& acc, float d) {
+  __m256i y = _mm256_loadu_si256((const __m256i*)a.qs);
+  if (w.sgn) y = _mm256_sign_epi8(y, w.s);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w.u, y);
+  __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w.u, y);
 #else
-  const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, y), _mm256_set1_epi16(1));
+  __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, y), _mm256_set1_epi16(1));
 #endif
+  if (w.shift) {  // the same integers as sum (q - OFF) y
+    const __m256i ls = _mm256_loadu_si256((const __m256i*)a.ls);
+    p = _mm256_sub_epi32(p, _mm256_sll_epi32(ls, _mm_cvtsi32_si128(w.shift)));
+  }
   acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
 }
 inline float f8_hsum(F8 x) {
@@ -720,7 +731,8 @@ struct Prep {
   int off;
 };
 inline Prep prep8(const U8x32& q, bool sgn, int off) { return Prep{&q, sgn, off}; }
-inline void lanes8(const Prep& w, const int8_t* x, F8& acc, float d) {
+inline void lanes8(const Prep& w, const QAct& a, F8& acc, float d) {
+  const int8_t* x = a.qs;
   const U8x32& q = *w.q;
   const bool sgn = w.sgn;
   const int off = w.off;
@@ -756,7 +768,7 @@ inline void row_qdot_blocks(const uint8_t* w, const QAct* xa, int64_t nch, const
     const Prep pw = prep8(q, U::SIGNED, U::OFF);
     for (int t = 0; t < NT; ++t) {
       const QAct& a = xa[t * nch + c];
-      lanes8(pw, a.qs, acc[t], f.a0 * a.d);
+      lanes8(pw, a, acc[t], f.a0 * a.d);
       if (act_kind<DT>() == ACT_Q8_1) summs[t] += f.b0 * a.s;
     }
   }
