@@ -297,6 +297,26 @@ def _inverse_or_zero(d: np.ndarray) -> np.ndarray:
         return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
 
 
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    """(nb, 1) float32 -> (nb, 2) bytes of fp16 (round to nearest even; inf and subnormals as
+    in ggml)."""
+    with np.errstate(over="ignore", under="ignore"):
+        return v.astype("<f2").view(np.uint8)
+
+
+def _quantize_blocks(
+    x: npt.ArrayLike, what: str, type_size: int, encode: Callable[[np.ndarray, np.ndarray], None]
+) -> npt.NDArray[np.uint8]:
+    """Run ``encode(blocks (nb, 32) f32, out (nb, type_size) uint8)`` over x in chunks: x
+    (..., k) -> (..., k // 32 * type_size) uint8."""
+    blocks, shape = _as_blocks(x, 32, what)
+    out = np.empty((len(blocks), type_size), dtype=np.uint8)
+    step = max(1, _CHUNK_ELEMS // 32)
+    for i in range(0, len(blocks), step):
+        encode(blocks[i : i + step], out[i : i + step])
+    return out.reshape(*shape[:-1], shape[-1] // 32 * type_size)
+
+
 def quantize_q8_0(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
     """Quantize to Q8_0 exactly like ggml's reference ``quantize_row_q8_0_ref``.
 
@@ -312,17 +332,14 @@ def quantize_q8_0(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
     Raises:
         ValueError: the last dimension is not a multiple of 32.
     """
-    blocks, shape = _as_blocks(x, 32, "quantize_q8_0")
-    out = np.empty((len(blocks), 34), dtype=np.uint8)  # (n_blocks, 34)
-    step = max(1, _CHUNK_ELEMS // 32)
-    for i in range(0, len(blocks), step):
-        b = blocks[i : i + step]  # (nb, 32)
+
+    def encode(b: np.ndarray, out: np.ndarray) -> None:  # (nb, 32) -> (nb, 34)
         d = np.abs(b).max(axis=1, keepdims=True) / np.float32(127)  # (nb, 1)
         q = _round_half_away(b * _inverse_or_zero(d)).astype(np.int8)
-        with np.errstate(over="ignore", under="ignore"):  # fp16 inf / subnormal, as in ggml
-            out[i : i + step, 0:2] = d.astype("<f2").view(np.uint8)
-        out[i : i + step, 2:] = q.view(np.uint8)
-    return out.reshape(*shape[:-1], shape[-1] // 32 * 34)
+        out[:, 0:2] = _f16_bytes(d)
+        out[:, 2:] = q.view(np.uint8)
+
+    return _quantize_blocks(x, "quantize_q8_0", 34, encode)
 
 
 def quantize_q4_0(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
@@ -341,19 +358,16 @@ def quantize_q4_0(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
     Raises:
         ValueError: the last dimension is not a multiple of 32.
     """
-    blocks, shape = _as_blocks(x, 32, "quantize_q4_0")
-    out = np.empty((len(blocks), 18), dtype=np.uint8)  # (n_blocks, 18)
-    step = max(1, _CHUNK_ELEMS // 32)
-    for i in range(0, len(blocks), step):
-        b = blocks[i : i + step]  # (nb, 32)
+
+    def encode(b: np.ndarray, out: np.ndarray) -> None:  # (nb, 32) -> (nb, 18)
         imax = np.abs(b).argmax(axis=1)[:, None]  # first maximum, like the C loop's strict <
         d = np.take_along_axis(b, imax, axis=1) / np.float32(-8)  # (nb, 1)
         q = np.trunc(b * _inverse_or_zero(d) + np.float32(8.5))
         q = np.clip(q, 0, 15).astype(np.uint8)  # (nb, 32)
-        with np.errstate(over="ignore", under="ignore"):  # fp16 inf / subnormal, as in ggml
-            out[i : i + step, 0:2] = d.astype("<f2").view(np.uint8)
-        out[i : i + step, 2:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
-    return out.reshape(*shape[:-1], shape[-1] // 32 * 18)
+        out[:, 0:2] = _f16_bytes(d)
+        out[:, 2:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
+
+    return _quantize_blocks(x, "quantize_q4_0", 18, encode)
 
 
 def _quantize_bf16(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
@@ -386,20 +400,17 @@ def quantize_q4_1(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
     Raises:
         ValueError: the last dimension is not a multiple of 32.
     """
-    blocks, shape = _as_blocks(x, 32, "quantize_q4_1")
-    out = np.empty((len(blocks), 20), dtype=np.uint8)  # (n_blocks, 20)
-    step = max(1, _CHUNK_ELEMS // 32)
-    for i in range(0, len(blocks), step):
-        b = blocks[i : i + step]  # (nb, 32)
+
+    def encode(b: np.ndarray, out: np.ndarray) -> None:  # (nb, 32) -> (nb, 20)
         lo = b.min(axis=1, keepdims=True)  # (nb, 1)
         d = (b.max(axis=1, keepdims=True) - lo) / np.float32(15)
         q = np.trunc((b - lo) * _inverse_or_zero(d) + np.float32(0.5))
         q = np.minimum(q, 15).astype(np.uint8)  # (nb, 32)
-        with np.errstate(over="ignore", under="ignore"):  # fp16 inf / subnormal, as in ggml
-            out[i : i + step, 0:2] = d.astype("<f2").view(np.uint8)
-            out[i : i + step, 2:4] = lo.astype("<f2").view(np.uint8)
-        out[i : i + step, 4:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
-    return out.reshape(*shape[:-1], shape[-1] // 32 * 20)
+        out[:, 0:2] = _f16_bytes(d)
+        out[:, 2:4] = _f16_bytes(lo)
+        out[:, 4:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
+
+    return _quantize_blocks(x, "quantize_q4_1", 20, encode)
 
 
 def quantize(x: npt.ArrayLike, ggml_type: GGMLType | int) -> npt.NDArray[np.uint8]:

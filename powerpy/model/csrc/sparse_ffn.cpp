@@ -387,6 +387,14 @@ inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {
   }
 }
 
+// Q4_K/Q5_K sub-block s of the super-block at p: y = d sc_s q - dmin m_s.
+inline Affine affine_k4(const uint8_t* p, int s) {
+  int sc, m;
+  scale_min_k4(s, p + 4, &sc, &m);
+  const float a = half_to_float(load_u16(p)) * sc, b = -(half_to_float(load_u16(p + 2)) * m);
+  return {a, a, b, b};
+}
+
 template <int DT>
 struct UDec;
 
@@ -476,10 +484,7 @@ struct UDec<DT_Q4_K> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + (c >> 3) * TS;
     const int s = (int)(c & 7);
-    int sc, m;
-    scale_min_k4(s, p + 4, &sc, &m);
-    const float a = half_to_float(load_u16(p)) * sc, b = -(half_to_float(load_u16(p + 2)) * m);
-    f = {a, a, b, b};
+    f = affine_k4(p, s);
     nibbles_32(p + 16 + 32 * (s >> 1), s & 1, q);
   }
 };
@@ -493,10 +498,7 @@ struct UDec<DT_Q5_K> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + (c >> 3) * TS;
     const int s = (int)(c & 7);
-    int sc, m;
-    scale_min_k4(s, p + 4, &sc, &m);
-    const float a = half_to_float(load_u16(p)) * sc, b = -(half_to_float(load_u16(p + 2)) * m);
-    f = {a, a, b, b};
+    f = affine_k4(p, s);
     nibbles_32(p + 48 + 32 * (s >> 1), s & 1, q);
     or_high(p + 16, s, 1, q);
   }
