@@ -219,6 +219,9 @@ def fused_decode(
     preds = [blk.fc1._kernel(), blk.fc2._kernel()] if gated else [(None, None)] * 2
     if any(m is None for m in (*mats, *preds)) or blk.ffn_norm.device.type != "cpu":
         return None
+    g, u = mats[0][1], mats[1][1]
+    if (g.code, g.nrows, g.cols) != (u.code, u.nrows, u.cols):  # the fused GLU reads both alike
+        return None
     lib = mats[0][0]
     mat_list = [m[1] for m in (*preds, *mats)]
     norm = (blk.ffn_norm, norm_eps)
