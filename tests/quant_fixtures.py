@@ -1,6 +1,6 @@
 """Quantized test matrices for every type the kernels read, and the activation-rounding oracle.
 
-``random_blocks`` fills ggml blocks with random bytes and realistic f16 scales, so every bit
+``random_blocks`` fills ggml blocks with random bytes and finite f16 scales, so every bit
 pattern of quants, packed scales and high bits occurs; ``gguf.quants.dequantize`` is the oracle
 for their values. ``ref_quantize_act`` rounds activations as llama.cpp does before a quantized
 matmul (Q8_0, Q8_1 or Q8_K blocks), in numpy, independently of the C code.
@@ -12,16 +12,18 @@ import numpy as np
 
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
 
-# byte offsets of each type's f16 fields (d, and m / dmin where present)
+# byte offsets of the fp16 scale fields in one block (spec §4)
 F16_FIELDS = {
-    GGMLType.Q8_0: (0,),
-    GGMLType.Q4_0: (0,),
-    GGMLType.Q4_1: (0, 2),
-    GGMLType.Q5_0: (0,),
-    GGMLType.Q5_1: (0, 2),
-    GGMLType.Q4_K: (0, 2),
-    GGMLType.Q5_K: (0, 2),
-    GGMLType.Q6_K: (208,),
+    GGMLType.Q4_0: [0],
+    GGMLType.Q4_1: [0, 2],
+    GGMLType.Q5_0: [0],
+    GGMLType.Q5_1: [0, 2],
+    GGMLType.Q8_0: [0],
+    GGMLType.Q2_K: [80, 82],
+    GGMLType.Q3_K: [108],
+    GGMLType.Q4_K: [0, 2],
+    GGMLType.Q5_K: [0, 2],
+    GGMLType.Q6_K: [208],
 }
 # ggml's vec_dot_type of each weight type
 ACT_KIND = {
@@ -36,15 +38,14 @@ ACT_KIND = {
 }
 
 
-def random_blocks(t: GGMLType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Raw blocks (rows, row_bytes) uint8: random bytes, f16 scales ~ N(0, 0.02)."""
-    tr = TYPE_TRAITS[t]
-    nb = rows * cols // tr.block_size
-    raw = rng.integers(0, 256, (nb, tr.type_size), dtype=np.uint8)
-    for off in F16_FIELDS[t]:
-        scale = (rng.standard_normal(nb) * 0.02).astype(np.float16)
-        raw[:, off : off + 2] = scale.view(np.uint8).reshape(nb, 2)
-    return raw.reshape(rows, -1)
+def random_blocks(rng: np.random.Generator, t: GGMLType, rows: int, blocks_per_row: int):
+    """Random block bytes (rows, row_bytes) whose fp16 scales are finite."""
+    size = TYPE_TRAITS[t].type_size
+    raw = rng.integers(0, 256, size=(rows, blocks_per_row, size), dtype=np.uint8)
+    for at in F16_FIELDS[t]:
+        scales = (rng.standard_normal(raw.shape[:2]) * 0.05).astype("<f2")
+        raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, blocks_per_row, 2)
+    return raw.reshape(rows, blocks_per_row * size)
 
 
 def _f16(a) -> np.float32:

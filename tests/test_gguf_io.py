@@ -15,6 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from quant_fixtures import random_blocks
 
 from powerpy import _fs, cli
 from powerpy.commands import dump as dump_cmd
@@ -35,17 +36,6 @@ GQ = gguf.GGMLQuantizationType
 
 
 # --- fixtures: files written by the upstream gguf.GGUFWriter -------------------------------------
-def _random_blocks(rng: np.random.Generator, n_blocks: int, t: GGMLType, f16_at: list[int]):
-    """Random bytes of ``n_blocks`` blocks with finite fp16 scale fields at ``f16_at``."""
-    size = {GGMLType.Q6_K: 210, GGMLType.Q4_K: 144}[t]
-    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    for at in f16_at:
-        raw[:, at : at + 2] = (
-            rng.uniform(-1, 1, n_blocks).astype("<f2").view(np.uint8).reshape(-1, 2)
-        )
-    return raw
-
-
 def write_oracle_file(
     path: Path, *, int_types: bool = True, seed: int = 0
 ) -> dict[str, np.ndarray]:
@@ -94,8 +84,8 @@ def write_oracle_file(
     x = rng.standard_normal((4, 64)).astype(np.float32)
     for qt in (GQ.Q8_0, GQ.Q4_0, GQ.Q4_1, GQ.Q5_0):
         w.add_tensor(f"{qt.name.lower()}.w", gguf.quants.quantize(x, qt), raw_dtype=qt)
-    w.add_tensor("q6_k.w", _random_blocks(rng, 4, GGMLType.Q6_K, [208]), raw_dtype=GQ.Q6_K)
-    w.add_tensor("q4_k.w", _random_blocks(rng, 2, GGMLType.Q4_K, [0, 2]), raw_dtype=GQ.Q4_K)
+    w.add_tensor("q6_k.w", random_blocks(rng, GGMLType.Q6_K, 4, 1), raw_dtype=GQ.Q6_K)
+    w.add_tensor("q4_k.w", random_blocks(rng, GGMLType.Q4_K, 2, 1), raw_dtype=GQ.Q4_K)
     if int_types:
         src["i8.w"] = rng.integers(-128, 128, (2, 5), dtype=np.int8)
         src["i16.w"] = rng.integers(-(2**15), 2**15, 9, dtype=np.int16)

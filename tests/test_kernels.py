@@ -67,7 +67,7 @@ def make_weight(dtype: str, rows: int, cols: int, seed: int = 0):
         t = torch.from_numpy(w).to(FLOATS[dtype])
         return DenseWeight(t), t.double()
     if dtype in K_QUANTS:  # no quantizer in gguf-py: random blocks
-        raw = random_blocks(QUANTS[dtype], rows, cols, rng)
+        raw = random_blocks(rng, QUANTS[dtype], rows, cols // 256)
     else:
         raw = quantize(w, QUANTS[dtype])
     exact = torch.from_numpy(dequantize_oracle(raw, QUANTS[dtype])).double()

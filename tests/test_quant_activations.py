@@ -15,7 +15,7 @@ import pytest
 import torch
 from quant_fixtures import ACT_KIND, random_blocks, ref_qdot, ref_quantize_act
 
-from powerpy.formats.constants import GGMLType
+from powerpy.formats.constants import TYPE_TRAITS, GGMLType
 from powerpy.model import kernels
 from powerpy.model.ffn import glu
 from powerpy.model.matrices import QuantWeight
@@ -51,7 +51,8 @@ def weight(t: GGMLType, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray, k
     """(raw blocks, exact values (rows, cols) float64, kernel matrix)."""
     import gguf
 
-    raw = random_blocks(t, ROWS, cols, np.random.default_rng(seed))
+    bs = TYPE_TRAITS[t].block_size
+    raw = random_blocks(np.random.default_rng(seed), t, ROWS, cols // bs)
     w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t))).astype(np.float64)
     return raw, w, kernels.Matrix.of_quant(torch.from_numpy(raw), t, cols)
 

@@ -7,6 +7,7 @@ import time
 import gguf
 import numpy as np
 import pytest
+from quant_fixtures import F16_FIELDS, random_blocks
 
 from powerpy.formats import quants
 from powerpy.formats.constants import DEQUANT_TYPES, TYPE_TRAITS, GGMLType
@@ -14,19 +15,6 @@ from powerpy.formats.gguf_reader import read_gguf
 
 GQ = gguf.GGMLQuantizationType
 
-# byte offsets of the fp16 scale fields in one block (spec §4)
-F16_FIELDS = {
-    GGMLType.Q4_0: [0],
-    GGMLType.Q4_1: [0, 2],
-    GGMLType.Q5_0: [0],
-    GGMLType.Q5_1: [0, 2],
-    GGMLType.Q8_0: [0],
-    GGMLType.Q2_K: [80, 82],
-    GGMLType.Q3_K: [108],
-    GGMLType.Q4_K: [0, 2],
-    GGMLType.Q5_K: [0, 2],
-    GGMLType.Q6_K: [208],
-}
 BLOCK_TYPES = list(F16_FIELDS)
 PLAIN_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16]
 
@@ -39,16 +27,6 @@ def assert_bit_identical(got: np.ndarray, expected: np.ndarray) -> None:
     assert got.dtype == np.float32 and got.shape == expected.shape
     assert np.array_equal(got, expected, equal_nan=True)
     assert np.array_equal(_as_bits(got), _as_bits(expected))  # -0.0 and NaN payloads too
-
-
-def random_blocks(rng: np.random.Generator, t: GGMLType, rows: int, blocks_per_row: int):
-    """Random block bytes (rows, row_bytes) whose fp16 scales are finite."""
-    size = TYPE_TRAITS[t].type_size
-    raw = rng.integers(0, 256, size=(rows, blocks_per_row, size), dtype=np.uint8)
-    for at in F16_FIELDS[t]:
-        scales = (rng.standard_normal(raw.shape[:2]) * 0.05).astype("<f2")
-        raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, blocks_per_row, 2)
-    return raw.reshape(rows, blocks_per_row * size)
 
 
 @pytest.mark.parametrize("t", BLOCK_TYPES, ids=lambda t: t.name)

@@ -40,6 +40,16 @@ def predict(x_pred: Tensor, fc1: Weight, fc2: Weight, accel: Accelerator | None 
     return fc2.linear(move(accel, z, fc2.device))
 
 
+def _glu_kernels(gate: Weight, up: Weight):
+    """(library, gate matrix, up matrix) when the fused native GLU can read both (same type and
+    shape), else None."""
+    kg, ku = gate._kernel(), up._kernel()
+    if kg is None or ku is None:
+        return None
+    (lib, gm), um = kg, ku[1]
+    return (lib, gm, um) if (gm.code, gm.nrows, gm.cols) == (um.code, um.nrows, um.cols) else None
+
+
 def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: FFNVariant) -> Tensor:
     """Activated FFN intermediate of neurons ``idx``: ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``.
 
@@ -55,11 +65,10 @@ def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: FFNVaria
     Raises:
         ValueError: unknown variant.
     """
-    ku, kg = up._kernel(), gate._kernel()
-    if ku is not None and kg is not None:
-        (lib, um), gm = ku, kg[1]
-        if (gm.code, gm.nrows, gm.cols) == (um.code, um.nrows, um.cols):
-            return lib.glu(gm, um, x, idx, variant)
+    pair = _glu_kernels(gate, up)
+    if pair is not None:
+        lib, gm, um = pair
+        return lib.glu(gm, um, x, idx, variant)
     if idx.numel() == 0:
         return torch.zeros(0, dtype=torch.float32, device=up.device)
     return glu(gate.gather_linear(x, idx), up.gather_linear(x, idx), variant)
@@ -210,22 +219,15 @@ def fused_decode(
         return None
     down = blk.ffn_down_t
     stored = isinstance(down, TransposedWeight)  # a dense file's ffn_down: (n_embd, n_ff)
-    mats = [
-        blk.ffn_gate._kernel(),
-        blk.ffn_up._kernel(),
-        (down.inner if stored else down)._kernel(),
-    ]
+    pair, kd = _glu_kernels(blk.ffn_gate, blk.ffn_up), (down.inner if stored else down)._kernel()
     gated = opts.sparse and blk.fc1 is not None and not stored
     preds = [blk.fc1._kernel(), blk.fc2._kernel()] if gated else [(None, None)] * 2
-    if any(m is None for m in (*mats, *preds)) or blk.ffn_norm.device.type != "cpu":
+    if pair is None or kd is None or None in preds or blk.ffn_norm.device.type != "cpu":
         return None
-    g, u = mats[0][1], mats[1][1]
-    if (g.code, g.nrows, g.cols) != (u.code, u.nrows, u.cols):  # the fused GLU reads both alike
-        return None
-    lib = mats[0][0]
-    mat_list = [m[1] for m in (*preds, *mats)]
+    lib, gm, um = pair
+    mats = [p[1] for p in preds] + [gm, um, kd[1]]
     norm = (blk.ffn_norm, norm_eps)
-    y, k = lib.ffn_decode(mat_list, thr, x[0], norm, variant, down_stored=stored)
+    y, k = lib.ffn_decode(mats, thr, x[0], norm, variant, down_stored=stored)
     if gated and opts.stats is not None:
         opts.stats.record_count(l, k)
     return y[None]

@@ -105,8 +105,6 @@ def _raise(status: int, what: str, idx: Tensor | None = None, nrows: int = 0) ->
 
 
 _F32, _I64 = torch.float32, torch.int64
-
-
 _threads = torch.get_num_threads
 
 
@@ -135,6 +133,14 @@ class Matrix:
 
     def __post_init__(self) -> None:
         self.ptr = self.data.data_ptr()
+
+    @staticmethod
+    def pack(mats: list[Matrix | None]) -> ctypes.Array:
+        """Matrices for the C side: 5 int64 each (dtype, data, ld, nrows, cols); None: zeros."""
+        vals: list[int] = []
+        for m in mats:
+            vals += [0] * 5 if m is None else [m.code, m.ptr, m.ld, m.nrows, m.cols]
+        return (ctypes.c_int64 * len(vals))(*vals)
 
     @staticmethod
     def of_dense(w: Tensor) -> Matrix:
@@ -327,12 +333,11 @@ class KernelLibrary:
         head_dim); ``cache`` = one layer's contiguous f32/f16 keys and values ``(n_ctx, n_kv,
         head_dim)`` and the position whose row is written. Returns x + attention (n_embd,).
         """
-        vals = [v for m in mats for v in (m.code, m.ptr, m.ld, m.nrows, m.cols)]
         x, rot, w = _f32(x), _f32(rot), _f32(norm[0])
         k, v, pos = cache
         out = torch.empty(x.numel(), dtype=_F32)
         st = self._lib.pp_attn_decode(
-            (ctypes.c_int64 * 20)(*vals),
+            Matrix.pack(mats),
             x.data_ptr(),
             w.data_ptr(),
             norm[1],
@@ -368,13 +373,10 @@ class KernelLibrary:
         ``down_stored`` the last matrix is a dense file's ``ffn_down`` (n_embd, n_ff) and the
         FFN is dense. Returns (x + FFN (n_embd,), how many neurons were computed).
         """
-        vals = []
-        for m in mats:
-            vals += [0] * 5 if m is None else [m.code, m.ptr, m.ld, m.nrows, m.cols]
         x, w = _f32(x), _f32(norm[0])
         out = torch.empty(x.numel(), dtype=_F32)
         k = self._lib.pp_ffn_decode(
-            (ctypes.c_int64 * 25)(*vals),
+            Matrix.pack(mats),
             thr,
             x.data_ptr(),
             w.data_ptr(),
@@ -420,9 +422,6 @@ class KernelLibrary:
         if st:
             _raise(st, "dequant_rows", idx, w.nrows)
         return out
-
-
-# ---- build ---------------------------------------------------------------------------------------
 
 
 def build(

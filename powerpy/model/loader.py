@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 
 WEIGHT_FORMATS = ("auto", "f32", "raw")
 _FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
-
 F16_MAX = 65504.0
 
 
