@@ -395,15 +395,21 @@ inline Affine affine_k4(const uint8_t* p, int s) {
   return {a, a, b, b};
 }
 
+// A type's block layout: QK elements in TS bytes; SIGNED bytes (Q8_0) or unsigned q whose value
+// in ggml's integer dot is q - OFF.
+template <int64_t QK_, int64_t TS_, bool SIGNED_, int OFF_>
+struct Layout {
+  static constexpr int64_t QK = QK_, TS = TS_;
+  static constexpr bool SIGNED = SIGNED_;
+  static constexpr int OFF = OFF_;
+};
+
 template <int DT>
 struct UDec;
 
 // Q8_0 (34 B / 32): f16 d, int8 qs[32].
 template <>
-struct UDec<DT_Q8_0> {
-  static constexpr int64_t QK = 32, TS = 34;
-  static constexpr bool SIGNED = true;
-  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+struct UDec<DT_Q8_0> : Layout<32, 34, true, 0> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p));
@@ -418,10 +424,7 @@ struct UDec<DT_Q8_0> {
 
 // Q4_0 (18 B / 32): f16 d, qs[16]; y = (q - 8) d.
 template <>
-struct UDec<DT_Q4_0> {
-  static constexpr int64_t QK = 32, TS = 18;
-  static constexpr bool SIGNED = false;
-  static constexpr int OFF = 8;  // ggml's signed value: q - OFF
+struct UDec<DT_Q4_0> : Layout<32, 18, false, 8> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p));
@@ -432,10 +435,7 @@ struct UDec<DT_Q4_0> {
 
 // Q4_1 (20 B / 32): f16 d, f16 m, qs[16]; y = q d + m.
 template <>
-struct UDec<DT_Q4_1> {
-  static constexpr int64_t QK = 32, TS = 20;
-  static constexpr bool SIGNED = false;
-  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+struct UDec<DT_Q4_1> : Layout<32, 20, false, 0> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p)), m = half_to_float(load_u16(p + 2));
@@ -446,10 +446,7 @@ struct UDec<DT_Q4_1> {
 
 // Q5_0 (22 B / 32): f16 d, u32 qh, qs[16]; q = nibble | bit << 4, y = (q - 16) d.
 template <>
-struct UDec<DT_Q5_0> {
-  static constexpr int64_t QK = 32, TS = 22;
-  static constexpr bool SIGNED = false;
-  static constexpr int OFF = 16;  // ggml's signed value: q - OFF
+struct UDec<DT_Q5_0> : Layout<32, 22, false, 16> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p));
@@ -461,10 +458,7 @@ struct UDec<DT_Q5_0> {
 
 // Q5_1 (24 B / 32): f16 d, f16 m, u32 qh, qs[16]; y = q d + m.
 template <>
-struct UDec<DT_Q5_1> {
-  static constexpr int64_t QK = 32, TS = 24;
-  static constexpr bool SIGNED = false;
-  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+struct UDec<DT_Q5_1> : Layout<32, 24, false, 0> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p)), m = half_to_float(load_u16(p + 2));
@@ -477,10 +471,7 @@ struct UDec<DT_Q5_1> {
 // Q4_K (144 B / 256): f16 d, f16 dmin, scales[12], qs[128]; sub-block s of 32 elements:
 // y = d sc_s q - dmin m_s, q the low (s even) or high nibbles of qs[32 (s / 2) ...].
 template <>
-struct UDec<DT_Q4_K> {
-  static constexpr int64_t QK = 256, TS = 144;
-  static constexpr bool SIGNED = false;
-  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+struct UDec<DT_Q4_K> : Layout<256, 144, false, 0> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + (c >> 3) * TS;
     const int s = (int)(c & 7);
@@ -491,10 +482,7 @@ struct UDec<DT_Q4_K> {
 
 // Q5_K (176 B / 256): f16 d, f16 dmin, scales[12], qh[32], qs[128]; as Q4_K plus bit s of qh.
 template <>
-struct UDec<DT_Q5_K> {
-  static constexpr int64_t QK = 256, TS = 176;
-  static constexpr bool SIGNED = false;
-  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+struct UDec<DT_Q5_K> : Layout<256, 176, false, 0> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + (c >> 3) * TS;
     const int s = (int)(c & 7);
@@ -508,10 +496,7 @@ struct UDec<DT_Q5_K> {
 // q = nibble of ql[64 n + 32 (k & 1) ...] (high when k >= 2) | 2 bits (2 k) of qh[32 n ...] << 4,
 // y = d sc (q - 32) with sc = scales[8 n + 2 k] for elements 0..15, scales[8 n + 2 k + 1] after.
 template <>
-struct UDec<DT_Q6_K> {
-  static constexpr int64_t QK = 256, TS = 210;
-  static constexpr bool SIGNED = false;
-  static constexpr int OFF = 0;  // ggml's signed value: q - OFF
+struct UDec<DT_Q6_K> : Layout<256, 210, false, 0> {
   static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + (c >> 3) * TS;
     const int s = (int)(c & 7), n = s >> 2, k = s & 3;
