@@ -133,3 +133,24 @@ def test_large_batches_use_the_integer_gemm() -> None:
     got = qw.linear(torch.from_numpy(X))
     for i in (0, 19):
         check(got[i], ref_qdot(w, raw, GGMLType.Q4_0, X[i]), bound(w, X[i], "q8_0"))
+
+
+BLOCK32 = [t for t in kernels.QUANT_TYPES if TYPE_TRAITS[t].block_size == 32]
+
+
+@pytest.mark.parametrize("t", BLOCK32, ids=lambda t: t.name)
+@pytest.mark.parametrize("cols", [32, 96, 544, 608])
+def test_rows_that_end_in_a_partial_group(lib, t, cols) -> None:
+    """Q4_0 runs four blocks at a time on AVX-512 VBMI: rows of 1, 3, 17 and 19 blocks end in a
+    partial group, whose bytes past the row must not count (the last row ends the buffer)."""
+    raw, w, m = weight(t, cols, seed=cols)
+    x = activations(cols, seed=cols + 1) if cols > 288 else np.random.default_rng(3).random(cols)
+    x = x.astype(np.float32)
+    want, tol = ref_qdot(w, raw, t, x), bound(w, x, ACT_KIND[t])
+    check(lib.gather_gemv(m, torch.from_numpy(x), None), want, tol)
+    idx = torch.tensor([66, 0, 65, 66])
+    check(lib.gather_gemv(m, torch.from_numpy(x), idx), want[idx.numpy()], tol[idx.numpy()])
+    X = np.stack([x * (1 + i % 3) - i for i in range(13)]).astype(np.float32)
+    got = lib.gemm(m, torch.from_numpy(X))
+    for i in range(13):
+        check(got[i], ref_qdot(w, raw, t, X[i]), bound(w, X[i], ACT_KIND[t]))

@@ -5,10 +5,11 @@
 //
 // Matrices are row-major (nrows, cols) with a row stride of `ld` bytes; FFN matrices are
 // neuron-major (n_ff, n_embd), so a sparse FFN reads whole rows. A row is processed in
-// 32-element blocks (one ggml block for Q8_0/Q4_0), decoded to f32 in registers: decoded values
-// equal the dequantized weights exactly (q * d is exact in f32), and all accumulation is f32.
-// x stays f32 (no Q8_0 quantization of activations): slower than llama.cpp's integer dot
-// products for Q4_0, but as accurate as dequantize-then-f32-math.
+// 32-element chunks, decoded in registers: decoded values equal the dequantized weights exactly
+// (q * d is exact in f32), and all accumulation is f32. Dot products with quantized weights
+// round x as llama.cpp does (Q8_0 / Q8_1 / Q8_K blocks) and take integer block sums, unless the
+// caller asks for f32 activations; Q4_0 runs four blocks per 512-bit step where AVX-512 VBMI is
+// there. Row sums (axpy) decode the weights to f32 and add four rows per pass.
 //
 // The main speed lever is a software prefetch of the row `dist` indices ahead into L2, spread
 // over the current row's loop (cpu-kernels.md section 4); `dist` covers at least
@@ -128,6 +129,7 @@ inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf v_load_h(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PP_SIMD 1
 typedef __m256 vf;
@@ -145,6 +147,7 @@ inline float v_sum(vf a) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+inline vf v_load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 #else
 #define PP_SIMD 0
 typedef float vf;
@@ -157,6 +160,7 @@ inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
 inline vf v_mul(vf a, vf b) { return a * b; }
 inline vf v_add(vf a, vf b) { return a + b; }
 inline float v_sum(vf a) { return a; }
+inline vf v_load_h(const uint16_t* p) { return half_to_float(*p); }
 #endif
 
 constexpr int NV = 32 / VL;  // vectors per 32-element block
@@ -900,6 +904,47 @@ inline void row_axpy(const uint8_t* w, float hj, float* acc, int64_t cols, const
   for (int64_t i = nb * 32; i < cols; ++i) acc[i] += D::one(w, i) * hj;
 }
 
+// acc += sum_i h[i] * row w[i] for four rows at once: each slice of acc is loaded and stored once
+// per four rows (one store per row would bound short quantized rows by the store port);
+// prefetches rows nx[i] (null: none).
+template <int DT>
+inline void row_axpy4(const uint8_t* const* w, const float* h, float* acc, int64_t cols,
+                      const uint8_t* const* nx) {
+  using D = Dec<DT>;
+  const int64_t nb = cols / 32;
+  const vf h0 = v_set1(h[0]), h1 = v_set1(h[1]), h2 = v_set1(h[2]), h3 = v_set1(h[3]);
+  int64_t pf = 0;  // bytes of the upcoming rows prefetched so far (all four alike)
+  for (int64_t b = 0; b < nb; ++b) {
+    int64_t p = pf;
+    for (int i = 0; i < 4; ++i) {
+      p = pf;
+      if (nx[i]) prefetch_span(nx[i], p, (b + 1) * D::BB);
+    }
+    pf = p > pf ? p : pf;
+    vf w0[NV], w1[NV], w2[NV], w3[NV];
+    D::chunk(w[0], b, w0);
+    D::chunk(w[1], b, w1);
+    D::chunk(w[2], b, w2);
+    D::chunk(w[3], b, w3);
+    float* ab = acc + b * 32;
+    for (int u = 0; u < NV; ++u) {
+      vf a = v_load(ab + u * VL);
+      a = v_fma(w0[u], h0, a);
+      a = v_fma(w1[u], h1, a);
+      a = v_fma(w2[u], h2, a);
+      a = v_fma(w3[u], h3, a);
+      v_store(ab + u * VL, a);
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    int64_t p = pf;
+    if (nx[i]) prefetch_span(nx[i], p, row_bytes<DT>(cols));
+  }
+  for (int64_t c = nb * 32; c < cols; ++c)
+    acc[c] += D::one(w[0], c) * h[0] + D::one(w[1], c) * h[1] + D::one(w[2], c) * h[2] +
+              D::one(w[3], c) * h[3];
+}
+
 // out[t * ldo] = dot(row w, x_t) for NT vectors x_t = x + t * ldx; decodes each block once.
 template <int DT, int NT>
 inline void row_dot_multi(const uint8_t* w, const float* x, int64_t ldx, int64_t cols,
@@ -999,31 +1044,179 @@ inline int run_partitioned(int nt, int64_t k, Fn fn) {
   return err;
 }
 
-// ---- kernels ----------------------------------------------------------------------------------
+// ---- Q4_0 four blocks at a time (AVX-512 VBMI + VNNI) ---------------------------------------------
+// A group of 4 Q4_0 blocks (128 elements, 72 bytes) is read with two loads: one two-register byte
+// permute gathers its 64 nibble bytes, one word permute its 4 scales (the f16 d of block b is word
+// 9 b). The low nibbles (elements 0..15 of each block) and the high ones (16..31), minus 8, each
+// take one 512-bit u8 x s8 dot against the activations plus 128 (as unsigned bytes), stored in
+// the same order (QGroup), so a 32-bit lane sums 8 products of one block. The lane starts at
+// -128 * (its 8 weights), computed once per row and group, which leaves sum (q - 8) y; it is
+// then scaled by d_w d_x with one FMA. The integers equal ggml's; only the f32 summation order of
+// the block terms differs from the one-block path (16 lanes instead of 8). A tile of R rows and NT
+// tokens shares each weight decode among the tokens and each activation load among the rows.
+#if PP_SIMD == 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#define PP_Q4W 1
+struct alignas(64) QGroup {  // 4 Q8_0 activation blocks in the Q4_0 group order
+  uint8_t lo[64];  // elements 0..15 of blocks 0..3, plus 128
+  uint8_t hi[64];  // elements 16..31 of blocks 0..3, plus 128
+  float dx[16];    // lane 4 b + l: d_x of block b
+};
 
-// dot(W row w, x), with the quantized activations xa when given (null: f32 x).
-template <int DT>
-inline float row_dot_any(const uint8_t* w, const float* x, const QAct* xa, int64_t cols,
-                         const uint8_t* nx) {
-  if constexpr (act_kind<DT>() != ACT_F32)
-    if (xa) return row_qdot<DT>(w, xa, cols / 32, nx);
-  return row_dot<DT>(w, x, cols, nx);
+// One vector's QAct chunks (nch of them) -> (nch + 3) / 4 groups g[0], g[T], g[2 T], ... (the
+// groups of T vectors are interleaved, so a GEMM reads its tokens' groups from one span);
+// missing blocks of the last group are zeros (with d_x 0).
+inline void pack_groups(const QAct* xa, int64_t nch, QGroup* g, int64_t T) {
+  const int64_t ng = (nch + 3) / 4;
+  for (int64_t i = 0; i < ng; ++i) std::memset((void*)(g + i * T), 0, sizeof(QGroup));
+  for (int64_t c = 0; c < nch; ++c) {
+    QGroup& q = g[c / 4 * T];
+    const int b = (int)(c % 4);
+    for (int j = 0; j < 16; ++j) {
+      q.lo[16 * b + j] = (uint8_t)(xa[c].qs[j] + 128);
+      q.hi[16 * b + j] = (uint8_t)(xa[c].qs[16 + j] + 128);
+    }
+    for (int l = 0; l < 4; ++l) q.dx[4 * b + l] = xa[c].d;
+  }
 }
 
-// Quantized activations for the kernels (act != 0 and a quantized DT): T vectors x + t * ldx.
+struct Q4Group {   // one row's group, decoded
+  __m512i lo, hi;  // q - 8 as int8, in the QGroup order
+  __m512i base;    // per lane: -128 * (sum of its 8 weights)
+  __m512 dw;       // per lane: d_w of its block
+};
+
+// Decode group g of Q4_0 row w (nch blocks: the last group may be partial).
+inline Q4Group q40_group(const uint8_t* w, int64_t g, int64_t nch) {
+  alignas(64) static const uint8_t nib_at[64] = {
+      2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17,   // block 0: bytes 2..17
+      20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35,   // block 1: 20..35
+      38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53,   // block 2: 38..53
+      56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71};  // block 3: 56..71
+  const __m512i d_idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 27, 27,
+                                         27, 27, 18, 18, 18, 18, 9, 9, 9, 9, 0, 0, 0, 0);
+  const uint8_t* p = w + 72 * g;
+  __m512i v0, v1;
+  if (4 * g + 4 <= nch) {
+    v0 = _mm512_loadu_si512(p);
+    v1 = _mm512_maskz_loadu_epi8(0xFF, p + 64);
+  } else {  // the last, partial group: only its blocks' bytes are read (the rest decode as 0)
+    const int64_t n = 18 * (nch - 4 * g);
+    v0 = _mm512_maskz_loadu_epi8(n >= 64 ? ~0ULL : (1ULL << n) - 1, p);
+    v1 = _mm512_setzero_si512();
+  }
+  const __m512i m4 = _mm512_set1_epi8(15), k8 = _mm512_set1_epi8(8);
+  const __m512i nib = _mm512_permutex2var_epi8(v0, _mm512_load_si512(nib_at), v1);
+  Q4Group q;
+  q.lo = _mm512_sub_epi8(_mm512_and_si512(nib, m4), k8);
+  q.hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(nib, 4), m4), k8);
+  const __m512i c128 = _mm512_set1_epi8((char)0x80);
+  const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, q.lo),
+                                          c128, q.hi);
+  q.base = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
+  q.dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(d_idx, v0)));
+  return q;
+}
+
+// out[r * ldr + t * ldo] = dot(Q4_0 row w + r * ld, x_t) for R rows and NT activation vectors,
+// group g of x_t at xg[g * T + t]; prefetches the R rows from nx (may be null) on, ld apart.
+template <int R, int NT>
+inline void q40_tile(const uint8_t* w, int64_t ld, const QGroup* xg, int64_t T, int64_t nch,
+                     const uint8_t* nx, float* out, int64_t ldr, int64_t ldo) {
+  const int64_t ng = (nch + 3) / 4;
+  __m512 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  int64_t pf = 0;
+  for (int64_t g = 0; g < ng; ++g) {
+    Q4Group q[R];
+    for (int r = 0; r < R; ++r) q[r] = q40_group(w + r * ld, g, nch);
+    if (nx) {
+      const int64_t pf0 = pf;
+      for (int r = 0; r < R; ++r) {
+        pf = pf0;
+        prefetch_span(nx + r * ld, pf, 72 * (g + 1));
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const QGroup& a = xg[g * T + t];
+      const __m512i ylo = _mm512_load_si512(a.lo), yhi = _mm512_load_si512(a.hi);
+      const __m512 dx = _mm512_load_ps(a.dx);
+      for (int r = 0; r < R; ++r) {
+        __m512i s = _mm512_dpbusd_epi32(q[r].base, ylo, q[r].lo);
+        s = _mm512_dpbusd_epi32(s, yhi, q[r].hi);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(q[r].dw, dx), acc[r][t]);
+      }
+    }
+  }
+  if (nx)
+    for (int r = 0; r < R; ++r) {
+      int64_t p = 0;
+      prefetch_span(nx + r * ld, p, 18 * nch);
+    }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) out[r * ldr + t * ldo] = _mm512_reduce_add_ps(acc[r][t]);
+}
+#endif
+
+// Quantized activations for the kernels (act != 0 and a quantized DT): T vectors x + t * ldx,
+// as QAct chunks (p), plus Q4_0's group layout (g) where it applies.
 template <int DT>
 struct ActBuf {
   QAct* p = nullptr;
-  ActBuf(int act, const float* x, int64_t ldx, int64_t T, int64_t cols) {
+  void* g = nullptr;
+  int64_t nch = 0, ng = 0;
+  ActBuf(int act, const float* x, int64_t ldx, int64_t T, int64_t cols, int nthreads = 1) {
     if (!act || act_kind<DT>() == ACT_F32) return;
-    const int64_t nch = cols / 32;
+    nch = cols / 32;
     p = (QAct*)std::malloc(sizeof(QAct) * (size_t)(nch * T > 0 ? nch * T : 1));
-    if (p)
-      for (int64_t t = 0; t < T; ++t) quantize_act(act_kind<DT>(), x + t * ldx, cols, p + t * nch);
+    if (!p) return;
+#if defined(PP_Q4W)
+    if constexpr (DT == DT_Q4_0) {
+      ng = (nch + 3) / 4;
+      g = std::aligned_alloc(64, sizeof(QGroup) * (size_t)(ng * T > 0 ? ng * T : 1));
+      if (!g) {
+        std::free(p);
+        p = nullptr;
+        return;
+      }
+    }
+#endif
+    const int nt = T >= 16 ? nthreads : 1;  // a prompt's tokens are rounded in parallel
+    run_partitioned(nt, T, [&](int64_t a, int64_t b) -> int {
+      for (int64_t t = a; t < b; ++t) {
+        quantize_act(act_kind<DT>(), x + t * ldx, cols, p + t * nch);
+#if defined(PP_Q4W)
+        if (g) pack_groups(p + t * nch, nch, (QGroup*)g + t, T);
+#endif
+      }
+      return 0;
+    });
   }
-  ~ActBuf() { std::free(p); }
+  ~ActBuf() {
+    std::free(p);
+    std::free(g);
+  }
   bool failed(int act) const { return act && act_kind<DT>() != ACT_F32 && !p; }
 };
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+// dot(W row w, x), with the quantized activations of xa when it has them (else f32 x).
+template <int DT>
+inline float row_dot_any(const uint8_t* w, const float* x, const ActBuf<DT>& xa, int64_t cols,
+                         const uint8_t* nx) {
+#if defined(PP_Q4W)
+  if constexpr (DT == DT_Q4_0)
+    if (xa.g) {
+      float r;
+      q40_tile<1, 1>(w, 0, (const QGroup*)xa.g, 1, xa.nch, nx, &r, 0, 0);
+      return r;
+    }
+#endif
+  if constexpr (act_kind<DT>() != ACT_F32)
+    if (xa.p) return row_qdot<DT>(w, xa.p, cols / 32, nx);
+  return row_dot<DT>(w, x, cols, nx);
+}
 
 template <int DT>
 int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
@@ -1043,9 +1236,38 @@ int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
       }
       const int64_t rn = j + dist < b ? row_at(idx, j + dist, nrows) : -1;
       const uint8_t* nx = rn >= 0 ? W + rn * ld : nullptr;
-      out[j] = row_dot_any<DT>(W + r * ld, x, xa.p, cols, nx);
+      out[j] = row_dot_any<DT>(W + r * ld, x, xa, cols, nx);
     }
     return err;
+  });
+}
+
+// out[i] = W_i x for nm (at most 4) matrices of one type and width, as one GEMV over their
+// concatenated rows: x is rounded once and one thread team splits all the rows (attention's
+// q, k and v; k and v alone are too small to pay for a team of their own).
+template <int DT>
+int gemv_multi_impl(const uint8_t* const* W, const int64_t* ld, const int64_t* nrows, int nm,
+                    int64_t cols, const float* x, float* const* out, int act, int nthreads) {
+  int64_t start[5] = {0, 0, 0, 0, 0};
+  for (int i = 0; i < nm; ++i) start[i + 1] = start[i] + nrows[i];
+  const int64_t total = start[nm], rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
+  const int nt = team_size(nthreads, total * rb);
+  ActBuf<DT> xa(act, x, cols, 1, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  return run_partitioned(nt, total, [&](int64_t a, int64_t b) -> int {
+    int i = 0, k = 0;  // the matrices of rows j and j + dist
+    for (int64_t j = a; j < b; ++j) {
+      while (j >= start[i + 1]) ++i;
+      const int64_t jn = j + dist;
+      const uint8_t* nx = nullptr;
+      if (jn < b) {
+        while (jn >= start[k + 1]) ++k;
+        nx = W[k] + (jn - start[k]) * ld[k];
+      }
+      const int64_t r = j - start[i];
+      out[i][r] = row_dot_any<DT>(W[i] + r * ld[i], x, xa, cols, nx);
+    }
+    return 0;
   });
 }
 
@@ -1082,8 +1304,8 @@ int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64
       const uint8_t* ng = rn >= 0 ? G + rn * ldg : nullptr;
       float g, u;
       if (xa.p) {
-        g = row_dot_any<DT>(G + r * ldg, x, xa.p, cols, ng);
-        u = row_dot_any<DT>(U + r * ldu, x, xa.p, cols, nu);
+        g = row_dot_any<DT>(G + r * ldg, x, xa, cols, ng);
+        u = row_dot_any<DT>(U + r * ldu, x, xa, cols, nu);
       } else {
         row_dot2<DT>(G + r * ldg, U + r * ldu, x, cols, ng, nu, &g, &u);
       }
@@ -1093,23 +1315,41 @@ int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64
   });
 }
 
-// acc += sum_{j in [a, b), h[j] != 0} h[j] * W[idx[j]]
+// acc += sum_{j in [a, b), h[j] != 0} h[j] * W[idx[j]]: the nonzero rows four at a time (the
+// last 0-3 alone), prefetching the rows `dist` (at least 4) positions ahead.
 template <int DT>
 int axpy_range(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
                const int64_t* idx, int64_t a, int64_t b, int64_t dist, float* acc) {
+  const int64_t m = b > a ? b - a : 1;
+  const uint8_t** rows = (const uint8_t**)std::malloc(sizeof(void*) * m);
+  float* hs = (float*)std::malloc(sizeof(float) * m);
+  if (!rows || !hs) {
+    std::free(rows);
+    std::free(hs);
+    return PP_ERR_ARG;
+  }
   int err = 0;
+  int64_t n = 0;
   for (int64_t j = a; j < b; ++j) {
-    const float hj = h[j];
-    if (hj == 0.0f) continue;
+    if (h[j] == 0.0f) continue;
     const int64_t r = row_at(idx, j, nrows);
     if (r < 0) {
       err = 1;
       continue;
     }
-    const int64_t jn = j + dist;
-    const int64_t rn = jn < b && h[jn] != 0.0f ? row_at(idx, jn, nrows) : -1;
-    row_axpy<DT>(W + r * ld, hj, acc, cols, rn >= 0 ? W + rn * ld : nullptr);
+    rows[n] = W + r * ld;
+    hs[n++] = h[j];
   }
+  if (dist < 4) dist = 4;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const uint8_t* nx[4];
+    for (int u = 0; u < 4; ++u) nx[u] = i + dist + u < n ? rows[i + dist + u] : nullptr;
+    row_axpy4<DT>(rows + i, hs + i, acc, cols, nx);
+  }
+  for (; i < n; ++i) row_axpy<DT>(rows[i], hs[i], acc, cols, i + dist < n ? rows[i + dist] : nullptr);
+  std::free(rows);
+  std::free(hs);
   return err;
 }
 
@@ -1225,15 +1465,56 @@ int qgemm_wide(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const 
 }
 #endif
 
+#if defined(PP_Q4W)
+// Q4_0 prompt batches: tokens in tiles of 32 (their groups stay in L2), rows split over the
+// threads in pairs, each weight group decoded once per 8 tokens.
+inline int qgemm_q40(const uint8_t* W, int64_t ld, int64_t nrows, const QGroup* xg, int64_t nch,
+                     int64_t T, float* out, int64_t ldo, int nt) {
+  constexpr int64_t QT = 32;
+  const int64_t dist = prefetch_dist(18 * nch) * 2;
+  return run_partitioned(nt, (nrows + 1) / 2, [&](int64_t a, int64_t b) -> int {
+    a *= 2;
+    b = 2 * b < nrows ? 2 * b : nrows;
+    for (int64_t t0 = 0; t0 < T; t0 += QT) {
+      const int64_t t1 = t0 + QT < T ? t0 + QT : T;
+      for (int64_t r = a; r < b; r += 2) {
+        const uint8_t* w = W + r * ld;
+        const uint8_t* nx = r + dist + 1 < b ? W + (r + dist) * ld : nullptr;
+        float* o = out + r;
+        if (r + 2 > b) {  // an odd last row
+          for (int64_t t = t0; t < t1; ++t)
+            q40_tile<1, 1>(w, ld, xg + t, T, nch, nullptr, o + t * ldo, 1, ldo);
+          continue;
+        }
+        int64_t t = t0;
+        for (; t + 8 <= t1; t += 8, nx = nullptr)
+          q40_tile<2, 8>(w, ld, xg + t, T, nch, nx, o + t * ldo, 1, ldo);
+        if (t + 4 <= t1) {
+          q40_tile<2, 4>(w, ld, xg + t, T, nch, nx, o + t * ldo, 1, ldo);
+          t += 4;
+          nx = nullptr;
+        }
+        for (; t < t1; ++t, nx = nullptr)
+          q40_tile<2, 1>(w, ld, xg + t, T, nch, nx, o + t * ldo, 1, ldo);
+      }
+    }
+    return 0;
+  });
+}
+#endif
+
 // Quantized-activation GEMM: tokens in tiles of QT (their int8 rows stay in cache), rows split
 // over the threads, each weight chunk decoded once per 4 tokens.
 template <int DT>
 int qgemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x, int64_t ldx,
           int64_t T, float* out, int64_t ldo, int nt) {
   constexpr int64_t QT = 32;
-  ActBuf<DT> xa(1, x, ldx, T, cols);
+  ActBuf<DT> xa(1, x, ldx, T, cols, nt);
   if (!xa.p) return PP_ERR_ARG;
   const int64_t nch = cols / 32, dist = prefetch_dist(row_bytes<DT>(cols));
+#if defined(PP_Q4W)
+  if constexpr (DT == DT_Q4_0) return qgemm_q40(W, ld, nrows, (const QGroup*)xa.g, nch, T, out, ldo, nt);
+#endif
 #if defined(PP_WIDE)
   if constexpr (UDec<DT>::QK == 32)
     if (T >= 8 && nch % 2 == 0) return qgemm_wide<DT>(W, ld, nrows, cols, xa.p, T, out, ldo, nt);
@@ -1396,6 +1677,21 @@ static int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k,
   PP_DISPATCH(m.dtype, gemv_impl, m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt)
 }
 
+// out[i] = m[i] x for matrices of one type and width (see gemv_multi_impl).
+static int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* out, int act,
+                          int nt) {
+  const uint8_t* w[4];
+  int64_t ld[4], nrows[4];
+  if (nm < 1 || nm > 4 || !valid_shape(m[0].dtype, m[0].cols)) return PP_ERR_ARG;
+  for (int i = 0; i < nm; ++i) {
+    if (m[i].dtype != m[0].dtype || m[i].cols != m[0].cols) return PP_ERR_ARG;
+    w[i] = m[i].w;
+    ld[i] = m[i].ld;
+    nrows[i] = m[i].nrows;
+  }
+  PP_DISPATCH(m[0].dtype, gemv_multi_impl, w, ld, nrows, nm, m[0].cols, x, out, act, nt)
+}
+
 static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
                    int variant, float* out, int act, int nt) {
   if (!valid_shape(u.dtype, u.cols) || g.dtype != u.dtype) return PP_ERR_ARG;
@@ -1407,6 +1703,38 @@ static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k,
                     int nt) {
   if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
   PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt)
+}
+
+// dot(q, cache[at : at + n]) for an f32 (cdt 0) or f16 (cdt 1) cache.
+static inline float kv_dot(const float* q, const void* c, int cdt, int64_t at, int64_t n) {
+  vf a = v_zero();
+  int64_t i = 0;
+  float r = 0.0f;
+  if (cdt == 0) {
+    const float* k = (const float*)c + at;
+    for (; i + VL <= n; i += VL) a = v_fma(v_load(q + i), v_load(k + i), a);
+    for (; i < n; ++i) r += q[i] * k[i];
+  } else {
+    const uint16_t* k = (const uint16_t*)c + at;
+    for (; i + VL <= n; i += VL) a = v_fma(v_load(q + i), v_load_h(k + i), a);
+    for (; i < n; ++i) r += q[i] * half_to_float(k[i]);
+  }
+  return v_sum(a) + r;
+}
+
+// o += p * cache[at : at + n] for an f32 (cdt 0) or f16 (cdt 1) cache.
+static inline void kv_axpy(float p, const void* c, int cdt, int64_t at, int64_t n, float* o) {
+  const vf pv = v_set1(p);
+  int64_t i = 0;
+  if (cdt == 0) {
+    const float* v = (const float*)c + at;
+    for (; i + VL <= n; i += VL) v_store(o + i, v_fma(v_load(v + i), pv, v_load(o + i)));
+    for (; i < n; ++i) o[i] += p * v[i];
+  } else {
+    const uint16_t* v = (const uint16_t*)c + at;
+    for (; i + VL <= n; i += VL) v_store(o + i, v_fma(v_load_h(v + i), pv, v_load(o + i)));
+    for (; i < n; ++i) o[i] += p * half_to_float(v[i]);
+  }
 }
 
 extern "C" {
@@ -1431,9 +1759,16 @@ int pp_attn_decode(const int64_t* mats, const float* x, const float* norm_w, flo
   float *q = buf, *k = q + nq, *v = k + nkv, *att = v + nkv, *sc = att + nq, *xn = sc + n_head * S;
   float* y = xn + d;
   rms_norm(x, norm_w, d, eps, xn);
-  int st = mat_gemv(wq, xn, nullptr, nq, q, act, nthreads);
-  if (!st) st = mat_gemv(wk, xn, nullptr, nkv, k, act, nthreads);
-  if (!st) st = mat_gemv(wv, xn, nullptr, nkv, v, act, nthreads);
+  int st;
+  if (wq.dtype == wk.dtype && wq.dtype == wv.dtype && wk.cols == d && wv.cols == d) {
+    const Mat qkv[3] = {wq, wk, wv};
+    float* const outs[3] = {q, k, v};
+    st = mat_gemv_multi(qkv, 3, xn, outs, act, nthreads);
+  } else {
+    st = mat_gemv(wq, xn, nullptr, nq, q, act, nthreads);
+    if (!st) st = mat_gemv(wk, xn, nullptr, nkv, k, act, nthreads);
+    if (!st) st = mat_gemv(wv, xn, nullptr, nkv, v, act, nthreads);
+  }
   if (st) {
     std::free(buf);
     return st;
@@ -1458,32 +1793,23 @@ int pp_attn_decode(const int64_t* mats, const float* x, const float* norm_w, flo
       ((uint16_t*)vc)[pos * nkv + i] = float_to_half(v[i]);
     }
   }
-  auto kv = [&](const void* c, int64_t t, int64_t g, int64_t d) -> float {
-    const int64_t at = t * nkv + g * hd + d;
-    return cdt == 0 ? ((const float*)c)[at] : half_to_float(((const uint16_t*)c)[at]);
-  };
   const float scale = 1.0f / std::sqrt((float)hd);
   const int nt = team_size(nthreads, S * nkv * 8 * group);
   run_partitioned(nt, n_head, [&](int64_t h0, int64_t h1) -> int {
     for (int64_t h = h0; h < h1; ++h) {
-      const int64_t g = h / group;
+      const int64_t off = h / group * hd;  // this head's kv head, within a cache row
       const float* qh = q + h * hd;
       float* s = sc + h * S;
       float mx = -INFINITY;
       for (int64_t t = 0; t < S; ++t) {
-        float d = 0.0f;
-        for (int64_t i = 0; i < hd; ++i) d += qh[i] * kv(kc, t, g, i);
-        s[t] = d * scale;
+        s[t] = kv_dot(qh, kc, cdt, t * nkv + off, hd) * scale;
         mx = s[t] > mx ? s[t] : mx;
       }
       float sum = 0.0f;
       for (int64_t t = 0; t < S; ++t) sum += (s[t] = std::exp(s[t] - mx));
       float* o = att + h * hd;
       for (int64_t i = 0; i < hd; ++i) o[i] = 0.0f;
-      for (int64_t t = 0; t < S; ++t) {
-        const float pt = s[t] / sum;
-        for (int64_t i = 0; i < hd; ++i) o[i] += pt * kv(vc, t, g, i);
-      }
+      for (int64_t t = 0; t < S; ++t) kv_axpy(s[t] / sum, vc, cdt, t * nkv + off, hd, o);
     }
     return 0;
   });
