@@ -22,15 +22,19 @@ from powerpy.model.timing import phase
 
 
 # ----------------------------------------------------------------------------------- maths
-def glu(g: Tensor, u: Tensor, variant: FFNVariant) -> Tensor:
-    """The FFN activation h of gate g and up u (any shape)."""
+def glu(g: Tensor, u: Tensor, variant: FFNVariant, *, inplace: bool = False) -> Tensor:
+    """The FFN activation h of gate g and up u (any shape). With ``inplace`` h overwrites g
+    (and u may be changed): the prompt paths own both, and a fresh multi-MB result per op costs
+    more in page faults than the op itself."""
+    if variant not in (FFNVariant.SWIGLU, FFNVariant.REGLU, FFNVariant.DRELU):
+        raise ValueError(f"unknown FFN variant {variant!r}")
+    if not inplace:
+        g = g.clone()
     if variant == FFNVariant.SWIGLU:
-        return F.silu(g) * u
-    if variant == FFNVariant.REGLU:
-        return F.relu(g) * u
-    if variant == FFNVariant.DRELU:
-        return F.relu(g) * F.relu(u)
-    raise ValueError(f"unknown FFN variant {variant!r}")
+        F.silu(g, inplace=True)
+    else:
+        F.relu(g, inplace=True)
+    return g.mul_(F.relu(u, inplace=inplace) if variant == FFNVariant.DRELU else u)
 
 
 def predict(x_pred: Tensor, fc1: Weight, fc2: Weight, accel: Accelerator | None = None) -> Tensor:
@@ -74,28 +78,21 @@ def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: FFNVaria
     return glu(gate.gather_linear(x, idx), up.gather_linear(x, idx), variant)
 
 
-def rows_sum(h: Tensor, w: Weight, chunk: int = 2048, small_batch: int = 8) -> Tensor:
+def rows_sum(h: Tensor, w: Weight, small_batch: int = 8) -> Tensor:
     """``h @ W`` for a neuron-major W: h (T, n_ff) f32, W (n_ff, n_embd) -> (T, n_embd) f32."""
-    if isinstance(w, TransposedWeight):  # a dense file's ffn_down, as stored: its linear
-        return w.rows_sum(h)
-    if w.device.type != "cpu":  # an accelerator's hot rows: one matmul over the f32 rows
-        return h.float() @ w.dequantize()
-    if isinstance(w, DenseWeight) and w.w.dtype == torch.float32:
-        # (W^T h^T)^T: MKL's vector-times-matrix path (h @ W) is ~20x slower here
-        return (w.w.t() @ h.t()).t()
-    if h.shape[0] <= small_batch:  # decode: the row-sum kernel over all rows reads W once
-        rows = torch.arange(w.shape[0], device=w.device)
-        return torch.stack([w.gather_axpy(h_t, rows) for h_t in h])
-    out = h.new_zeros(h.shape[0], w.shape[1])
-    for s in range(0, w.shape[0], chunk):
-        rows = torch.arange(s, min(s + chunk, w.shape[0]), device=w.device)
-        out += h[:, s : s + chunk] @ w.take_rows(rows).dequantize()
-    return out
+    if w.device.type != "cpu" and not isinstance(w, TransposedWeight):
+        return h.float() @ w.dequantize()  # an accelerator's hot rows: one matmul over f32 rows
+    if h.shape[0] <= small_batch and not isinstance(w, TransposedWeight):
+        if not (isinstance(w, DenseWeight) and w.w.dtype == torch.float32):
+            # decode: the row-sum kernel over all rows reads W once
+            rows = torch.arange(w.shape[0], device=w.device)
+            return torch.stack([w.gather_axpy(h_t, rows) for h_t in h])
+    return w.rows_sum(h)  # a dense file's ffn_down: its linear; else tiles of rows and BLAS
 
 
 def ffn_dense(x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant) -> Tensor:
     """Dense FFN: x (T, n_embd) normed input -> (T, n_embd)."""
-    return rows_sum(glu(gate.linear(x), up.linear(x), variant), down_t)
+    return rows_sum(glu(gate.linear(x), up.linear(x), variant, inplace=True), down_t)
 
 
 def ffn_masked(
@@ -106,7 +103,7 @@ def ffn_masked(
     Equal to the row-sparse form token by token (masked neurons contribute exactly 0); used for
     prefill, where every token has its own mask.
     """
-    h = glu(gate.linear(x), up.linear(x), variant) * act
+    h = glu(gate.linear(x), up.linear(x), variant, inplace=True).mul_(act)
     return rows_sum(h, down_t)
 
 
@@ -131,7 +128,7 @@ def ffn_union(
     if 2 * rows.numel() >= mask.shape[1]:
         return ffn_masked(x, gate, up, down_t, variant, mask)
     g, u = gate.take_rows(rows).linear(x), up.take_rows(rows).linear(x)  # (T, r)
-    return rows_sum(glu(g, u, variant) * mask[:, rows], down_t.take_rows(rows))
+    return rows_sum(glu(g, u, variant, inplace=True).mul_(mask[:, rows]), down_t.take_rows(rows))
 
 
 # ----------------------------------------------------------------------------------- split
@@ -286,9 +283,9 @@ def _hot(hot: HotRows, x: Tensor, act: Tensor | None, variant: FFNVariant, gathe
         idx = act[0, hot.bucket].nonzero().squeeze(1)  # (r,) active compact rows: a host sync
         h = glu_rows(x[0], hot.gate, hot.up, idx, variant)  # (r,)
         return hot.down_t.gather_axpy(h, idx)[None]
-    h = glu(hot.gate.linear(x), hot.up.linear(x), variant)  # (T, k)
+    h = glu(hot.gate.linear(x), hot.up.linear(x), variant, inplace=True)  # (T, k)
     if act is not None:
-        h = h * act.index_select(1, hot.bucket)  # predictor gating without a host round trip
+        h = h.mul_(act.index_select(1, hot.bucket))  # predictor gating, no host round trip
     return rows_sum(h, hot.down_t)
 
 

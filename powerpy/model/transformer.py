@@ -239,9 +239,14 @@ class Model:
             out = decode_attention(a, q, keys, vals)
         else:  # query i sees keys 0..p0+i
             mask = keys.new_ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)
+            # with a batch dimension torch picks its fused CPU kernel (3x the 3-D math path)
             out = F.scaled_dot_product_attention(
-                q.transpose(0, 1), keys, vals, attn_mask=mask, enable_gqa=a.n_head != a.n_head_kv
-            )  # (n_head, T, head_dim)
+                q.transpose(0, 1)[None],
+                keys[None],
+                vals[None],
+                attn_mask=mask,
+                enable_gqa=a.n_head != a.n_head_kv,
+            )[0]  # (n_head, T, head_dim)
             out = out.transpose(0, 1).reshape(n, a.n_embd)
         return blk.attn_output.linear(self._to(out, blk.attn_output.device))
 
