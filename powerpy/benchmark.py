@@ -78,7 +78,7 @@ def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> d
         out["norms"] += 4 * (b.attn_norm.numel() + b.ffn_norm.numel())
         frac = 1.0 if active is None else float(active[l])
         out["ffn"] += frac * _ffn_layer_bytes(model, l)
-        if active is not None and b.fc1 is not None and b.fc2 is not None:
+        if active is not None and b.fc1 is not None and b.fc2 is not None and b.gated:
             out["predictor"] += b.fc1.nbytes + b.fc2.nbytes
     out["output"] = w.output.nbytes + 4 * w.output_norm.numel()
     out["embedding_row"] = w.token_embd.nbytes / a.n_vocab

@@ -54,6 +54,9 @@ class ModelArgs:
     sparse: bool  # PWRI magic: predictor-gated FFN
     ffn_variant: FFNVariant
     sparse_threshold: float  # from powerinfer.sparse_threshold, else 0.0
+    # powerpy.dense_layers: layers whose FFN runs ungated in sparse mode (their predictor
+    # costs more than it saves), sorted; () gates every layer, as PowerInfer does
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -112,6 +115,9 @@ class ModelArgs:
                     f"{source}: key {Keys.SPARSE_THRESHOLD} must be FLOAT32, found {found!r}"
                 )
             thr = _scalar(kv[Keys.SPARSE_THRESHOLD], Keys.SPARSE_THRESHOLD, float, source)
+        dense_layers: tuple[int, ...] = ()
+        if sparse and Keys.DENSE_LAYERS in kv:
+            dense_layers = _layer_list(kv[Keys.DENSE_LAYERS], Keys.DENSE_LAYERS, source)
         if arch == "bamboo":
             variant = FFNVariant.DRELU
         elif sparse and _activation(kv, source) == "relu":
@@ -133,6 +139,7 @@ class ModelArgs:
             sparse=sparse,
             ffn_variant=variant,
             sparse_threshold=thr,
+            dense_layers=dense_layers,
         )
         args.validate(source, n_tokens=n_tokens)
         return args
@@ -244,6 +251,8 @@ class ModelArgs:
             kv[Keys.SPARSE_THRESHOLD] = (self.sparse_threshold, f32)
         if self.sparse and self.ffn_variant is FFNVariant.SWIGLU:
             kv[Keys.SPARSE_ACTIVATION] = ("silu", GGUFValueType.STRING)
+        if self.sparse and self.dense_layers:
+            kv[Keys.DENSE_LAYERS] = (list(self.dense_layers), GGUFValueType.ARRAY, u32)
         return kv
 
     def validate(self, source: str = "model", *, n_tokens: int | None = None) -> None:
@@ -275,6 +284,11 @@ class ModelArgs:
         if math.isnan(self.sparse_threshold) or self.sparse_threshold == math.inf:
             raise ModelConfigError(
                 f"{source}: sparse threshold {self.sparse_threshold} is not usable (NaN or +inf)"
+            )
+        if any(not 0 <= l < self.n_layer for l in self.dense_layers):
+            raise ModelConfigError(
+                f"{source}: {Keys.DENSE_LAYERS} lists layers {list(self.dense_layers)[:8]} "
+                f"beyond the model's {self.n_layer}; re-convert the model"
             )
         if n_tokens is not None and self.n_vocab != n_tokens:
             raise ModelConfigError(
@@ -313,6 +327,20 @@ def _activation(kv: Mapping[str, Any], source: str) -> str:
             'remove the key or set it to "relu" or "silu"'
         )
     return act
+
+
+def _layer_list(value: Any, key: str, source: str) -> tuple[int, ...]:
+    """A key's array of distinct non-negative layer numbers, sorted."""
+    seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
+    items = list(value) if seq else None  # a list, or the reader's numpy array
+    ok = items is not None and all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in items
+    )
+    if not ok or len(set(items)) != len(items):
+        raise ModelConfigError(
+            f"{source}: key {key} must be an array of distinct layer numbers, got {_short(value)}"
+        )
+    return tuple(sorted(int(v) for v in items))
 
 
 def _short(v: Any) -> str:

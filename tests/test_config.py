@@ -50,6 +50,9 @@ ARGS = {
     "bamboo-pwri": dataclasses.replace(
         BASE, arch="bamboo", sparse=True, ffn_variant=FFNVariant.DRELU, sparse_threshold=1.5
     ),
+    "pwri-dense-layers": dataclasses.replace(
+        BASE, sparse=True, ffn_variant=FFNVariant.SWIGLU, sparse_threshold=-1.0, dense_layers=(0, 2)
+    ),
     "gqa-partial-rope": dataclasses.replace(
         BASE, n_head=8, n_head_kv=2, n_rot=4, rope_base=500000.0, n_ctx_train=4096
     ),
@@ -58,7 +61,7 @@ ARGS = {
 
 def _plain(kv: dict) -> tuple[dict, dict]:
     """(values, types) of ``{key: (value, type)}``, as a reader returns them."""
-    return {k: v for k, (v, _) in kv.items()}, {k: t for k, (_, t) in kv.items()}
+    return {k: v[0] for k, v in kv.items()}, {k: v[1] for k, v in kv.items()}  # (v, t[, item])
 
 
 @pytest.mark.parametrize("name", list(ARGS))
@@ -170,3 +173,23 @@ def test_from_hf_config_errors(over, match):
     with pytest.raises(ModelConfigError, match=match) as e:
         ModelArgs.from_hf_config(_hf(**over), source="m/config.json")
     assert str(e.value).startswith("m/config.json: ")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[3], [1, 1], [-1], ["0"], [0.5], "01", 7],
+    ids=["beyond", "twice", "neg", "str", "float", "string", "scalar"],
+)
+def test_dense_layers_key_is_checked(value) -> None:
+    """powerpy.dense_layers names layers of the model, once each; anything else is one error."""
+    kv, types = _plain(ARGS["pwri-dense-layers"].to_gguf_kv())
+    kv[Keys.DENSE_LAYERS] = value
+    with pytest.raises(ModelConfigError, match="dense_layers"):
+        ModelArgs.from_gguf_kv(kv, sparse=True, n_vocab=40, kv_types=types, source="m.gguf")
+
+
+def test_dense_layers_only_for_sparse_files() -> None:
+    """A dense GGUF ignores the key (it has no predictors to skip)."""
+    kv, types = _plain(ARGS["pwri-dense-layers"].to_gguf_kv())
+    args = ModelArgs.from_gguf_kv(kv, sparse=False, n_vocab=40, kv_types=types)
+    assert args.dense_layers == ()

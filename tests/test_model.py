@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from powerpy.api import load
-from powerpy.formats.constants import Keys
+from powerpy.formats.constants import GGMLType, GGUFValueType, Keys
 from powerpy.formats.gguf_reader import read_gguf
 from powerpy.formats.gguf_writer import write_gguf
 from powerpy.model.ffn import ffn_dense, ffn_rows, glu
@@ -372,3 +372,40 @@ def test_fused_decode_attention_equals_the_torch_path(dense_path, monkeypatch, c
     torch.testing.assert_close(l1, l2, rtol=tol, atol=tol)
     torch.testing.assert_close(k1, k2, rtol=tol, atol=tol)
     torch.testing.assert_close(v1, v2, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_dense_layers_run_ungated(tmp_path, monkeypatch, fused):
+    """powerpy.dense_layers: a listed layer's FFN computes every neuron in sparse mode, exactly
+    as if its predictor kept them all, and reports them all active; the others stay gated."""
+    from powerpy.model import ffn as ffn_mod
+    from powerpy.model.options import RunOptions, SparsityStats
+
+    if not fused:
+        monkeypatch.setattr(ffn_mod, "fused_decode", lambda *a, **k: None)
+    t = tiny_tensors(SPEC, sparse=True, seed=3)
+    kv = tiny_kv(SPEC)
+    listed = tmp_path / "listed.powerinfer.gguf"
+    kv[Keys.DENSE_LAYERS] = ([1], GGUFValueType.ARRAY, GGUFValueType.UINT32)
+    f32 = GGMLType.F32
+    write_gguf(listed, kv, [(n, x, f32) for n, x in t.items()], magic=b"PWRI")
+    keep_all = tmp_path / "keep-all.powerinfer.gguf"  # layer 1's predictor outputs 0 >= thr 0
+    t2 = dict(t, **{"blk.1.fc1.weight": np.zeros_like(t["blk.1.fc1.weight"])})
+    write_gguf(keep_all, tiny_kv(SPEC), [(n, x, f32) for n, x in t2.items()], magic=b"PWRI")
+    a, b = load(listed, threshold=0.0), load(keep_all, threshold=0.0)
+    assert a.model.args.dense_layers == (1,)
+    assert [blk.gated for blk in a.model.weights.blk] == [True, False]
+    for llm in (a, b):
+        llm.sparsity.reset()
+    got, want = _logits(a, TOKENS), _logits(b, TOKENS)  # prefill
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(a.sparsity.active_fraction(), b.sparsity.active_fraction())
+    assert a.sparsity.active_fraction()[1] == 1.0 and a.sparsity.active_fraction()[0] < 0.95
+    for llm in (a, b):  # decode, token by token
+        cache = llm.model.new_cache(32)
+        stats = SparsityStats.empty(SPEC.n_layer, SPEC.n_ff)
+        opts = RunOptions(threshold=0.0, stats=stats)
+        llm.out = [llm.model.forward(torch.tensor([tok]), cache, opts) for tok in TOKENS]
+        llm.frac = stats.active_fraction()
+    np.testing.assert_allclose(torch.cat(a.out), torch.cat(b.out), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(a.frac, b.frac)

@@ -190,6 +190,69 @@ def test_calibration_folds_per_layer_thresholds_into_fc2(trained, tmp_path) -> N
         assert agree > 0.999  # equal up to the fp16 rounding of the scaled fc2
 
 
+def _curve(active, lost):
+    from powerpy.pipeline.calibrate import LayerCurve
+
+    a = np.asarray(active, float)
+    return LayerCurve(
+        thr=-np.arange(1, len(a) + 1, dtype=float)[::-1], active=a, lost=np.asarray(lost)
+    )
+
+
+def test_allocation_with_a_predictor_cost_leaves_poor_predictors_ungated() -> None:
+    """With a fixed predictor cost a layer runs dense unless skipping pays for its predictor;
+    the chosen plan meets the cost target and beats every other plan on lost energy."""
+    import itertools
+
+    from powerpy.pipeline.calibrate import allocate, plan_cost
+
+    good = _curve([0.3, 0.5, 0.7, 0.9], [0.02, 0.005, 0.001, 0.0])  # skips cheaply
+    poor = _curve([0.3, 0.5, 0.7, 0.9], [0.5, 0.2, 0.05, 0.01])  # loses much when skipping
+    curves = [good, poor, good, poor]
+    cost, target = 0.2, 0.85
+    picks = allocate(curves, target, cost)
+    assert picks[1] is None and picks[3] is None and picks[0] is not None
+    choices = [[None, 0, 1, 2, 3]] * 4
+
+    def lost(p):
+        return sum(0.0 if k is None else c.lost[k] for c, k in zip(curves, p, strict=True))
+
+    assert plan_cost(curves, picks, cost) <= target + 1e-9
+    plans = [p for p in itertools.product(*choices) if plan_cost(curves, p, cost) <= target + 1e-9]
+    assert lost(picks) <= min(lost(p) for p in plans) + 1e-12
+    # without a cost every layer is gated, at mean active <= target (PowerInfer's behaviour)
+    plain = allocate(curves, 0.6)
+    assert None not in plain and plan_cost(curves, plain) <= 0.6
+
+
+def test_calibration_with_a_cost_writes_dense_layers_into_the_file(
+    relu_model, trained, tmp_path
+) -> None:
+    """calibrate (predictor cost) -> config.json dense_layers -> convert -> powerpy.dense_layers
+    -> those layers load ungated."""
+    _, _, path = relu_model
+    _, prof, d, ids, opts = trained
+    records = calibrate_predictors(
+        d / "pred", prof.samples_dir, tmp_path / "cal", 0.0, predictor_cost=0.5, seed=opts.seed
+    )
+    assert all(r["dense"] for r in records)  # nothing can pay for a predictor this dear
+    cfg = json.loads((tmp_path / "cal" / "config.json").read_text())
+    assert cfg["powerpy"]["calibration"]["dense_layers"] == [0, 1]
+    out = convert(path, tmp_path / "cal", tmp_path / "c.powerinfer.gguf", outtype="f32")
+    with read_gguf(out) as gf:
+        assert list(gf.kv[Keys.DENSE_LAYERS]) == [0, 1]
+    m = load(out)
+    assert not any(b.gated for b in m.model.weights.blk)
+    m.logits(ids[:20])
+    assert np.all(m.sparsity.active_fraction() == 1.0)
+    m.file.close()
+    records = calibrate_predictors(
+        d / "pred", prof.samples_dir, tmp_path / "cal2", 0.2, predictor_cost=0.05, seed=opts.seed
+    )
+    plan = np.mean([1.0 if r["dense"] else 0.05 + r["active"] for r in records])
+    assert plan <= 0.8 + 0.02 and not all(r["dense"] for r in records)
+
+
 def test_cli_profile_and_train_from_samples(tmp_path, capsys) -> None:
     path = tmp_path / "dense.gguf"
     write_tiny_model(path, SPEC, sparse=False)

@@ -50,6 +50,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--calibration-threshold", type=float, default=-1.0, help=argparse.SUPPRESS)
     p.add_argument(
+        "--predictor-cost",
+        type=float,
+        default=None,
+        metavar="C",
+        help="with --skip-fraction: a predictor's decode time in units of its layer's dense FFN "
+        "(measure it with powerpy bench); layers whose predictor does not pay then run dense "
+        "(powerpy.dense_layers) and --skip-fraction counts the time saved net of the predictors",
+    )
+    p.add_argument(
         "--calibrate-from",
         metavar="PRED_DIR",
         help="with --from-samples and --skip-fraction: only calibrate these trained predictors",
@@ -119,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
             ctx=args.ctx,
             target_sparsity=args.target_sparsity,
             skip_fraction=args.skip_fraction,
+            predictor_cost=args.predictor_cost,
             work_dir=args.work_dir,
             progress=progress,
             log_layer=show,
@@ -148,11 +158,15 @@ def _calibrate(args: argparse.Namespace, pred_dir: str, opts, progress: bool) ->
         args.output,
         args.skip_fraction,
         global_threshold=args.calibration_threshold,
+        predictor_cost=args.predictor_cost,
         seed=opts.seed,
         val_fraction=opts.val_fraction,
         progress=progress,
     )
     for r in records:
+        if r["dense"]:
+            print(f"layer {r['layer']:3d}  dense (the predictor would cost more than it saves)")
+            continue
         print(
             f"layer {r['layer']:3d}  threshold {r['threshold']:+.4f}  planned active "
             f"{100 * r['active']:5.1f}%  lost energy {r['lost']:.5f}"

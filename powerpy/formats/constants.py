@@ -145,6 +145,9 @@ class Keys:
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"  # FLOAT32, PWRI only, no arch prefix
     # powerpy's marker for a SiLU (SwiGLU) model sparsified by magnitude labels (CATS/TEAL-style)
     SPARSE_ACTIVATION = "powerpy.sparse_activation"  # STRING: "relu" (default) or "silu"
+    # powerpy: layers whose FFN runs ungated in sparse mode, because their predictor costs
+    # more than it saves (calibration with a predictor cost); other readers gate every layer
+    DENSE_LAYERS = "powerpy.dense_layers"  # ARRAY of UINT32, sorted
 
     TOKENIZER_MODEL = "tokenizer.ggml.model"
     TOKENIZER_PRE = "tokenizer.ggml.pre"

@@ -143,7 +143,7 @@ def _union_ffn(
 ) -> Tensor:
     """The gated FFN over the union of the B tokens' active rows (CPU-only placements; others
     run :func:`ffn`). x, ffn_inp (B, n_embd) -> (B, n_embd)."""
-    if blk.hot is not None or opts.observer is not None or opts.oracle is not None:
+    if blk.hot is not None or opts.observer is not None or not blk.gates(opts):
         return ffn(l, blk, x, ffn_inp, model.args.ffn_variant, thr, opts, model.accel)
     with phase(opts.timer, "predictor"):
         act = predict(ffn_inp, blk.fc1, blk.fc2, model.accel) >= thr  # (B, n_ff) bool

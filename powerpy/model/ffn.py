@@ -187,9 +187,11 @@ def ffn(
         (T, n_embd) f32 on x's device.
     """
     act = None
-    if opts.sparse and blk.fc1 is not None and opts.oracle is None:
+    if blk.gates(opts):
         with phase(opts.timer, "predictor"):
             act = predict(ffn_inp, blk.fc1, blk.fc2, accel) >= threshold  # (T, n_ff) bool
+    elif opts.sparse and blk.fc1 is not None and opts.oracle is None and opts.stats is not None:
+        opts.stats.record_dense(l, x.shape[0])  # an ungated layer computes every neuron
     if opts.observer is None and opts.oracle is None:
         return split_ffn(blk, x, act, variant, accel, l=l, opts=opts)
     # Profiling or an oracle: the true activation of every neuron, from the host matrices.
@@ -217,7 +219,7 @@ def fused_decode(
     down = blk.ffn_down_t
     stored = isinstance(down, TransposedWeight)  # a dense file's ffn_down: (n_embd, n_ff)
     pair, kd = _glu_kernels(blk.ffn_gate, blk.ffn_up), (down.inner if stored else down)._kernel()
-    gated = opts.sparse and blk.fc1 is not None and not stored
+    gated = blk.gates(opts) and not stored
     preds = [blk.fc1._kernel(), blk.fc2._kernel()] if gated else [(None, None)] * 2
     if pair is None or kd is None or None in preds or blk.ffn_norm.device.type != "cpu":
         return None
@@ -225,8 +227,8 @@ def fused_decode(
     mats = [p[1] for p in preds] + [gm, um, kd[1]]
     norm = (blk.ffn_norm, norm_eps)
     y, k = lib.ffn_decode(mats, thr, x[0], norm, variant, down_stored=stored)
-    if gated and opts.stats is not None:
-        opts.stats.record_count(l, k)
+    if opts.sparse and blk.fc1 is not None and opts.stats is not None:
+        opts.stats.record_count(l, k)  # every neuron in an ungated layer
     return y[None]
 
 

@@ -182,6 +182,7 @@ def load_weights(
                 ffn_down_t=down_t,
                 fc1=fc1,
                 fc2=fc2,
+                gated=l not in args.dense_layers,
             )
         )
     return Weights(

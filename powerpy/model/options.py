@@ -46,6 +46,12 @@ class SparsityStats:
         self.tokens[layer] += 1
         self.last[layer] = active / self.n_ff
 
+    def record_dense(self, layer: int, tokens: int) -> None:
+        """Count tokens of a layer that ran ungated (every neuron active)."""
+        self.active[layer] += tokens * self.n_ff
+        self.tokens[layer] += tokens
+        self.last[layer] = 1.0
+
     def active_fraction(self) -> np.ndarray:
         """Mean predicted-active fraction per layer (NaN where no token was gated)."""
         with np.errstate(invalid="ignore", divide="ignore"):

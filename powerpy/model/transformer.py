@@ -42,6 +42,11 @@ class Block:
     fc1: Weight | None = None  # (H, n_embd) predictor
     fc2: Weight | None = None  # (n_ff, H)
     hot: HotRows | None = None  # hybrid placements: this layer's rows on the accelerator
+    gated: bool = True  # False: in powerpy.dense_layers, the FFN runs ungated in sparse mode
+
+    def gates(self, opts: RunOptions) -> bool:
+        """Whether the predictor gates this layer's FFN in a run with ``opts``."""
+        return opts.sparse and self.gated and self.fc1 is not None and opts.oracle is None
 
 
 @dataclass

@@ -98,29 +98,46 @@ def layer_curve(
     )
 
 
-def allocate(curves: Sequence[LayerCurve], target_active: float) -> list[int]:
-    """Per-layer curve points minimising total lost energy at a mean active fraction.
+def plan_cost(
+    curves: Sequence[LayerCurve], picks: Sequence[int | None], predictor_cost: float = 0.0
+) -> float:
+    """Mean FFN cost of a plan, in units of a dense FFN: ``predictor_cost + active`` for a gated
+    layer, 1 for an ungated one (None)."""
+    pairs = zip(curves, picks, strict=True)
+    return float(np.mean([1.0 if k is None else predictor_cost + c.active[k] for c, k in pairs]))
 
-    Lagrangian allocation: each layer takes the point minimising ``lost + λ·active``; ``λ`` is
-    bisected until the mean active fraction over layers is at most ``target_active`` (or as close
-    as the usable thresholds allow).
+
+def allocate(
+    curves: Sequence[LayerCurve], target: float, predictor_cost: float | None = None
+) -> list[int | None]:
+    """Per-layer curve points minimising total lost energy at a mean FFN cost.
+
+    Lagrangian allocation: each layer takes the choice minimising ``lost + λ·cost``; ``λ`` is
+    bisected until the mean cost over layers is at most ``target`` (or as close as the usable
+    thresholds allow). Without ``predictor_cost`` a layer's cost is its active fraction. With
+    it, a gated layer costs ``predictor_cost + active`` (the predictor's time in units of the
+    layer's dense FFN) and a layer may also run ungated (dense: cost 1, nothing lost), so the
+    skipping goes to the layers whose predictors pay for themselves.
 
     Returns:
-        One index into each curve.
+        One index into each curve, or None for a layer that runs ungated.
     """
+    c0 = 0.0 if predictor_cost is None else float(predictor_cost)
 
-    def pick(lam: float) -> list[int]:
-        return [int(np.argmin(c.lost + lam * c.active)) for c in curves]
-
-    def mean_active(idx: list[int]) -> float:
-        return float(np.mean([c.active[i] for c, i in zip(curves, idx, strict=True)]))
+    def pick(lam: float) -> list[int | None]:
+        out: list[int | None] = []
+        for c in curves:
+            k = int(np.argmin(c.lost + lam * (c0 + c.active)))
+            gated = c.lost[k] + lam * (c0 + c.active[k])
+            out.append(None if predictor_cost is not None and lam <= gated else k)
+        return out
 
     lo, hi = 0.0, 1.0
-    while mean_active(pick(hi)) > target_active and hi < 1e6:
+    while plan_cost(curves, pick(hi), c0) > target and hi < 1e6:
         hi *= 4
     for _ in range(60):
         mid = (lo + hi) / 2
-        if mean_active(pick(mid)) > target_active:
+        if plan_cost(curves, pick(mid), c0) > target:
             lo = mid
         else:
             hi = mid
@@ -134,6 +151,7 @@ def calibrate_predictors(
     skip_fraction: float,
     *,
     global_threshold: float = -1.0,
+    predictor_cost: float | None = None,
     seed: int = 0,
     val_fraction: float = 0.05,
     progress: bool = False,
@@ -152,6 +170,12 @@ def calibrate_predictors(
         out_dir: where the calibrated predictors and ``config.json`` go (may be ``pred_dir``).
         skip_fraction: mean fraction of neurons to skip per token, over layers.
         global_threshold: the runtime threshold written as ``sparse_threshold`` (nonzero).
+        predictor_cost: the time of a layer's predictor in units of its dense FFN (measured,
+            e.g. with ``powerpy bench``). Given, ``skip_fraction`` is the mean FFN time saved
+            net of the predictors, and layers whose predictor does not pay run dense: they
+            are listed as ``dense_layers`` in ``config.json`` (the converter writes them as
+            ``powerpy.dense_layers``) and keep their most permissive point for readers that
+            gate every layer. None: every layer is gated (PowerInfer's behaviour).
         seed, val_fraction: the held-out split of the samples (as in training).
         progress: a tqdm bar.
 
@@ -180,8 +204,10 @@ def calibrate_predictors(
         fc1, fc2 = sd["fc1.weight"].float(), sd["fc2.weight"].float()
         preds.append((fc1, fc2))
         curves.append(layer_curve(x, score, fc1, fc2, sign=float(np.sign(global_threshold))))
-    picks = allocate(curves, 1.0 - skip_fraction)
-    planned = float(np.mean([c.active[k] for c, k in zip(curves, picks, strict=True)]))
+    if predictor_cost is not None and not 0.0 <= predictor_cost < 1.0:
+        raise ValueError(f"predictor cost {predictor_cost} must be in [0, 1)")
+    picks = allocate(curves, 1.0 - skip_fraction, predictor_cost)
+    planned = plan_cost(curves, picks, predictor_cost or 0.0)
     if planned > 1.0 - skip_fraction + 0.01:
         log.warning(
             "skip fraction %.3f is out of reach with a %s global threshold: planned %.3f (train "
@@ -193,6 +219,9 @@ def calibrate_predictors(
     out.mkdir(parents=True, exist_ok=True)
     records = []
     for l, (c, k) in enumerate(zip(curves, picks, strict=True)):
+        dense = k is None
+        if k is None:  # ungated here; other readers gate it at its most permissive point
+            k = int(np.argmax(c.active))
         t = float(c.thr[k])
         scale = global_threshold / t
         fc1, fc2 = preds[l]
@@ -206,8 +235,9 @@ def calibrate_predictors(
                 "layer": l,
                 "threshold": t,
                 "scale": scale,
-                "active": float(c.active[k]),
-                "lost": float(c.lost[k]),
+                "active": 1.0 if dense else float(c.active[k]),
+                "lost": 0.0 if dense else float(c.lost[k]),
+                "dense": dense,
             }
         )
     cfg_path = src / PREDICTOR_CONFIG
@@ -216,6 +246,8 @@ def calibrate_predictors(
     cfg.setdefault("powerpy", {})["calibration"] = {
         "skip_fraction": skip_fraction,
         "planned_active": float(np.mean([r["active"] for r in records])),
+        "predictor_cost": predictor_cost,
+        "dense_layers": [r["layer"] for r in records if r["dense"]],
         "layers": records,
     }
     write_json(cfg, out / PREDICTOR_CONFIG)

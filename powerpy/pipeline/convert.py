@@ -193,12 +193,15 @@ def _resolve_activation(
     return act or "relu"
 
 
-def _sparse_kv(thr: float | None, act: str) -> dict[str, tuple]:
+def _sparse_kv(preds: Predictors, act: str) -> dict[str, tuple]:
     kv: dict[str, tuple] = {}
-    if thr is not None:
-        kv[Keys.SPARSE_THRESHOLD] = (float(thr), GGUFValueType.FLOAT32)
+    if preds.threshold is not None:
+        kv[Keys.SPARSE_THRESHOLD] = (float(preds.threshold), GGUFValueType.FLOAT32)
     if act == "silu":
         kv[Keys.SPARSE_ACTIVATION] = ("silu", GGUFValueType.STRING)
+    if preds.dense_layers:
+        layers = list(preds.dense_layers)
+        kv[Keys.DENSE_LAYERS] = (layers, GGUFValueType.ARRAY, GGUFValueType.UINT32)
     return kv
 
 
@@ -306,7 +309,7 @@ def _convert_hf(
         kv = a.to_gguf_kv(name=name or src.name)
         kv[Keys.FILE_TYPE] = (FILE_TYPES[outtype], GGUFValueType.UINT32)
         if preds is not None:
-            kv.update(_sparse_kv(preds.threshold, act))
+            kv.update(_sparse_kv(preds, act))
         kv.update(vocab)
 
         plan: list[_Tensor] = []
@@ -405,7 +408,7 @@ def _convert_gguf(
             kv[key] = spec
         if outtype != AUTO:
             kv.setdefault(Keys.FILE_TYPE, (FILE_TYPES[outtype], GGUFValueType.UINT32))
-        kv.update(_sparse_kv(preds.threshold, act))
+        kv.update(_sparse_kv(preds, act))
         plan = list(_gguf_tensors(gf, outtype))
         plan += _predictor_tensors(preds, outtype)
         _write_stream(out, kv, plan, progress=progress)

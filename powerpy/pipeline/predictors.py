@@ -44,6 +44,7 @@ class Predictors:
     hidden: list[int]  # H_l
     threshold: float | None  # config.json sparse_threshold
     activation: str | None  # config.json sparse_activation ("relu"/"silu")
+    dense_layers: tuple[int, ...] = ()  # config.json powerpy.calibration.dense_layers
 
 
 def load_predictor_file(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
@@ -95,6 +96,29 @@ def read_predictor_config(pred_dir: Path) -> tuple[float | None, str | None]:
     return thr, act
 
 
+def read_dense_layers(pred_dir: Path, n_layer: int) -> tuple[int, ...]:
+    """The layers calibration left ungated (``config.json``: ``powerpy.calibration.dense_layers``,
+    written by ``calibrate_predictors`` with a predictor cost), sorted; () if absent.
+
+    Raises:
+        ValueError: not a list of distinct layer numbers below ``n_layer``.
+    """
+    path = pred_dir / "config.json"
+    if not path.is_file():
+        return ()
+    cal = read_json(path).get("powerpy", {}).get("calibration", {})
+    layers = cal.get("dense_layers", []) if isinstance(cal, dict) else []
+    ok = isinstance(layers, list) and all(
+        isinstance(l, int) and not isinstance(l, bool) and 0 <= l < n_layer for l in layers
+    )
+    if not ok or len(set(layers)) != len(layers):
+        raise ValueError(
+            f"{path}: powerpy.calibration.dense_layers must list distinct layer numbers below "
+            f"{n_layer}, got {str(layers)[:80]}"
+        )
+    return tuple(sorted(layers))
+
+
 def scan_predictors(pred_dir: str | os.PathLike[str], n_layer: int, n_embd: int, n_ff: int):
     """Check a predictor directory against the model's dimensions.
 
@@ -143,7 +167,7 @@ def scan_predictors(pred_dir: str | os.PathLike[str], n_layer: int, n_embd: int,
             raise ValueError(f"{path}: predictor weights are not all finite")
         hidden.append(h)
     thr, act = read_predictor_config(d)
-    return Predictors(files, hidden, thr, act)
+    return Predictors(files, hidden, thr, act, read_dense_layers(d, n_layer))
 
 
 # ----------------------------------------------------------------------------------- writing

@@ -334,6 +334,7 @@ def train_predictors(
     ctx: int = 256,
     target_sparsity: float = 0.5,
     skip_fraction: float | None = None,
+    predictor_cost: float | None = None,
     work_dir: str | os.PathLike[str] | None = None,
     progress: bool = False,
     log_layer: Callable[[LayerReport], None] | None = None,
@@ -351,6 +352,8 @@ def train_predictors(
         target_sparsity: SiLU models: the per-layer score quantile labelled inactive.
         skip_fraction: when set, calibrate per-layer operating points for this mean fraction
             of skipped neurons (:func:`calibrate_predictors`).
+        predictor_cost: with ``skip_fraction``: a predictor's time in units of its layer's
+            dense FFN; layers whose predictor does not pay then run dense.
         work_dir: where the sample dump goes (default: a temporary directory, removed after).
         progress: tqdm bars.
         log_layer: called with each layer's report.
@@ -396,6 +399,7 @@ def train_predictors(
                 prof.samples_dir,
                 out,
                 skip_fraction,
+                predictor_cost=predictor_cost,
                 seed=opts.seed,
                 val_fraction=opts.val_fraction,
                 progress=progress,
