@@ -1117,26 +1117,26 @@ inline Q4Group q40_group(const uint8_t* w, int64_t g, int64_t nch) {
   return q;
 }
 
-// out[r * ldr + t * ldo] = dot(Q4_0 row w + r * ld, x_t) for R rows and NT activation vectors,
-// group g of x_t at xg[g * T + t]; prefetches the R rows from nx (may be null) on, ld apart.
+// out[r * ldr + t * ldo] = dot(Q4_0 row w[r], x_t) for R rows and NT activation vectors, group g
+// of x_t at xg[g * T + t]; prefetches rows nx[r] (null: none) along the way. The R rows are
+// read side by side, so R gathered rows are in flight at once.
 template <int R, int NT>
-inline void q40_tile(const uint8_t* w, int64_t ld, const QGroup* xg, int64_t T, int64_t nch,
-                     const uint8_t* nx, float* out, int64_t ldr, int64_t ldo) {
+inline void q40_tile(const uint8_t* const* w, const uint8_t* const* nx, const QGroup* xg,
+                     int64_t T, int64_t nch, float* out, int64_t ldr, int64_t ldo) {
   const int64_t ng = (nch + 3) / 4;
   __m512 acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-  int64_t pf = 0;
+  int64_t pf = 0;  // bytes of the upcoming rows prefetched so far (all alike)
   for (int64_t g = 0; g < ng; ++g) {
     Q4Group q[R];
-    for (int r = 0; r < R; ++r) q[r] = q40_group(w + r * ld, g, nch);
-    if (nx) {
-      const int64_t pf0 = pf;
-      for (int r = 0; r < R; ++r) {
-        pf = pf0;
-        prefetch_span(nx + r * ld, pf, 72 * (g + 1));
-      }
+    for (int r = 0; r < R; ++r) q[r] = q40_group(w[r], g, nch);
+    int64_t p = pf;
+    for (int r = 0; r < R; ++r) {
+      p = pf;
+      if (nx[r]) prefetch_span(nx[r], p, 72 * (g + 1));
     }
+    pf = p > pf ? p : pf;
     for (int t = 0; t < NT; ++t) {
       const QGroup& a = xg[g * T + t];
       const __m512i ylo = _mm512_load_si512(a.lo), yhi = _mm512_load_si512(a.hi);
@@ -1148,11 +1148,10 @@ inline void q40_tile(const uint8_t* w, int64_t ld, const QGroup* xg, int64_t T, 
       }
     }
   }
-  if (nx)
-    for (int r = 0; r < R; ++r) {
-      int64_t p = 0;
-      prefetch_span(nx + r * ld, p, 18 * nch);
-    }
+  for (int r = 0; r < R; ++r) {
+    int64_t p = pf;
+    if (nx[r]) prefetch_span(nx[r], p, 18 * nch);
+  }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) out[r * ldr + t * ldo] = _mm512_reduce_add_ps(acc[r][t]);
 }
@@ -1209,7 +1208,7 @@ inline float row_dot_any(const uint8_t* w, const float* x, const ActBuf<DT>& xa,
   if constexpr (DT == DT_Q4_0)
     if (xa.g) {
       float r;
-      q40_tile<1, 1>(w, 0, (const QGroup*)xa.g, 1, xa.nch, nx, &r, 0, 0);
+      q40_tile<1, 1>(&w, &nx, (const QGroup*)xa.g, 1, xa.nch, &r, 0, 0);
       return r;
     }
 #endif
@@ -1227,16 +1226,28 @@ int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
   if (xa.failed(act)) return PP_ERR_ARG;
   return run_partitioned(nt, k, [&](int64_t a, int64_t b) -> int {
     int err = 0;
+    auto row = [&](int64_t j) -> const uint8_t* {  // list position j's row; null past b
+      const int64_t r = j < b ? row_at(idx, j, nrows) : -1;
+      return r >= 0 ? W + r * ld : nullptr;
+    };
     for (int64_t j = a; j < b; ++j) {
-      const int64_t r = row_at(idx, j, nrows);
-      if (r < 0) {
+#if defined(PP_Q4W)
+      if constexpr (DT == DT_Q4_0)
+        if (xa.g && j + 1 < b && row(j) && row(j + 1)) {  // two rows side by side
+          const uint8_t* w[2] = {row(j), row(j + 1)};
+          const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
+          q40_tile<2, 1>(w, nx, (const QGroup*)xa.g, 1, xa.nch, out + j, 1, 0);
+          ++j;
+          continue;
+        }
+#endif
+      const uint8_t* w = row(j);
+      if (!w) {
         out[j] = NAN;
         err = 1;
         continue;
       }
-      const int64_t rn = j + dist < b ? row_at(idx, j + dist, nrows) : -1;
-      const uint8_t* nx = rn >= 0 ? W + rn * ld : nullptr;
-      out[j] = row_dot_any<DT>(W + r * ld, x, xa, cols, nx);
+      out[j] = row_dot_any<DT>(w, x, xa, cols, row(j + dist));
     }
     return err;
   });
@@ -1303,6 +1314,17 @@ int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64
       const uint8_t* nu = rn >= 0 ? U + rn * ldu : nullptr;
       const uint8_t* ng = rn >= 0 ? G + rn * ldg : nullptr;
       float g, u;
+#if defined(PP_Q4W)
+      if constexpr (DT == DT_Q4_0)
+        if (xa.g) {  // gate and up rows as one 2-row tile: two streams at once
+          float gu[2];
+          const uint8_t* rows[2] = {G + r * ldg, U + r * ldu};
+          const uint8_t* next[2] = {ng, nu};
+          q40_tile<2, 1>(rows, next, (const QGroup*)xa.g, 1, xa.nch, gu, 1, 0);
+          out[j] = activate(variant, gu[0], gu[1]);
+          continue;
+        }
+#endif
       if (xa.p) {
         g = row_dot_any<DT>(G + r * ldg, x, xa, cols, ng);
         u = row_dot_any<DT>(U + r * ldu, x, xa, cols, nu);
@@ -1478,24 +1500,26 @@ inline int qgemm_q40(const uint8_t* W, int64_t ld, int64_t nrows, const QGroup* 
     for (int64_t t0 = 0; t0 < T; t0 += QT) {
       const int64_t t1 = t0 + QT < T ? t0 + QT : T;
       for (int64_t r = a; r < b; r += 2) {
-        const uint8_t* w = W + r * ld;
-        const uint8_t* nx = r + dist + 1 < b ? W + (r + dist) * ld : nullptr;
+        const uint8_t* w[2] = {W + r * ld, W + (r + 1) * ld};
+        const uint8_t* nx[2] = {nullptr, nullptr};
+        if (r + dist + 1 < b) {
+          nx[0] = W + (r + dist) * ld;
+          nx[1] = nx[0] + ld;
+        }
+        const uint8_t* none[2] = {nullptr, nullptr};
         float* o = out + r;
         if (r + 2 > b) {  // an odd last row
           for (int64_t t = t0; t < t1; ++t)
-            q40_tile<1, 1>(w, ld, xg + t, T, nch, nullptr, o + t * ldo, 1, ldo);
+            q40_tile<1, 1>(w, none, xg + t, T, nch, o + t * ldo, 1, ldo);
           continue;
         }
         int64_t t = t0;
-        for (; t + 8 <= t1; t += 8, nx = nullptr)
-          q40_tile<2, 8>(w, ld, xg + t, T, nch, nx, o + t * ldo, 1, ldo);
-        if (t + 4 <= t1) {
-          q40_tile<2, 4>(w, ld, xg + t, T, nch, nx, o + t * ldo, 1, ldo);
-          t += 4;
-          nx = nullptr;
-        }
-        for (; t < t1; ++t, nx = nullptr)
-          q40_tile<2, 1>(w, ld, xg + t, T, nch, nx, o + t * ldo, 1, ldo);
+        for (; t + 8 <= t1; t += 8)
+          q40_tile<2, 8>(w, t == t0 ? nx : none, xg + t, T, nch, o + t * ldo, 1, ldo);
+        for (; t + 4 <= t1; t += 4)
+          q40_tile<2, 4>(w, t == t0 ? nx : none, xg + t, T, nch, o + t * ldo, 1, ldo);
+        for (; t < t1; ++t)
+          q40_tile<2, 1>(w, t == t0 ? nx : none, xg + t, T, nch, o + t * ldo, 1, ldo);
       }
     }
     return 0;
