@@ -154,3 +154,31 @@ def test_rows_that_end_in_a_partial_group(lib, t, cols) -> None:
     got = lib.gemm(m, torch.from_numpy(X))
     for i in range(13):
         check(got[i], ref_qdot(w, raw, t, X[i]), bound(w, X[i], ACT_KIND[t]))
+
+
+def test_gemm_skips_tiles_no_token_needs(lib) -> None:
+    """A predictor-gated prompt: the entries a token needs are those of the full GEMM; Q4_0 row
+    pairs that no token of an 8-token tile needs come back 0 (other types compute them all)."""
+    cols, T = 256, 21
+    for t in (GGMLType.Q4_0, GGMLType.Q8_0):
+        raw, w, m = weight(t, cols, seed=11)
+        X = np.random.default_rng(12).standard_normal((T, cols)).astype(np.float32)
+        X = torch.from_numpy(X)
+        need = torch.from_numpy(np.random.default_rng(13).random((ROWS, T)) < 0.03)
+        need[5, 17] = True  # a row pair needed by the last, partial tile only
+        full = lib.gemm(m, X)
+        got = lib.gemm(m, X, need=need)
+        assert torch.equal(got.t()[need], full.t()[need])
+        if t == GGMLType.Q4_0 and lib is kernels.library() and _has_q4_tiles():
+            assert (got == 0).sum() > T * ROWS // 2  # most tiles were skipped
+        with pytest.raises(ValueError, match="need has shape"):
+            lib.gemm(m, X, need=need.t())
+
+
+def _has_q4_tiles() -> bool:
+    """The native build has the four-block Q4_0 path (AVX-512 VBMI and VNNI)."""
+    try:
+        flags = open("/proc/cpuinfo", encoding="utf-8").read()
+    except OSError:
+        return False
+    return all(f in flags for f in ("avx512_vbmi", "avx512_vnni", "avx512bw"))

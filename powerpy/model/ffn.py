@@ -101,9 +101,11 @@ def ffn_masked(
     """Predictor-gated FFN over a batch, computed densely then masked: act (T, n_ff) bool.
 
     Equal to the row-sparse form token by token (masked neurons contribute exactly 0); used for
-    prefill, where every token has its own mask.
+    prefill, where every token has its own mask. Quantized gate and up skip the rows that no
+    token of a tile needs.
     """
-    h = glu(gate.linear(x), up.linear(x), variant, inplace=True).mul_(act)
+    need = act.t().contiguous()  # (n_ff, T)
+    h = glu(gate.linear(x, need), up.linear(x, need), variant, inplace=True).mul_(act)
     return rows_sum(h, down_t)
 
 

@@ -39,7 +39,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # dtype codes of the C library (enum DType)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -82,8 +82,8 @@ _SIGNATURES = {
         [_i32, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _i64, _i32, _p, _i32, _i32],
         _i32,
     ),
-    # dtype, W, ld, nrows, cols, x, ldx, T, out, ldo, act, nthreads
-    "pp_gemm": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _i32, _i32], _i32),
+    # dtype, W, ld, nrows, cols, x, ldx, T, out, ldo, need, act, nthreads
+    "pp_gemm": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _p, _i32, _i32], _i32),
     # dtype, W, ld, nrows, cols, idx, k, out, nthreads
     "pp_dequant_rows": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
     "pp_stream_read": ([_p, _i64, _i32], ctypes.c_double),  # buffer, bytes, nthreads
@@ -134,12 +134,17 @@ class Matrix:
     def __post_init__(self) -> None:
         self.ptr = self.data.data_ptr()
 
+    @property
+    def args(self) -> tuple[int, int, int, int, int]:
+        """The C functions' matrix arguments: (dtype code, data pointer, ld, nrows, cols)."""
+        return self.code, self.ptr, self.ld, self.nrows, self.cols
+
     @staticmethod
     def pack(mats: list[Matrix | None]) -> ctypes.Array:
         """Matrices for the C side: 5 int64 each (dtype, data, ld, nrows, cols); None: zeros."""
         vals: list[int] = []
         for m in mats:
-            vals += [0] * 5 if m is None else [m.code, m.ptr, m.ld, m.nrows, m.cols]
+            vals += [0] * 5 if m is None else list(m.args)
         return (ctypes.c_int64 * len(vals))(*vals)
 
     @staticmethod
@@ -193,19 +198,7 @@ class KernelLibrary:
             idx = _i64(idx)
             k, ip = idx.numel(), idx.data_ptr()
         out = torch.empty(k, dtype=_F32)
-        st = self._gemv(
-            w.code,
-            w.ptr,
-            w.ld,
-            w.nrows,
-            w.cols,
-            x.data_ptr(),
-            ip,
-            k,
-            out.data_ptr(),
-            _quant_act,
-            _threads(),
-        )
+        st = self._gemv(*w.args, x.data_ptr(), ip, k, out.data_ptr(), _quant_act, _threads())
         if st:
             _raise(st, "gather_gemv", idx, w.nrows)
         return out
@@ -233,19 +226,7 @@ class KernelLibrary:
             out = torch.empty(w.cols, dtype=_F32)
         elif out.dtype is not _F32 or not out.is_contiguous() or out.numel() != w.cols:
             raise ValueError(f"out must be a contiguous f32 tensor of {w.cols} elements")
-        st = self._axpy(
-            w.code,
-            w.ptr,
-            w.ld,
-            w.nrows,
-            w.cols,
-            h.data_ptr(),
-            ip,
-            k,
-            out.data_ptr(),
-            accumulate,
-            _threads(),
-        )
+        st = self._axpy(*w.args, h.data_ptr(), ip, k, out.data_ptr(), accumulate, _threads())
         if st:
             _raise(st, "gather_axpy", idx, w.nrows)
         return out
@@ -285,10 +266,14 @@ class KernelLibrary:
             _raise(st, "glu", idx, up.nrows)
         return out
 
-    def gemm(self, w: Matrix, x: Tensor, out: Tensor | None = None) -> Tensor:
-        """Dense ``x @ W.T`` for small batches: x (T, cols) -> (T, rows) f32, W read once.
+    def gemm(
+        self, w: Matrix, x: Tensor, out: Tensor | None = None, need: Tensor | None = None
+    ) -> Tensor:
+        """Dense ``x @ W.T``: x (T, cols) -> (T, rows) f32, W read once.
 
-        ``x`` and ``out`` may have a row stride (``stride(1) == 1`` is required).
+        ``x`` and ``out`` may have a row stride (``stride(1) == 1`` is required). ``need``
+        (rows, T) bool, optional: the entries the caller will use; the Q4_0 integer GEMM leaves
+        0 where no token of an 8-token tile needs a pair of rows (a predictor-gated prompt).
         """
         if x.dtype is not _F32 or x.stride(-1) != 1:
             x = x.float().contiguous()
@@ -299,17 +284,18 @@ class KernelLibrary:
             out = torch.empty(T, w.nrows, dtype=_F32)
         elif out.dtype is not _F32 or out.shape != (T, w.nrows) or out.stride(1) != 1:
             raise ValueError(f"out must be f32 of shape ({T}, {w.nrows}) with unit column stride")
+        if need is not None:
+            if need.shape != (w.nrows, T):
+                raise ValueError(f"need has shape {tuple(need.shape)}, expected ({w.nrows}, {T})")
+            need = need.to(torch.bool).contiguous()
         st = self._lib.pp_gemm(
-            w.code,
-            w.ptr,
-            w.ld,
-            w.nrows,
-            w.cols,
+            *w.args,
             x.data_ptr(),
             x.stride(0),
             T,
             out.data_ptr(),
             out.stride(0),
+            None if need is None else need.data_ptr(),
             _quant_act,
             _threads(),
         )

@@ -150,8 +150,9 @@ class DenseWeight:
             self._mat = kernels.Matrix.of_dense(self.w)
         return lib, self._mat
 
-    def linear(self, x: Tensor) -> Tensor:
-        """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,))."""
+    def linear(self, x: Tensor, need: Tensor | None = None) -> Tensor:
+        """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)); ``need``, a
+        hint that quantized weights use, is ignored."""
         if x.dim() == 1:
             return self.linear(x[None])[0]
         kern = self._kernel()
@@ -294,13 +295,14 @@ class QuantWeight:
     def _tile_rows(self) -> int:
         return max(16, TILE_ELEMENTS // max(self.cols, 1))
 
-    def linear(self, x: Tensor) -> Tensor:
+    def linear(self, x: Tensor, need: Tensor | None = None) -> Tensor:
         """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)).
 
         The native GEMM reads the blocks once (with llama.cpp's activation rounding, an
         integer GEMM at any batch size); with f32 activations larger batches (and the torch
         fallback) decode tiles of rows to f32 and multiply with BLAS, so no full f32 copy of
-        the matrix ever exists.
+        the matrix ever exists. ``need`` (rows, T) bool, optional: the entries the caller uses
+        (the others may come back 0, see ``KernelLibrary.gemm``).
         """
         if x.dim() == 1:
             return self.linear(x[None])[0]
@@ -308,7 +310,7 @@ class QuantWeight:
         rows, T = self.raw.shape[0], x.shape[0]
         kern = self._kernel()
         if kern is not None and (T <= KERNEL_GEMM_MAX_T or kernels.quantized_activations()):
-            return kern[0].gemm(kern[1], x)  # llama.cpp's rounding needs the integer GEMM
+            return kern[0].gemm(kern[1], x, need=need)  # llama.cpp's rounding: integer GEMM
         if kern is not None:
             return _tiled_linear(kern[0], kern[1], x)
         out = self.raw.new_empty((T, rows), dtype=torch.float32)  # (T, rows)
@@ -435,8 +437,9 @@ class TransposedWeight:
         """Rows ``idx`` of ``W_t @ x``: x (n_embd,) -> (k,) f32."""
         return self.dequantize().index_select(0, _as_idx(idx)) @ x.float()
 
-    def linear(self, x: Tensor) -> Tensor:
-        """``x @ W_t.T``: x (T, n_embd) -> (T, n_ff) f32 (decodes the matrix)."""
+    def linear(self, x: Tensor, need: Tensor | None = None) -> Tensor:
+        """``x @ W_t.T``: x (T, n_embd) -> (T, n_ff) f32 (decodes the matrix; ``need`` is
+        ignored)."""
         return x.float() @ self.inner.dequantize()
 
     def take_rows(self, idx: Tensor) -> DenseWeight:

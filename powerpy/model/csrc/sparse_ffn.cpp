@@ -1487,11 +1487,20 @@ int qgemm_wide(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const 
 }
 #endif
 
+// Whether any of tokens t0..t0+n-1 needs any of rows r0..r0+nr-1: need is (nrows, T) bytes
+// (row r's tokens contiguous), nonzero where the caller uses the output.
+inline bool any_needed(const uint8_t* need, int64_t r0, int nr, int64_t T, int64_t t0, int n) {
+  for (int r = 0; r < nr; ++r)
+    for (int t = 0; t < n; ++t)
+      if (need[(r0 + r) * T + t0 + t]) return true;
+  return false;
+}
+
 #if defined(PP_Q4W)
 // Q4_0 prompt batches: tokens in tiles of 32 (their groups stay in L2), rows split over the
 // threads in pairs, each weight group decoded once per 8 tokens.
 inline int qgemm_q40(const uint8_t* W, int64_t ld, int64_t nrows, const QGroup* xg, int64_t nch,
-                     int64_t T, float* out, int64_t ldo, int nt) {
+                     int64_t T, float* out, int64_t ldo, const uint8_t* need, int nt) {
   constexpr int64_t QT = 32;
   const int64_t dist = prefetch_dist(18 * nch) * 2;
   return run_partitioned(nt, (nrows + 1) / 2, [&](int64_t a, int64_t b) -> int {
@@ -1513,13 +1522,19 @@ inline int qgemm_q40(const uint8_t* W, int64_t ld, int64_t nrows, const QGroup* 
             q40_tile<1, 1>(w, none, xg + t, T, nch, o + t * ldo, 1, ldo);
           continue;
         }
+        // no token of the tile t .. t + n - 1 needs these rows: zeros instead
+        auto skip = [&](int64_t t, int n) -> bool {
+          if (!need || any_needed(need, r, 2, T, t, n)) return false;
+          for (int64_t u = t; u < t + n; ++u) o[u * ldo] = o[u * ldo + 1] = 0.0f;
+          return true;
+        };
         int64_t t = t0;
         for (; t + 8 <= t1; t += 8)
-          q40_tile<2, 8>(w, t == t0 ? nx : none, xg + t, T, nch, o + t * ldo, 1, ldo);
+          if (!skip(t, 8)) q40_tile<2, 8>(w, t == t0 ? nx : none, xg + t, T, nch, o + t * ldo, 1, ldo);
         for (; t + 4 <= t1; t += 4)
-          q40_tile<2, 4>(w, t == t0 ? nx : none, xg + t, T, nch, o + t * ldo, 1, ldo);
+          if (!skip(t, 4)) q40_tile<2, 4>(w, t == t0 ? nx : none, xg + t, T, nch, o + t * ldo, 1, ldo);
         for (; t < t1; ++t)
-          q40_tile<2, 1>(w, t == t0 ? nx : none, xg + t, T, nch, o + t * ldo, 1, ldo);
+          if (!skip(t, 1)) q40_tile<2, 1>(w, t == t0 ? nx : none, xg + t, T, nch, o + t * ldo, 1, ldo);
       }
     }
     return 0;
@@ -1531,13 +1546,14 @@ inline int qgemm_q40(const uint8_t* W, int64_t ld, int64_t nrows, const QGroup* 
 // over the threads, each weight chunk decoded once per 4 tokens.
 template <int DT>
 int qgemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x, int64_t ldx,
-          int64_t T, float* out, int64_t ldo, int nt) {
+          int64_t T, float* out, int64_t ldo, const uint8_t* need, int nt) {
   constexpr int64_t QT = 32;
   ActBuf<DT> xa(1, x, ldx, T, cols, nt);
   if (!xa.p) return PP_ERR_ARG;
   const int64_t nch = cols / 32, dist = prefetch_dist(row_bytes<DT>(cols));
 #if defined(PP_Q4W)
-  if constexpr (DT == DT_Q4_0) return qgemm_q40(W, ld, nrows, (const QGroup*)xa.g, nch, T, out, ldo, nt);
+  if constexpr (DT == DT_Q4_0)
+    return qgemm_q40(W, ld, nrows, (const QGroup*)xa.g, nch, T, out, ldo, need, nt);
 #endif
 #if defined(PP_WIDE)
   if constexpr (UDec<DT>::QK == 32)
@@ -1586,13 +1602,14 @@ int qgemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float
 
 template <int DT>
 int gemm_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
-              int64_t ldx, int64_t T, float* out, int64_t ldo, int act, int nthreads) {
+              int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need, int act,
+              int nthreads) {
   constexpr int G = VL == 16 ? 4 : 2;  // vectors per pass (register budget)
   if (T == 1) return gemv_impl<DT>(W, ld, nrows, cols, x, nullptr, nrows, out, act, nthreads);
   const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
   const int nt = team_size(nthreads, nrows * (rb + T * 64));
   if constexpr (act_kind<DT>() != ACT_F32)
-    if (act) return qgemm<DT>(W, ld, nrows, cols, x, ldx, T, out, ldo, nt);
+    if (act) return qgemm<DT>(W, ld, nrows, cols, x, ldx, T, out, ldo, need, nt);
   return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
     for (int64_t r = a; r < b; ++r) {
       const uint8_t* w = W + r * ld;
@@ -1896,7 +1913,7 @@ int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* r, const floa
 }
 
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
-int pp_abi_version(void) { return 6; }
+int pp_abi_version(void) { return 7; }
 
 // 2 = AVX-512F, 1 = AVX2+FMA+F16C, 0 = scalar.
 int pp_simd_level(void) { return PP_SIMD; }
@@ -1934,12 +1951,15 @@ int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ld
               out, act, nthreads)
 }
 
-// out[t * ldo + r] = dot(W[r], x[t * ldx : t * ldx + cols]) for r < nrows, t < T.
+// out[t * ldo + r] = dot(W[r], x[t * ldx : t * ldx + cols]) for r < nrows, t < T. need (may be
+// null) is (nrows, T) bytes: where it is 0 the caller ignores out[t * ldo + r], and the Q4_0
+// integer GEMM skips (writes 0 to) the row pairs and 8-token tiles that no token needs.
 int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
-            int64_t ldx, int64_t T, float* out, int64_t ldo, int act, int nthreads) {
+            int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need, int act,
+            int nthreads) {
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
-  PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, act,
-              nthreads)
+  PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need,
+              act, nthreads)
 }
 
 // Reads `bytes` of p (64-byte aligned) with `nthreads` threads, as the GEMV kernels read weights;
