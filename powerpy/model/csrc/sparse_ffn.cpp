@@ -619,6 +619,25 @@ inline void quantize_act(int kind, const float* x, int64_t cols, QAct* out) {
   for (int64_t c = 0; c < nch; ++c) {
     const float* xb = x + 32 * c;
     QAct& a = out[c];
+#if PP_SIMD == 2 && defined(__AVX512BW__) && defined(__AVX512VL__)
+    {  // the same operations as the scalar loop below, 16 lanes at a time
+      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+      const __m512 vid = _mm512_set1_ps(id);
+      constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, vid), R));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, vid), R));
+      _mm_storeu_si128((__m128i*)a.qs, _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128((__m128i*)(a.qs + 16), _mm512_cvtepi32_epi8(q1));
+      a.s0 = _mm512_reduce_add_epi32(q0);
+      a.s1 = _mm512_reduce_add_epi32(q1);
+      lane_sums(a);
+      a.d = round_f16(d);
+      a.s = kind == ACT_Q8_1 ? round_f16(d * (float)(a.s0 + a.s1)) : a.d * (float)(a.s0 + a.s1);
+      continue;
+    }
+#endif
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
     const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
