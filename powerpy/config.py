@@ -117,7 +117,7 @@ class ModelArgs:
             thr = _scalar(kv[Keys.SPARSE_THRESHOLD], Keys.SPARSE_THRESHOLD, float, source)
         dense_layers: tuple[int, ...] = ()
         if sparse and Keys.DENSE_LAYERS in kv:
-            dense_layers = _layer_list(kv[Keys.DENSE_LAYERS], Keys.DENSE_LAYERS, source)
+            dense_layers = layer_list(kv[Keys.DENSE_LAYERS], Keys.DENSE_LAYERS, source)
         if arch == "bamboo":
             variant = FFNVariant.DRELU
         elif sparse and _activation(kv, source) == "relu":
@@ -329,16 +329,23 @@ def _activation(kv: Mapping[str, Any], source: str) -> str:
     return act
 
 
-def _layer_list(value: Any, key: str, source: str) -> tuple[int, ...]:
-    """A key's array of distinct non-negative layer numbers, sorted."""
+def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) -> tuple[int, ...]:
+    """A key's array of distinct layer numbers (below ``n_layer`` when given), sorted.
+
+    Raises:
+        ModelConfigError: anything else; the message names the source and the key.
+    """
     seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
     items = list(value) if seq else None  # a list, or the reader's numpy array
+    top = n_layer if n_layer is not None else float("inf")
     ok = items is not None and all(
-        isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in items
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= v < top for v in items
     )
     if not ok or len(set(items)) != len(items):
+        below = f" below {n_layer}" if n_layer is not None else ""
         raise ModelConfigError(
-            f"{source}: key {key} must be an array of distinct layer numbers, got {_short(value)}"
+            f"{source}: {key} must be an array of distinct layer numbers{below}, "
+            f"got {_short(value)}"
         )
     return tuple(sorted(int(v) for v in items))
 

@@ -338,3 +338,17 @@ def test_cli_profiles_a_dense_relu_gguf_with_ffn_act(tmp_path, capsys) -> None:
             want[l] += ((gate > 0) & (up != 0)).sum(0)
     for l in range(SPEC.n_layer):
         assert np.abs(counts[l] - want[l]).sum() <= 2
+
+
+def test_dense_layers_in_config_are_checked(tmp_path) -> None:
+    """A predictor config naming layers the model lacks is one error that names the file."""
+    from powerpy.pipeline.predictors import read_dense_layers
+
+    cfg = {"powerpy": {"calibration": {"dense_layers": [1, 0]}}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert read_dense_layers(tmp_path, 2) == (0, 1)
+    for bad in ([2], [0, 0], ["1"], 3):
+        cfg["powerpy"]["calibration"]["dense_layers"] = bad
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=r"config\.json: powerpy\.calibration\.dense_layers"):
+            read_dense_layers(tmp_path, 2)

@@ -104,8 +104,7 @@ def ffn_masked(
     prefill, where every token has its own mask. Quantized gate and up skip the rows that no
     token of a tile needs.
     """
-    need = act.t().contiguous()  # (n_ff, T)
-    h = glu(gate.linear(x, need), up.linear(x, need), variant, inplace=True).mul_(act)
+    h = glu(gate.linear(x, act), up.linear(x, act), variant, inplace=True).mul_(act)
     return rows_sum(h, down_t)
 
 

@@ -272,7 +272,7 @@ class KernelLibrary:
         """Dense ``x @ W.T``: x (T, cols) -> (T, rows) f32, W read once.
 
         ``x`` and ``out`` may have a row stride (``stride(1) == 1`` is required). ``need``
-        (rows, T) bool, optional: the entries the caller will use; the Q4_0 integer GEMM leaves
+        (T, rows) bool, optional: the entries the caller will use; the Q4_0 integer GEMM leaves
         0 where no token of an 8-token tile needs a pair of rows (a predictor-gated prompt).
         """
         if x.dtype is not _F32 or x.stride(-1) != 1:
@@ -285,8 +285,8 @@ class KernelLibrary:
         elif out.dtype is not _F32 or out.shape != (T, w.nrows) or out.stride(1) != 1:
             raise ValueError(f"out must be f32 of shape ({T}, {w.nrows}) with unit column stride")
         if need is not None:
-            if need.shape != (w.nrows, T):
-                raise ValueError(f"need has shape {tuple(need.shape)}, expected ({w.nrows}, {T})")
+            if need.shape != (T, w.nrows):
+                raise ValueError(f"need has shape {tuple(need.shape)}, expected ({T}, {w.nrows})")
             need = need.to(torch.bool).contiguous()
         st = self._lib.pp_gemm(
             *w.args,

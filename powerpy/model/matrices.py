@@ -301,7 +301,7 @@ class QuantWeight:
         The native GEMM reads the blocks once (with llama.cpp's activation rounding, an
         integer GEMM at any batch size); with f32 activations larger batches (and the torch
         fallback) decode tiles of rows to f32 and multiply with BLAS, so no full f32 copy of
-        the matrix ever exists. ``need`` (rows, T) bool, optional: the entries the caller uses
+        the matrix ever exists. ``need`` (T, rows) bool, optional: the entries the caller uses
         (the others may come back 0, see ``KernelLibrary.gemm``).
         """
         if x.dim() == 1:

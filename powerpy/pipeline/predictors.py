@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from powerpy._fs import atomic_write, read_json
-from powerpy.config import ACTIVATIONS
+from powerpy.config import ACTIVATIONS, layer_list
 
 PREDICTOR_FILE = "model_{l}.pt"
 PREDICTOR_FILE_RE = re.compile(r"model_(\d+)\.pt")
@@ -108,15 +108,7 @@ def read_dense_layers(pred_dir: Path, n_layer: int) -> tuple[int, ...]:
         return ()
     cal = read_json(path).get("powerpy", {}).get("calibration", {})
     layers = cal.get("dense_layers", []) if isinstance(cal, dict) else []
-    ok = isinstance(layers, list) and all(
-        isinstance(l, int) and not isinstance(l, bool) and 0 <= l < n_layer for l in layers
-    )
-    if not ok or len(set(layers)) != len(layers):
-        raise ValueError(
-            f"{path}: powerpy.calibration.dense_layers must list distinct layer numbers below "
-            f"{n_layer}, got {str(layers)[:80]}"
-        )
-    return tuple(sorted(layers))
+    return layer_list(layers, "powerpy.calibration.dense_layers", str(path), n_layer)
 
 
 def scan_predictors(pred_dir: str | os.PathLike[str], n_layer: int, n_embd: int, n_ff: int):

@@ -115,6 +115,16 @@ inline void prefetch_span(const uint8_t* nx, int64_t& pf, int64_t end) {
   for (; pf < end; pf += 64) prefetch_l2(nx + pf);
 }
 
+// The same for n upcoming rows nx[i] (null: skipped), read side by side: all advance together.
+inline void prefetch_spans(const uint8_t* const* nx, int n, int64_t& pf, int64_t end) {
+  int64_t p = pf;
+  for (int i = 0; i < n; ++i) {
+    p = pf;
+    if (nx[i]) prefetch_span(nx[i], p, end);
+  }
+  pf = p > pf ? p : pf;
+}
+
 // ---- vector abstraction ---------------------------------------------------------------------
 
 #if defined(__AVX512F__)
@@ -934,12 +944,7 @@ inline void row_axpy4(const uint8_t* const* w, const float* h, float* acc, int64
   const vf h0 = v_set1(h[0]), h1 = v_set1(h[1]), h2 = v_set1(h[2]), h3 = v_set1(h[3]);
   int64_t pf = 0;  // bytes of the upcoming rows prefetched so far (all four alike)
   for (int64_t b = 0; b < nb; ++b) {
-    int64_t p = pf;
-    for (int i = 0; i < 4; ++i) {
-      p = pf;
-      if (nx[i]) prefetch_span(nx[i], p, (b + 1) * D::BB);
-    }
-    pf = p > pf ? p : pf;
+    prefetch_spans(nx, 4, pf, (b + 1) * D::BB);
     vf w0[NV], w1[NV], w2[NV], w3[NV];
     D::chunk(w[0], b, w0);
     D::chunk(w[1], b, w1);
@@ -955,10 +960,7 @@ inline void row_axpy4(const uint8_t* const* w, const float* h, float* acc, int64
       v_store(ab + u * VL, a);
     }
   }
-  for (int i = 0; i < 4; ++i) {
-    int64_t p = pf;
-    if (nx[i]) prefetch_span(nx[i], p, row_bytes<DT>(cols));
-  }
+  prefetch_spans(nx, 4, pf, row_bytes<DT>(cols));
   for (int64_t c = nb * 32; c < cols; ++c)
     acc[c] += D::one(w[0], c) * h[0] + D::one(w[1], c) * h[1] + D::one(w[2], c) * h[2] +
               D::one(w[3], c) * h[3];
@@ -1150,12 +1152,7 @@ inline void q40_tile(const uint8_t* const* w, const uint8_t* const* nx, const QG
   for (int64_t g = 0; g < ng; ++g) {
     Q4Group q[R];
     for (int r = 0; r < R; ++r) q[r] = q40_group(w[r], g, nch);
-    int64_t p = pf;
-    for (int r = 0; r < R; ++r) {
-      p = pf;
-      if (nx[r]) prefetch_span(nx[r], p, 72 * (g + 1));
-    }
-    pf = p > pf ? p : pf;
+    prefetch_spans(nx, R, pf, 72 * (g + 1));
     for (int t = 0; t < NT; ++t) {
       const QGroup& a = xg[g * T + t];
       const __m512i ylo = _mm512_load_si512(a.lo), yhi = _mm512_load_si512(a.hi);
@@ -1167,10 +1164,7 @@ inline void q40_tile(const uint8_t* const* w, const uint8_t* const* nx, const QG
       }
     }
   }
-  for (int r = 0; r < R; ++r) {
-    int64_t p = pf;
-    if (nx[r]) prefetch_span(nx[r], p, 18 * nch);
-  }
+  prefetch_spans(nx, R, pf, 18 * nch);
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) out[r * ldr + t * ldo] = _mm512_reduce_add_ps(acc[r][t]);
 }
@@ -1182,7 +1176,7 @@ template <int DT>
 struct ActBuf {
   QAct* p = nullptr;
   void* g = nullptr;
-  int64_t nch = 0, ng = 0;
+  int64_t nch = 0;
   ActBuf(int act, const float* x, int64_t ldx, int64_t T, int64_t cols, int nthreads = 1) {
     if (!act || act_kind<DT>() == ACT_F32) return;
     nch = cols / 32;
@@ -1190,7 +1184,7 @@ struct ActBuf {
     if (!p) return;
 #if defined(PP_Q4W)
     if constexpr (DT == DT_Q4_0) {
-      ng = (nch + 3) / 4;
+      const int64_t ng = (nch + 3) / 4;
       g = std::aligned_alloc(64, sizeof(QGroup) * (size_t)(ng * T > 0 ? ng * T : 1));
       if (!g) {
         std::free(p);
@@ -1252,12 +1246,14 @@ int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
     for (int64_t j = a; j < b; ++j) {
 #if defined(PP_Q4W)
       if constexpr (DT == DT_Q4_0)
-        if (xa.g && j + 1 < b && row(j) && row(j + 1)) {  // two rows side by side
+        if (xa.g && j + 1 < b) {  // two rows side by side
           const uint8_t* w[2] = {row(j), row(j + 1)};
-          const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
-          q40_tile<2, 1>(w, nx, (const QGroup*)xa.g, 1, xa.nch, out + j, 1, 0);
-          ++j;
-          continue;
+          if (w[0] && w[1]) {
+            const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
+            q40_tile<2, 1>(w, nx, (const QGroup*)xa.g, 1, xa.nch, out + j, 1, 0);
+            ++j;
+            continue;
+          }
         }
 #endif
       const uint8_t* w = row(j);
@@ -1506,12 +1502,12 @@ int qgemm_wide(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const 
 }
 #endif
 
-// Whether any of tokens t0..t0+n-1 needs any of rows r0..r0+nr-1: need is (nrows, T) bytes
-// (row r's tokens contiguous), nonzero where the caller uses the output.
-inline bool any_needed(const uint8_t* need, int64_t r0, int nr, int64_t T, int64_t t0, int n) {
-  for (int r = 0; r < nr; ++r)
-    for (int t = 0; t < n; ++t)
-      if (need[(r0 + r) * T + t0 + t]) return true;
+// Whether any of tokens t0..t0+n-1 needs any of rows r0..r0+nr-1: need is (T, nrows) bytes,
+// laid out like the output, nonzero where the caller uses it.
+inline bool any_needed(const uint8_t* need, int64_t nrows, int64_t r0, int nr, int64_t t0, int n) {
+  for (int t = 0; t < n; ++t)
+    for (int r = 0; r < nr; ++r)
+      if (need[(t0 + t) * nrows + r0 + r]) return true;
   return false;
 }
 
@@ -1543,7 +1539,7 @@ inline int qgemm_q40(const uint8_t* W, int64_t ld, int64_t nrows, const QGroup* 
         }
         // no token of the tile t .. t + n - 1 needs these rows: zeros instead
         auto skip = [&](int64_t t, int n) -> bool {
-          if (!need || any_needed(need, r, 2, T, t, n)) return false;
+          if (!need || any_needed(need, nrows, r, 2, t, n)) return false;
           for (int64_t u = t; u < t + n; ++u) o[u * ldo] = o[u * ldo + 1] = 0.0f;
           return true;
         };
@@ -1971,8 +1967,8 @@ int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ld
 }
 
 // out[t * ldo + r] = dot(W[r], x[t * ldx : t * ldx + cols]) for r < nrows, t < T. need (may be
-// null) is (nrows, T) bytes: where it is 0 the caller ignores out[t * ldo + r], and the Q4_0
-// integer GEMM skips (writes 0 to) the row pairs and 8-token tiles that no token needs.
+// null) is (T, nrows) bytes: where need[t * nrows + r] is 0 the caller ignores out[t * ldo + r],
+// and the Q4_0 integer GEMM skips (writes 0 to) the row pairs and 8-token tiles no token needs.
 int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
             int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need, int act,
             int nthreads) {
