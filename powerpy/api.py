@@ -95,10 +95,15 @@ class LLM:
             opts=self.options,
         )
 
-    def logits(self, prompt: str | Sequence[int]) -> torch.Tensor:
-        """Logits (T, n_vocab) f32 of every position of ``prompt`` in one fresh pass."""
+    def logits(
+        self, prompt: str | Sequence[int], *, cache_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Logits (T, n_vocab) f32 of every position of ``prompt`` in one fresh pass.
+
+        ``cache_dtype``: the KV cache's type (default f16 on the host, as llama.cpp's;
+        ``torch.float32`` keeps keys and values exact, for comparisons with f32 references)."""
         ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        cache = self.model.new_cache(len(ids))
+        cache = self.model.new_cache(len(ids), dtype=cache_dtype)
         tokens = torch.tensor(ids, dtype=torch.long)
         return self.model.forward(tokens, cache, self.options, all_logits=True)
 

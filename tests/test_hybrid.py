@@ -54,7 +54,7 @@ def tiny(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:
 
 def run_logits(llm) -> torch.Tensor:
     """Logits of the prefill (all positions) and of each decode step: (12, n_vocab)."""
-    cache = llm.model.new_cache(N_CTX)
+    cache = llm.model.new_cache(N_CTX, dtype=torch.float32)  # the placements' KV type
     rows = [llm.model.forward(torch.tensor(PROMPT), cache, llm.options, all_logits=True)]
     rows += [llm.model.forward(torch.tensor([t]), cache, llm.options) for t in DECODE]
     return torch.cat(rows)

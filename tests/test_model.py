@@ -83,7 +83,7 @@ def sparse_path(tmp_path):
 
 
 def _logits(llm, tokens):
-    return llm.logits(tokens).double().numpy()
+    return llm.logits(tokens, cache_dtype=torch.float32).double().numpy()  # exact KV cache
 
 
 def test_dense_forward_matches_reference(dense_path):
@@ -121,7 +121,7 @@ def test_prefill_then_decode_equals_full_forward(which, dense_path, sparse_path)
     path, _ = dense_path if which == "dense" else sparse_path
     llm = load(path)
     full = _logits(llm, TOKENS)
-    cache = llm.model.new_cache(len(TOKENS))
+    cache = llm.model.new_cache(len(TOKENS), dtype=torch.float32)
     n_prefill = 5
     got = [llm.model.forward(torch.tensor(TOKENS[:n_prefill]), cache, all_logits=True)]
     for tok in TOKENS[n_prefill:]:
@@ -138,7 +138,7 @@ def test_sparse_at_minus_inf_equals_dense_relu(sparse_path):
     ref = _logits(dense, TOKENS)
     # prefill path (masked batch) and the one-token row-gather path
     np.testing.assert_allclose(_logits(sparse, TOKENS), ref, atol=1e-5, rtol=0)
-    cache = sparse.model.new_cache(len(TOKENS))
+    cache = sparse.model.new_cache(len(TOKENS), dtype=torch.float32)
     rows = [sparse.model.forward(torch.tensor([tok]), cache, sparse.options) for tok in TOKENS]
     np.testing.assert_allclose(torch.cat(rows).double().numpy(), ref, atol=1e-4, rtol=0)
     assert np.all(sparse.sparsity.active_fraction() == 1.0)
@@ -402,7 +402,7 @@ def test_dense_layers_run_ungated(tmp_path, monkeypatch, fused):
     np.testing.assert_allclose(a.sparsity.active_fraction(), b.sparsity.active_fraction())
     assert a.sparsity.active_fraction()[1] == 1.0 and a.sparsity.active_fraction()[0] < 0.95
     for llm in (a, b):  # decode, token by token
-        cache = llm.model.new_cache(32)
+        cache = llm.model.new_cache(32, dtype=torch.float32)
         stats = SparsityStats.empty(SPEC.n_layer, SPEC.n_ff)
         opts = RunOptions(threshold=0.0, stats=stats)
         llm.out = [llm.model.forward(torch.tensor([tok]), cache, opts) for tok in TOKENS]

@@ -28,8 +28,9 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--exact-activations",
         action="store_true",
-        help="keep activations f32 in quantized matmuls (default: round them to Q8 blocks as "
-        "llama.cpp does, with integer dot products)",
+        help="keep activations f32 in quantized matmuls, with float64 RoPE angles and torch's "
+        "attention (default: llama.cpp's numerics: Q8 activation blocks with integer dot "
+        "products, ggml's exp, RoPE and f16 attention steps)",
     )
 
 

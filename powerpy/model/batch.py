@@ -33,7 +33,7 @@ from powerpy.model.transformer import (
     Block,
     Model,
     apply_rope,
-    decode_attention,
+    cache_attention,
     rms_norm,
     rope_tables,
 )
@@ -131,9 +131,7 @@ def _attention(
         dev, p = cache.device, cache.pos
         cache.k[l, p] = move(acc, k[i], dev)
         cache.v[l, p] = move(acc, v[i], dev)
-        keys = cache.k[l, : p + 1].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
-        vals = cache.v[l, : p + 1].transpose(0, 1).float()
-        out = decode_attention(a, move(acc, q[i], dev), keys, vals)  # (1, n_embd)
+        out = cache_attention(a, move(acc, q[i : i + 1], dev), cache, l, p)  # (1, n_embd)
         outs.append(move(acc, out, blk.attn_output.device))
     return blk.attn_output.linear(torch.cat(outs))
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import FFNVariant
+from powerpy.model import ggml_numerics
 from powerpy.model.device import HOST, Accelerator, move
 from powerpy.model.matrices import DenseWeight, TransposedWeight, Weight
 from powerpy.model.options import SPARSE, RunOptions
@@ -30,6 +31,9 @@ def glu(g: Tensor, u: Tensor, variant: FFNVariant, *, inplace: bool = False) -> 
         raise ValueError(f"unknown FFN variant {variant!r}")
     if not inplace:
         g = g.clone()
+    c = ggml_numerics.library(g)
+    if variant == FFNVariant.SWIGLU and c is not None and g.is_contiguous():
+        return ggml_numerics.swiglu_(c, g, u.float())
     if variant == FFNVariant.SWIGLU:
         F.silu(g, inplace=True)
     else:

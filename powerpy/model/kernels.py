@@ -39,7 +39,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # dtype codes of the C library (enum DType)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -171,6 +171,7 @@ class KernelLibrary:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lib = ctypes.CDLL(str(path))
+        self.cdll = self._lib  # the raw library (ggml_numerics binds its own functions)
         for name, (argtypes, restype) in _SIGNATURES.items():
             fn = getattr(self._lib, name)
             fn.argtypes = argtypes

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.errors import NonFiniteError
+from powerpy.model import ggml_numerics
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode
@@ -62,6 +63,9 @@ _HAS_RMS_NORM = hasattr(F, "rms_norm")
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    c = ggml_numerics.library(x)
+    if c is not None:
+        return ggml_numerics.rms_norm(c, x, w, eps)
     if _HAS_RMS_NORM and x.dtype == w.dtype:
         return F.rms_norm(x, w.shape, w, eps)  # one fused op (torch >= 2.4)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -70,10 +74,13 @@ def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
 def rope_tables(args: ModelArgs, pos0: int, n: int, positions: Tensor | None = None) -> Tensor:
     """Rotations ``exp(i·pos·θ_j)`` (n, n_rot/2) complex64 for positions pos0..pos0+n-1 (or the
     given ``positions`` (n,), e.g. one per session), ggml NORM mode (θ_j = base^(-2j/n_rot)),
-    computed in float64."""
-    inv = args.rope_base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
+    computed in float64, or as ggml computes them where its numerics are on (ggml_numerics)."""
     if positions is None:
         positions = torch.arange(pos0, pos0 + n, dtype=torch.float64)
+    c = ggml_numerics.library()
+    if c is not None:
+        return ggml_numerics.rope_table(c, args, positions)
+    inv = args.rope_base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
     ang = positions.to(torch.float64)[:, None] * inv[None]
     return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
 
@@ -91,6 +98,9 @@ def decode_attention(args: ModelArgs, q: Tensor, keys: Tensor, vals: Tensor) -> 
 def apply_rope(x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
     """Rotate adjacent pairs (2i, 2i+1) of the first n_rot dims: x (T, heads, head_dim) f32, rot
     (T, n_rot/2) from ``rope_tables``. Each pair is one complex number times its rotation."""
+    c = ggml_numerics.library(x)
+    if c is not None:
+        return ggml_numerics.rope(c, x, rot, n_rot)
     z = torch.view_as_complex(x[..., :n_rot].reshape(*x.shape[:-1], n_rot // 2, 2))
     out = torch.view_as_real(z * rot[:, None]).flatten(-2)  # (T, heads, n_rot)
     return torch.cat((out, x[..., n_rot:]), dim=-1) if n_rot < x.shape[-1] else out
@@ -126,7 +136,8 @@ class Model:
 
     def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """A fresh KV cache for up to ``n_ctx`` positions (default: training context, ≤ 4096),
-        on the accelerator when the placement reserved room for it, else on the host."""
+        on the accelerator when the placement reserved room for it, else on the host. Host caches
+        are f16 unless ``dtype`` says otherwise, as llama.cpp's are (``-ctk f16 -ctv f16``)."""
         n_ctx = n_ctx or min(self.args.n_ctx_train, 4096)
         if self.kv is not None and n_ctx <= self.kv.max_ctx:
             return KVCache(self.args, n_ctx, dtype or self.kv.dtype, self.accel)
@@ -137,7 +148,7 @@ class Model:
                 self.kv.max_ctx,
                 self.accel,
             )
-        return KVCache(self.args, n_ctx, dtype or torch.float32)
+        return KVCache(self.args, n_ctx, dtype or torch.float16)
 
     def _to(self, t: Tensor, device: torch.device) -> Tensor:
         return move(self.accel, t, device)
@@ -237,23 +248,32 @@ class Model:
         dev = cache.device  # attention runs where the cache is
         cache.k[l, p0 : p0 + n].copy_(self._to(k, dev))
         cache.v[l, p0 : p0 + n].copy_(self._to(v, dev))
-        keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
-        vals = cache.v[l, : p0 + n].transpose(0, 1).float()
-        q = self._to(q, dev)
-        if n == 1:
-            out = decode_attention(a, q, keys, vals)
-        else:  # query i sees keys 0..p0+i
-            mask = keys.new_ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)
-            # with a batch dimension torch picks its fused CPU kernel (3x the 3-D math path)
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                keys[None],
-                vals[None],
-                attn_mask=mask,
-                enable_gqa=a.n_head != a.n_head_kv,
-            )[0]  # (n_head, T, head_dim)
-            out = out.transpose(0, 1).reshape(n, a.n_embd)
+        out = cache_attention(a, self._to(q, dev), cache, l, p0)
         return blk.attn_output.linear(self._to(out, blk.attn_output.device))
+
+
+def cache_attention(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int) -> Tensor:
+    """Causal attention of q (T, n_head, head_dim) at positions p0.. over layer l of the cache
+    (filled up to p0 + T), on the cache's device -> (T, n_embd). An f16 host cache under
+    llama.cpp's numerics runs ggml's order (``ggml_numerics.attention``)."""
+    n = q.shape[0]
+    c = ggml_numerics.library(q)
+    if c is not None and cache.k.dtype is torch.float16:
+        return ggml_numerics.attention(c, a, q, cache.k[l], cache.v[l], p0)
+    keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
+    vals = cache.v[l, : p0 + n].transpose(0, 1).float()
+    if n == 1:
+        return decode_attention(a, q, keys, vals)
+    mask = keys.new_ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)  # query i: keys ..p0+i
+    # with a batch dimension torch picks its fused CPU kernel (3x the 3-D math path)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys[None],
+        vals[None],
+        attn_mask=mask,
+        enable_gqa=a.n_head != a.n_head_kv,
+    )[0]  # (n_head, T, head_dim)
+    return out.transpose(0, 1).reshape(n, a.n_embd)
 
 
 def _fused_attention(

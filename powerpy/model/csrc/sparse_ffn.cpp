@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
+#include <algorithm>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -106,6 +108,44 @@ inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
   return v;
+}
+
+// ggml's vectorized expf: n = round(x / ln 2) by the 1.5 * 2^23 trick, b = x - n ln 2 in two
+// parts, a degree-5 polynomial j(b), then j * 2^n; |n| > 192 saturates to 0 or +inf.
+inline float ggml_expf(float x) {
+  const float r = 0x1.8p23f;
+  const float n = std::fma(x, 0x1.715476p+0f, r) - r;
+  if (n != n) return n;
+  if (std::fabs(n) > 192.0f) return n <= 0.0f ? 0.0f : INFINITY;
+  const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, x));
+  const float u = b * b;
+  const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                                    std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                           u, std::fma(0x1.ffffecp-1f, b, 1.0f));
+  const int e = (int)n, e1 = e / 2, e2 = e - e1;  // two exact powers: one rounding, as scalef
+  uint32_t b1 = (uint32_t)(e1 + 127) << 23, b2 = (uint32_t)(e2 + 127) << 23;
+  float p1, p2;
+  std::memcpy(&p1, &b1, 4);
+  std::memcpy(&p2, &b2, 4);
+  return (j * p1) * p2;
+}
+
+inline float ggml_silu(float x) { return x / (1.0f + ggml_expf(0.0f - x)); }
+
+// _mm512_reduce_add_ps as GCC writes it: halves 8 + 8, 4 + 4, then (0 + 2) + (1 + 3).
+inline float reduce16(const float* a) {
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = a[i + 8] + a[i];
+  for (int i = 0; i < 4; ++i) q[i] = h[i + 4] + h[i];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// One rotated pair as ggml's rotate_pairs computes it (GCC contracts a * c - b * s into one FMA
+// with b * s rounded first).
+inline void rope_pair(float* p, float c, float s) {
+  const float a = p[0], b = p[1];
+  p[0] = std::fma(a, c, -(b * s));
+  p[1] = std::fma(a, s, b * c);
 }
 
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
@@ -1304,7 +1344,7 @@ inline float activate(int variant, float g, float u) {
     case V_DRELU:
       return (g > 0.0f ? g : 0.0f) * (u > 0.0f ? u : 0.0f);
     default:  // V_SWIGLU
-      return g / (1.0f + std::exp(-g)) * u;
+      return ggml_silu(g) * u;
   }
 }
 
@@ -1427,20 +1467,20 @@ int axpy_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
 #if PP_SIMD == 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PP_WIDE 1
 // Prompt batches (AVX-512 VNNI, 32-element block types): two blocks per 512-bit integer dot,
-// activations as separate int8 rows (qs: T x cols), scales d and Q8_1 sums s (T x nch). Each
-// token's result sums 16 lanes, so it equals the one-token path to rounding, not bit for bit.
+// activations as separate int8 rows (qs: T x cols), scales d and Q8_1 sums s (T x nch). The
+// block terms then join one 8-lane accumulator block by block, in the one-token order
+// (row_qdot_blocks), so a token's result is bit for bit the one-token result (and llama.cpp's).
 template <int DT, int NT>
 inline void row_qdot_wide(const uint8_t* w, const int8_t* qs, const float* dx, const float* sx,
                           int64_t cols, int64_t nch, float* out, int64_t ldo) {
   using U = UDec<DT>;
   constexpr bool SGN = U::SIGNED || U::OFF != 0;
-  __m512 acc[NT];
+  __m256 acc[NT];
   float summs[NT];
   for (int t = 0; t < NT; ++t) {
-    acc[t] = _mm512_setzero_ps();
+    acc[t] = _mm256_setzero_ps();
     summs[t] = 0.0f;
   }
-  const __m512i sel = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t c = 0; c < nch; c += 2) {
     U8x32 q0, q1;
     Affine f0, f1;
@@ -1450,19 +1490,20 @@ inline void row_qdot_wide(const uint8_t* w, const int8_t* qs, const float* dx, c
     if (U::OFF) wq = _mm512_sub_epi8(wq, _mm512_set1_epi8((char)U::OFF));
     const __m512i wu = SGN ? _mm512_abs_epi8(wq) : wq;
     const __mmask64 neg = SGN ? _mm512_movepi8_mask(wq) : 0;
-    const __m512 dw = _mm512_insertf32x8(_mm512_set1_ps(f0.a0), _mm256_set1_ps(f1.a0), 1);
     for (int t = 0; t < NT; ++t) {
       __m512i y = _mm512_loadu_si512(qs + t * cols + 32 * c);
       if (SGN) y = _mm512_mask_sub_epi8(y, neg, _mm512_setzero_si512(), y);  // sign(w) * y
-      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, y);
-      const __m128i d2 = _mm_loadl_epi64((const __m128i*)(dx + t * nch + c));
-      const __m512 dxv = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(_mm_castsi128_ps(d2)));
-      acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dxv), _mm512_cvtepi32_ps(p), acc[t]);
-      if (act_kind<DT>() == ACT_Q8_1)
-        summs[t] += f0.b0 * sx[t * nch + c] + f1.b0 * sx[t * nch + c + 1];
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, y));
+      const float* d = dx + t * nch + c;
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(f0.a0 * d[0]), _mm512_castps512_ps256(p), acc[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(f1.a0 * d[1]), _mm512_extractf32x8_ps(p, 1), acc[t]);
+      if (act_kind<DT>() == ACT_Q8_1) {
+        summs[t] += f0.b0 * sx[t * nch + c];
+        summs[t] += f1.b0 * sx[t * nch + c + 1];
+      }
     }
   }
-  for (int t = 0; t < NT; ++t) out[t * ldo] = _mm512_reduce_add_ps(acc[t]) + summs[t];
+  for (int t = 0; t < NT; ++t) out[t * ldo] = f8_hsum(acc[t]) + summs[t];
 }
 
 template <int DT>
@@ -1793,6 +1834,164 @@ static inline void kv_axpy(float p, const void* c, int cdt, int64_t at, int64_t 
   }
 }
 
+// ---- llama.cpp's float numerics: exp, SiLU, RoPE and f16-cache attention ----------------------
+// With quantized activations and an f16 KV cache, powerpy follows ggml's CPU operations step by
+// step (llama.cpp without flash attention), so that its logits equal llama.cpp's bit for bit.
+// Each step below is one IEEE operation in ggml's order, written as scalar loops over 16 lanes.
+
+// ggml_expf on 16 lanes at once: the same operations (scalef is j * 2^n with one rounding).
+#if PP_SIMD == 2
+inline __m512 ggml_expf16(__m512 x) {
+  const __m512 r = _mm512_set1_ps(0x1.8p23f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(0x1.715476p+0f), r), r);
+  const __m512 b = _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.7f7d1cp-20f),
+                                    _mm512_fnmadd_ps(n, _mm512_set1_ps(0x1.62e4p-1f), x));
+  const __m512 u = _mm512_mul_ps(b, b);
+  const __m512 j = _mm512_fmadd_ps(
+      _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_set1_ps(0x1.0e4020p-7f), b, _mm512_set1_ps(0x1.573e2ep-5f)),
+                      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.555e66p-3f), b, _mm512_set1_ps(0x1.fffdb6p-2f))),
+      u, _mm512_fmadd_ps(_mm512_set1_ps(0x1.ffffecp-1f), b, _mm512_set1_ps(1.0f)));
+  const __m512 res = _mm512_scalef_ps(j, n);
+  const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(n), _mm512_set1_ps(192), _CMP_GT_OQ);
+  if (!big) return res;
+  const __m512 alt = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(n, _mm512_setzero_ps(), _CMP_LE_OQ),
+                                          _mm512_set1_ps(INFINITY), _mm512_setzero_ps());
+  return _mm512_mask_blend_ps(big, res, alt);
+}
+#endif
+
+// out[i] = silu(g[i]) * u[i] for i in [a, b), ggml's swiglu.
+inline void swiglu_range(const float* g, const float* u, int64_t a, int64_t b, float* out) {
+  int64_t i = a;
+#if PP_SIMD == 2
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= b; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 e = ggml_expf16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)),
+                                            _mm512_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < b; ++i) out[i] = ggml_silu(g[i]) * u[i];
+}
+
+constexpr int L16 = 16 / VL;  // vectors per 16 lanes
+
+// reduce16 of 16 lanes held in vectors (AVX-512: the instruction sequence GCC and clang emit for
+// _mm512_reduce_add_ps, which is reduce16's order).
+inline float sum16(const vf* a) {
+#if PP_SIMD == 2
+  return _mm512_reduce_add_ps(a[0]);
+#else
+  float lanes[16];
+  for (int u = 0; u < L16; ++u) v_store(lanes + u * VL, a[u]);
+  return reduce16(lanes);
+#endif
+}
+
+// A dot product of two f16 vectors of n elements in ggml's order. one = true: ggml_vec_dot_f16
+// (one token: four 16-lane accumulators over 64-element steps, summed pairwise, then the rest in
+// double); one = false: the batched tinyBLAS kernel (one 16-lane accumulator, n % 16 == 0).
+inline float dot_f16(const uint16_t* x, const uint16_t* y, int64_t n, bool one) {
+  if (!one) {
+    vf acc[L16];
+    for (int u = 0; u < L16; ++u) acc[u] = v_zero();
+    for (int64_t i = 0; i < n; i += 16)
+      for (int u = 0; u < L16; ++u)
+        acc[u] = v_fma(v_load_h(x + i + u * VL), v_load_h(y + i + u * VL), acc[u]);
+    return sum16(acc);
+  }
+  vf acc[4][L16];
+  for (int j = 0; j < 4; ++j)
+    for (int u = 0; u < L16; ++u) acc[j][u] = v_zero();
+  const int64_t np = n & ~(int64_t)63;
+  for (int64_t i = 0; i < np; i += 64)
+    for (int j = 0; j < 4; ++j)
+      for (int u = 0; u < L16; ++u) {
+        const int64_t e = i + 16 * j + u * VL;
+        acc[j][u] = v_fma(v_load_h(x + e), v_load_h(y + e), acc[j][u]);
+      }
+  for (int u = 0; u < L16; ++u) acc[0][u] = v_add(v_add(acc[0][u], acc[2][u]), v_add(acc[1][u], acc[3][u]));
+  double s = sum16(acc[0]);
+  for (int64_t i = np; i < n; ++i) s += (double)(half_to_float(x[i]) * half_to_float(y[i]));
+  return (float)s;
+}
+
+// Softmax of scores s[0..S) (scaled by `scale`, ggml_soft_max_ext) into f16 weights p16, in
+// 16-cell chunks: each chunk's exps are summed as one vector, the chunk sums in double.
+inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < S; ++t) mx = (s[t] *= scale) > mx ? s[t] : mx;
+  double sum = 0.0;
+  for (int64_t t0 = 0; t0 < S; t0 += 16) {
+    float e[16] = {};
+    const int64_t m = S - t0 < 16 ? S - t0 : 16;
+#if PP_SIMD == 2
+    const __mmask16 k = (__mmask16)((1u << m) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(k, s + t0);
+    _mm512_storeu_ps(e, _mm512_maskz_mov_ps(k, ggml_expf16(_mm512_sub_ps(v, _mm512_set1_ps(mx)))));
+#else
+    for (int64_t t = 0; t < m; ++t) e[t] = ggml_expf(s[t0 + t] - mx);
+#endif
+    for (int64_t t = 0; t < m; ++t) s[t0 + t] = e[t];
+    sum += (double)reduce16(e);
+  }
+  const float inv = (float)(1.0 / sum);
+  int64_t t = 0;
+#if PP_SIMD == 2
+  for (; t + 16 <= S; t += 16)
+    _mm256_storeu_si256((__m256i*)(p16 + t),
+                        _mm512_cvtps_ph(_mm512_mul_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(inv)),
+                                        _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; t < S; ++t) p16[t] = float_to_half(s[t] * inv);
+}
+
+// Attention of T query tokens at positions p0.. in ggml's numerics: q (T, n_head * hd) f32 after
+// RoPE; the f16 caches hold rows of n_kv * hd per position (0 .. p0 + T - 1 filled); query head h
+// reads kv head h / (n_head / n_kv); out (T, n_head * hd). One token follows llama.cpp's
+// one-token order (ggml_vec_dot_f16), a batch its tinyBLAS order where that kernel applies
+// (head_dim % 16 == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v).
+static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
+                     int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads) {
+  const bool one_kq = T == 1 || hd % 16, one_kqv = T == 1 || hd % 4;
+  const int64_t nkv = n_kv * hd, group = n_head / n_kv, S = p0 + T;
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const int nt = team_size(nthreads, T * S * nkv * 8 * group);
+  return run_partitioned(nt, T * n_head, [&](int64_t a, int64_t b) -> int {
+    std::vector<float> s(S), acc(64 * hd);
+    std::vector<uint16_t> q16(hd), p16(S);
+    for (int64_t job = a; job < b; ++job) {
+      const int64_t i = job / n_head, h = job % n_head, n = p0 + i + 1;  // cells seen
+      const int64_t off = h / group * hd;
+      for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(q[i * n_head * hd + h * hd + e]);
+      for (int64_t t = 0; t < n; ++t) s[t] = dot_f16(kc + t * nkv + off, q16.data(), hd, one_kq);
+      softmax_f16(s.data(), n, scale, p16.data());
+      // out[d] = dot over cells of v[., d] and p16, cell t in lane (t / 16) % 4 (one token) or
+      // 0, and t % 16; the padding cells of llama.cpp's cache add zeros, which change no sum.
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < n; ++t) {
+        const vf p = v_set1(half_to_float(p16[t]));
+        float* ac = acc.data() + ((one_kqv ? (t / 16) % 4 * 16 : 0) + t % 16) * hd;
+        const uint16_t* vr = vc + t * nkv + off;
+        int64_t d = 0;
+        for (; d + VL <= hd; d += VL) v_store(ac + d, v_fma(v_load_h(vr + d), p, v_load(ac + d)));
+        for (; d < hd; ++d) ac[d] = std::fma(half_to_float(vr[d]), half_to_float(p16[t]), ac[d]);
+      }
+      float* o = out + i * n_head * hd + h * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        float lanes[16];
+        const float* c = acc.data() + d;
+        for (int l = 0; l < 16; ++l)
+          lanes[l] = one_kqv ? (c[l * hd] + c[(32 + l) * hd]) + (c[(16 + l) * hd] + c[(48 + l) * hd])
+                             : c[l * hd];
+        o[d] = reduce16(lanes);
+      }
+    }
+    return 0;
+  });
+}
+
 extern "C" {
 
 // One token's attention block in one call (CPU-only decode): xn = rms_norm(x) * norm_w; q, k,
@@ -1831,12 +2030,7 @@ int pp_attn_decode(const int64_t* mats, const float* x, const float* norm_w, flo
   }
   auto rope = [&](float* y, int64_t heads) {
     for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < n_rot / 2; ++i) {
-        float* p = y + h * hd + 2 * i;
-        const float a = p[0], b = p[1], c = rot[2 * i], s = rot[2 * i + 1];
-        p[0] = a * c - b * s;
-        p[1] = a * s + b * c;
-      }
+      for (int64_t i = 0; i < n_rot / 2; ++i) rope_pair(y + h * hd + 2 * i, rot[2 * i], rot[2 * i + 1]);
   };
   rope(q, n_head);
   rope(k, n_kv);
@@ -1851,7 +2045,10 @@ int pp_attn_decode(const int64_t* mats, const float* x, const float* norm_w, flo
   }
   const float scale = 1.0f / std::sqrt((float)hd);
   const int nt = team_size(nthreads, S * nkv * 8 * group);
-  run_partitioned(nt, n_head, [&](int64_t h0, int64_t h1) -> int {
+  if (cdt == 1 && act)  // llama.cpp's numerics (see attn_ggml)
+    st = attn_ggml(q, (const uint16_t*)kc, (const uint16_t*)vc, pos, 1, n_head, n_kv, hd, att,
+                   nthreads);
+  else run_partitioned(nt, n_head, [&](int64_t h0, int64_t h1) -> int {
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t off = h / group * hd;  // this head's kv head, within a cache row
       const float* qh = q + h * hd;
@@ -1869,7 +2066,7 @@ int pp_attn_decode(const int64_t* mats, const float* x, const float* norm_w, flo
     }
     return 0;
   });
-  st = mat_gemv(wo, att, nullptr, wo.nrows, y, act, nthreads);
+  if (!st) st = mat_gemv(wo, att, nullptr, wo.nrows, y, act, nthreads);
   for (int64_t i = 0; i < d && !st; ++i) out[i] = x[i] + y[i];
   std::free(buf);
   return st;
@@ -1927,8 +2124,54 @@ int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* r, const floa
   return st ? -st : k;
 }
 
+// ggml's RoPE angles (NORM mode): for each position p = pos[i], theta = p and, pair by pair,
+// (cosf, sinf) of theta, then theta *= base^(-2 / n_rot), all in f32. out (n, n_rot / 2, 2).
+void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
+  const float theta_scale = powf(base, -2.0f / (float)n_rot);
+  for (int64_t i = 0; i < n; ++i) {
+    float theta = (float)pos[i];
+    for (int64_t j = 0; j < n_rot / 2; ++j, theta *= theta_scale) {
+      out[(i * (n_rot / 2) + j) * 2] = cosf(theta);
+      out[(i * (n_rot / 2) + j) * 2 + 1] = sinf(theta);
+    }
+  }
+}
+
+// RoPE in place: x (T, heads, hd) f32, the first n_rot dims of each head in adjacent pairs,
+// rot (T, n_rot / 2, 2) (cos, sin) per token.
+void pp_rope(float* x, int64_t T, int64_t heads, int64_t hd, int64_t n_rot, const float* rot) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < n_rot / 2; ++i)
+        rope_pair(x + (t * heads + h) * hd + 2 * i, rot[(t * (n_rot / 2) + i) * 2],
+                  rot[(t * (n_rot / 2) + i) * 2 + 1]);
+}
+
+// Causal attention of T tokens at positions p0.. over f16 caches in llama.cpp's numerics
+// (attn_ggml): q (T, n_head * hd) after RoPE, caches (n_ctx, n_kv * hd) filled up to p0 + T,
+// out (T, n_head * hd). Returns 0 or a status.
+int pp_attn(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
+            int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads) {
+  if (T < 1 || n_kv < 1 || n_head % n_kv) return PP_ERR_ARG;
+  return attn_ggml(q, kc, vc, p0, T, n_head, n_kv, hd, out, nthreads);
+}
+
+// y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for T rows of n (ggml's rms_norm, then mul).
+void pp_rms_norm(const float* x, const float* w, int64_t T, int64_t n, float eps, float* y) {
+  for (int64_t t = 0; t < T; ++t) rms_norm(x + t * n, w, n, eps, y + t * n);
+}
+
+// out = silu(g) * u elementwise (ggml's swiglu; out may alias g or u).
+void pp_swiglu(const float* g, const float* u, int64_t n, float* out, int nthreads) {
+  const int nt = team_size(nthreads, n * 64);
+  run_partitioned(nt, n, [&](int64_t a, int64_t b) -> int {
+    swiglu_range(g, u, a, b, out);
+    return 0;
+  });
+}
+
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
-int pp_abi_version(void) { return 7; }
+int pp_abi_version(void) { return 8; }
 
 // 2 = AVX-512F, 1 = AVX2+FMA+F16C, 0 = scalar.
 int pp_simd_level(void) { return PP_SIMD; }

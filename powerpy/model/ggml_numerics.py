@@ -1,0 +1,103 @@
+"""llama.cpp's float numerics on the CPU: RMSNorm, SwiGLU, RoPE and attention over an f16 KV
+cache, computed step by step as ggml computes them (native kernels, ``csrc/sparse_ffn.cpp``).
+
+They are on where the native kernels are and quantized activations are (the default, see
+:func:`powerpy.model.kernels.set_quantized_activations`). Together with llama.cpp's activation
+rounding they make a quantized model's logits equal llama.cpp's bit for bit, given llama.cpp's
+f16 KV cache (the default cache type). ``--exact-activations`` turns them off: RoPE angles in
+float64 and torch's attention, for research comparisons.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from powerpy.config import ModelArgs
+from powerpy.model import kernels
+
+_i64, _i32, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
+    "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p], None),  # x, T, heads, head_dim, n_rot, rot
+    # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, out, nthreads
+    "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i32], _i32),
+    "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p], None),  # x, w, T, n, eps, y
+    "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads
+}
+_bound: dict[int, ctypes.CDLL] = {}
+
+
+def library(x: Tensor | None = None) -> ctypes.CDLL | None:
+    """The kernels when llama.cpp's numerics are on (and apply to ``x``, a CPU f32 tensor),
+    else None."""
+    if x is not None and (x.device.type != "cpu" or x.dtype is not torch.float32):
+        return None
+    if not kernels.quantized_activations():
+        return None
+    lib = kernels.library()
+    if lib is None:
+        return None
+    c = _bound.get(id(lib))
+    if c is None:
+        c = lib.cdll
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(c, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        _bound[id(lib)] = c
+    return c
+
+
+def rms_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """x (..., n) f32 -> x / sqrt(mean(x²) + eps) · w, the squares summed in double (ggml)."""
+    x, w = x.contiguous(), w.float().contiguous()
+    y = torch.empty_like(x)
+    c.pp_rms_norm(
+        x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, y.data_ptr()
+    )
+    return y
+
+
+def swiglu_(c: ctypes.CDLL, g: Tensor, u: Tensor) -> Tensor:
+    """g = silu(g) · u in place (ggml's exp and order); g, u contiguous f32 of one shape."""
+    u = u.contiguous()
+    assert g.is_contiguous() and g.shape == u.shape and u.dtype is torch.float32
+    c.pp_swiglu(g.data_ptr(), u.data_ptr(), g.numel(), g.data_ptr(), torch.get_num_threads())
+    return g
+
+
+def rope_table(c: ctypes.CDLL, args: ModelArgs, positions: Tensor) -> Tensor:
+    """ggml's RoPE rotations for positions (n,): (n, n_rot/2) complex64, the angles by ggml's
+    f32 recurrence θ ← θ·base^(-2/n_rot) and cosf/sinf."""
+    pos = positions.to(torch.int64).contiguous()
+    out = torch.empty(pos.numel(), args.n_rot // 2, 2, dtype=torch.float32)
+    c.pp_rope_table(pos.data_ptr(), pos.numel(), args.n_rot, args.rope_base, out.data_ptr())
+    return torch.view_as_complex(out)
+
+
+def rope(c: ctypes.CDLL, x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
+    """x (T, heads, head_dim) f32 rotated by rot (T, n_rot/2) complex64, as ggml rounds it."""
+    x = x.contiguous().clone()
+    r = torch.view_as_real(rot.contiguous())
+    T, heads, hd = x.shape
+    c.pp_rope(x.data_ptr(), T, heads, hd, n_rot, r.data_ptr())
+    return x
+
+
+def attention(c: ctypes.CDLL, args: ModelArgs, q: Tensor, k: Tensor, v: Tensor, p0: int) -> Tensor:
+    """Causal attention of T queries at positions p0.. as llama.cpp computes it without flash
+    attention: q (T, n_head, head_dim) f32 after RoPE, k and v one layer's f16 cache (n_ctx,
+    n_head_kv, head_dim) filled up to p0 + T -> (T, n_embd). q and the softmax weights are
+    rounded to f16; one token and batches follow ggml's two summation orders."""
+    q = q.contiguous()
+    T = q.shape[0]
+    out = torch.empty(T, args.n_head * args.head_dim, dtype=torch.float32)
+    st = c.pp_attn(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), p0, T, args.n_head, args.n_head_kv,
+        args.head_dim, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if st:
+        raise ValueError(f"attention: invalid arguments (status {st})")
+    return out
