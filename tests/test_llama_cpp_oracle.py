@@ -157,3 +157,16 @@ def test_greedy_q4_1_equals_llama_cpp(q4_1_greedy_pair, prompt):
     steps = [ours.model.forward(torch.tensor(ids), cache, all_logits=True)]
     steps += [ours.model.forward(torch.tensor([t]), cache) for t in want[:-1]]
     np.testing.assert_array_equal(torch.cat(steps).numpy(), ref_logits)
+
+
+def test_long_prompt_logits_bit_identical_q4_1(q4_1_greedy_pair):
+    """A 58-token prompt: attention over 16+ cells takes the batched kernels' 16-cell steps."""
+    ref, ours = q4_1_greedy_pair
+    text = (
+        "In the beginning God created the heaven and the earth. And the earth was without form, "
+        "and void; and darkness was upon the face of the deep. And the Spirit of God moved upon "
+        "the face of the waters. And God said, Let there be light: and there was light."
+    )
+    ids = ours.tokenize(text)
+    assert len(ids) > 48
+    np.testing.assert_array_equal(ours.logits(ids).numpy(), _ref_logits(ref, ids))

@@ -1917,11 +1917,52 @@ inline float dot_f16(const uint16_t* x, const uint16_t* y, int64_t n, bool one) 
   return (float)s;
 }
 
+#if PP_SIMD == 2
+// The batched (tinyBLAS) q·k of 16 cells k + c * stride at once, q (nq vectors of 16) preloaded:
+// one accumulator per cell, then reduce16 of all 16 by shuffles that pair the same lanes as
+// reduce16 does (halves 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)), so each result is bit for bit
+// dot_f16(..., one = false). s[c] = the score of cell c.
+template <int NQ>
+inline void kq16(const uint16_t* k, int64_t stride, const __m512* qv, float* s) {
+  __m512 A[16];
+  for (int c = 0; c < 16; ++c) A[c] = _mm512_setzero_ps();
+  for (int e = 0; e < NQ; ++e)  // NQ known: the 16 accumulators stay in registers
+    for (int c = 0; c < 16; ++c)
+      A[c] = _mm512_fmadd_ps(v_load_h(k + c * stride + 16 * e), qv[e], A[c]);
+  __m512 H[8], Q[4];
+  for (int p = 0; p < 8; ++p)  // H[p] = (h of cell 2p, h of cell 2p + 1), 8 lanes each
+    H[p] = _mm512_add_ps(_mm512_shuffle_f32x4(A[2 * p], A[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(A[2 * p], A[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k4 = 0; k4 < 4; ++k4)  // Q[k4] = q of cells 4 k4 .. 4 k4 + 3, 4 lanes each
+    Q[k4] = _mm512_add_ps(_mm512_shuffle_f32x4(H[2 * k4], H[2 * k4 + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(H[2 * k4], H[2 * k4 + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 R[2];  // 128-bit lane j of R[m]: (r0, r1) of cell 8 m + j, then of cell 8 m + 4 + j
+  for (int m = 0; m < 2; ++m)
+    R[m] = _mm512_add_ps(_mm512_shuffle_ps(Q[2 * m], Q[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(Q[2 * m], Q[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // element 4 j + k: the sum of cell 4 k + j
+  const __m512 Z = _mm512_add_ps(_mm512_shuffle_ps(R[0], R[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(R[0], R[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  _mm512_storeu_ps(s, _mm512_permutexvar_ps(idx, Z));
+}
+#endif
+
 // Softmax of scores s[0..S) (scaled by `scale`, ggml_soft_max_ext) into f16 weights p16, in
 // 16-cell chunks: each chunk's exps are summed as one vector, the chunk sums in double.
 inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
   float mx = -INFINITY;
-  for (int64_t t = 0; t < S; ++t) mx = (s[t] *= scale) > mx ? s[t] : mx;
+  int64_t t1 = 0;
+#if PP_SIMD == 2
+  __m512 m16 = _mm512_set1_ps(-INFINITY);
+  for (; t1 + 16 <= S; t1 += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + t1), _mm512_set1_ps(scale));
+    _mm512_storeu_ps(s + t1, v);
+    m16 = _mm512_max_ps(m16, v);
+  }
+  mx = _mm512_reduce_max_ps(m16);  // a maximum is exact in any order
+#endif
+  for (; t1 < S; ++t1) mx = (s[t1] *= scale) > mx ? s[t1] : mx;
   double sum = 0.0;
   for (int64_t t0 = 0; t0 < S; t0 += 16) {
     float e[16] = {};
@@ -1965,10 +2006,43 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
       const int64_t i = job / n_head, h = job % n_head, n = p0 + i + 1;  // cells seen
       const int64_t off = h / group * hd;
       for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(q[i * n_head * hd + h * hd + e]);
-      for (int64_t t = 0; t < n; ++t) s[t] = dot_f16(kc + t * nkv + off, q16.data(), hd, one_kq);
+      int64_t t0 = 0;
+#if PP_SIMD == 2
+      if (!one_kq && (hd == 64 || hd == 128)) {  // the common head sizes
+        __m512 qv[8];
+        for (int64_t e = 0; e < hd / 16; ++e) qv[e] = v_load_h(q16.data() + 16 * e);
+        for (; t0 + 16 <= n; t0 += 16) {
+          if (hd == 64) kq16<4>(kc + t0 * nkv + off, nkv, qv, s.data() + t0);
+          else kq16<8>(kc + t0 * nkv + off, nkv, qv, s.data() + t0);
+        }
+      }
+#endif
+      for (int64_t t = t0; t < n; ++t) s[t] = dot_f16(kc + t * nkv + off, q16.data(), hd, one_kq);
       softmax_f16(s.data(), n, scale, p16.data());
       // out[d] = dot over cells of v[., d] and p16, cell t in lane (t / 16) % 4 (one token) or
       // 0, and t % 16; the padding cells of llama.cpp's cache add zeros, which change no sum.
+      float* o = out + i * n_head * hd + h * hd;
+#if PP_SIMD == 2
+      if (!one_kqv && hd % 16 == 0) {  // the 16 lanes of 16 dims in registers
+        for (int64_t t = 0; t < n; ++t) s[t] = half_to_float(p16[t]);
+        for (int64_t dc = 0; dc < hd; dc += 16) {
+          __m512 A[16];
+          for (int l = 0; l < 16; ++l) A[l] = _mm512_setzero_ps();
+          const uint16_t* vr = vc + off + dc;
+          const float* pf = s.data();  // the weights as f32 (exact: f16 values)
+          int64_t t = 0;
+          for (; t + 16 <= n; t += 16)
+            for (int l = 0; l < 16; ++l)
+              A[l] = _mm512_fmadd_ps(v_load_h(vr + (t + l) * nkv), _mm512_set1_ps(pf[t + l]), A[l]);
+          for (int l = 0; t < n; ++t, ++l)
+            A[l] = _mm512_fmadd_ps(v_load_h(vr + t * nkv), _mm512_set1_ps(pf[t]), A[l]);
+          for (int l = 0; l < 8; ++l) A[l] = _mm512_add_ps(A[l + 8], A[l]);  // reduce16, by dim
+          for (int l = 0; l < 4; ++l) A[l] = _mm512_add_ps(A[l + 4], A[l]);
+          _mm512_storeu_ps(o + dc, _mm512_add_ps(_mm512_add_ps(A[0], A[2]), _mm512_add_ps(A[1], A[3])));
+        }
+        continue;
+      }
+#endif
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t t = 0; t < n; ++t) {
         const vf p = v_set1(half_to_float(p16[t]));
@@ -1978,7 +2052,6 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
         for (; d + VL <= hd; d += VL) v_store(ac + d, v_fma(v_load_h(vr + d), p, v_load(ac + d)));
         for (; d < hd; ++d) ac[d] = std::fma(half_to_float(vr[d]), half_to_float(p16[t]), ac[d]);
       }
-      float* o = out + i * n_head * hd + h * hd;
       for (int64_t d = 0; d < hd; ++d) {
         float lanes[16];
         const float* c = acc.data() + d;
