@@ -325,6 +325,7 @@ def load(
     n_ctx: int | None = None,
     ffn_act: str | None = None,
     dense: bool = False,
+    cache_type: str = "f16",
     **placement_options,
 ) -> LLM:
     """Load a GGUF (dense) or PWRI (sparse) model.
@@ -348,6 +349,9 @@ def load(
         ffn_act: "relu" or "silu" to override the FFN activation the file implies (a dense
             GGUF runs SiLU; a dense GGUF of a ReLU model needs "relu"). See
             ``ModelArgs.with_ffn_act``.
+        cache_type: "f16" (default, llama.cpp's) or "f32": the type of host KV caches
+            (``Model.new_cache``). With f16 and quantized activations, attention follows
+            llama.cpp's numerics bit for bit (``powerpy.model.ggml_numerics``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -355,6 +359,10 @@ def load(
     """
     from powerpy.default_model import default_model_path
 
+    if cache_type not in CACHE_TYPES:
+        raise ValueError(
+            f"cache type {cache_type!r} is not supported: use one of {list(CACHE_TYPES)}"
+        )
     path = Path(path) if path is not None else default_model_path()
     t0 = time.perf_counter()
     gf = read_gguf(path)
@@ -364,7 +372,7 @@ def load(
     except TokenizerError as e:  # the tokenizer reads key/values: name the file here
         raise TokenizerError(f"{path}: {e}") from None
     weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
-    model = Model(args, weights)
+    model = Model(args, weights, cache_dtype=CACHE_TYPES[cache_type])
     stats = SparsityStats.empty(args.n_layer, args.n_ff)
     opts = RunOptions(
         sparse=not dense, threshold=resolve_threshold(threshold, args.sparse_threshold), stats=stats
@@ -376,9 +384,13 @@ def load(
         llm.runtime = place(model, gf, vram_budget, device=device, n_ctx=n_ctx, **placement_options)
         if llm.runtime is not None:
             llm.model = llm.runtime.model
+            llm.model.cache_dtype = model.cache_dtype
     llm.load_seconds = time.perf_counter() - t0
     log.debug("loaded %s in %.2f s", path, llm.load_seconds)
     return llm
+
+
+CACHE_TYPES = {"f16": torch.float16, "f32": torch.float32}  # host KV cache types (-ctk/-ctv)
 
 
 def resolve_threshold(threshold: float | None, file_value: float) -> float:

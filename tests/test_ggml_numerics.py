@@ -157,3 +157,25 @@ def test_batched_gemm_equals_one_token_bit_for_bit(qt) -> None:
     got = lib.gemm(m, x)
     for t in range(19):
         assert torch.equal(got[t], lib.gather_gemv(m, x[t], None)), t
+
+
+def test_cache_type_option(smollm2_path) -> None:
+    """Host KV caches are f16 by default (llama.cpp's), f32 on request; others are refused."""
+    from powerpy.api import load
+
+    assert load(smollm2_path).model.new_cache(4).k.dtype is torch.float16
+    llm = load(smollm2_path, cache_type="f32")
+    assert llm.model.new_cache(4).v.dtype is torch.float32
+    assert llm.model.new_cache(4, dtype=torch.float16).k.dtype is torch.float16
+    with pytest.raises(ValueError, match="'q8_0'"):
+        load(smollm2_path, cache_type="q8_0")
+
+
+def test_cli_cache_types_must_match() -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "powerpy", "infer", "-n", "1", "-ctk", "f32", "-ctv", "f16"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert "-ctk f32 and -ctv f16 differ" in res.stderr and "Traceback" not in res.stderr

@@ -9,7 +9,8 @@ THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """``-m``, ``-t``, ``--sparse-threshold``, ``--ffn-act`` and ``--exact-activations``."""
+    """``-m``, ``-t``, ``--sparse-threshold``, ``--ffn-act``, ``--exact-activations`` and the
+    KV cache types ``-ctk``/``-ctv``."""
     p.add_argument("-m", "--model", help="model file (default: the sparse SmolLM2-135M)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
     p.add_argument(
@@ -32,6 +33,15 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "attention (default: llama.cpp's numerics: Q8 activation blocks with integer dot "
         "products, ggml's exp, RoPE and f16 attention steps)",
     )
+    for flag, what in (("-ctk", "k"), ("-ctv", "v")):
+        p.add_argument(
+            flag,
+            f"--cache-type-{what}",
+            choices=("f16", "f32"),
+            default="f16",
+            help=f"KV cache type for {what.upper()} (default f16, as llama.cpp; -ctk and -ctv "
+            "must match)",
+        )
 
 
 def add_text_args(
@@ -66,6 +76,12 @@ def load_model(args: argparse.Namespace):
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    ctk, ctv = getattr(args, "cache_type_k", "f16"), getattr(args, "cache_type_v", "f16")
+    if ctk != ctv:
+        raise ValueError(
+            f"-ctk {ctk} and -ctv {ctv} differ: powerpy keeps keys and values in one type, "
+            "pass the same value to both"
+        )
     if getattr(args, "exact_activations", False):
         from powerpy.model import kernels
 
@@ -76,6 +92,7 @@ def load_model(args: argparse.Namespace):
         weight_format=getattr(args, "weight_format", "auto"),
         dense=getattr(args, "dense", False),
         ffn_act=args.ffn_act,
+        cache_type=ctk,
         progress=sys.stderr.isatty(),
     )
 

@@ -123,11 +123,13 @@ class Model:
         *,
         accel: Accelerator | None = None,
         kv: KVPlacement | None = None,
+        cache_dtype: torch.dtype = torch.float16,
     ) -> None:
         self.args = args
         self.weights = weights
         self.accel = accel
         self.kv = kv
+        self.cache_dtype = cache_dtype  # host KV caches: f16 (llama.cpp's default) or f32
 
     @property
     def can_gate(self) -> bool:
@@ -137,7 +139,8 @@ class Model:
     def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """A fresh KV cache for up to ``n_ctx`` positions (default: training context, ≤ 4096),
         on the accelerator when the placement reserved room for it, else on the host. Host caches
-        are f16 unless ``dtype`` says otherwise, as llama.cpp's are (``-ctk f16 -ctv f16``)."""
+        have ``dtype``, else the model's ``cache_dtype`` (f16 unless loaded with ``cache_type``,
+        as llama.cpp's ``-ctk``/``-ctv``)."""
         n_ctx = n_ctx or min(self.args.n_ctx_train, 4096)
         if self.kv is not None and n_ctx <= self.kv.max_ctx:
             return KVCache(self.args, n_ctx, dtype or self.kv.dtype, self.accel)
@@ -148,7 +151,7 @@ class Model:
                 self.kv.max_ctx,
                 self.accel,
             )
-        return KVCache(self.args, n_ctx, dtype or torch.float16)
+        return KVCache(self.args, n_ctx, dtype or self.cache_dtype)
 
     def _to(self, t: Tensor, device: torch.device) -> Tensor:
         return move(self.accel, t, device)
