@@ -384,7 +384,6 @@ def load(
         llm.runtime = place(model, gf, vram_budget, device=device, n_ctx=n_ctx, **placement_options)
         if llm.runtime is not None:
             llm.model = llm.runtime.model
-            llm.model.cache_dtype = model.cache_dtype
     llm.load_seconds = time.perf_counter() - t0
     log.debug("loaded %s in %.2f s", path, llm.load_seconds)
     return llm

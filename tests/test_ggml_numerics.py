@@ -179,3 +179,13 @@ def test_cli_cache_types_must_match() -> None:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert res.returncode == 1
     assert "-ctk f32 and -ctv f16 differ" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cache_type_survives_a_hybrid_placement(tmp_path) -> None:
+    from powerpy.api import load
+    from powerpy.testing.tiny import TinySpec, write_tiny_model
+
+    path = tmp_path / "h.powerinfer.gguf"
+    write_tiny_model(path, TinySpec(), sparse=True, seed=3)
+    llm = load(path, cache_type="f32", vram_budget=1.0, device="cpu")
+    assert llm.runtime is not None and llm.model.cache_dtype is torch.float32

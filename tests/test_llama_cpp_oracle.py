@@ -51,13 +51,17 @@ def f32_path(smollm2_path, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module", params=["f32", "q4_1"])
-def pair(request, smollm2_path, f32_path):
-    path = f32_path if request.param == "f32" else smollm2_path
+def _engines(path):
+    """(llama.cpp, powerpy) on one file."""
     ref = _llama_cpp().Llama(
         model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
     )
-    return request.param, ref, load(path)
+    return ref, load(path)
+
+
+@pytest.fixture(scope="module", params=["f32", "q4_1"])
+def pair(request, smollm2_path, f32_path):
+    return (request.param, *_engines(f32_path if request.param == "f32" else smollm2_path))
 
 
 def _ref_logits(ref, ids: list[int]) -> np.ndarray:
@@ -96,10 +100,7 @@ def test_logits_agree(pair, prompt):
 
 @pytest.fixture(scope="module")
 def f32_pair(f32_path):
-    ref = _llama_cpp().Llama(
-        model_path=str(f32_path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
-    )
-    return ref, load(f32_path)
+    return _engines(f32_path)
 
 
 # The f32 file: the engines' f32 matmuls sum in different orders, yet greedy runs agree.
@@ -115,10 +116,7 @@ def test_greedy_continuation_agrees(f32_pair, prompt):
 
 @pytest.fixture(scope="module")
 def q4_1_pair(smollm2_path):
-    ref = _llama_cpp().Llama(
-        model_path=str(smollm2_path), n_ctx=64, logits_all=True, n_threads=2, verbose=False
-    )
-    return ref, load(smollm2_path)
+    return _engines(smollm2_path)
 
 
 def test_single_token_logits_bit_identical_q4_1(q4_1_pair):
@@ -133,19 +131,11 @@ def test_single_token_logits_bit_identical_q4_1(q4_1_pair):
         np.testing.assert_array_equal(got, want, err_msg=f"token {tok}")
 
 
-@pytest.fixture(scope="module")
-def q4_1_greedy_pair(smollm2_path):
-    ref = _llama_cpp().Llama(
-        model_path=str(smollm2_path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
-    )
-    return ref, load(smollm2_path)
-
-
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_q4_1_equals_llama_cpp(q4_1_greedy_pair, prompt):
+def test_greedy_q4_1_equals_llama_cpp(q4_1_pair, prompt):
     """The packaged Q4_1 file: 32 greedy tokens equal llama.cpp's, and so does every logit of
     the prompt (one batch) and of each decoded token (one at a time), bit for bit."""
-    ref, ours = q4_1_greedy_pair
+    ref, ours = q4_1_pair
     ids = ours.tokenize(prompt)
     want = _greedy_ref(ref, ids, 32, ours.tokenizer.eos_id)
     got = [r.token for r in ours.stream(ids, 32, temperature=0)]  # the API, default options
@@ -159,9 +149,9 @@ def test_greedy_q4_1_equals_llama_cpp(q4_1_greedy_pair, prompt):
     np.testing.assert_array_equal(torch.cat(steps).numpy(), ref_logits)
 
 
-def test_long_prompt_logits_bit_identical_q4_1(q4_1_greedy_pair):
+def test_long_prompt_logits_bit_identical_q4_1(q4_1_pair):
     """A 58-token prompt: attention over 16+ cells takes the batched kernels' 16-cell steps."""
-    ref, ours = q4_1_greedy_pair
+    ref, ours = q4_1_pair
     text = (
         "In the beginning God created the heaven and the earth. And the earth was without form, "
         "and void; and darkness was upon the face of the deep. And the Spirit of God moved upon "

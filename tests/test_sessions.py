@@ -102,10 +102,10 @@ def test_interleaved_sessions_on_a_hybrid_placement(tmp_path):
 
 
 def test_the_model_holds_no_run_state(model_path):
-    """Nothing a forward reads can be flipped on the model: it has args, weights and the
-    placement it was built with, nothing else."""
+    """Nothing a forward reads can be flipped on the model: it has args, weights, the
+    placement it was built with and its default host cache type, nothing else."""
     llm = load(model_path)
-    assert set(vars(llm.model)) == {"args", "weights", "accel", "kv"}
+    assert set(vars(llm.model)) == {"args", "weights", "accel", "kv", "cache_dtype"}
     cache = llm.model.new_cache(16)
     llm.model.forward(torch.tensor(PROMPTS[0]), cache, DENSE)
-    assert set(vars(llm.model)) == {"args", "weights", "accel", "kv"}
+    assert set(vars(llm.model)) == {"args", "weights", "accel", "kv", "cache_dtype"}

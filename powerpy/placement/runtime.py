@@ -274,7 +274,7 @@ def build_hybrid(
         index_bytes += blk.hot.index_bytes
         if accel.emulated:
             extra_host += [m.storage for m in (gate, up, down_t)]
-    hybrid = Model(a, weights, accel=accel, kv=kv)
+    hybrid = Model(a, weights, accel=accel, kv=kv, cache_dtype=model.cache_dtype)
     mapped, anon = _host_bytes(weights, file, extra_host)
     rt = HybridRuntime(
         model=hybrid,
