@@ -2052,7 +2052,19 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
         for (; d + VL <= hd; d += VL) v_store(ac + d, v_fma(v_load_h(vr + d), p, v_load(ac + d)));
         for (; d < hd; ++d) ac[d] = std::fma(half_to_float(vr[d]), half_to_float(p16[t]), ac[d]);
       }
-      for (int64_t d = 0; d < hd; ++d) {
+      int64_t d0 = 0;
+      for (; d0 + VL <= hd; d0 += VL) {  // reduce16 of the lanes, VL dims at a time
+        const float* c = acc.data() + d0;
+        vf L[16];
+        for (int l = 0; l < 16; ++l)
+          L[l] = one_kqv ? v_add(v_add(v_load(c + l * hd), v_load(c + (32 + l) * hd)),
+                                 v_add(v_load(c + (16 + l) * hd), v_load(c + (48 + l) * hd)))
+                         : v_load(c + l * hd);
+        for (int l = 0; l < 8; ++l) L[l] = v_add(L[l + 8], L[l]);
+        for (int l = 0; l < 4; ++l) L[l] = v_add(L[l + 4], L[l]);
+        v_store(o + d0, v_add(v_add(L[0], L[2]), v_add(L[1], L[3])));
+      }
+      for (int64_t d = d0; d < hd; ++d) {
         float lanes[16];
         const float* c = acc.data() + d;
         for (int l = 0; l < 16; ++l)
