@@ -448,7 +448,9 @@ def set_quantized_activations(on: bool) -> None:
     """On (default): quantized matmuls round x as llama.cpp does (ggml's ``vec_dot_type``: Q8_0
     blocks for Q8_0/Q4_0/Q5_0, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants) and take integer block
     dot products. Off (``--exact-activations``): x stays f32. Float weights and row sums
-    (``gather_axpy``) always use f32. Process-wide, like :func:`set_enabled`."""
+    (``gather_axpy``) always use f32. The same switch turns on llama.cpp's float steps elsewhere
+    (``powerpy.model.ggml_numerics``: exp, RMSNorm, RoPE, f16-cache attention). Process-wide,
+    like :func:`set_enabled`."""
     global _quant_act
     _quant_act = 1 if on else 0
 
