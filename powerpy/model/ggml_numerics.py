@@ -18,17 +18,6 @@ from torch import Tensor
 from powerpy.config import ModelArgs
 from powerpy.model import kernels
 
-_i64, _i32, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-_SIGNATURES = {
-    "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
-    "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p], None),  # x, T, heads, head_dim, n_rot, rot
-    # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, out, nthreads
-    "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i32], _i32),
-    "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p], None),  # x, w, T, n, eps, y
-    "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads
-}
-_bound: dict[int, ctypes.CDLL] = {}
-
 
 def library(x: Tensor | None = None) -> ctypes.CDLL | None:
     """The kernels when llama.cpp's numerics are on (and apply to ``x``, a CPU f32 tensor),
@@ -38,16 +27,7 @@ def library(x: Tensor | None = None) -> ctypes.CDLL | None:
     if not kernels.quantized_activations():
         return None
     lib = kernels.library()
-    if lib is None:
-        return None
-    c = _bound.get(id(lib))
-    if c is None:
-        c = lib.cdll
-        for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(c, name)
-            fn.argtypes, fn.restype = argtypes, restype
-        _bound[id(lib)] = c
-    return c
+    return None if lib is None else lib.cdll
 
 
 def rms_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, eps: float) -> Tensor:

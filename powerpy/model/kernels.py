@@ -94,6 +94,13 @@ _SIGNATURES = {
     ),
     # mats (5 x 5 int64), thr, resid, norm, eps, variant, down_stored, out, act, nthreads
     "pp_ffn_decode": ([_p, _f, _p, _p, _f, _i32, _i32, _p, _i32, _i32], _i64),
+    # llama.cpp's float steps (called by powerpy.model.ggml_numerics)
+    "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
+    "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p], None),  # x, T, heads, head_dim, n_rot, rot
+    # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, out, nthreads
+    "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i32], _i32),
+    "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p], None),  # x, w, T, n, eps, y
+    "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads
 }
 
 
@@ -170,23 +177,22 @@ class KernelLibrary:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._lib = ctypes.CDLL(str(path))
-        self.cdll = self._lib  # the raw library (ggml_numerics binds its own functions)
+        self.cdll = ctypes.CDLL(str(path))  # the raw functions (ggml_numerics calls some)
         for name, (argtypes, restype) in _SIGNATURES.items():
-            fn = getattr(self._lib, name)
+            fn = getattr(self.cdll, name)
             fn.argtypes = argtypes
             fn.restype = restype
-        version = self._lib.pp_abi_version()
+        version = self.cdll.pp_abi_version()
         if version != ABI_VERSION:
             raise KernelBuildError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
-        self.simd = SIMD_NAMES.get(self._lib.pp_simd_level(), "?")
-        self._gemv = self._lib.pp_gather_gemv
-        self._axpy = self._lib.pp_gather_axpy
-        self._glu = self._lib.pp_glu_gemv
+        self.simd = SIMD_NAMES.get(self.cdll.pp_simd_level(), "?")
+        self._gemv = self.cdll.pp_gather_gemv
+        self._axpy = self.cdll.pp_gather_axpy
+        self._glu = self.cdll.pp_glu_gemv
 
     def set_tuning(self, prefetch_bytes: int = -1, min_bytes_per_thread: int = -1) -> None:
         """Process-wide knobs: prefetch reach in bytes; work per thread before adding threads."""
-        self._lib.pp_set_tuning(prefetch_bytes, min_bytes_per_thread)
+        self.cdll.pp_set_tuning(prefetch_bytes, min_bytes_per_thread)
 
     def gather_gemv(self, w: Matrix, x: Tensor, idx: Tensor | None) -> Tensor:
         """``out[j] = W[idx[j]] · x``: x (cols,) -> (k,) f32; ``idx=None`` means all rows."""
@@ -289,7 +295,7 @@ class KernelLibrary:
             if need.shape != (T, w.nrows):
                 raise ValueError(f"need has shape {tuple(need.shape)}, expected ({T}, {w.nrows})")
             need = need.to(torch.bool).contiguous()
-        st = self._lib.pp_gemm(
+        st = self.cdll.pp_gemm(
             *w.args,
             x.data_ptr(),
             x.stride(0),
@@ -323,7 +329,7 @@ class KernelLibrary:
         x, rot, w = _f32(x), _f32(rot), _f32(norm[0])
         k, v, pos = cache
         out = torch.empty(x.numel(), dtype=_F32)
-        st = self._lib.pp_attn_decode(
+        st = self.cdll.pp_attn_decode(
             Matrix.pack(mats),
             x.data_ptr(),
             w.data_ptr(),
@@ -362,7 +368,7 @@ class KernelLibrary:
         """
         x, w = _f32(x), _f32(norm[0])
         out = torch.empty(x.numel(), dtype=_F32)
-        k = self._lib.pp_ffn_decode(
+        k = self.cdll.pp_ffn_decode(
             Matrix.pack(mats),
             thr,
             x.data_ptr(),
@@ -380,7 +386,7 @@ class KernelLibrary:
 
     def stream_read(self, buf: Tensor) -> float:
         """Read all of ``buf`` (contiguous CPU) on every thread, as the kernels read weights."""
-        return self._lib.pp_stream_read(buf.data_ptr(), buf.numel() * buf.itemsize, _threads())
+        return self.cdll.pp_stream_read(buf.data_ptr(), buf.numel() * buf.itemsize, _threads())
 
     def dequant_rows(
         self,
@@ -403,7 +409,7 @@ class KernelLibrary:
             out = torch.empty(k, w.cols, dtype=_F32)
         elif out.dtype is not _F32 or not out.is_contiguous() or out.shape != (k, w.cols):
             raise ValueError(f"out must be a contiguous f32 tensor of shape ({k}, {w.cols})")
-        st = self._lib.pp_dequant_rows(
+        st = self.cdll.pp_dequant_rows(
             w.code, base, w.ld, nrows, w.cols, ip, k, out.data_ptr(), torch.get_num_threads()
         )
         if st:

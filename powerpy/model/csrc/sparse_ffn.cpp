@@ -132,12 +132,19 @@ inline float ggml_expf(float x) {
 
 inline float ggml_silu(float x) { return x / (1.0f + ggml_expf(0.0f - x)); }
 
-// _mm512_reduce_add_ps as GCC writes it: halves 8 + 8, 4 + 4, then (0 + 2) + (1 + 3).
+// _mm512_reduce_add_ps's pairing (as GCC and clang emit it): halves 8 + 8, 4 + 4, then
+// (0 + 2) + (1 + 3). tree16 sums 16 floats, or 16 vectors lane by lane (overwriting a).
+template <class T>
+inline T tree16(T* a) {
+  for (int i = 0; i < 8; ++i) a[i] = a[i + 8] + a[i];
+  for (int i = 0; i < 4; ++i) a[i] = a[i + 4] + a[i];
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
 inline float reduce16(const float* a) {
-  float h[8], q[4];
-  for (int i = 0; i < 8; ++i) h[i] = a[i + 8] + a[i];
-  for (int i = 0; i < 4; ++i) q[i] = h[i + 4] + h[i];
-  return (q[0] + q[2]) + (q[1] + q[3]);
+  float t[16];
+  std::memcpy(t, a, sizeof t);
+  return tree16(t);
 }
 
 // One rotated pair as ggml's rotate_pairs computes it (GCC contracts a * c - b * s into one FMA
@@ -2036,9 +2043,7 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
               A[l] = _mm512_fmadd_ps(v_load_h(vr + (t + l) * nkv), _mm512_set1_ps(pf[t + l]), A[l]);
           for (int l = 0; t < n; ++t, ++l)
             A[l] = _mm512_fmadd_ps(v_load_h(vr + t * nkv), _mm512_set1_ps(pf[t]), A[l]);
-          for (int l = 0; l < 8; ++l) A[l] = _mm512_add_ps(A[l + 8], A[l]);  // reduce16, by dim
-          for (int l = 0; l < 4; ++l) A[l] = _mm512_add_ps(A[l + 4], A[l]);
-          _mm512_storeu_ps(o + dc, _mm512_add_ps(_mm512_add_ps(A[0], A[2]), _mm512_add_ps(A[1], A[3])));
+          _mm512_storeu_ps(o + dc, tree16(A));  // reduce16 of the lanes, 16 dims at once
         }
         continue;
       }
@@ -2060,9 +2065,7 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
           L[l] = one_kqv ? v_add(v_add(v_load(c + l * hd), v_load(c + (32 + l) * hd)),
                                  v_add(v_load(c + (16 + l) * hd), v_load(c + (48 + l) * hd)))
                          : v_load(c + l * hd);
-        for (int l = 0; l < 8; ++l) L[l] = v_add(L[l + 8], L[l]);
-        for (int l = 0; l < 4; ++l) L[l] = v_add(L[l + 4], L[l]);
-        v_store(o + d0, v_add(v_add(L[0], L[2]), v_add(L[1], L[3])));
+        v_store(o + d0, tree16(L));
       }
       for (int64_t d = d0; d < hd; ++d) {
         float lanes[16];
