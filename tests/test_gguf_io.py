@@ -25,6 +25,7 @@ from powerpy.formats.gguf_reader import (
     GGUFFile,
     GGUFFormatError,
     TensorInfo,
+    mapped_by,
     read_gguf,
     tensor_nbytes,
 )
@@ -637,6 +638,29 @@ def test_writable_maps_copy_on_write(tmp_path):
         arr[:] = 7
         assert f.array("blk.1.gpu_idx")[0] == 7
     assert path.read_bytes() == before
+
+
+def test_in_memory_equals_the_mapping(tmp_path, monkeypatch):
+    """in_memory reads the file into anonymous memory: the same bytes, read-only views, no
+    mapping of the file (so the writer may replace it); a file too large for the available
+    memory stays mapped, with a warning."""
+    from powerpy.formats import gguf_reader
+
+    path = tmp_path / "idx.gpuidx"
+    arrays = _write_gpuidx(path)
+    with read_gguf(path, in_memory=True) as f:
+        assert f.in_memory and not f.mapped and mapped_by(path) is None
+        for name, want in arrays.items():
+            assert np.array_equal(f.array(name), want)
+        assert not f.array("blk.0.gpu_idx").flags.writeable
+        write_gguf(path, f.typed_kv(), f.tensor_specs())  # not mapped: replacing it is safe
+        assert np.array_equal(f.array("blk.1.gpu_idx"), arrays["blk.1.gpu_idx"])
+    with read_gguf(path, in_memory=True, writable=True) as f:
+        assert f.array("blk.1.gpu_idx").flags.writeable
+    monkeypatch.setattr(gguf_reader, "_available_memory", lambda: 100)
+    with read_gguf(path, in_memory=True) as f:
+        assert f.mapped and not f.in_memory and mapped_by(path) is f
+        assert np.array_equal(f.array("blk.0.gpu_bucket"), arrays["blk.0.gpu_bucket"])
 
 
 def test_tensor_info_and_nbytes():

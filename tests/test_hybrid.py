@@ -220,7 +220,7 @@ def test_build_twice_is_refused(tiny):
 def test_summary_reports_device_and_host_bytes(tiny):
     _, rt = hybrid(tiny[0], index_of("interleaved"))
     text = rt.summary()
-    assert "emulated accelerator" in text and "hot_ffn" in text and "file-mapped" in text
+    assert "emulated accelerator" in text and "hot_ffn" in text and "file data" in text
     # f32 file: dense matrices stay mapped; the emulated hot copies are anonymous host bytes
     assert rt.host_anon_bytes >= rt.hot_bytes == rt.placement.hot_bytes > 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -114,6 +116,21 @@ def test_ffn_act_overrides_what_the_file_implies(dense_path, sparse_path):
     np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match=r"tiny-dense\.gguf: FFN activation 'gelu'"):
         load(dense_path[0], ffn_act="gelu")
+
+
+def test_mmap_or_read_into_memory_give_the_same_logits(sparse_path, tmp_path):
+    path, _ = sparse_path
+    read_in, mapped = load(path), load(path, use_mmap=True)
+    assert read_in.file.in_memory and not read_in.file.mapped
+    assert mapped.file.mapped and not mapped.file.in_memory
+    np.testing.assert_array_equal(_logits(read_in, TOKENS), _logits(mapped, TOKENS))
+    res = subprocess.run(
+        [sys.executable, "-m", "powerpy", "infer", "-m", str(path), "-p", "Hi", "-n", "2"]
+        + ["--mmap", "--temp", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 0, res.stderr
 
 
 @pytest.mark.parametrize("which", ["dense", "sparse"])

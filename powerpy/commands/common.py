@@ -9,8 +9,8 @@ THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """``-m``, ``-t``, ``--sparse-threshold``, ``--ffn-act``, ``--exact-activations`` and the
-    KV cache types ``-ctk``/``-ctv``."""
+    """``-m``, ``-t``, ``--sparse-threshold``, ``--ffn-act``, ``--exact-activations``, the
+    KV cache types ``-ctk``/``-ctv`` and ``--mmap``/``--no-mmap``."""
     p.add_argument("-m", "--model", help="model file (default: the sparse SmolLM2-135M)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
     p.add_argument(
@@ -42,6 +42,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
             help=f"KV cache type for {what.upper()} (default f16, as llama.cpp; -ctk and -ctv "
             "must match)",
         )
+    p.add_argument(
+        "--mmap",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="map the model file instead of reading it into memory (default: --no-mmap: the "
+        "weights are read into 2 MiB transparent huge pages, which the sparse kernels' "
+        "scattered row reads need; --mmap loads faster and shares the page cache)",
+    )
 
 
 def add_text_args(
@@ -93,6 +101,7 @@ def load_model(args: argparse.Namespace):
         dense=getattr(args, "dense", False),
         ffn_act=args.ffn_act,
         cache_type=ctk,
+        use_mmap=getattr(args, "mmap", False),
         progress=sys.stderr.isatty(),
     )
 

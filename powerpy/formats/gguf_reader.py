@@ -5,8 +5,9 @@ PowerInfer's ggml type ids (I32 = 18); a GGUF file uses upstream ids (I32 = 26, 
 its ids 16..23 (IQ quants) are rejected. Both map onto powerpy's ``GGMLType``.
 
 The header is parsed and checked by ``gguf_parse`` (every problem raises ``GGUFFormatError``
-naming the file, the byte offset and the offending value). Tensor data stays in the file:
-``raw``/``array`` return zero-copy views of one ``mmap``. The writer is ``gguf_writer``.
+naming the file, the byte offset and the offending value). ``raw``/``array`` return zero-copy
+views of one buffer: the file's ``mmap``, or with ``in_memory=True`` the file read into anonymous
+memory in transparent huge pages (``read_into_memory``). The writer is ``gguf_writer``.
 
 Typical use::
 
@@ -17,6 +18,7 @@ Typical use::
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import weakref
@@ -37,8 +39,11 @@ __all__ = [
     "TensorInfo",
     "mapped_by",
     "read_gguf",
+    "read_into_memory",
     "tensor_nbytes",
 ]
+
+log = logging.getLogger(__name__)
 
 # Every open GGUFFile, so the writer can refuse to replace a file that is still mapped.
 _OPEN_FILES: weakref.WeakSet[GGUFFile] = weakref.WeakSet()
@@ -50,7 +55,7 @@ def mapped_by(path: str | os.PathLike[str]) -> GGUFFile | None:
     if not path.exists():
         return None
     for f in list(_OPEN_FILES):
-        if not f.closed and f.path.exists() and os.path.samefile(f.path, path):
+        if f.mapped and f.path.exists() and os.path.samefile(f.path, path):
             return f
     return None
 
@@ -71,16 +76,25 @@ class GGUFFile:
         kv_types: key -> value type.
         kv_array_types: key -> item type, for ARRAY keys only.
         tensors: name -> ``TensorInfo`` in file order.
+        in_memory: the bytes were read into memory (the file is no longer mapped).
 
     Views from ``raw``/``array`` are read-only (unless opened with ``writable=True``, which maps
     copy-on-write) and keep the mapping alive after ``close()``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, writable: bool = False):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        writable: bool = False,
+        in_memory: bool = False,
+        progress: bool = False,
+    ):
         self.path = Path(path)
         self._mm: mmap.mmap | None = None
         self._data: np.ndarray | None = None  # (file_size,) uint8 view of _mm
-        layout = self._open(writable)
+        self.in_memory = False
+        layout = self._open(writable, in_memory, progress)
         self.magic: bytes = layout.magic
         self.version: int = layout.version
         self.alignment: int = layout.alignment
@@ -99,8 +113,13 @@ class GGUFFile:
     def closed(self) -> bool:
         return self._data is None
 
+    @property
+    def mapped(self) -> bool:
+        """Whether views of this file are backed by a mapping of the file itself."""
+        return not self.closed and not self.in_memory
+
     # --- opening
-    def _open(self, writable: bool) -> GGUFLayout:
+    def _open(self, writable: bool, in_memory: bool, progress: bool) -> GGUFLayout:
         path = self.path
         if path.is_dir():
             raise IsADirectoryError(f"{path} is a directory, expected a GGUF/PWRI file")
@@ -114,14 +133,21 @@ class GGUFFile:
                 raise GGUFFormatError(path, 0, "file is empty (0 bytes)", "not a GGUF file")
             access = mmap.ACCESS_COPY if writable else mmap.ACCESS_READ
             self._mm = mmap.mmap(fh.fileno(), 0, access=access)
-        try:
-            layout = parse_layout(path, self._mm, size)
-        except BaseException:
-            mm, self._mm = self._mm, None
-            with contextlib.suppress(BufferError):  # a view may still be alive in a traceback
+            try:
+                layout = parse_layout(path, self._mm, size)
+                buf = read_into_memory(fh, size, progress) if in_memory else None
+            except BaseException:
+                mm, self._mm = self._mm, None
+                with contextlib.suppress(BufferError):  # a view may still be alive in a traceback
+                    mm.close()
+                raise
+        if buf is not None:
+            mm, self._mm, self.in_memory = self._mm, buf, True
+            with contextlib.suppress(BufferError):
                 mm.close()
-            raise
         self._data = np.frombuffer(self._mm, dtype=np.uint8)
+        if self.in_memory and not writable:
+            self._data.flags.writeable = False
         return layout
 
     # --- access
@@ -234,13 +260,25 @@ class GGUFFile:
         )
 
 
-def read_gguf(path: str | os.PathLike[str], *, writable: bool = False) -> GGUFFile:
-    """Open and validate a GGUF or PWRI file; tensor data stays memory-mapped.
+def read_gguf(
+    path: str | os.PathLike[str],
+    *,
+    writable: bool = False,
+    in_memory: bool = False,
+    progress: bool = False,
+) -> GGUFFile:
+    """Open and validate a GGUF or PWRI file; tensor data stays memory-mapped, or is read into
+    memory.
 
     Args:
         path: the file.
         writable: map copy-on-write so views are writable (changes never reach the file);
             useful for ``torch.from_numpy``, which warns on read-only arrays.
+        in_memory: read the whole file into anonymous memory in transparent huge pages
+            (``read_into_memory``) instead of mapping it: the CPU kernels gather scattered rows,
+            and 4 KiB file pages make every row a TLB miss. Falls back to the mapping (with a
+            warning) when the file does not fit in the available memory.
+        progress: a progress bar while reading into memory.
 
     Returns:
         A ``GGUFFile`` (also a context manager).
@@ -254,4 +292,55 @@ def read_gguf(path: str | os.PathLike[str], *, writable: bool = False) -> GGUFFi
             names, ne[0] not whole blocks, misaligned, overlapping or out-of-file tensor data, a
             ``general.alignment`` that is not a UINT32 power of two.
     """
-    return GGUFFile(path, writable=writable)
+    return GGUFFile(path, writable=writable, in_memory=in_memory, progress=progress)
+
+
+def _available_memory() -> int | None:
+    """MemAvailable in bytes (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def read_into_memory(fh, size: int, progress: bool = False) -> mmap.mmap | None:
+    """The ``size`` bytes of open file ``fh`` in a private anonymous mapping advised for
+    transparent huge pages (2 MiB pages where the kernel allows them), or None when they do not
+    fit in the memory available (with a warning: the caller keeps the file mapping)."""
+    avail = _available_memory()
+    if avail is not None and size > avail:
+        log.warning(
+            "%s: %.1f GB does not fit in the %.1f GB of available memory; mapping the file "
+            "instead (--mmap)",
+            getattr(fh, "name", "model"),
+            size / 1e9,
+            avail / 1e9,
+        )
+        return None
+    if hasattr(mmap, "MAP_ANONYMOUS"):  # private: shared anonymous memory is shmem, not THP
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:
+        buf = mmap.mmap(-1, size)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    from tqdm.auto import tqdm
+
+    view, chunk = memoryview(buf), 64 << 20
+    fh.seek(0)
+    with tqdm(total=size, unit="B", unit_scale=True, desc="reading", disable=not progress) as bar:
+        done = 0
+        while done < size:
+            n = fh.readinto(view[done : done + chunk])
+            if not n:
+                view.release()
+                buf.close()
+                raise OSError(f"{getattr(fh, 'name', 'file')}: ended at byte {done} of {size}")
+            done += n
+            bar.update(n)
+    view.release()
+    return buf

@@ -1,8 +1,9 @@
 """File -> (ModelArgs, Weights): the only place that turns GGUF tensors into runtime weights.
 
-Float tensors stay memory-mapped (no copy). Quantized matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-Q4_K, Q5_K, Q6_K) keep their raw blocks, memory-mapped, when the CPU kernels are available, so
-resident memory stays close to the file size. Without the kernels they are dequantized once, at
+Float tensors stay views of the file's bytes (no copy), which are mapped or read into memory
+(``read_gguf``'s ``in_memory``). Quantized matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K) keep their raw blocks, as views too, when the CPU kernels are available, so resident
+memory stays close to the file size. Without the kernels they are dequantized once, at
 load, to f16 (their values need at most 11 significant bits plus the block scales). A dense
 file's ``ffn_down`` stays as stored, seen neuron-major through ``TransposedWeight``.
 """
@@ -33,7 +34,7 @@ F16_MAX = 65504.0
 
 
 def _torch_view(arr: np.ndarray) -> torch.Tensor:
-    # Read-only memmaps are shared, never written: silence torch's non-writable warning.
+    # Read-only file bytes are shared, never written: silence torch's non-writable warning.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(arr)

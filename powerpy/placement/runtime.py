@@ -65,9 +65,10 @@ class HybridRuntime:
             allocated per session; 0 when caches stay on the host).
         index_bytes: the per-layer bucket/row index vectors on the device (workspace, outside
             the budget like upstream's ``gpu_bucket``: 16 bytes per hot neuron).
-        host_mapped_bytes: host weight bytes backed by the memory-mapped model file.
-        host_anon_bytes: host weight bytes in anonymous memory (dequantized at load, or the
-            hot-row copies of the emulated device).
+        host_file_bytes: host weight bytes that are the model file's own bytes (mapped, or
+            read into memory by ``load``).
+        host_anon_bytes: host weight bytes made at load (dequantized, or the hot-row copies of
+            the emulated device).
         skipped: placed tensors left on the host: no slot in the model, or loaded larger than
             the file bytes the budget charged (their bytes stay reserved, unused).
     """
@@ -79,7 +80,7 @@ class HybridRuntime:
     hot_bytes: int
     kv_bytes: int
     index_bytes: int
-    host_mapped_bytes: int
+    host_file_bytes: int
     host_anon_bytes: int
     skipped: tuple[str, ...] = ()
 
@@ -96,14 +97,14 @@ class HybridRuntime:
         """The placement's summary (the one ``gen-gpuidx`` prints) plus the measured bytes."""
         name = f"{self.device} (emulated accelerator)" if self.accel.emulated else str(self.device)
         f = fmt_bytes
-        host = self.host_mapped_bytes + self.host_anon_bytes
+        host = self.host_file_bytes + self.host_anon_bytes
         lines = [
             self.placement.summary(name),
             f"  measured on device: dense {f(self.dense_bytes)}, hot rows {f(self.hot_bytes)}, "
             f"KV {f(self.kv_bytes)} (total {f(self.device_bytes)}); row indexes "
             f"{f(self.index_bytes)} outside the budget",
-            f"  host weights: {f(host)}: {f(self.host_mapped_bytes)} file-mapped, "
-            f"{f(self.host_anon_bytes)} anonymous",
+            f"  host weights: {f(host)}: {f(self.host_file_bytes)} file data, "
+            f"{f(self.host_anon_bytes)} made at load",
         ]
         if self.skipped:
             lines.append(f"  left on the host (reserved, unused): {', '.join(self.skipped)}")
@@ -143,7 +144,7 @@ def _to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
 
 
 def _host_bytes(weights: Weights, gf: GGUFFile | None, extra: list[Tensor]) -> tuple[int, int]:
-    """(memory-mapped, anonymous) bytes of the host-resident weights."""
+    """(file data, made at load) bytes of the host-resident weights."""
     mapped = anon = 0
     seen: set[int] = set()
     items = [(name, getattr(o, a)) for name, (o, a) in _slots(weights).items()]
@@ -284,7 +285,7 @@ def build_hybrid(
         hot_bytes=hot_bytes,
         kv_bytes=placement.kv_bytes,
         index_bytes=index_bytes,
-        host_mapped_bytes=mapped,
+        host_file_bytes=mapped,
         host_anon_bytes=anon,
         skipped=tuple(skipped),
     )

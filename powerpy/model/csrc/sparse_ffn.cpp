@@ -1115,19 +1115,20 @@ inline int run_partitioned(int nt, int64_t k, Fn fn) {
 // ---- Q4_0 four blocks at a time (AVX-512 VBMI + VNNI) ---------------------------------------------
 // A group of 4 Q4_0 blocks (128 elements, 72 bytes) is read with two loads: one two-register byte
 // permute gathers its 64 nibble bytes, one word permute its 4 scales (the f16 d of block b is word
-// 9 b). The low nibbles (elements 0..15 of each block) and the high ones (16..31), minus 8, each
-// take one 512-bit u8 x s8 dot against the activations plus 128 (as unsigned bytes), stored in
-// the same order (QGroup), so a 32-bit lane sums 8 products of one block. The lane starts at
-// -128 * (its 8 weights), computed once per row and group, which leaves sum (q - 8) y; it is
-// then scaled by d_w d_x with one FMA. The integers equal ggml's; only the f32 summation order of
-// the block terms differs from the one-block path (16 lanes instead of 8). A tile of R rows and NT
-// tokens shares each weight decode among the tokens and each activation load among the rows.
+// 9 b). The low nibbles (elements 0..15 of each block) and the high ones (16..31), as unsigned
+// bytes 0..15, each take one 512-bit u8 x s8 dot against the int8 activations, stored in the same
+// order (QGroup), so a 32-bit lane sums 8 products of one block. The lane starts at -8 * (its 8
+// activations), stored with them, which leaves sum (q - 8) y; it is then scaled by d_w d_x with
+// one FMA. The integers equal ggml's; only the f32 summation order of the block terms differs from
+// the one-block path (16 lanes instead of 8). A tile of R rows and NT tokens shares each weight
+// decode among the tokens and each activation load among the rows.
 #if PP_SIMD == 2 && defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #define PP_Q4W 1
 struct alignas(64) QGroup {  // 4 Q8_0 activation blocks in the Q4_0 group order
-  uint8_t lo[64];  // elements 0..15 of blocks 0..3, plus 128
-  uint8_t hi[64];  // elements 16..31 of blocks 0..3, plus 128
-  float dx[16];    // lane 4 b + l: d_x of block b
+  int8_t lo[64];     // elements 0..15 of blocks 0..3
+  int8_t hi[64];     // elements 16..31 of blocks 0..3
+  float dx[16];      // lane 4 b + l: d_x of block b
+  int32_t minus8[16];  // lane i: -8 * (lo[4 i .. 4 i + 3] + hi[4 i .. 4 i + 3])
 };
 
 // One vector's QAct chunks (nch of them) -> (nch + 3) / 4 groups g[0], g[T], g[2 T], ... (the
@@ -1140,16 +1141,20 @@ inline void pack_groups(const QAct* xa, int64_t nch, QGroup* g, int64_t T) {
     QGroup& q = g[c / 4 * T];
     const int b = (int)(c % 4);
     for (int j = 0; j < 16; ++j) {
-      q.lo[16 * b + j] = (uint8_t)(xa[c].qs[j] + 128);
-      q.hi[16 * b + j] = (uint8_t)(xa[c].qs[16 + j] + 128);
+      q.lo[16 * b + j] = xa[c].qs[j];
+      q.hi[16 * b + j] = xa[c].qs[16 + j];
     }
-    for (int l = 0; l < 4; ++l) q.dx[4 * b + l] = xa[c].d;
+    for (int l = 0; l < 4; ++l) {
+      q.dx[4 * b + l] = xa[c].d;
+      int32_t s = 0;
+      for (int j = 0; j < 4; ++j) s += q.lo[16 * b + 4 * l + j] + q.hi[16 * b + 4 * l + j];
+      q.minus8[4 * b + l] = -8 * s;
+    }
   }
 }
 
 struct Q4Group {   // one row's group, decoded
-  __m512i lo, hi;  // q - 8 as int8, in the QGroup order
-  __m512i base;    // per lane: -128 * (sum of its 8 weights)
+  __m512i lo, hi;  // q as bytes 0..15, in the QGroup order
   __m512 dw;       // per lane: d_w of its block
 };
 
@@ -1172,15 +1177,11 @@ inline Q4Group q40_group(const uint8_t* w, int64_t g, int64_t nch) {
     v0 = _mm512_maskz_loadu_epi8(n >= 64 ? ~0ULL : (1ULL << n) - 1, p);
     v1 = _mm512_setzero_si512();
   }
-  const __m512i m4 = _mm512_set1_epi8(15), k8 = _mm512_set1_epi8(8);
+  const __m512i m4 = _mm512_set1_epi8(15);
   const __m512i nib = _mm512_permutex2var_epi8(v0, _mm512_load_si512(nib_at), v1);
   Q4Group q;
-  q.lo = _mm512_sub_epi8(_mm512_and_si512(nib, m4), k8);
-  q.hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(nib, 4), m4), k8);
-  const __m512i c128 = _mm512_set1_epi8((char)0x80);
-  const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c128, q.lo),
-                                          c128, q.hi);
-  q.base = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
+  q.lo = _mm512_and_si512(nib, m4);
+  q.hi = _mm512_and_si512(_mm512_srli_epi16(nib, 4), m4);
   q.dw = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(d_idx, v0)));
   return q;
 }
@@ -1203,10 +1204,11 @@ inline void q40_tile(const uint8_t* const* w, const uint8_t* const* nx, const QG
     for (int t = 0; t < NT; ++t) {
       const QGroup& a = xg[g * T + t];
       const __m512i ylo = _mm512_load_si512(a.lo), yhi = _mm512_load_si512(a.hi);
+      const __m512i m8 = _mm512_load_si512(a.minus8);
       const __m512 dx = _mm512_load_ps(a.dx);
       for (int r = 0; r < R; ++r) {
-        __m512i s = _mm512_dpbusd_epi32(q[r].base, ylo, q[r].lo);
-        s = _mm512_dpbusd_epi32(s, yhi, q[r].hi);
+        __m512i s = _mm512_dpbusd_epi32(m8, q[r].lo, ylo);
+        s = _mm512_dpbusd_epi32(s, q[r].hi, yhi);
         acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(q[r].dw, dx), acc[r][t]);
       }
     }
