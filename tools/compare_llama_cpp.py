@@ -11,13 +11,16 @@ and dense. (llama.cpp runs that file as SwiGLU, the synthetic model is ReGLU: th
 and operations, so speeds compare, outputs do not.)
 
 The engines run in paired rounds (llama.cpp, then powerpy, back to back); the table gives the
-median of each and the median of the per-round ratios. Timings on a shared machine drift:
-compare the ratios, not the absolute numbers.
+median of each and the median of the per-round ratios. llama.cpp runs in a process of its own
+(``--same-process`` runs it in powerpy's), so neither engine's libraries or threads share a
+process with the other's. Timings on a shared machine drift: compare the ratios, not the
+absolute numbers.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import time
 from pathlib import Path
@@ -94,6 +97,58 @@ def llama_cpp_tg(ref, ids: list[int], n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def _llama_cpp_server(conn, path: str, n_ctx: int, n_batch: int, threads: int) -> None:
+    """A llama.cpp process: answers ("pp", ids) and ("tg", ids, n) with tokens/s; None stops."""
+    import llama_cpp
+
+    ref = llama_cpp.Llama(
+        model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, logits_all=True,
+        verbose=False,
+    )  # fmt: skip
+    conn.send("ready")
+    while (cmd := conn.recv()) is not None:
+        conn.send(llama_cpp_pp(ref, cmd[1]) if cmd[0] == "pp" else llama_cpp_tg(ref, *cmd[1:]))
+
+
+class LlamaCpp:
+    """llama.cpp on one file, in this process or in a process of its own."""
+
+    def __init__(self, path: Path, n_ctx: int, n_batch: int, threads: int, same_process: bool):
+        args = (str(path), n_ctx, n_batch, threads)
+        if same_process:
+            import llama_cpp
+
+            self.ref = llama_cpp.Llama(
+                model_path=args[0], n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+                logits_all=True, verbose=False,
+            )  # fmt: skip
+            return
+        self.ref, (self.conn, child) = None, mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(
+            target=_llama_cpp_server, args=(child, *args), daemon=True
+        )
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError("llama.cpp process failed to start")
+
+    def pp(self, ids: list[int]) -> float:
+        if self.ref is not None:
+            return llama_cpp_pp(self.ref, ids)
+        self.conn.send(("pp", ids))
+        return self.conn.recv()
+
+    def tg(self, ids: list[int], n: int) -> float:
+        if self.ref is not None:
+            return llama_cpp_tg(self.ref, ids, n)
+        self.conn.send(("tg", ids, n))
+        return self.conn.recv()
+
+    def close(self) -> None:
+        if self.ref is None:
+            self.conn.send(None)
+            self.proc.join(timeout=30)
+
+
 def powerpy_pp(model, ids: list[int], opts) -> float:
     cache = model.new_cache(len(ids))
     t0 = time.perf_counter()
@@ -111,8 +166,6 @@ def powerpy_tg(model, ids: list[int], n: int, opts) -> float:
 
 
 def main() -> None:
-    import llama_cpp
-
     import powerpy
     from powerpy.default_model import smollm2_path
     from powerpy.model.options import DENSE, SPARSE
@@ -129,6 +182,9 @@ def main() -> None:
     ap.add_argument(
         "--exact-activations", action="store_true", help="powerpy keeps activations f32"
     )
+    ap.add_argument(
+        "--same-process", action="store_true", help="run llama.cpp in powerpy's process"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.exact_activations:
@@ -142,10 +198,7 @@ def main() -> None:
     llm = powerpy.load(ours_path)
     modes = {"sparse": SPARSE, "dense": DENSE} if llm.model.can_gate else {"dense": DENSE}
     n_ctx = -(-(max(args.prompt, 16) + args.n + 8) // 256) * 256  # llama.cpp rounds up to 256
-    ref = llama_cpp.Llama(
-        model_path=str(ref_path), n_ctx=n_ctx, n_batch=max(512, args.prompt),
-        n_threads=args.threads, logits_all=True, verbose=False,
-    )  # fmt: skip
+    ref = LlamaCpp(ref_path, n_ctx, max(512, args.prompt), args.threads, args.same_process)
     g = np.random.default_rng(0)
     pp_ids = [int(x) for x in g.integers(3, llm.model.args.n_vocab, args.prompt)]
     tg_ids = llm.tokenize(PROMPT)
@@ -154,12 +207,13 @@ def main() -> None:
     for _ in range(args.rounds):
         for test in tests:
             pp = test.startswith("pp")
-            run = llama_cpp_pp(ref, pp_ids) if pp else llama_cpp_tg(ref, tg_ids, args.n)
+            run = ref.pp(pp_ids) if pp else ref.tg(tg_ids, args.n)
             speeds.setdefault(("llama.cpp", test), []).append(run)
             for mode, opts in modes.items():
                 m = llm.model
                 run = powerpy_pp(m, pp_ids, opts) if pp else powerpy_tg(m, tg_ids, args.n, opts)
                 speeds.setdefault((f"powerpy {mode}", test), []).append(run)
+    ref.close()
     print(
         f"powerpy {ours_path.name} vs llama.cpp {ref_path.name}: {args.threads} threads, "
         f"{args.rounds} paired rounds, medians"
