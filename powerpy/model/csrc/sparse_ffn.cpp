@@ -988,8 +988,29 @@ inline void row_axpy4(const uint8_t* const* w, const float* h, float* acc, int64
                       const uint8_t* const* nx) {
   using D = Dec<DT>;
   const int64_t nb = cols / 32;
-  const vf h0 = v_set1(h[0]), h1 = v_set1(h[1]), h2 = v_set1(h[2]), h3 = v_set1(h[3]);
   int64_t pf = 0;  // bytes of the upcoming rows prefetched so far (all four alike)
+#if PP_SIMD == 2
+  if constexpr (DT == DT_Q4_0) {  // h_i d folded into one scalar: the table stays constant
+    const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t b = 0; b < nb; ++b) {
+      prefetch_spans(nx, 4, pf, (b + 1) * D::BB);
+      float* ab = acc + b * 32;
+      vf a0 = v_load(ab), a1 = v_load(ab + 16);
+      for (int r = 0; r < 4; ++r) {
+        const uint8_t* p = w[r] + b * D::BB;
+        const vf sr = v_set1(half_to_float(load_u16(p)) * h[r]);
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p + 2)));
+        a0 = v_fma(_mm512_permutexvar_ps(q, lut), sr, a0);  // vpermps reads the low 4 bits
+        a1 = v_fma(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut), sr, a1);
+      }
+      v_store(ab, a0);
+      v_store(ab + 16, a1);
+    }
+    prefetch_spans(nx, 4, pf, row_bytes<DT>(cols));
+    return;
+  }
+#endif
+  const vf h0 = v_set1(h[0]), h1 = v_set1(h[1]), h2 = v_set1(h[2]), h3 = v_set1(h[3]);
   for (int64_t b = 0; b < nb; ++b) {
     prefetch_spans(nx, 4, pf, (b + 1) * D::BB);
     vf w0[NV], w1[NV], w2[NV], w3[NV];
