@@ -1,4 +1,5 @@
-"""Small file-system helpers shared by every layer: atomic writes, a file lock, byte sizes.
+"""Small helpers shared by every layer: atomic writes, a file lock, byte sizes, huge-page
+buffers.
 
 This module imports only the standard library (no torch, numpy or powerpy), so the lowest layers
 can use it.
@@ -10,12 +11,14 @@ can use it.
         ...                              # one process at a time (POSIX flock)
 
     fmt_bytes(3 << 19)                   # '1.5 MiB'
+    buf = huge_page_buffer(1 << 30)      # anonymous memory in 2 MiB pages where allowed
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import secrets
 from collections.abc import Iterator
@@ -178,3 +181,18 @@ def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
     return data
+
+
+def huge_page_buffer(size: int) -> mmap.mmap:
+    """``size`` bytes of private anonymous memory advised for transparent huge pages (2 MiB
+    pages where the kernel allows them: ``/sys/kernel/mm/transparent_hugepage/enabled`` is
+    ``always`` or ``madvise``), zero-filled. Weights read into it, and buffers that measure the
+    weights' read speed, see few TLB misses even when read row by row at random."""
+    if hasattr(mmap, "MAP_ANONYMOUS"):  # private: shared anonymous memory is shmem, not THP
+        buf = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:
+        buf = mmap.mmap(-1, max(size, 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            buf.madvise(mmap.MADV_HUGEPAGE)
+    return buf

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from powerpy._fs import huge_page_buffer
 from powerpy.model.options import RunOptions, SparsityStats
 from powerpy.model.timing import PhaseTimer
 from powerpy.model.transformer import Model
@@ -43,11 +44,13 @@ def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
     Two readers alternate, on ``torch.get_num_threads()`` threads: ``torch.sum`` and, when
     built, the native library's read loop (the GEMV kernels' SIMD loads and prefetch); the
     fastest pass counts, so the ceiling is what this machine has shown it can read. The buffer
-    is written first (its pages are resident) and is much larger than any cache.
+    is written first (its pages are resident) and is much larger than any cache. It lives in
+    huge pages where the kernel allows them, as the weights ``load`` reads into memory do.
     """
     from powerpy.model import kernels
 
-    buf = torch.ones(n_bytes // 4, dtype=torch.float32)
+    mem = huge_page_buffer(n_bytes // 4 * 4)
+    buf = torch.frombuffer(mem, dtype=torch.float32).fill_(1.0)
     lib = kernels.library()
     readers = [buf.sum] + ([lambda: lib.stream_read(buf)] if lib is not None else [])
     best = float("inf")

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from powerpy._fs import huge_page_buffer
 from powerpy.formats import quants
 from powerpy.formats.constants import PWRI_MAGIC, GGMLType, GGUFValueType
 from powerpy.formats.gguf_parse import GGUFLayout, parse_layout
@@ -321,14 +322,9 @@ def read_into_memory(fh, size: int, progress: bool = False) -> mmap.mmap | None:
             avail / 1e9,
         )
         return None
-    if hasattr(mmap, "MAP_ANONYMOUS"):  # private: shared anonymous memory is shmem, not THP
-        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    else:
-        buf = mmap.mmap(-1, size)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            buf.madvise(mmap.MADV_HUGEPAGE)
     from tqdm.auto import tqdm
+
+    buf = huge_page_buffer(size)
 
     view, chunk = memoryview(buf), 64 << 20
     fh.seek(0)
