@@ -1952,6 +1952,8 @@ inline float dot_f16(const uint16_t* x, const uint16_t* y, int64_t n, bool one) 
 // one accumulator per cell, then reduce16 of all 16 by shuffles that pair the same lanes as
 // reduce16 does (halves 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)), so each result is bit for bit
 // dot_f16(..., one = false). s[c] = the score of cell c.
+inline void reduce16_cells(const __m512* A, float* s);
+
 template <int NQ>
 inline void kq16(const uint16_t* k, int64_t stride, const __m512* qv, float* s) {
   __m512 A[16];
@@ -1959,6 +1961,28 @@ inline void kq16(const uint16_t* k, int64_t stride, const __m512* qv, float* s) 
   for (int e = 0; e < NQ; ++e)  // NQ known: the 16 accumulators stay in registers
     for (int c = 0; c < 16; ++c)
       A[c] = _mm512_fmadd_ps(v_load_h(k + c * stride + 16 * e), qv[e], A[c]);
+  reduce16_cells(A, s);
+}
+
+// The one-token q·k (ggml_vec_dot_f16's order) of 16 cells at once, head_dim 64 NS: per cell
+// four 16-lane accumulators over 64-element steps, summed (0 + 2) + (1 + 3), then reduced as
+// kq16 does; bit for bit dot_f16(..., one = true).
+template <int NS>
+inline void kq16_one(const uint16_t* k, int64_t stride, const __m512* qv, float* s) {
+  __m512 A[16];
+  for (int c = 0; c < 16; ++c) {
+    __m512 a[4];
+    for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
+    for (int st = 0; st < NS; ++st)
+      for (int j = 0; j < 4; ++j)
+        a[j] = _mm512_fmadd_ps(v_load_h(k + c * stride + 64 * st + 16 * j), qv[4 * st + j], a[j]);
+    A[c] = _mm512_add_ps(_mm512_add_ps(a[0], a[2]), _mm512_add_ps(a[1], a[3]));
+  }
+  reduce16_cells(A, s);
+}
+
+// s[c] = reduce16(A[c]) for 16 cells, by shuffles that pair lanes as reduce16 does.
+inline void reduce16_cells(const __m512* A, float* s) {
   __m512 H[8], Q[4];
   for (int p = 0; p < 8; ++p)  // H[p] = (h of cell 2p, h of cell 2p + 1), 8 lanes each
     H[p] = _mm512_add_ps(_mm512_shuffle_f32x4(A[2 * p], A[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -2038,12 +2062,19 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
       for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(q[i * n_head * hd + h * hd + e]);
       int64_t t0 = 0;
 #if PP_SIMD == 2
-      if (!one_kq && (hd == 64 || hd == 128)) {  // the common head sizes
+      if (hd == 64 || hd == 128) {  // the common head sizes: 16 cells at a time
         __m512 qv[8];
         for (int64_t e = 0; e < hd / 16; ++e) qv[e] = v_load_h(q16.data() + 16 * e);
         for (; t0 + 16 <= n; t0 += 16) {
-          if (hd == 64) kq16<4>(kc + t0 * nkv + off, nkv, qv, s.data() + t0);
-          else kq16<8>(kc + t0 * nkv + off, nkv, qv, s.data() + t0);
+          const uint16_t* k = kc + t0 * nkv + off;
+          if (one_kq) {
+            if (hd == 64) kq16_one<1>(k, nkv, qv, s.data() + t0);
+            else kq16_one<2>(k, nkv, qv, s.data() + t0);
+          } else if (hd == 64) {
+            kq16<4>(k, nkv, qv, s.data() + t0);
+          } else {
+            kq16<8>(k, nkv, qv, s.data() + t0);
+          }
         }
       }
 #endif
@@ -2053,6 +2084,29 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
       // 0, and t % 16; the padding cells of llama.cpp's cache add zeros, which change no sum.
       float* o = out + i * n_head * hd + h * hd;
 #if PP_SIMD == 2
+      if (one_kqv && hd % 16 == 0) {  // one token: 4 x 16 lanes of 16 dims, 16 in registers
+        for (int64_t t = 0; t < n; ++t) s[t] = half_to_float(p16[t]);
+        for (int64_t dc = 0; dc < hd; dc += 16) {
+          __m512 G[4][16];  // lane (g, l): cells t with (t / 16) % 4 == g and t % 16 == l
+          const uint16_t* vr = vc + off + dc;
+          for (int g = 0; g < 4; ++g) {
+            __m512 A[16];
+            for (int l = 0; l < 16; ++l) A[l] = _mm512_setzero_ps();
+            for (int64_t t0 = 16 * g; t0 < n; t0 += 64) {
+              const int64_t m = n - t0 < 16 ? n - t0 : 16;
+              for (int l = 0; l < m; ++l)
+                A[l] = _mm512_fmadd_ps(v_load_h(vr + (t0 + l) * nkv), _mm512_set1_ps(s[t0 + l]),
+                                       A[l]);
+            }
+            for (int l = 0; l < 16; ++l) G[g][l] = A[l];
+          }
+          __m512 L[16];
+          for (int l = 0; l < 16; ++l)
+            L[l] = _mm512_add_ps(_mm512_add_ps(G[0][l], G[2][l]), _mm512_add_ps(G[1][l], G[3][l]));
+          _mm512_storeu_ps(o + dc, tree16(L));
+        }
+        continue;
+      }
       if (!one_kqv && hd % 16 == 0) {  // the 16 lanes of 16 dims in registers
         for (int64_t t = 0; t < n; ++t) s[t] = half_to_float(p16[t]);
         for (int64_t dc = 0; dc < hd; dc += 16) {
