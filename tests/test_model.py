@@ -343,26 +343,35 @@ def test_non_finite_weights_name_the_first_bad_layer(tmp_path, tensor, value, wh
 def test_fused_decode_ffn_equals_the_general_path(sparse_path, monkeypatch, dense):
     """CPU-only decode runs each FFN (predictor included) as one native call; it computes the
     same neurons, statistics and logits as the step-by-step path."""
-    from powerpy.model import kernels, transformer
+    from powerpy.model import kernels, stack_decode, transformer
 
     if not kernels.available():
         pytest.skip("native kernels unavailable")
     path, _ = sparse_path
     llm = load(path, threshold=0.0, dense=dense)
     runs = []
-    for fused in (True, False):
-        if not fused:
+    for mode in ("stack", "layers", "general"):  # one call per token, two per layer, torch
+        if mode == "layers":
+            monkeypatch.setattr(stack_decode, "plan_for", lambda *a: None)
+        if mode == "general":
             monkeypatch.setattr(transformer, "fused_decode", lambda *a: None)
         if llm.sparsity is not None:
             llm.sparsity.reset()
+        steps = []
+        cache = llm.model.new_cache(16, dtype=torch.float32)
+        llm.model.forward(torch.tensor(TOKENS[:4]), cache, llm.options)
+        for t in TOKENS[4:10]:
+            steps.append(llm.model.forward(torch.tensor([t]), cache, llm.options))
         got = [r.token for r in llm.stream(TOKENS[:4], 12, temperature=0)]
         frac = None if dense else llm.sparsity.active_fraction().copy()
-        runs.append((got, frac, _logits(llm, TOKENS[:5])))
-    (t1, s1, l1), (t2, s2, l2) = runs
-    assert t1 == t2
-    np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-5)
+        runs.append((got, frac, torch.cat(steps).numpy()))
+    (t1, s1, l1), (t2, s2, l2), (t3, s3, l3) = runs
+    assert t1 == t2 == t3
+    np.testing.assert_array_equal(l1, l2)  # the same kernels in the same order
+    np.testing.assert_allclose(l1, l3, rtol=1e-5, atol=1e-5)
     if not dense:
-        np.testing.assert_allclose(s1, s2)
+        np.testing.assert_array_equal(s1, s2)
+        np.testing.assert_allclose(s1, s3)
         assert np.all((s1 > 0.05) & (s1 < 0.95)), s1
 
 
@@ -370,7 +379,7 @@ def test_fused_decode_ffn_equals_the_general_path(sparse_path, monkeypatch, dens
 def test_fused_decode_attention_equals_the_torch_path(dense_path, monkeypatch, cache_dtype):
     """CPU-only decode runs attention (q/k/v, RoPE, cache write, GQA softmax, output) as one
     native call; its logits and cache rows match the torch path over many positions."""
-    from powerpy.model import kernels, transformer
+    from powerpy.model import kernels, stack_decode, transformer
 
     if not kernels.available():
         pytest.skip("native kernels unavailable")
@@ -380,6 +389,7 @@ def test_fused_decode_attention_equals_the_torch_path(dense_path, monkeypatch, c
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(transformer, "_fused_attention", lambda *a: None)
+            monkeypatch.setattr(stack_decode, "plan_for", lambda *a: None)
         cache = model.new_cache(32, dtype=cache_dtype)
         model.forward(torch.tensor(TOKENS[:3]), cache)  # prefill: the torch path
         steps = [model.forward(torch.tensor([t]), cache) for t in TOKENS[3:]]  # decode
@@ -395,11 +405,12 @@ def test_fused_decode_attention_equals_the_torch_path(dense_path, monkeypatch, c
 def test_dense_layers_run_ungated(tmp_path, monkeypatch, fused):
     """powerpy.dense_layers: a listed layer's FFN computes every neuron in sparse mode, exactly
     as if its predictor kept them all, and reports them all active; the others stay gated."""
-    from powerpy.model import ffn as ffn_mod
+    from powerpy.model import stack_decode, transformer
     from powerpy.model.options import RunOptions, SparsityStats
 
     if not fused:
-        monkeypatch.setattr(ffn_mod, "fused_decode", lambda *a, **k: None)
+        monkeypatch.setattr(transformer, "fused_decode", lambda *a, **k: None)
+        monkeypatch.setattr(stack_decode, "plan_for", lambda *a: None)
     t = tiny_tensors(SPEC, sparse=True, seed=3)
     kv = tiny_kv(SPEC)
     listed = tmp_path / "listed.powerinfer.gguf"

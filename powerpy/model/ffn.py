@@ -219,6 +219,21 @@ def fused_decode(
     """A CPU-only decode step's FFN block (ffn_norm, predictor, GLU rows, down rows, residual)
     as one native call: x (1, n_embd) the residual stream -> x + FFN (1, n_embd); None when it
     does not apply (a matrix the kernels cannot read, profiling, an oracle)."""
+    kern = ffn_kernels(blk, opts)
+    if kern is None:
+        return None
+    lib, mats, stored = kern
+    norm = (blk.ffn_norm, norm_eps)
+    y, k = lib.ffn_decode(mats, thr, x[0], norm, variant, down_stored=stored)
+    if opts.sparse and blk.fc1 is not None and opts.stats is not None:
+        opts.stats.record_count(l, k)  # every neuron in an ungated layer
+    return y[None]
+
+
+def ffn_kernels(blk, opts: RunOptions):
+    """(library, [fc1, fc2, gate, up, down] matrices, down_stored) for the native FFN block of
+    one decode step, or None when it does not apply (a matrix the kernels cannot read,
+    profiling, an oracle, hot rows). fc1 and fc2 are None where the predictor does not gate."""
     if opts.observer is not None or opts.oracle is not None or blk.hot is not None:
         return None
     down = blk.ffn_down_t
@@ -229,12 +244,7 @@ def fused_decode(
     if pair is None or kd is None or None in preds or blk.ffn_norm.device.type != "cpu":
         return None
     lib, gm, um = pair
-    mats = [p[1] for p in preds] + [gm, um, kd[1]]
-    norm = (blk.ffn_norm, norm_eps)
-    y, k = lib.ffn_decode(mats, thr, x[0], norm, variant, down_stored=stored)
-    if opts.sparse and blk.fc1 is not None and opts.stats is not None:
-        opts.stats.record_count(l, k)  # every neuron in an ungated layer
-    return y[None]
+    return lib, [p[1] for p in preds] + [gm, um, kd[1]], stored
 
 
 def split_ffn(

@@ -39,7 +39,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 # dtype codes of the C library (enum DType)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -94,6 +94,12 @@ _SIGNATURES = {
     ),
     # mats (5 x 5 int64), thr, resid, norm, eps, variant, down_stored, out, act, nthreads
     "pp_ffn_decode": ([_p, _f, _p, _p, _f, _i32, _i32, _p, _i32, _i32], _i64),
+    # layers, records, eps, rot, n_rot, n_head, n_kv, hd, k, v, layer bytes, cache dtype, pos,
+    # thr, variant, x, counts, act, nthreads (powerpy.model.stack_decode: one token, all blocks)
+    "pp_decode_layers": (
+        [_i64, _p, _f, _p, *[_i64] * 4, _p, _p, _i64, _i32, _i64, _f, _i32, _p, _p, _i32, _i32],
+        _i32,
+    ),
     # llama.cpp's float steps (called by powerpy.model.ggml_numerics)
     "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
     "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p], None),  # x, T, heads, head_dim, n_rot, rot

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.errors import NonFiniteError
-from powerpy.model import ggml_numerics
+from powerpy.model import ggml_numerics, stack_decode
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode
@@ -201,7 +201,12 @@ class Model:
             _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
         rot = {HOST: rope_tables(a, cache.pos, n)}  # (T, n_rot/2) complex, per device
         fused = n == 1 and self.accel is None  # CPU-only decode: one native call per block
-        for l, blk in enumerate(w.blk):
+        plan = None
+        if fused and not check and stack_decode.usable(cache, opts):  # or one for the stack
+            plan = stack_decode.plan_for(self, opts)
+        if plan is not None:
+            x = plan.run(a, x, cache, rot[HOST][0], thr, opts)
+        for l, blk in enumerate(w.blk if plan is None else []):
             # Each step runs where its weights are and the residual stream follows (no move
             # when the tensor is already there, e.g. CPU-only).
             x = self._to(x, blk.attn_norm.device)
@@ -285,20 +290,15 @@ def _fused_attention(
     """A CPU-only decode step's attention block (attn_norm, q/k/v, RoPE, cache row, GQA
     softmax, output, residual) as one native call: x (1, n_embd) the residual stream -> x +
     attention (1, n_embd); None when a matrix or the cache is not for the kernels."""
-    mats = [m._kernel() for m in (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output)]
+    kern = stack_decode.attention_kernels(blk)
     k, v = cache.k[l], cache.v[l]  # (n_ctx, n_kv, head_dim)
-    if any(m is None for m in mats) or k.device.type != "cpu" or k.dtype not in _CACHE_DTYPES:
-        return None
-    if blk.attn_norm.device.type != "cpu":
+    if kern is None or k.device.type != "cpu" or k.dtype not in stack_decode.CACHE_CODES:
         return None
     rot = torch.view_as_real(rot[0])  # (n_rot / 2, 2): cos, sin
     shape = (a.n_head, a.n_head_kv, a.head_dim)
     norm = (blk.attn_norm, a.rms_eps)
-    lib = mats[0][0]
-    return lib.attn_decode([m[1] for m in mats], x[0], norm, rot, shape, (k, v, cache.pos))[None]
-
-
-_CACHE_DTYPES = (torch.float32, torch.float16)
+    lib, mats = kern
+    return lib.attn_decode(mats, x[0], norm, rot, shape, (k, v, cache.pos))[None]
 
 
 def _check_finite(x: Tensor, where: str, what: str) -> None:

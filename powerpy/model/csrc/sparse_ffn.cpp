@@ -2289,6 +2289,40 @@ int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* r, const floa
   return st ? -st : k;
 }
 
+// One token through every block (CPU-only decode), one call per token instead of two per layer:
+// per layer the attention block (pp_attn_decode) then the FFN block (pp_ffn_decode), x (n_embd)
+// updated in place. layers: n_layer records of 48 int64: attention mats q, k, v, output (20),
+// FFN mats fc1, fc2, gate, up, down (25; fc1 and fc2 zero: dense), then attn_norm, ffn_norm and
+// down_stored. Layer l's keys and values are at kc/vc + l * layer_bytes; rot holds (cos, sin) per
+// pair; counts[l] receives the layer's computed neurons. Returns 0 or the first failing status.
+int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const float* rot,
+                     int64_t n_rot, int64_t n_head, int64_t n_kv, int64_t hd, void* kc, void* vc,
+                     int64_t layer_bytes, int cdt, int64_t pos, float thr, int variant, float* x,
+                     int64_t* counts, int act, int nthreads) {
+  if (n_layer <= 0) return 0;
+  const int64_t d = layers[4];  // attn_q's cols
+  float* y = (float*)std::malloc(sizeof(float) * d);
+  if (!y) return PP_ERR_ARG;
+  int st = 0;
+  for (int64_t l = 0; l < n_layer && !st; ++l) {
+    const int64_t* rec = layers + 48 * l;
+    if (rec[4] != d) {
+      st = PP_ERR_ARG;
+      break;
+    }
+    st = pp_attn_decode(rec, x, (const float*)rec[45], eps, rot, n_rot, n_head, n_kv, hd,
+                        (char*)kc + l * layer_bytes, (char*)vc + l * layer_bytes, cdt, pos, y, act,
+                        nthreads);
+    if (st) break;
+    const int64_t k = pp_ffn_decode(rec + 20, thr, y, (const float*)rec[46], eps, variant,
+                                    (int)rec[47], x, act, nthreads);
+    if (k < 0) st = (int)-k;
+    else counts[l] = k;
+  }
+  std::free(y);
+  return st;
+}
+
 // ggml's RoPE angles (NORM mode): for each position p = pos[i], theta = p and, pair by pair,
 // (cosf, sinf) of theta, then theta *= base^(-2 / n_rot), all in f32. out (n, n_rot / 2, 2).
 void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
@@ -2336,7 +2370,7 @@ void pp_swiglu(const float* g, const float* u, int64_t n, float* out, int nthrea
 }
 
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
-int pp_abi_version(void) { return 8; }
+int pp_abi_version(void) { return 9; }
 
 // 2 = AVX-512F, 1 = AVX2+FMA+F16C, 0 = scalar.
 int pp_simd_level(void) { return PP_SIMD; }

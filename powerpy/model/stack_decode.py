@@ -1,0 +1,130 @@
+"""One decode step through every block in one native call (CPU-only decode).
+
+``Model._run`` can decode a token with two native calls per layer, the attention block and the
+FFN block. With many small layers the Python between those calls costs as much as a layer's
+work. A ``StackPlan`` packs every layer's matrices once per model and mode (sparse or dense);
+``run`` hands the whole stack to ``pp_decode_layers``, which calls the same two block kernels
+in the same order, so the results are the same bits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from powerpy.config import FFNVariant
+from powerpy.model import kernels
+from powerpy.model.cache import KVCache
+from powerpy.model.ffn import ffn_kernels
+from powerpy.model.kernels import KernelLibrary, Matrix
+from powerpy.model.options import RunOptions
+
+CACHE_CODES = {torch.float32: 0, torch.float16: 1}  # the kernels' KV cache types
+_REC = 48  # int64 per layer record: 4 + 5 matrices of 5, attn_norm, ffn_norm, down_stored
+
+
+def attention_kernels(blk) -> tuple[KernelLibrary, list[Matrix]] | None:
+    """(library, [q, k, v, output] matrices) for the native attention block, or None when a
+    matrix or the norm is not for the host kernels."""
+    mats = [w._kernel() for w in (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output)]
+    if any(m is None for m in mats) or blk.attn_norm.device.type != "cpu":
+        return None
+    return mats[0][0], [m[1] for m in mats]
+
+
+def _f32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
+
+
+@dataclass
+class StackPlan:
+    """Every layer's matrices and norms packed for ``pp_decode_layers``.
+
+    Attributes:
+        lib: the kernel library.
+        records: (n_layer, 48) int64, the C records (pointers into ``keep``'s tensors).
+        keep: the matrices and f32 norms the records point into (kept alive here).
+        gated: per layer, whether it has predictors (its counts go to the statistics).
+        variant: the FFN activation's kernel code.
+    """
+
+    lib: KernelLibrary
+    records: np.ndarray
+    keep: list
+    gated: list[bool]
+    variant: int
+
+    @staticmethod
+    def build(blocks, variant, opts: RunOptions) -> StackPlan | None:
+        """The plan for ``blocks`` under ``opts`` (sparse or dense), or None when some layer
+        cannot run in the native block kernels (then the caller keeps its per-layer path)."""
+        recs, keep, lib = [], [], None
+        for blk in blocks:
+            att, ffn = attention_kernels(blk), ffn_kernels(blk, opts)
+            if att is None or ffn is None or att[0] is not ffn[0]:
+                return None
+            lib = att[0]
+            norms = [_f32(blk.attn_norm), _f32(blk.ffn_norm)]
+            keep += att[1] + [m for m in ffn[1] if m is not None] + norms
+            rec = list(Matrix.pack(att[1] + ffn[1]))
+            recs.append(rec + [norms[0].data_ptr(), norms[1].data_ptr(), int(ffn[2])])
+        if lib is None:
+            return None
+        records = np.ascontiguousarray(np.array(recs, dtype=np.int64).reshape(-1, _REC))
+        gated = [blk.fc1 is not None for blk in blocks]
+        return StackPlan(lib, records, keep, gated, kernels.VARIANTS[FFNVariant(variant)])
+
+    def run(
+        self, args, x: Tensor, cache: KVCache, rot: Tensor, thr: float, opts: RunOptions
+    ) -> Tensor:
+        """x (1, n_embd) the residual stream before block 0 -> after the last block; writes
+        every layer's cache row at ``cache.pos`` (not advanced). rot: (n_rot / 2,) complex."""
+        k, v = cache.k, cache.v  # (n_layer, n_ctx, n_kv, head_dim) on the host
+        out = _f32(x[0]).clone()
+        r = torch.view_as_real(rot.contiguous())  # (n_rot / 2, 2): cos, sin
+        n_layer = self.records.shape[0]
+        counts = np.zeros(n_layer, dtype=np.int64)
+        st = self.lib.cdll.pp_decode_layers(
+            n_layer, self.records.ctypes.data, args.rms_eps, r.data_ptr(), args.n_rot,
+            args.n_head, args.n_head_kv, args.head_dim, k.data_ptr(), v.data_ptr(),
+            k.stride(0) * k.element_size(), CACHE_CODES[k.dtype], cache.pos, thr, self.variant,
+            out.data_ptr(), counts.ctypes.data, int(kernels.quantized_activations()),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if st:
+            raise ValueError(f"decode_layers: invalid arguments (status {st})")
+        if opts.sparse and opts.stats is not None:
+            for l in np.flatnonzero(self.gated):
+                opts.stats.record_count(int(l), int(counts[l]))
+        return out[None]
+
+
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {sparse: plan}
+
+
+def plan_for(model, opts: RunOptions) -> StackPlan | None:
+    """The model's plan for ``opts.sparse``, built on first use (None: per-layer calls)."""
+    plans = _PLANS.setdefault(model, {})
+    if opts.sparse not in plans:
+        plans[opts.sparse] = StackPlan.build(model.weights.blk, model.args.ffn_variant, opts)
+    return plans[opts.sparse]
+
+
+def usable(cache: KVCache, opts: RunOptions) -> bool:
+    """Whether a step with this cache and these options may take the one-call path: kernels
+    on, a host cache of a kernel type, no per-phase timer (it times the per-layer calls), no
+    observer or oracle (they need every neuron)."""
+    return (
+        kernels.enabled()
+        and opts.timer is None
+        and opts.observer is None
+        and opts.oracle is None
+        and cache.k.device.type == "cpu"
+        and cache.k.dtype in CACHE_CODES
+        and cache.k.is_contiguous()
+        and cache.v.is_contiguous()
+    )
