@@ -13,8 +13,10 @@ and operations, so speeds compare, outputs do not.)
 The engines run in paired rounds (llama.cpp, then powerpy, back to back); the table gives the
 median of each and the median of the per-round ratios. llama.cpp runs in a process of its own
 (``--same-process`` runs it in powerpy's), so neither engine's libraries or threads share a
-process with the other's. Timings on a shared machine drift: compare the ratios, not the
-absolute numbers.
+process with the other's. With ``--one-at-a-time`` each round starts a llama.cpp process, then a
+powerpy process, each loading its file, so only one model is resident at a time (two 7B F16
+files do not fit in 24 GB together). Timings on a shared machine drift: compare the ratios, not
+the absolute numbers.
 """
 
 from __future__ import annotations
@@ -110,43 +112,68 @@ def _llama_cpp_server(conn, path: str, n_ctx: int, n_batch: int, threads: int) -
         conn.send(llama_cpp_pp(ref, cmd[1]) if cmd[0] == "pp" else llama_cpp_tg(ref, *cmd[1:]))
 
 
+def _powerpy_server(conn, path: str, threads: int, exact: bool) -> None:
+    """A powerpy process: answers (test, ids, n, mode) with tokens/s; None stops."""
+    import powerpy
+    from powerpy.model import kernels
+    from powerpy.model.options import DENSE, SPARSE
+
+    torch.set_num_threads(threads)
+    kernels.set_quantized_activations(not exact)
+    model = powerpy.load(path).model
+    conn.send("ready")
+    while (cmd := conn.recv()) is not None:
+        test, ids, n, mode = cmd
+        opts = SPARSE if mode == "sparse" else DENSE
+        conn.send(powerpy_pp(model, ids, opts) if test == "pp" else powerpy_tg(model, ids, n, opts))
+
+
+class Worker:
+    """An engine in a spawned process of its own: ``ask`` sends a command, returns the answer."""
+
+    def __init__(self, target, *args) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        if self.conn.recv() != "ready":
+            raise RuntimeError(f"{target.__name__} failed to start")
+
+    def ask(self, cmd):
+        self.conn.send(cmd)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(timeout=60)
+
+
 class LlamaCpp:
     """llama.cpp on one file, in this process or in a process of its own."""
 
     def __init__(self, path: Path, n_ctx: int, n_batch: int, threads: int, same_process: bool):
-        args = (str(path), n_ctx, n_batch, threads)
+        self.ref = self.worker = None
         if same_process:
             import llama_cpp
 
             self.ref = llama_cpp.Llama(
-                model_path=args[0], n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+                model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
                 logits_all=True, verbose=False,
             )  # fmt: skip
-            return
-        self.ref, (self.conn, child) = None, mp.get_context("spawn").Pipe()
-        self.proc = mp.get_context("spawn").Process(
-            target=_llama_cpp_server, args=(child, *args), daemon=True
-        )
-        self.proc.start()
-        if self.conn.recv() != "ready":
-            raise RuntimeError("llama.cpp process failed to start")
+        else:
+            self.worker = Worker(_llama_cpp_server, str(path), n_ctx, n_batch, threads)
 
     def pp(self, ids: list[int]) -> float:
-        if self.ref is not None:
-            return llama_cpp_pp(self.ref, ids)
-        self.conn.send(("pp", ids))
-        return self.conn.recv()
+        return llama_cpp_pp(self.ref, ids) if self.worker is None else self.worker.ask(("pp", ids))
 
     def tg(self, ids: list[int], n: int) -> float:
-        if self.ref is not None:
+        if self.worker is None:
             return llama_cpp_tg(self.ref, ids, n)
-        self.conn.send(("tg", ids, n))
-        return self.conn.recv()
+        return self.worker.ask(("tg", ids, n))
 
     def close(self) -> None:
-        if self.ref is None:
-            self.conn.send(None)
-            self.proc.join(timeout=30)
+        if self.worker is not None:
+            self.worker.close()
 
 
 def powerpy_pp(model, ids: list[int], opts) -> float:
@@ -185,6 +212,11 @@ def main() -> None:
     ap.add_argument(
         "--same-process", action="store_true", help="run llama.cpp in powerpy's process"
     )
+    ap.add_argument(
+        "--one-at-a-time",
+        action="store_true",
+        help="each round loads llama.cpp, then powerpy, in fresh processes (one model resident)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.exact_activations:
@@ -195,25 +227,47 @@ def main() -> None:
         ours_path, ref_path = synthetic_pair(args.shape, args.dtype, args.work)
     else:
         ours_path = ref_path = Path(args.model or smollm2_path())
-    llm = powerpy.load(ours_path)
-    modes = {"sparse": SPARSE, "dense": DENSE} if llm.model.can_gate else {"dense": DENSE}
+    llm = powerpy.load(ours_path, use_mmap=args.one_at_a_time)  # mapped: ids and modes only
+    modes = ["sparse", "dense"] if llm.model.can_gate else ["dense"]
     n_ctx = -(-(max(args.prompt, 16) + args.n + 8) // 256) * 256  # llama.cpp rounds up to 256
-    ref = LlamaCpp(ref_path, n_ctx, max(512, args.prompt), args.threads, args.same_process)
+    ref_args = (ref_path, n_ctx, max(512, args.prompt), args.threads)
     g = np.random.default_rng(0)
     pp_ids = [int(x) for x in g.integers(3, llm.model.args.n_vocab, args.prompt)]
     tg_ids = llm.tokenize(PROMPT)
     tests = ([f"pp{args.prompt}"] if args.prompt else []) + ([f"tg{args.n}"] if args.n else [])
+    ours_args = (str(ours_path), args.threads, args.exact_activations)
+    ref = ours = model = None
+    if args.one_at_a_time:
+        del llm  # each round's powerpy process loads its own
+    else:
+        ref, model = LlamaCpp(*ref_args, args.same_process), llm.model
     speeds: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
+        if args.one_at_a_time:
+            ref = LlamaCpp(*ref_args, False)
         for test in tests:
             pp = test.startswith("pp")
             run = ref.pp(pp_ids) if pp else ref.tg(tg_ids, args.n)
             speeds.setdefault(("llama.cpp", test), []).append(run)
-            for mode, opts in modes.items():
-                m = llm.model
-                run = powerpy_pp(m, pp_ids, opts) if pp else powerpy_tg(m, tg_ids, args.n, opts)
+        if args.one_at_a_time:
+            ref.close()
+            ours = Worker(_powerpy_server, *ours_args)
+        for test in tests:
+            pp = test.startswith("pp")
+            ids, n = (pp_ids, 0) if pp else (tg_ids, args.n)
+            for mode in modes:
+                if ours is not None:
+                    run = ours.ask(("pp" if pp else "tg", ids, n, mode))
+                else:
+                    opts = SPARSE if mode == "sparse" else DENSE
+                    run = (
+                        powerpy_pp(model, ids, opts) if pp else powerpy_tg(model, ids, args.n, opts)
+                    )
                 speeds.setdefault((f"powerpy {mode}", test), []).append(run)
-    ref.close()
+        if args.one_at_a_time:
+            ours.close()
+    if not args.one_at_a_time:
+        ref.close()
     print(
         f"powerpy {ours_path.name} vs llama.cpp {ref_path.name}: {args.threads} threads, "
         f"{args.rounds} paired rounds, medians"
