@@ -62,7 +62,6 @@ QUANT_TYPES = tuple(t for t in DTYPE_CODES if isinstance(t, GGMLType) and t.name
 # GLU variants (enum Variant): h = act(gate·x, up·x)
 VARIANTS = {FFNVariant.REGLU: 0, FFNVariant.DRELU: 1, FFNVariant.SWIGLU: 2}
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
-
 _ERR_INDEX = 1
 
 
@@ -121,7 +120,8 @@ _F32, _I64 = torch.float32, torch.int64
 _threads = torch.get_num_threads
 
 
-def _f32(x: Tensor) -> Tensor:
+def as_f32(x: Tensor) -> Tensor:
+    """x as a contiguous f32 tensor (itself when it already is one)."""
     return x if x.dtype is _F32 and x.is_contiguous() else x.float().contiguous()
 
 
@@ -202,7 +202,7 @@ class KernelLibrary:
 
     def gather_gemv(self, w: Matrix, x: Tensor, idx: Tensor | None) -> Tensor:
         """``out[j] = W[idx[j]] · x``: x (cols,) -> (k,) f32; ``idx=None`` means all rows."""
-        x = _f32(x)
+        x = as_f32(x)
         if x.numel() != w.cols:
             raise ValueError(f"x has {x.numel()} elements, the matrix {w.cols} columns")
         if idx is None:
@@ -223,7 +223,7 @@ class KernelLibrary:
 
         With ``out`` (f32, contiguous, (cols,)) the sum is added into it; otherwise a new tensor.
         """
-        h = _f32(h)
+        h = as_f32(h)
         k = h.numel()
         if idx is None:
             if k != w.nrows:
@@ -249,7 +249,7 @@ class KernelLibrary:
 
         ``gate`` must match ``up`` in dtype and shape.
         """
-        x = _f32(x)
+        x = as_f32(x)
         if x.numel() != up.cols:
             raise ValueError(f"x has {x.numel()} elements, the matrix {up.cols} columns")
         idx = _i64(idx)
@@ -332,7 +332,7 @@ class KernelLibrary:
         head_dim); ``cache`` = one layer's contiguous f32/f16 keys and values ``(n_ctx, n_kv,
         head_dim)`` and the position whose row is written. Returns x + attention (n_embd,).
         """
-        x, rot, w = _f32(x), _f32(rot), _f32(norm[0])
+        x, rot, w = as_f32(x), as_f32(rot), as_f32(norm[0])
         k, v, pos = cache
         out = torch.empty(x.numel(), dtype=_F32)
         st = self.cdll.pp_attn_decode(
@@ -372,7 +372,7 @@ class KernelLibrary:
         ``down_stored`` the last matrix is a dense file's ``ffn_down`` (n_embd, n_ff) and the
         FFN is dense. Returns (x + FFN (n_embd,), how many neurons were computed).
         """
-        x, w = _f32(x), _f32(norm[0])
+        x, w = as_f32(x), as_f32(norm[0])
         out = torch.empty(x.numel(), dtype=_F32)
         k = self.cdll.pp_ffn_decode(
             Matrix.pack(mats),

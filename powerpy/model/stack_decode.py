@@ -20,7 +20,7 @@ from powerpy.config import FFNVariant
 from powerpy.model import kernels
 from powerpy.model.cache import KVCache
 from powerpy.model.ffn import ffn_kernels
-from powerpy.model.kernels import KernelLibrary, Matrix
+from powerpy.model.kernels import KernelLibrary, Matrix, as_f32
 from powerpy.model.options import RunOptions
 
 CACHE_CODES = {torch.float32: 0, torch.float16: 1}  # the kernels' KV cache types
@@ -34,10 +34,6 @@ def attention_kernels(blk) -> tuple[KernelLibrary, list[Matrix]] | None:
     if any(m is None for m in mats) or blk.attn_norm.device.type != "cpu":
         return None
     return mats[0][0], [m[1] for m in mats]
-
-
-def _f32(t: Tensor) -> Tensor:
-    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 @dataclass
@@ -68,7 +64,7 @@ class StackPlan:
             if att is None or ffn is None or att[0] is not ffn[0]:
                 return None
             lib = att[0]
-            norms = [_f32(blk.attn_norm), _f32(blk.ffn_norm)]
+            norms = [as_f32(blk.attn_norm), as_f32(blk.ffn_norm)]
             keep += att[1] + [m for m in ffn[1] if m is not None] + norms
             rec = list(Matrix.pack(att[1] + ffn[1]))
             recs.append(rec + [norms[0].data_ptr(), norms[1].data_ptr(), int(ffn[2])])
@@ -84,7 +80,7 @@ class StackPlan:
         """x (1, n_embd) the residual stream before block 0 -> after the last block; writes
         every layer's cache row at ``cache.pos`` (not advanced). rot: (n_rot / 2,) complex."""
         k, v = cache.k, cache.v  # (n_layer, n_ctx, n_kv, head_dim) on the host
-        out = _f32(x[0]).clone()
+        out = as_f32(x[0]).clone()
         r = torch.view_as_real(rot.contiguous())  # (n_rot / 2, 2): cos, sin
         n_layer = self.records.shape[0]
         counts = np.zeros(n_layer, dtype=np.int64)

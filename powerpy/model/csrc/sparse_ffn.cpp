@@ -1165,11 +1165,9 @@ inline void pack_groups(const QAct* xa, int64_t nch, QGroup* g, int64_t T) {
       q.lo[16 * b + j] = xa[c].qs[j];
       q.hi[16 * b + j] = xa[c].qs[16 + j];
     }
-    for (int l = 0; l < 4; ++l) {
+    for (int l = 0; l < 4; ++l) {  // lane l: qs[4 l ..] (lo) and qs[16 + 4 l ..] (hi)
       q.dx[4 * b + l] = xa[c].d;
-      int32_t s = 0;
-      for (int j = 0; j < 4; ++j) s += q.lo[16 * b + 4 * l + j] + q.hi[16 * b + 4 * l + j];
-      q.minus8[4 * b + l] = -8 * s;
+      q.minus8[4 * b + l] = -8 * (xa[c].ls[l] + xa[c].ls[4 + l]);
     }
   }
 }
