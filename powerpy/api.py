@@ -237,17 +237,20 @@ class LLM:
         thresholds: Sequence[float] | None = None,
         *,
         oracle: Sequence[float] | None = None,
+        cut: Sequence[float] | None = None,
         ctx: int | None = None,
         chunks: int | None = 8,
         progress: bool = True,
     ) -> SweepResult:
         """Perplexity and skipped share at each predictor threshold, or of the top-k oracle at
-        each skipped share (``oracle=[0.2, 0.5, ...]``), on held-out text.
+        each skipped share (``oracle=[0.2, 0.5, ...]``), or of the file's cuts at each scale
+        (``cut=[0.5, 1, 2]``), on held-out text.
 
         Args:
             text: held-out text, or its token ids.
             thresholds: predictor thresholds (default ``sweep.DEFAULT_THRESHOLDS``).
             oracle: run the oracle at these skipped shares instead of the predictors.
+            cut: run the file's cuts (``powerpy.ffn_down_threshold``) at these scales instead.
             ctx: chunk length (default: min(512, the training context)).
             chunks: at most this many chunks (None: the whole text).
             progress: tqdm bars.
@@ -264,6 +267,8 @@ class LLM:
         ids = self._ids(text)
         if oracle is not None:
             return sweep.oracle_sweep(self.model, ids, oracle, **kw)
+        if cut is not None:
+            return sweep.cut_sweep(self.model, ids, cut, **kw)
         return sweep.sparsity_sweep(self.model, ids, thresholds or sweep.DEFAULT_THRESHOLDS, **kw)
 
     def bench(

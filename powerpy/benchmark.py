@@ -73,7 +73,8 @@ def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> d
     Args:
         model: the model (its weights' storage sizes are used).
         n_past: mean number of cached positions attended to.
-        active: (n_layer,) predicted-active FFN fraction per layer, or None for dense.
+        active: (n_layer,) active FFN fraction per layer (predicted and not cut), or None for
+            dense.
     """
     w, a = model.weights, model.args
     out: dict[str, float] = {"attention": 0.0, "norms": 0.0, "ffn": 0.0, "predictor": 0.0}
@@ -81,7 +82,11 @@ def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> d
         out["attention"] += sum(m.nbytes for m in (b.attn_q, b.attn_k, b.attn_v, b.attn_output))
         out["norms"] += 4 * (b.attn_norm.numel() + b.ffn_norm.numel())
         frac = 1.0 if active is None else float(active[l])
-        out["ffn"] += frac * _ffn_layer_bytes(model, l)
+        if active is not None and b.down_tau is not None and not (b.gated and b.fc1 is not None):
+            # an ungated layer with a cut reads every gate and up row, and the kept down rows
+            out["ffn"] += b.ffn_gate.nbytes + b.ffn_up.nbytes + frac * b.ffn_down_t.nbytes
+        else:
+            out["ffn"] += frac * _ffn_layer_bytes(model, l)
         if active is not None and b.fc1 is not None and b.fc2 is not None and b.gated:
             out["predictor"] += b.fc1.nbytes + b.fc2.nbytes
     out["output"] = w.output.nbytes + 4 * w.output_norm.numel()

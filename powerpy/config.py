@@ -57,6 +57,9 @@ class ModelArgs:
     # powerpy.dense_layers: layers whose FFN runs ungated in sparse mode (their predictor
     # costs more than it saves), sorted; () gates every layer, as PowerInfer does
     dense_layers: tuple[int, ...] = ()
+    # powerpy.ffn_down_threshold: per layer, the cut t_l >= 0 on |h_j|·‖ffn_down_t[j]‖ below
+    # which a computed neuron's down row is skipped in sparse mode; () or 0: no cut
+    down_thresholds: tuple[float, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -118,6 +121,9 @@ class ModelArgs:
         dense_layers: tuple[int, ...] = ()
         if sparse and Keys.DENSE_LAYERS in kv:
             dense_layers = layer_list(kv[Keys.DENSE_LAYERS], Keys.DENSE_LAYERS, source)
+        cuts: tuple[float, ...] = ()
+        if sparse and Keys.FFN_DOWN_THRESHOLD in kv:
+            cuts = float_list(kv[Keys.FFN_DOWN_THRESHOLD], Keys.FFN_DOWN_THRESHOLD, source)
         if arch == "bamboo":
             variant = FFNVariant.DRELU
         elif sparse and _activation(kv, source) == "relu":
@@ -140,6 +146,7 @@ class ModelArgs:
             ffn_variant=variant,
             sparse_threshold=thr,
             dense_layers=dense_layers,
+            down_thresholds=cuts,
         )
         args.validate(source, n_tokens=n_tokens)
         return args
@@ -253,6 +260,8 @@ class ModelArgs:
             kv[Keys.SPARSE_ACTIVATION] = ("silu", GGUFValueType.STRING)
         if self.sparse and self.dense_layers:
             kv[Keys.DENSE_LAYERS] = (list(self.dense_layers), GGUFValueType.ARRAY, u32)
+        if self.sparse and any(self.down_thresholds):
+            kv[Keys.FFN_DOWN_THRESHOLD] = (list(self.down_thresholds), GGUFValueType.ARRAY, f32)
         return kv
 
     def validate(self, source: str = "model", *, n_tokens: int | None = None) -> None:
@@ -289,6 +298,13 @@ class ModelArgs:
             raise ModelConfigError(
                 f"{source}: {Keys.DENSE_LAYERS} lists layers {list(self.dense_layers)[:8]} "
                 f"beyond the model's {self.n_layer}; re-convert the model"
+            )
+        cuts = self.down_thresholds
+        if cuts and (len(cuts) != self.n_layer or not all(0 <= t < math.inf for t in cuts)):
+            raise ModelConfigError(
+                f"{source}: {Keys.FFN_DOWN_THRESHOLD} must hold {self.n_layer} finite values "
+                f">= 0 (one per layer), found {len(cuts)}: {list(cuts)[:4]}; re-convert the "
+                "model or remove the key"
             )
         if n_tokens is not None and self.n_vocab != n_tokens:
             raise ModelConfigError(
@@ -348,6 +364,21 @@ def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) ->
             f"got {_short(value)}"
         )
     return tuple(sorted(int(v) for v in items))
+
+
+def float_list(value: Any, key: str, source: str) -> tuple[float, ...]:
+    """A key's array of numbers as floats (ranges are checked by the caller).
+
+    Raises:
+        ModelConfigError: not an array of numbers; the message names the source and the key.
+    """
+    seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
+    items = list(value) if seq else None  # a list, or the reader's numpy array
+    if items is None or not all(
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items
+    ):
+        raise ModelConfigError(f"{source}: {key} must be an array of numbers, got {_short(value)}")
+    return tuple(float(v) for v in items)
 
 
 def _short(v: Any) -> str:

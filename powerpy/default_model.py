@@ -31,7 +31,7 @@ SPARSE_DATA_DIR = Path(__file__).parent / "data" / "smollm2-sparse"
 SPARSE_FILE = "SmolLM2-135M-Instruct.powerinfer.gguf"
 SPARSE_PREFIX = "smollm2-135m-sparse"
 SPARSE_OUTTYPE = "auto"  # the source's Q4_1 blocks; ffn_down_t and predictors Q8_0
-BUILD_VERSION = 3  # bump when the converter's output for the same inputs changes
+BUILD_VERSION = 4  # bump when the converter's output for the same inputs changes
 
 
 def smollm2_path() -> Path:

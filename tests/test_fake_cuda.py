@@ -137,3 +137,25 @@ def test_a_host_sync_on_the_device_is_caught(model_path, monkeypatch):
         rt.model.forward(torch.tensor(PROMPT), cache, llm.options)
         with pytest.raises(Exception, match="nonzero|dynamic|data-dependent"):
             rt.model.forward(torch.tensor([5]), cache, llm.options)
+
+
+def test_a_cut_runs_on_the_device_without_host_syncs(tmp_path):
+    """A model with cuts (powerpy.ffn_down_threshold): the hot rows' cut is a device-side mask,
+    so a decode step moves no more than without one."""
+    from powerpy.formats.constants import GGUFValueType, Keys
+
+    path = tmp_path / "cut.powerinfer.gguf"
+    cut = {
+        Keys.FFN_DOWN_THRESHOLD: ([0.05] * SPEC.n_layer, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    }
+    write_tiny_model(path, SPEC, sparse=True, seed=5, dtype=GGMLType.F16, extra_kv=cut)
+    llm, rt, accel, _ = _hybrid(path, "everything")
+    assert all(
+        b.hot.tau is not None and b.hot.tau.device.type == "cuda" for b in rt.model.weights.blk
+    )
+    cache = rt.model.new_cache(N_CTX)
+    with FakeCudaOps():
+        rt.model.forward(torch.tensor(PROMPT), cache, llm.options)
+        accel.reset_counts()
+        rt.model.forward(torch.tensor([5]), cache, llm.options)
+    assert accel.n_out == 2 * SPEC.n_layer + 1 and accel.n_in == SPEC.n_layer + 2

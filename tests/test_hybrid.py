@@ -151,7 +151,9 @@ def test_hybrid_dense_mode_equals_cpu_dense(tiny):
 
 def test_tolerance_catches_a_broken_merge(tiny, reference, monkeypatch):
     llm, _ = hybrid(tiny[0], index_of("single"), hot_mode="dense")
-    monkeypatch.setattr(ffn_mod, "_hot", lambda hot, x, act, variant, gather: torch.zeros_like(x))
+    monkeypatch.setattr(
+        ffn_mod, "_hot", lambda hot, x, act, variant, gather, tau: torch.zeros_like(x)
+    )
     diff = (run_logits(llm) - reference[0]).abs().max()
     assert diff > 1e-3  # dropping one hot neuron is far outside TOL
 

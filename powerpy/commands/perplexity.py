@@ -48,6 +48,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also sweep an oracle that keeps each token's top neurons (by |h|·‖down‖) at "
         "these skipped shares, e.g. 0.2 0.5 0.8: the best any predictor could do",
     )
+    p.add_argument(
+        "--cut",
+        nargs="+",
+        type=float,
+        metavar="S",
+        help="also sweep the file's per-layer cuts (powerpy.ffn_down_threshold) scaled by these "
+        "factors, e.g. 0.5 1 2 (1: the file's point; larger skips more)",
+    )
     add_plot_arg(p, "perplexity increase vs skipped share (the sweep, or dense vs sparse)")
     p.set_defaults(func=run)
 
@@ -64,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     bad = [s for s in args.oracle or () if not 0.0 <= s < 1.0]
     if bad:
         raise ValueError(f"--oracle {bad[0]:g}: skipped shares must be in [0, 1), e.g. 0.5")
+    if any(not 0 <= s < float("inf") for s in args.cut or ()):
+        raise ValueError("--cut: scales must be finite numbers >= 0, e.g. 0.5 1 2")
     check_plot(args)
     llm = load_model(args)
     model = llm.model
@@ -75,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     kw = dict(ctx=args.ctx, chunks=args.chunks, bos_id=bos, progress=sys.stderr.isatty())
-    if args.sweep is not None or args.oracle:
+    if args.sweep is not None or args.oracle or args.cut:
         return _sweeps(args, llm, ids, thresholds, kw)
     results = []
     sparse_ok = model.can_gate and not args.dense
@@ -121,6 +131,8 @@ def _sweeps(args: argparse.Namespace, llm, ids: list[int], thresholds, kw: dict)
         results.append(
             sweep.oracle_sweep(model, ids, args.oracle, name=llm.name, dense=dense, **kw)
         )
+    if args.cut:
+        results.append(sweep.cut_sweep(model, ids, args.cut, name=llm.name, dense=dense, **kw))
     for i, r in enumerate(results):
         print(("\n" if i else "") + r.table())
     if args.plot:

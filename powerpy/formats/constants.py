@@ -148,6 +148,9 @@ class Keys:
     # powerpy: layers whose FFN runs ungated in sparse mode, because their predictor costs
     # more than it saves (calibration with a predictor cost); other readers gate every layer
     DENSE_LAYERS = "powerpy.dense_layers"  # ARRAY of UINT32, sorted
+    # per layer l, the cut t_l >= 0 of the FFN: a computed neuron j adds its down row only when
+    # |h_j| * ||ffn_down_t[j]|| >= t_l (0: no cut)
+    FFN_DOWN_THRESHOLD = "powerpy.ffn_down_threshold"  # ARRAY of FLOAT32, one per layer
 
     TOKENIZER_MODEL = "tokenizer.ggml.model"
     TOKENIZER_PRE = "tokenizer.ggml.pre"

@@ -140,8 +140,9 @@ def _union_ffn(
     model: Model, l: int, blk: Block, x: Tensor, ffn_inp: Tensor, thr: float, opts: RunOptions
 ) -> Tensor:
     """The gated FFN over the union of the B tokens' active rows (CPU-only placements; others
-    run :func:`ffn`). x, ffn_inp (B, n_embd) -> (B, n_embd)."""
-    if blk.hot is not None or opts.observer is not None or not blk.gates(opts):
+    run :func:`ffn`, as do layers with a cut). x, ffn_inp (B, n_embd) -> (B, n_embd)."""
+    plain = blk.hot is None and opts.observer is None and blk.cut(opts) is None
+    if not plain or not blk.gates(opts):
         return ffn(l, blk, x, ffn_inp, model.args.ffn_variant, thr, opts, model.accel)
     with phase(opts.timer, "predictor"):
         act = predict(ffn_inp, blk.fc1, blk.fc2, model.accel) >= thr  # (B, n_ff) bool

@@ -2,8 +2,11 @@
 
 Semantics (spec §9.2-§9.3): ``act = fc2·relu(fc1·ffn_inp) >= thr``; only active neurons
 contribute, ``y = Σ_{j active} h_j · ffn_down_t[j]`` with ``h`` the variant's activation of gate
-and up. A hybrid placement splits each layer's neurons into k hot rows on the accelerator and the
-cold rest on the host; the CPU-only model is the same split with no hot rows (``blk.hot`` None).
+and up. A layer with a *cut* ``t`` (``powerpy.ffn_down_threshold``, sparse runs only) also drops
+each computed neuron whose contribution is small, ``|h_j| · ‖ffn_down_t[j]‖ < t``, before its
+down row is read: ``tau_j = t / ‖ffn_down_t[j]‖`` per neuron (:func:`cut_taus`). A hybrid
+placement splits each layer's neurons into k hot rows on the accelerator and the cold rest on
+the host; the CPU-only model is the same split with no hot rows (``blk.hot`` None).
 """
 
 from __future__ import annotations
@@ -39,6 +42,36 @@ def glu(g: Tensor, u: Tensor, variant: FFNVariant, *, inplace: bool = False) -> 
     else:
         F.relu(g, inplace=True)
     return g.mul_(F.relu(u, inplace=inplace) if variant == FFNVariant.DRELU else u)
+
+
+def row_norms(w: Weight, chunk: int = 4096) -> Tensor:
+    """The L2 norm of every row: w (n, m) -> (n,) f32, dequantized ``chunk`` rows at a time."""
+    parts = []
+    for s in range(0, w.shape[0], chunk):
+        rows = torch.arange(s, min(s + chunk, w.shape[0]), device=w.device)
+        parts.append(w.take_rows(rows).dequantize().float().norm(dim=1))
+    return torch.cat(parts)
+
+
+def cut_taus(down_t: Weight, t: float) -> Tensor:
+    """A layer's cut ``|h_j| · ‖down_t[j]‖ >= t`` per neuron: (n_ff,) f32 ``t / ‖down_t[j]‖``
+    (inf for an all-zero row, which adds nothing)."""
+    n = row_norms(down_t)
+    return torch.where(n > 0, t / n, torch.inf).float()
+
+
+def scaled_cut(tau: Tensor | None, opts: RunOptions) -> Tensor | None:
+    """The cut ``tau`` as a run with ``opts`` applies it: None in dense runs and at
+    ``cut_scale`` 0, else ``tau · cut_scale``."""
+    if tau is None or not opts.sparse or opts.oracle is not None or opts.cut_scale == 0:
+        return None
+    return tau if opts.cut_scale == 1 else tau * opts.cut_scale
+
+
+def cut(h: Tensor, tau: Tensor | None) -> Tensor:
+    """h (..., k) with the neurons below their cut (``|h_j| < tau_j``, tau (k,)) set to 0 in
+    place; h itself when ``tau`` is None."""
+    return h if tau is None else h.masked_fill_(h.abs() < tau, 0.0)
 
 
 def predict(x_pred: Tensor, fc1: Weight, fc2: Weight, accel: Accelerator | None = None) -> Tensor:
@@ -99,17 +132,48 @@ def ffn_dense(x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNV
     return rows_sum(glu(gate.linear(x), up.linear(x), variant, inplace=True), down_t)
 
 
+def ffn_cut(
+    x: Tensor,
+    gate: Weight,
+    up: Weight,
+    down_t: Weight,
+    variant: FFNVariant,
+    act: Tensor | None,
+    tau: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The FFN with a cut, CPU-only: x (T, n_embd), act (T, n_ff) bool predictor mask or None
+    (ungated), tau (n_ff,) -> ((T, n_embd), kept (T,) int64: neurons whose down row was added).
+    One token reads only its kept down rows; a batch computes h densely and masks it."""
+    if x.shape[0] == 1:
+        idx = torch.arange(gate.shape[0]) if act is None else act[0].nonzero().squeeze(1)
+        h = glu_rows(x[0], gate, up, idx, variant)  # (k,)
+        keep = h.abs() >= tau[idx]
+        idx, h = idx[keep], h[keep]
+        y = down_t.gather_axpy(h, idx) if idx.numel() else x.new_zeros(down_t.shape[1])
+        return y[None], torch.tensor([idx.numel()])
+    h = glu(gate.linear(x, act), up.linear(x, act), variant, inplace=True)  # (T, n_ff)
+    keep = h.abs() >= tau if act is None else act & (h.abs() >= tau)
+    return rows_sum(h.mul_(keep), down_t), keep.sum(1)
+
+
 def ffn_masked(
-    x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant, act: Tensor
+    x: Tensor,
+    gate: Weight,
+    up: Weight,
+    down_t: Weight,
+    variant: FFNVariant,
+    act: Tensor,
+    tau: Tensor | None = None,
 ) -> Tensor:
-    """Predictor-gated FFN over a batch, computed densely then masked: act (T, n_ff) bool.
+    """Predictor-gated FFN over a batch, computed densely then masked: act (T, n_ff) bool, tau
+    (n_ff,) the cut or None.
 
     Equal to the row-sparse form token by token (masked neurons contribute exactly 0); used for
     prefill, where every token has its own mask. Quantized gate and up skip the rows that no
     token of a tile needs.
     """
     h = glu(gate.linear(x, act), up.linear(x, act), variant, inplace=True).mul_(act)
-    return rows_sum(h, down_t)
+    return rows_sum(cut(h, tau), down_t)
 
 
 def ffn_rows(
@@ -123,17 +187,27 @@ def ffn_rows(
 
 
 def ffn_union(
-    x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant, mask: Tensor
+    x: Tensor,
+    gate: Weight,
+    up: Weight,
+    down_t: Weight,
+    variant: FFNVariant,
+    mask: Tensor,
+    tau: Tensor | None = None,
 ) -> Tensor:
     """Masked FFN over the union of the batch's rows: x (T, n_embd), mask (T, n_ff) bool on the
-    host -> (T, n_embd). Only rows some token needs are read; most rows: one dense masked pass."""
+    host, tau (n_ff,) the cut or None -> (T, n_embd). Only rows some token needs are read; most
+    rows: one dense masked pass."""
     rows = mask.any(0).nonzero().squeeze(1)  # (r,) rows any token needs
     if rows.numel() == 0:
         return x.new_zeros(x.shape[0], down_t.shape[1])
     if 2 * rows.numel() >= mask.shape[1]:
-        return ffn_masked(x, gate, up, down_t, variant, mask)
+        return ffn_masked(x, gate, up, down_t, variant, mask, tau)
     g, u = gate.take_rows(rows).linear(x), up.take_rows(rows).linear(x)  # (T, r)
-    return rows_sum(glu(g, u, variant, inplace=True).mul_(mask[:, rows]), down_t.take_rows(rows))
+    h = cut(
+        glu(g, u, variant, inplace=True).mul_(mask[:, rows]), None if tau is None else tau[rows]
+    )
+    return rows_sum(h, down_t.take_rows(rows))
 
 
 # ----------------------------------------------------------------------------------- split
@@ -147,6 +221,7 @@ class HotRows:
         bucket: ``(k,)`` int64 on the device: the neuron id of each compact row.
         cold: ``(n_ff,)`` bool on the host, True where the neuron stays on the CPU.
         cold_idx: ``(n_ff - k,)`` int64 on the host, the cold neuron ids.
+        tau: ``(k,)`` f32 on the device, the layer's cut of each compact row, or None.
     """
 
     k: int
@@ -156,6 +231,7 @@ class HotRows:
     bucket: Tensor
     cold: Tensor
     cold_idx: Tensor
+    tau: Tensor | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -195,8 +271,9 @@ def ffn(
     if blk.gates(opts):
         with phase(opts.timer, "predictor"):
             act = predict(ffn_inp, blk.fc1, blk.fc2, accel) >= threshold  # (T, n_ff) bool
-    elif opts.sparse and blk.fc1 is not None and opts.oracle is None and opts.stats is not None:
-        opts.stats.record_dense(l, x.shape[0])  # an ungated layer computes every neuron
+    elif blk.cut(opts) is None and opts.sparse and blk.fc1 is not None and opts.oracle is None:
+        if opts.stats is not None:
+            opts.stats.record_dense(l, x.shape[0])  # an ungated layer computes every neuron
     if opts.observer is None and opts.oracle is None:
         return split_ffn(blk, x, act, variant, accel, l=l, opts=opts)
     # Profiling or an oracle: the true activation of every neuron, from the host matrices.
@@ -222,18 +299,19 @@ def fused_decode(
     kern = ffn_kernels(blk, opts)
     if kern is None:
         return None
-    lib, mats, stored = kern
+    lib, mats, stored, tau = kern
     norm = (blk.ffn_norm, norm_eps)
-    y, k = lib.ffn_decode(mats, thr, x[0], norm, variant, down_stored=stored)
-    if opts.sparse and blk.fc1 is not None and opts.stats is not None:
-        opts.stats.record_count(l, k)  # every neuron in an ungated layer
+    y, k = lib.ffn_decode(mats, thr, x[0], norm, variant, down_stored=stored, tau=tau)
+    if (blk.fc1 is not None or tau is not None) and opts.sparse and opts.stats is not None:
+        opts.stats.record_count(l, k)  # every neuron in an ungated layer without a cut
     return y[None]
 
 
 def ffn_kernels(blk, opts: RunOptions):
-    """(library, [fc1, fc2, gate, up, down] matrices, down_stored) for the native FFN block of
-    one decode step, or None when it does not apply (a matrix the kernels cannot read,
-    profiling, an oracle, hot rows). fc1 and fc2 are None where the predictor does not gate."""
+    """(library, [fc1, fc2, gate, up, down] matrices, down_stored, tau) for the native FFN block
+    of one decode step, or None when it does not apply (a matrix the kernels cannot read,
+    profiling, an oracle, hot rows). fc1 and fc2 are None where the predictor does not gate;
+    tau is the layer's cut (None: no cut)."""
     if opts.observer is not None or opts.oracle is not None or blk.hot is not None:
         return None
     down = blk.ffn_down_t
@@ -244,7 +322,7 @@ def ffn_kernels(blk, opts: RunOptions):
     if pair is None or kd is None or None in preds or blk.ffn_norm.device.type != "cpu":
         return None
     lib, gm, um = pair
-    return lib, [p[1] for p in preds] + [gm, um, kd[1]], stored
+    return lib, [p[1] for p in preds] + [gm, um, kd[1]], stored, None if stored else blk.cut(opts)
 
 
 def split_ffn(
@@ -272,19 +350,27 @@ def split_ffn(
         (T, n_embd) f32 on x's device.
     """
     hot: HotRows | None = blk.hot
+    tau = blk.cut(opts)  # (n_ff,) on the host, or None
     y_hot = None
     if hot is not None:
         assert accel is not None
         x_dev = accel.move(x, accel.device)
         act_dev = None if act is None else accel.move(act, accel.device)
+        tau_dev = scaled_cut(hot.tau, opts)  # (k,) on the device, or None
         with accel.side_stream(), phase(opts.timer, "ffn_hot"):
-            y_hot = _hot(hot, x_dev, act_dev, variant, accel.gather_hot)  # queued on the device
+            y_hot = _hot(hot, x_dev, act_dev, variant, accel.gather_hot, tau_dev)  # queued
     x_host = move(accel, x, HOST)  # waits for the predictor only, not for the hot part
     act_host = None if act is None else move(accel, act, HOST)
+    if hot is None and tau is not None:  # CPU-only with a cut: count the rows really added
+        y_cold, kept = ffn_cut(x_host, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant,
+                               act_host, tau)  # fmt: skip
+        if opts.stats is not None:
+            opts.stats.record_counts(l, kept)
+        return move(accel, y_cold, x.device)
     if act_host is not None and opts.stats is not None:
-        opts.stats.record(l, act_host)
+        opts.stats.record(l, act_host)  # a hybrid's statistics count the predicted rows
     with phase(opts.timer if hot is not None else None, "ffn_cold"):
-        y_cold = _cold(blk, hot, x_host, act_host, variant)  # (T, n_embd) on the host
+        y_cold = _cold(blk, hot, x_host, act_host, variant, tau)  # (T, n_embd) on the host
     if y_hot is None:
         return move(accel, y_cold, x.device)
     with phase(opts.timer, "ffn_hot_wait"):
@@ -294,22 +380,31 @@ def split_ffn(
     return accel.move(y_hot, x.device) + y_cold
 
 
-def _hot(hot: HotRows, x: Tensor, act: Tensor | None, variant: FFNVariant, gather: bool) -> Tensor:
-    # x (T, n_embd), act (T, n_ff) bool, both on the device -> (T, n_embd) f32 on the device
+def _hot(
+    hot: HotRows,
+    x: Tensor,
+    act: Tensor | None,
+    variant: FFNVariant,
+    gather: bool,
+    tau: Tensor | None,
+) -> Tensor:
+    # x (T, n_embd), act (T, n_ff) bool, tau (k,), all on the device -> (T, n_embd) f32 there
     if gather and act is not None and x.shape[0] == 1:
         idx = act[0, hot.bucket].nonzero().squeeze(1)  # (r,) active compact rows: a host sync
-        h = glu_rows(x[0], hot.gate, hot.up, idx, variant)  # (r,)
+        h = cut(glu_rows(x[0], hot.gate, hot.up, idx, variant), None if tau is None else tau[idx])
         return hot.down_t.gather_axpy(h, idx)[None]
-    h = glu(hot.gate.linear(x), hot.up.linear(x), variant, inplace=True)  # (T, k)
+    h = cut(glu(hot.gate.linear(x), hot.up.linear(x), variant, inplace=True), tau)  # (T, k)
     if act is not None:
         h = h.mul_(act.index_select(1, hot.bucket))  # predictor gating, no host round trip
     return rows_sum(h, hot.down_t)
 
 
-def _cold(blk, hot: HotRows | None, x: Tensor, act: Tensor | None, variant: FFNVariant) -> Tensor:
-    # x (T, n_embd), act (T, n_ff) bool, both on the host -> (T, n_embd) f32
+def _cold(
+    blk, hot: HotRows | None, x: Tensor, act: Tensor | None, variant: FFNVariant, tau
+) -> Tensor:
+    # x (T, n_embd), act (T, n_ff) bool, tau (n_ff,) or None, all on the host -> (T, n_embd) f32
     gate, up, down_t = blk.ffn_gate, blk.ffn_up, blk.ffn_down_t
-    if hot is None:  # every row is cold: the CPU-only FFN
+    if hot is None:  # every row is cold: the CPU-only FFN (without a cut)
         if act is None:
             return ffn_dense(x, gate, up, down_t, variant)
         if x.shape[0] == 1:
@@ -318,6 +413,10 @@ def _cold(blk, hot: HotRows | None, x: Tensor, act: Tensor | None, variant: FFNV
         return ffn_masked(x, gate, up, down_t, variant, act)
     if x.shape[0] == 1:  # decode: only the predicted-active cold rows
         idx = hot.cold_idx if act is None else (act[0] & hot.cold).nonzero().squeeze(1)
+        if tau is not None:
+            h = glu_rows(x[0], gate, up, idx, variant)  # (r,)
+            keep = h.abs() >= tau[idx]
+            return down_t.gather_axpy(h[keep], idx[keep])[None]
         return ffn_rows(x[0], gate, up, down_t, variant, idx)[None]
     mask = hot.cold.expand(x.shape[0], -1) if act is None else act & hot.cold  # (T, n_ff)
-    return ffn_union(x, gate, up, down_t, variant, mask)
+    return ffn_union(x, gate, up, down_t, variant, mask, tau)

@@ -39,7 +39,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 # dtype codes of the C library (enum DType)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -91,8 +91,8 @@ _SIGNATURES = {
         [_p, _p, _p, _f, _p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i64, _p, _i32, _i32],
         _i32,
     ),
-    # mats (5 x 5 int64), thr, resid, norm, eps, variant, down_stored, out, act, nthreads
-    "pp_ffn_decode": ([_p, _f, _p, _p, _f, _i32, _i32, _p, _i32, _i32], _i64),
+    # mats (5 x 5 int64), thr, tau, resid, norm, eps, variant, down_stored, out, act, nthreads
+    "pp_ffn_decode": ([_p, _f, _p, _p, _p, _f, _i32, _i32, _p, _i32, _i32], _i64),
     # layers, records, eps, rot, n_rot, n_head, n_kv, hd, k, v, layer bytes, cache dtype, pos,
     # thr, variant, x, counts, act, nthreads (powerpy.model.stack_decode: one token, all blocks)
     "pp_decode_layers": (
@@ -363,29 +363,23 @@ class KernelLibrary:
         norm: tuple[Tensor, float],
         variant: FFNVariant,
         down_stored: bool = False,
+        tau: Tensor | None = None,
     ) -> tuple[Tensor, int]:
         """One token's FFN block in one call: x (n_embd,) the residual stream (the predictor's
         input), ``norm`` = (ffn_norm, eps) for the FFN's input.
 
         ``mats`` = fc1, fc2 (both None: dense), gate, up, down_t: the block adds
-        ``sum_j h_j down_t[j]`` over the neurons with ``fc2·relu(fc1·x) >= thr``. With
-        ``down_stored`` the last matrix is a dense file's ``ffn_down`` (n_embd, n_ff) and the
-        FFN is dense. Returns (x + FFN (n_embd,), how many neurons were computed).
+        ``sum_j h_j down_t[j]`` over the neurons with ``fc2·relu(fc1·x) >= thr`` and, with the
+        cut ``tau`` (n_ff,) f32, ``|h_j| >= tau[j]``. With ``down_stored`` the last matrix is a
+        dense file's ``ffn_down`` (n_embd, n_ff) and the FFN is dense. Returns (x + FFN
+        (n_embd,), how many neurons' down rows were added).
         """
-        x, w = as_f32(x), as_f32(norm[0])
-        out = torch.empty(x.numel(), dtype=_F32)
+        x, w, tau = as_f32(x), as_f32(norm[0]), None if tau is None else as_f32(tau)
+        out, v = torch.empty(x.numel(), dtype=_F32), VARIANTS[FFNVariant(variant)]
         k = self.cdll.pp_ffn_decode(
-            Matrix.pack(mats),
-            thr,
-            x.data_ptr(),
-            w.data_ptr(),
-            norm[1],
-            VARIANTS[FFNVariant(variant)],
-            int(down_stored),
-            out.data_ptr(),
-            _quant_act,
-            _threads(),
-        )
+            Matrix.pack(mats), thr, 0 if tau is None else tau.data_ptr(), x.data_ptr(),
+            w.data_ptr(), norm[1], v, int(down_stored), out.data_ptr(), _quant_act, _threads(),
+        )  # fmt: skip
         if k < 0:
             _raise(-k, "ffn_decode")
         return out, k

@@ -22,6 +22,7 @@ from powerpy.errors import FileFormatError, ModelConfigError
 from powerpy.formats import quants
 from powerpy.formats.constants import GGMLType, Names
 from powerpy.formats.gguf_reader import GGUFFile
+from powerpy.model.ffn import cut_taus
 from powerpy.model.kernels import QUANT_TYPES
 from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
 from powerpy.model.transformer import Block, Weights
@@ -154,7 +155,7 @@ def load_weights(
     output = token_embd
     if Names.OUTPUT in gf.tensors:
         output = src.matrix(Names.OUTPUT, (args.n_vocab, d))
-    blocks = []
+    blocks, cuts = [], args.down_thresholds
     for l in tqdm(range(args.n_layer), desc="loading", unit="layer", disable=not progress):
         n = {k: getattr(Names, k).format(l=l) for k in vars(Names) if k.isupper()}
         fc1 = fc2 = None
@@ -184,6 +185,7 @@ def load_weights(
                 fc1=fc1,
                 fc2=fc2,
                 gated=l not in args.dense_layers,
+                down_tau=cut_taus(down_t, cuts[l]) if cuts and cuts[l] > 0 else None,
             )
         )
     return Weights(

@@ -19,7 +19,8 @@ Oracle = Callable[[int, Tensor], Tensor]
 
 @dataclass
 class SparsityStats:
-    """Predicted-active neuron counts per layer, accumulated over the tokens run."""
+    """Active neuron counts per layer (predicted active and not cut), accumulated over the
+    tokens run."""
 
     n_ff: int
     active: np.ndarray  # (n_layer,) int64: sum of active neurons over tokens
@@ -35,16 +36,25 @@ class SparsityStats:
 
     def record(self, layer: int, act: Tensor) -> None:
         """Count one layer's mask: act (T, n_ff) bool, on the host."""
-        counts = act.sum(dim=1)  # (T,)
-        self.active[layer] += int(counts.sum())
-        self.tokens[layer] += act.shape[0]
-        self.last[layer] = float(counts[-1]) / self.n_ff
+        self.record_counts(layer, act.sum(dim=1))
 
     def record_count(self, layer: int, active: int) -> None:
         """Count one token of one layer from its number of active neurons."""
         self.active[layer] += active
         self.tokens[layer] += 1
         self.last[layer] = active / self.n_ff
+
+    def record_counts(self, layer: int, counts: Tensor) -> None:
+        """Count tokens of one layer from their numbers of active neurons: counts (T,) int."""
+        self.active[layer] += int(counts.sum())
+        self.tokens[layer] += counts.numel()
+        self.last[layer] = float(counts[-1]) / self.n_ff
+
+    def record_step(self, layers: np.ndarray, counts: np.ndarray) -> None:
+        """Count one token of several layers: layers (k,) ids, counts (k,) active neurons."""
+        self.active[layers] += counts
+        self.tokens[layers] += 1
+        self.last[layers] = counts / self.n_ff
 
     def record_dense(self, layer: int, tokens: int) -> None:
         """Count tokens of a layer that ran ungated (every neuron active)."""
@@ -77,6 +87,8 @@ class RunOptions:
         oracle: research: chooses the kept neurons from the true activation instead of the
             predictors (an ideal predictor; the FFN runs on the host matrices, like the
             observer). ``stats`` then record the oracle's masks.
+        cut_scale: research: scales the file's per-layer cuts (``powerpy.ffn_down_threshold``)
+            in sparse runs; 0 turns them off, larger values skip more neurons.
     """
 
     sparse: bool = True
@@ -85,6 +97,11 @@ class RunOptions:
     timer: PhaseTimer | None = None
     stats: SparsityStats | None = None
     oracle: Oracle | None = None
+    cut_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.cut_scale >= 0 and self.cut_scale < float("inf")):
+            raise ValueError(f"cut_scale {self.cut_scale} must be finite and >= 0")
 
 
 SPARSE = RunOptions()  # the default: gate where the model has predictors

@@ -24,7 +24,7 @@ from powerpy.model.kernels import KernelLibrary, Matrix, as_f32
 from powerpy.model.options import RunOptions
 
 CACHE_CODES = {torch.float32: 0, torch.float16: 1}  # the kernels' KV cache types
-_REC = 48  # int64 per layer record: 4 + 5 matrices of 5, attn_norm, ffn_norm, down_stored
+_REC = 49  # int64 per layer record: 4 + 5 matrices of 5, attn_norm, ffn_norm, down_stored, tau
 
 
 def attention_kernels(blk) -> tuple[KernelLibrary, list[Matrix]] | None:
@@ -44,14 +44,14 @@ class StackPlan:
         lib: the kernel library.
         records: (n_layer, 48) int64, the C records (pointers into ``keep``'s tensors).
         keep: the matrices and f32 norms the records point into (kept alive here).
-        gated: per layer, whether it has predictors (its counts go to the statistics).
+        gated: the layers with predictors or a cut (their counts go to the statistics).
         variant: the FFN activation's kernel code.
     """
 
     lib: KernelLibrary
     records: np.ndarray
     keep: list
-    gated: list[bool]
+    gated: np.ndarray  # (k,) int64 layer ids
     variant: int
 
     @staticmethod
@@ -65,13 +65,15 @@ class StackPlan:
                 return None
             lib = att[0]
             norms = [as_f32(blk.attn_norm), as_f32(blk.ffn_norm)]
-            keep += att[1] + [m for m in ffn[1] if m is not None] + norms
+            tau = None if ffn[3] is None else as_f32(ffn[3])
+            keep += att[1] + [m for m in ffn[1] if m is not None] + norms + [tau]
             rec = list(Matrix.pack(att[1] + ffn[1]))
-            recs.append(rec + [norms[0].data_ptr(), norms[1].data_ptr(), int(ffn[2])])
+            ptrs = [norms[0].data_ptr(), norms[1].data_ptr(), int(ffn[2])]
+            recs.append(rec + ptrs + [0 if tau is None else tau.data_ptr()])
         if lib is None:
             return None
         records = np.ascontiguousarray(np.array(recs, dtype=np.int64).reshape(-1, _REC))
-        gated = [blk.fc1 is not None for blk in blocks]
+        gated = np.flatnonzero([blk.fc1 is not None or blk.cut(opts) is not None for blk in blocks])
         return StackPlan(lib, records, keep, gated, kernels.VARIANTS[FFNVariant(variant)])
 
     def run(
@@ -94,20 +96,20 @@ class StackPlan:
         if st:
             raise ValueError(f"decode_layers: invalid arguments (status {st})")
         if opts.sparse and opts.stats is not None:
-            for l in np.flatnonzero(self.gated):
-                opts.stats.record_count(int(l), int(counts[l]))
+            opts.stats.record_step(self.gated, counts[self.gated])
         return out[None]
 
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {sparse: plan}
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mode: plan}
 
 
 def plan_for(model, opts: RunOptions) -> StackPlan | None:
-    """The model's plan for ``opts.sparse``, built on first use (None: per-layer calls)."""
-    plans = _PLANS.setdefault(model, {})
-    if opts.sparse not in plans:
-        plans[opts.sparse] = StackPlan.build(model.weights.blk, model.args.ffn_variant, opts)
-    return plans[opts.sparse]
+    """The model's plan for ``opts.sparse`` and ``opts.cut_scale``, built on first use (None:
+    per-layer calls)."""
+    plans, key = _PLANS.setdefault(model, {}), (opts.sparse, opts.sparse and opts.cut_scale)
+    if key not in plans:
+        plans[key] = StackPlan.build(model.weights.blk, model.args.ffn_variant, opts)
+    return plans[key]
 
 
 def usable(cache: KVCache, opts: RunOptions) -> bool:

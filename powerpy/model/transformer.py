@@ -20,7 +20,7 @@ from powerpy.errors import NonFiniteError
 from powerpy.model import ggml_numerics, stack_decode
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, move
-from powerpy.model.ffn import HotRows, ffn, fused_decode
+from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
 from powerpy.model.matrices import Weight
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
@@ -44,10 +44,15 @@ class Block:
     fc2: Weight | None = None  # (n_ff, H)
     hot: HotRows | None = None  # hybrid placements: this layer's rows on the accelerator
     gated: bool = True  # False: in powerpy.dense_layers, the FFN runs ungated in sparse mode
+    down_tau: Tensor | None = None  # (n_ff,) f32 host: the cut (powerpy.ffn_down_threshold)
 
     def gates(self, opts: RunOptions) -> bool:
         """Whether the predictor gates this layer's FFN in a run with ``opts``."""
         return opts.sparse and self.gated and self.fc1 is not None and opts.oracle is None
+
+    def cut(self, opts: RunOptions) -> Tensor | None:
+        """This layer's cut in a run with ``opts`` (None: every computed neuron counts)."""
+        return scaled_cut(self.down_tau, opts)
 
 
 @dataclass

@@ -202,6 +202,9 @@ def _sparse_kv(preds: Predictors, act: str) -> dict[str, tuple]:
     if preds.dense_layers:
         layers = list(preds.dense_layers)
         kv[Keys.DENSE_LAYERS] = (layers, GGUFValueType.ARRAY, GGUFValueType.UINT32)
+    if any(preds.down_thresholds):
+        cuts = list(preds.down_thresholds)
+        kv[Keys.FFN_DOWN_THRESHOLD] = (cuts, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
     return kv
 
 

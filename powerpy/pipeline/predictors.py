@@ -10,6 +10,7 @@ int8 pack that ships predictors inside the package. Its reader (for ``convert``)
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import re
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from powerpy._fs import atomic_write, read_json
-from powerpy.config import ACTIVATIONS, layer_list
+from powerpy.config import ACTIVATIONS, float_list, layer_list
 
 PREDICTOR_FILE = "model_{l}.pt"
 PREDICTOR_FILE_RE = re.compile(r"model_(\d+)\.pt")
@@ -45,6 +46,7 @@ class Predictors:
     threshold: float | None  # config.json sparse_threshold
     activation: str | None  # config.json sparse_activation ("relu"/"silu")
     dense_layers: tuple[int, ...] = ()  # config.json powerpy.calibration.dense_layers
+    down_thresholds: tuple[float, ...] = ()  # config.json ffn_down_threshold: per-layer cuts
 
 
 def load_predictor_file(path: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
@@ -111,6 +113,27 @@ def read_dense_layers(pred_dir: Path, n_layer: int) -> tuple[int, ...]:
     return layer_list(layers, "powerpy.calibration.dense_layers", str(path), n_layer)
 
 
+def read_cuts(pred_dir: Path, n_layer: int) -> tuple[float, ...]:
+    """The per-layer cuts ``config.json: ffn_down_threshold`` (a computed neuron's down row is
+    skipped where ``|h_j| · ‖ffn_down_t[j]‖`` is below its layer's value; the ``thresholds`` of
+    a ``powerpy profile --target-sparsity Q`` run's ``profile.json`` fit here); () if absent.
+
+    Raises:
+        ValueError: not ``n_layer`` finite numbers >= 0.
+    """
+    path = pred_dir / "config.json"
+    value = read_json(path).get("ffn_down_threshold") if path.is_file() else None
+    if value is None:
+        return ()
+    cuts = float_list(value, "ffn_down_threshold", str(path))
+    if len(cuts) != n_layer or not all(0 <= t < math.inf for t in cuts):
+        raise ValueError(
+            f"{path}: ffn_down_threshold must hold {n_layer} finite numbers >= 0 (one per "
+            f"layer), found {len(cuts)}"
+        )
+    return cuts
+
+
 def scan_predictors(pred_dir: str | os.PathLike[str], n_layer: int, n_embd: int, n_ff: int):
     """Check a predictor directory against the model's dimensions.
 
@@ -159,7 +182,7 @@ def scan_predictors(pred_dir: str | os.PathLike[str], n_layer: int, n_embd: int,
             raise ValueError(f"{path}: predictor weights are not all finite")
         hidden.append(h)
     thr, act = read_predictor_config(d)
-    return Predictors(files, hidden, thr, act, read_dense_layers(d, n_layer))
+    return Predictors(files, hidden, thr, act, read_dense_layers(d, n_layer), read_cuts(d, n_layer))
 
 
 # ----------------------------------------------------------------------------------- writing

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from powerpy._fs import atomic_write
 from powerpy.config import ACTIVATIONS
+from powerpy.model.ffn import row_norms
 from powerpy.model.options import RunOptions
 from powerpy.model.transformer import Model
 from powerpy.pipeline.corpus import window_starts
@@ -57,17 +58,9 @@ def activation_kind(model: Model) -> str:
     return model.args.ffn_variant.activation
 
 
-def down_norms(model: Model, chunk: int = 4096) -> list[torch.Tensor]:
+def down_norms(model: Model) -> list[torch.Tensor]:
     """Per layer, the L2 norm of each neuron's output row ``‖ffn_down_t[j]‖``: (n_ff,) f32."""
-    out = []
-    for blk in model.weights.blk:
-        w = blk.ffn_down_t
-        parts = []
-        for s in range(0, w.shape[0], chunk):
-            rows = torch.arange(s, min(s + chunk, w.shape[0]))
-            parts.append(w.take_rows(rows).dequantize().float().norm(dim=1))
-        out.append(torch.cat(parts))
-    return out
+    return [row_norms(blk.ffn_down_t) for blk in model.weights.blk]
 
 
 def magnitude_score(h: torch.Tensor, down_norm: torch.Tensor) -> torch.Tensor:

@@ -29,14 +29,16 @@ from powerpy.pipeline.profile import KIND_RELU, activation_kind, down_norms, mag
 
 DEFAULT_THRESHOLDS = (-3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0)
 DEFAULT_SKIPS = (0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-KINDS = ("predictors", "oracle")
+DEFAULT_CUT_SCALES = (0.5, 1.0, 1.5, 2.0)
+KINDS = ("predictors", "oracle", "cut")
+_HEADS = {"predictors": "threshold", "oracle": "oracle", "cut": "cut scale"}
 
 
 @dataclass(frozen=True)
 class SweepPoint:
     """One setting of a sweep."""
 
-    setting: float  # predictor threshold, or the oracle's skipped share
+    setting: float  # predictor threshold, the oracle's skipped share, or the cut's scale
     ppl: float
     skipped: float  # mean fraction of FFN neurons skipped per token
     increase: float  # ppl / dense ppl - 1
@@ -48,7 +50,8 @@ class SweepResult:
 
     Attributes:
         model: the model's name (for titles).
-        kind: "predictors" (settings are thresholds) or "oracle" (settings are skipped shares).
+        kind: "predictors" (settings are thresholds), "oracle" (skipped shares) or "cut"
+            (scales of the file's cuts, ``RunOptions.cut_scale``).
         dense_ppl: the dense run's perplexity, the reference of ``increase``.
         points: one per setting, in the order run.
         n_scored, ctx, n_chunks: what each perplexity run scored.
@@ -90,7 +93,7 @@ class SweepResult:
 
     def table(self) -> str:
         """The sweep as a plain-text table (what ``powerpy perplexity --sweep`` prints)."""
-        head = "threshold" if self.kind == "predictors" else "oracle"
+        head = _HEADS[self.kind]
         lines = [f"{head:>10}{'skipped':>10}{'PPL':>11}{'vs dense':>10}"]
         lines.append(f"{'dense':>10}{'0.0%':>10}{self.dense_ppl:>11.4f}{'-':>10}")
         for p in self.points:
@@ -117,13 +120,15 @@ class SweepResult:
              f"{100 * p.increase:+.2f}%")
             for p in self.points
         ]  # fmt: skip
-        head = "threshold" if self.kind == "predictors" else "oracle skip"
+        head = _HEADS[self.kind]
         note = f"skipped at +3% perplexity: {_html.pct(self.skipped_at(0.03))}"
         title = f"{self.model}: perplexity vs skipped FFN neurons ({self.kind})"
         return _html.table(title, (head, "skipped", "PPL", "vs dense"), rows, notes=[note])
 
 
 def _setting(kind: str, value: float) -> str:
+    if kind == "cut":
+        return f"{value:g}x"
     return f"{value:+.2f}" if kind == "predictors" else _html.pct(value, 0)
 
 
@@ -168,6 +173,8 @@ def _sweep(
     for s in settings:
         if kind == "oracle":
             opts = RunOptions(sparse=False, oracle=topk_oracle(model, s))
+        elif kind == "cut":
+            opts = RunOptions(cut_scale=s)
         else:
             opts = RunOptions(threshold=s)
         r = perplexity(model, ids, opts=opts, desc=f"{kind} {s:g}", progress=progress, **kwargs)
@@ -223,3 +230,27 @@ def oracle_sweep(
         if not 0.0 <= s < 1.0:
             raise ValueError(f"oracle skipped share {s} must be in [0, 1)")
     return _sweep(model, ids, "oracle", skips, name, dense, progress, **kwargs)
+
+
+def cut_sweep(
+    model: Model,
+    ids: Sequence[int] | npt.NDArray[np.integer],
+    scales: Sequence[float] = DEFAULT_CUT_SCALES,
+    *,
+    name: str = "",
+    dense: PerplexityResult | None = None,
+    progress: bool = False,
+    **kwargs,
+) -> SweepResult:
+    """The same curve for the file's per-layer cuts (``powerpy.ffn_down_threshold``) scaled by
+    each factor (``RunOptions.cut_scale``; 1 is the file's point). Arguments as for
+    :func:`sparsity_sweep`.
+
+    Raises:
+        ValueError: a model without cuts, no scales, or bad perplexity settings.
+    """
+    if not any(b.down_tau is not None for b in model.weights.blk):
+        raise ValueError("the model has no cuts (powerpy.ffn_down_threshold): nothing to sweep")
+    if any(not 0 <= s < math.inf for s in scales):
+        raise ValueError(f"cut scales {list(scales)} must be finite and >= 0")
+    return _sweep(model, ids, "cut", scales, name, dense, progress, **kwargs)

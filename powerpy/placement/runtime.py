@@ -270,6 +270,7 @@ def build_hybrid(
             accel.to_device(bucket),
             cold,
             cold.nonzero().squeeze(1),
+            None if blk.down_tau is None else accel.to_device(blk.down_tau[bucket]),
         )
         hot_bytes += blk.hot.device_bytes
         index_bytes += blk.hot.index_bytes

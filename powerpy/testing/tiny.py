@@ -120,6 +120,7 @@ def write_tiny_model(
     seed: int = 0,
     threshold: float | None = None,
     dtype: GGMLType = GGMLType.F32,
+    extra_kv: dict[str, tuple] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny random model; return its f32 tensors (numpy shapes) for reference checks.
 
@@ -130,6 +131,7 @@ def write_tiny_model(
         seed: RNG seed.
         threshold: value of powerinfer.sparse_threshold, or None to leave the key out.
         dtype: F32 or F16 for 2-D tensors (1-D stay F32).
+        extra_kv: more keys, ``{key: (value, GGUFValueType[, element type])}``.
     """
     from powerpy.formats.gguf_writer import write_gguf
 
@@ -142,7 +144,7 @@ def write_tiny_model(
             out.append((name, arr, GGMLType.F32))
     write_gguf(
         path,
-        tiny_kv(spec, threshold=threshold),
+        tiny_kv(spec, threshold=threshold) | (extra_kv or {}),
         out,
         magic=b"PWRI" if sparse else b"GGUF",
     )

@@ -1421,10 +1421,12 @@ int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64
 }
 
 // acc += sum_{j in [a, b), h[j] != 0} h[j] * W[idx[j]]: the nonzero rows four at a time (the
-// last 0-3 alone), prefetching the rows `dist` (at least 4) positions ahead.
+// last 0-3 alone), prefetching the rows `dist` (at least 4) positions ahead. With tau, a row r
+// also needs |h[j]| >= tau[r] (the cut); *kept (if given) receives the number of rows added.
 template <int DT>
 int axpy_range(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
-               const int64_t* idx, int64_t a, int64_t b, int64_t dist, float* acc) {
+               const int64_t* idx, int64_t a, int64_t b, int64_t dist, float* acc,
+               const float* tau = nullptr, int64_t* kept = nullptr) {
   const int64_t m = b > a ? b - a : 1;
   const uint8_t** rows = (const uint8_t**)std::malloc(sizeof(void*) * m);
   float* hs = (float*)std::malloc(sizeof(float) * m);
@@ -1442,6 +1444,7 @@ int axpy_range(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const 
       err = 1;
       continue;
     }
+    if (tau && !(std::fabs(h[j]) >= tau[r])) continue;  // as torch: NaN is cut
     rows[n] = W + r * ld;
     hs[n++] = h[j];
   }
@@ -1453,6 +1456,7 @@ int axpy_range(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const 
     row_axpy4<DT>(rows + i, hs + i, acc, cols, nx);
   }
   for (; i < n; ++i) row_axpy<DT>(rows[i], hs[i], acc, cols, i + dist < n ? rows[i + dist] : nullptr);
+  if (kept) *kept = n;
   std::free(rows);
   std::free(hs);
   return err;
@@ -1460,11 +1464,12 @@ int axpy_range(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const 
 
 template <int DT>
 int axpy_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
-              const int64_t* idx, int64_t k, float* out, int accumulate, int nthreads) {
+              const int64_t* idx, int64_t k, float* out, int accumulate, int nthreads,
+              const float* tau = nullptr, int64_t* kept = nullptr) {
   const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
   if (!accumulate) std::memset(out, 0, sizeof(float) * cols);
   const int nt = team_size(nthreads, k * rb);
-  if (nt <= 1) return axpy_range<DT>(W, ld, nrows, cols, h, idx, 0, k, dist, out);
+  if (nt <= 1) return axpy_range<DT>(W, ld, nrows, cols, h, idx, 0, k, dist, out, tau, kept);
 
   // One private f32 accumulator per thread over a fixed partition of the index list, then a
   // column-parallel reduction in thread order: deterministic for a given thread count.
@@ -1472,13 +1477,17 @@ int axpy_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
   float* buf = (float*)std::aligned_alloc(64, sizeof(float) * cpad * nt);
   if (!buf) return PP_ERR_ARG;
   int err = 0;
+  int64_t added = 0;
 #if defined(_OPENMP)
-#pragma omp parallel num_threads(nt) reduction(| : err)
+#pragma omp parallel num_threads(nt) reduction(| : err) reduction(+ : added)
   {
     const int64_t t = thread_id(), n = team_threads();
     float* acc = buf + t * cpad;
     std::memset(acc, 0, sizeof(float) * cpad);
-    err |= axpy_range<DT>(W, ld, nrows, cols, h, idx, k * t / n, k * (t + 1) / n, dist, acc);
+    int64_t mine = 0;  // the cut is applied here, by the thread that computed these h
+    err |= axpy_range<DT>(W, ld, nrows, cols, h, idx, k * t / n, k * (t + 1) / n, dist, acc,
+                          tau, &mine);
+    added += mine;
 #pragma omp barrier
     const int64_t c0 = cpad / 16 * t / n * 16, c1 = cpad / 16 * (t + 1) / n * 16;
     for (int64_t c = c0; c < c1 && c < cols; ++c) {
@@ -1488,6 +1497,7 @@ int axpy_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
     }
   }
 #endif
+  if (kept) *kept = added;
   std::free(buf);
   return err;
 }
@@ -1825,9 +1835,9 @@ static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* id
 }
 
 static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k, float* out,
-                    int nt) {
+                    int nt, const float* tau = nullptr, int64_t* kept = nullptr) {
   if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
-  PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt)
+  PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt, tau, kept)
 }
 
 // dot(q, cache[at : at + n]) for an f32 (cdt 0) or f16 (cdt 1) cache.
@@ -2238,17 +2248,18 @@ int pp_attn_decode(const int64_t* mats, const float* x, const float* norm_w, flo
 // One token's FFN block in one call (CPU-only decode): with a predictor (mats 0, 1 = fc1, fc2),
 // the neurons j with fc2·relu(fc1·r) >= thr for the residual r; without (mats 0, 1 zero), all
 // of them. Then xn = rms_norm(r) * norm_w, h_j = act(gate_j·xn, up_j·xn) and
-// out = r + sum_j h_j down_t[j]. mats: 5 x 5 int64 (Mat) for fc1,
+// out = r + sum_j h_j down_t[j]. With tau (n_ff per-neuron cuts, or null), a computed neuron
+// with |h_j| < tau[j] is dropped before the down rows are read. mats: 5 x 5 int64 (Mat) for fc1,
 // fc2, gate, up, down_t; with down_stored (a dense GGUF's ffn_down, (n_embd, n_ff) as stored),
-// mat 4 is ffn_down and out = ffn_down · h (no predictor then). Returns the number of computed
-// neurons, or -status.
-int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* r, const float* norm_w,
-                      float eps, int variant, int down_stored, float* out, int act,
-                      int nthreads) {
+// mat 4 is ffn_down and out = ffn_down · h (no predictor and no cut then). Returns the number of
+// neurons whose down row was added, or -status.
+int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* tau, const float* r,
+                      const float* norm_w, float eps, int variant, int down_stored, float* out,
+                      int act, int nthreads) {
   const Mat fc1(mats), fc2(mats + 5), gate(mats + 10), up(mats + 15), down(mats + 20);
   const int64_t n_ff = up.nrows;
   if (variant < V_REGLU || variant > V_SWIGLU || gate.nrows != n_ff ||
-      (down_stored ? down.cols != n_ff || fc1.w : down.nrows != n_ff))
+      (down_stored ? down.cols != n_ff || fc1.w || tau : down.nrows != n_ff))
     return -PP_ERR_ARG;
   const int64_t H = fc1.w ? fc1.nrows : 0;
   const int64_t d = up.cols, nd = down_stored ? down.nrows : down.cols;
@@ -2273,25 +2284,27 @@ int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* r, const floa
     sel = idx;
   }
   if (!st && k) st = mat_glu(gate, up, x, sel, k, variant, h, act, nthreads);
+  int64_t kept = k;  // with a cut: the rows the down pass really adds
   if (!st) {
     if (down_stored) {
       st = mat_gemv(down, h, nullptr, down.nrows, y, act, nthreads);
     } else if (k) {
-      st = mat_axpy(down, h, sel, k, y, nthreads);
+      st = mat_axpy(down, h, sel, k, y, nthreads, tau, tau ? &kept : nullptr);
     } else {
+      kept = 0;
       std::memset(y, 0, sizeof(float) * nd);
     }
   }
   for (int64_t i = 0; i < nd && !st; ++i) out[i] = r[i] + y[i];
   std::free(buf);
-  return st ? -st : k;
+  return st ? -st : kept;
 }
 
 // One token through every block (CPU-only decode), one call per token instead of two per layer:
 // per layer the attention block (pp_attn_decode) then the FFN block (pp_ffn_decode), x (n_embd)
-// updated in place. layers: n_layer records of 48 int64: attention mats q, k, v, output (20),
-// FFN mats fc1, fc2, gate, up, down (25; fc1 and fc2 zero: dense), then attn_norm, ffn_norm and
-// down_stored. Layer l's keys and values are at kc/vc + l * layer_bytes; rot holds (cos, sin) per
+// updated in place. layers: n_layer records of 49 int64: attention mats q, k, v, output (20),
+// FFN mats fc1, fc2, gate, up, down (25; fc1 and fc2 zero: dense), then attn_norm, ffn_norm,
+// down_stored and the FFN's cut tau (zero: none). Layer l's keys and values are at kc/vc + l * layer_bytes; rot holds (cos, sin) per
 // pair; counts[l] receives the layer's computed neurons. Returns 0 or the first failing status.
 int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const float* rot,
                      int64_t n_rot, int64_t n_head, int64_t n_kv, int64_t hd, void* kc, void* vc,
@@ -2303,7 +2316,7 @@ int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const fl
   if (!y) return PP_ERR_ARG;
   int st = 0;
   for (int64_t l = 0; l < n_layer && !st; ++l) {
-    const int64_t* rec = layers + 48 * l;
+    const int64_t* rec = layers + 49 * l;
     if (rec[4] != d) {
       st = PP_ERR_ARG;
       break;
@@ -2312,8 +2325,9 @@ int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const fl
                         (char*)kc + l * layer_bytes, (char*)vc + l * layer_bytes, cdt, pos, y, act,
                         nthreads);
     if (st) break;
-    const int64_t k = pp_ffn_decode(rec + 20, thr, y, (const float*)rec[46], eps, variant,
-                                    (int)rec[47], x, act, nthreads);
+    const int64_t k = pp_ffn_decode(rec + 20, thr, (const float*)rec[48], y,
+                                    (const float*)rec[46], eps, variant, (int)rec[47], x, act,
+                                    nthreads);
     if (k < 0) st = (int)-k;
     else counts[l] = k;
   }
@@ -2368,7 +2382,7 @@ void pp_swiglu(const float* g, const float* u, int64_t n, float* out, int nthrea
 }
 
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
-int pp_abi_version(void) { return 9; }
+int pp_abi_version(void) { return 10; }
 
 // 2 = AVX-512F, 1 = AVX2+FMA+F16C, 0 = scalar.
 int pp_simd_level(void) { return PP_SIMD; }

@@ -1,0 +1,202 @@
+"""The FFN cut (``powerpy.ffn_down_threshold``): a computed neuron adds its down row only when
+``|h_j| · ‖ffn_down_t[j]‖`` reaches its layer's threshold. Checked against a float64 reference,
+across the decode paths (one call per token, per layer, torch), in prefill, in the statistics,
+in a hybrid placement, and for bad keys and predictor configs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from powerpy.api import load
+from powerpy.config import ModelArgs
+from powerpy.errors import ModelConfigError
+from powerpy.formats.constants import GGUFValueType, Keys
+from powerpy.formats.gguf_reader import read_gguf
+from powerpy.model.ffn import split_ffn
+from powerpy.model.options import RunOptions
+from powerpy.testing import TinySpec, write_tiny_model
+
+SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
+TOKENS = [1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
+F32 = GGUFValueType.FLOAT32
+
+
+def _cut_kv(cuts) -> dict:
+    return {Keys.FFN_DOWN_THRESHOLD: (list(cuts), GGUFValueType.ARRAY, F32)}
+
+
+def _cuts_at(t: dict, share: float) -> list[float]:
+    """Per-layer thresholds that cut about ``share`` of random inputs' neurons (ReGLU)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, SPEC.n_embd))
+    out = []
+    for l in range(SPEC.n_layer):
+        g, u = (t[f"blk.{l}.ffn_{k}.weight"].astype(np.float64) for k in ("gate", "up"))
+        h = np.maximum(x @ g.T, 0) * (x @ u.T)
+        score = np.abs(h) * np.linalg.norm(t[f"blk.{l}.ffn_down_t.weight"], axis=1)
+        out.append(float(np.quantile(score[h != 0], share)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def cut_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cut") / "tiny-cut.powerinfer.gguf"
+    t = write_tiny_model(path, SPEC, sparse=True, seed=3)
+    cuts = _cuts_at(t, 0.5)
+    path.unlink()
+    write_tiny_model(path, SPEC, sparse=True, seed=3, extra_kv=_cut_kv(cuts))
+    return path, t, cuts
+
+
+def test_the_key_is_read_and_validated(tmp_path):
+    path = tmp_path / "m.powerinfer.gguf"
+    write_tiny_model(path, SPEC, sparse=True, extra_kv=_cut_kv([0.5, 0.25]))
+    args = ModelArgs.from_gguf_kv(read_gguf(path).kv, sparse=True, source="m.gguf")
+    assert args.down_thresholds == (0.5, 0.25)
+    written = args.to_gguf_kv(name="m")[Keys.FFN_DOWN_THRESHOLD]
+    assert list(written[0]) == [0.5, 0.25] and written[2] == F32
+    for i, bad in enumerate(([0.5], [0.5, -1.0], [0.5, float("nan")], [0.5, float("inf")])):
+        p = tmp_path / f"bad{i}.powerinfer.gguf"
+        write_tiny_model(p, SPEC, sparse=True, extra_kv=_cut_kv(bad))
+        with pytest.raises(ModelConfigError, match=rf"{p.name}: powerpy\.ffn_down_threshold"):
+            load(p)
+    p = tmp_path / "str.powerinfer.gguf"
+    s = GGUFValueType.STRING
+    write_tiny_model(
+        p,
+        SPEC,
+        sparse=True,
+        extra_kv={Keys.FFN_DOWN_THRESHOLD: (["a", "b"], GGUFValueType.ARRAY, s)},
+    )
+    with pytest.raises(ModelConfigError, match="must be an array of numbers"):
+        load(p)
+
+
+def test_split_ffn_with_a_cut_matches_float64(cut_model):
+    path, t, cuts = cut_model
+    llm = load(path, threshold=-np.inf)
+    blk = llm.model.weights.blk[0]
+    x = np.random.default_rng(1).standard_normal((5, SPEC.n_embd)).astype(np.float32)
+    g, u, d = (
+        t[f"blk.0.{k}.weight"].astype(np.float64) for k in ("ffn_gate", "ffn_up", "ffn_down_t")
+    )
+    h = np.maximum(x @ g.T, 0) * (x @ u.T)  # (T, n_ff) ReGLU
+    keep = np.abs(h) * np.linalg.norm(d, axis=1) >= cuts[0]
+    assert 0.2 < keep[h != 0].mean() < 0.8
+    for T in (1, 5):  # one token reads its kept rows; a batch masks h
+        got = split_ffn(blk, torch.from_numpy(x[:T]), None, "reglu", None, opts=llm.options)
+        np.testing.assert_allclose(got.numpy(), (h * keep)[:T] @ d, atol=1e-5, rtol=1e-5)
+        dense = split_ffn(blk, torch.from_numpy(x[:T]), None, "reglu", None, opts=RunOptions(False))
+        np.testing.assert_allclose(dense.numpy(), h[:T] @ d, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_paths_agree_and_count_the_cut(cut_model, monkeypatch):
+    """One native call per token, two per layer, and torch: the same logits and statistics; the
+    statistics count the neurons whose down rows were added."""
+    from powerpy.model import kernels, stack_decode, transformer
+
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    path, _, _ = cut_model
+    runs = []
+    for mode in ("stack", "layers", "general"):
+        if mode == "layers":
+            monkeypatch.setattr(stack_decode, "plan_for", lambda *a: None)
+        if mode == "general":
+            monkeypatch.setattr(transformer, "fused_decode", lambda *a: None)
+        llm = load(path, threshold=-np.inf)
+        cache = llm.model.new_cache(16, dtype=torch.float32)
+        llm.model.forward(torch.tensor(TOKENS[:4]), cache, llm.options)
+        llm.sparsity.reset()
+        rows = [llm.model.forward(torch.tensor([t]), cache, llm.options) for t in TOKENS[4:10]]
+        runs.append((torch.cat(rows).numpy(), llm.sparsity.active_fraction().copy()))
+    (l1, s1), (l2, s2), (l3, s3) = runs
+    np.testing.assert_array_equal(l1, l2)
+    np.testing.assert_allclose(l1, l3, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(s1, s2)
+    np.testing.assert_allclose(s1, s3)
+    assert np.all((s1 > 0.05) & (s1 < 0.6)), s1  # ReGLU zeros, then about half of the rest
+
+
+def test_scale_zero_and_dense_runs_ignore_the_cut(cut_model, tmp_path):
+    path, _, _ = cut_model
+    plain = tmp_path / "plain.powerinfer.gguf"
+    write_tiny_model(plain, SPEC, sparse=True, seed=3)
+    base = load(plain, threshold=-np.inf).logits(TOKENS)
+    llm = load(path, threshold=-np.inf)
+    for opts in (RunOptions(cut_scale=0.0, threshold=-np.inf), RunOptions(sparse=False)):
+        llm.options = opts
+        torch.testing.assert_close(llm.logits(TOKENS), base, atol=1e-5, rtol=0)
+    llm.options = RunOptions(threshold=-np.inf)
+    assert (llm.logits(TOKENS) - base).abs().max() > 1e-3  # the cut changes the result
+    with pytest.raises(ValueError, match="cut_scale"):
+        RunOptions(cut_scale=-1.0)
+
+
+def test_a_hybrid_placement_cuts_its_hot_rows_too(cut_model):
+    from powerpy.formats.gpuidx import GpuIndex
+    from powerpy.model.device import Accelerator
+    from powerpy.placement.placement import Placement
+    from powerpy.placement.runtime import build_hybrid
+
+    path, _, _ = cut_model
+    cpu = load(path, threshold=-np.inf)
+    rng = np.random.default_rng(2)
+    buckets = [np.sort(rng.choice(SPEC.n_ff, 100, replace=False)) for _ in range(SPEC.n_layer)]
+    index = GpuIndex.from_buckets(buckets, SPEC.n_ff, vram_capacity=0)
+    for gather in (False, True):
+        llm = load(path, threshold=-np.inf)
+        placement = Placement.for_model(llm.file, 1 << 30, index, n_ctx=32, kv_elem_bytes=4)
+        rt = build_hybrid(
+            llm.model, placement, Accelerator("cpu", gather_hot=gather), file=llm.file
+        )
+        for tokens in (TOKENS, TOKENS[:1]):  # prefill, then one token
+            want = cpu.model.forward(
+                torch.tensor(tokens), cpu.model.new_cache(32, torch.float32), cpu.options
+            )
+            got = rt.model.forward(torch.tensor(tokens), rt.model.new_cache(32), llm.options)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_converter_writes_the_cuts_of_the_predictor_config(tmp_path):
+    from powerpy.pipeline.convert import convert
+
+    dense = tmp_path / "dense.gguf"
+    write_tiny_model(dense, SPEC, sparse=False, seed=4)
+    preds = tmp_path / "preds"
+    preds.mkdir()
+    rng = np.random.default_rng(0)
+    for l in range(SPEC.n_layer):
+        fc1, fc2 = rng.standard_normal((16, SPEC.n_embd)), rng.standard_normal((SPEC.n_ff, 16))
+        sd = {"fc1.weight": torch.tensor(fc1).float(), "fc2.weight": torch.tensor(fc2).float()}
+        torch.save(sd, preds / f"model_{l}.pt")
+    cfg = {"sparse_activation": "relu", "ffn_down_threshold": [0.25, 0.5]}
+    (preds / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out.powerinfer.gguf"
+    convert(dense, preds, out, outtype="f32")
+    got = read_gguf(out).kv[Keys.FFN_DOWN_THRESHOLD]
+    assert list(map(float, got)) == [0.25, 0.5]
+    assert all(b.down_tau is not None for b in load(out).model.weights.blk)
+    cfg["ffn_down_threshold"] = [0.25]
+    (preds / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"config\.json: ffn_down_threshold must hold 2"):
+        convert(dense, preds, tmp_path / "bad.powerinfer.gguf", outtype="f32")
+    assert not (tmp_path / "bad.powerinfer.gguf").exists()
+
+
+def test_cut_sweep(cut_model):
+    path, _, _ = cut_model
+    llm = load(path, threshold=-np.inf)
+    text = TOKENS * 4
+    res = llm.sparsity_sweep(text, cut=[0.0, 1.0, 3.0], ctx=16, chunks=2, progress=False)
+    skipped = [p.skipped for p in res.points]
+    assert res.kind == "cut" and skipped[0] < skipped[1] < skipped[2], skipped
+    assert "cut scale" in res.table()
+    plain = load(path, threshold=-np.inf)
+    plain.model.weights.blk[0].down_tau = plain.model.weights.blk[1].down_tau = None
+    with pytest.raises(ValueError, match="no cuts"):
+        plain.sparsity_sweep(text, cut=[1.0], ctx=16, chunks=2, progress=False)
