@@ -16,6 +16,7 @@ with the ``plot`` extra (``pip install 'powerpy[plot]'``) and is imported on the
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -274,14 +275,20 @@ def tradeoff(*sweeps: SweepResult, ax: Axes | None = None, max_increase: float =
 
     percent = FuncFormatter(lambda v, _: f"{v:g}%")
     ax.xaxis.set_major_formatter(percent)
-    # less than about a decade shown: label the 20%, 30%, ... ticks too, in the same style
-    ax.xaxis.set_minor_formatter(percent if left / right < 20 else NullFormatter())
+
+    # less than about a decade shown: label the 20% ... 60% ticks too, in the same style (70%,
+    # 80%, 90% would crowd 100% on a log axis)
+    def minor(v: float, _) -> str:
+        lead = round(v / 10 ** math.floor(math.log10(v))) if v > 0 else 0
+        return f"{v:g}%" if 2 <= lead <= 6 else ""
+
+    ax.xaxis.set_minor_formatter(FuncFormatter(minor) if left / right < 20 else NullFormatter())
     ax.tick_params(axis="x", which="minor", length=3.5)  # labels level with the major ones
     ax.set_yscale("symlog", linthresh=10, linscale=2)
     top = min(max(20.0, highest * 1.5), MAX_INCREASE_SHOWN)  # steeper lines leave at the top
     ax.set_ylim(1.2 * bottom, top)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:+g}%" if v else "0"))
-    ax.set_xlabel("FFN neurons computed per token (log scale)")
+    ax.set_xlabel("FFN neurons kept per token (log scale)")
     ax.set_ylabel("perplexity increase over dense")
     _title(ax, sweeps[0].model if len(models) == 1 else "", "perplexity vs sparsity")
     ax.legend(fontsize=8, loc="upper left")
