@@ -287,9 +287,26 @@ class LLM:
     # --- display
     def __repr__(self) -> str:
         a = self.model.args
-        mode = f"sparse, threshold {self.options.threshold:g}" if self.sparse_run else "dense"
+        mode = self.mode
         where = f", hybrid on {self.runtime.device}" if self.runtime is not None else ""
         return f"<LLM {self.name}: {a.arch}, {a.n_layer} layers, {mode}{where}>"
+
+    @property
+    def mode(self) -> str:
+        """How this handle's calls run the FFN, in words: "dense", "sparse, threshold T", and
+        where a file says so, the layers its predictors gate and the layers it cuts."""
+        if not self.sparse_run:
+            return "dense"
+        blk, o = self.model.weights.blk, self.options
+        gated = sum(b.gated for b in blk)
+        cut = sum(b.down_tau is not None for b in blk) if o.cut_scale else 0
+        parts = [f"threshold {o.threshold:g}"] if gated == len(blk) else []
+        if 0 < gated < len(blk):
+            parts.append(f"predictors in {gated} of {len(blk)} layers at threshold {o.threshold:g}")
+        if cut:
+            scale = f" x{o.cut_scale:g}" if o.cut_scale != 1 else ""
+            parts.append(f"cut{scale} in {cut} of {len(blk)} layers")
+        return "sparse, " + (", ".join(parts) or "every layer ungated")
 
     @property
     def sparse_run(self) -> bool:
@@ -310,8 +327,7 @@ class LLM:
             ("heads (KV)", f"{a.n_head} ({a.n_head_kv})"),
             ("vocabulary", a.n_vocab),
             ("context (training)", a.n_ctx_train),
-            ("mode", f"sparse, threshold {self.options.threshold:g}"
-             if self.sparse_run else "dense"),
+            ("mode", self.mode),
             ("placement", "CPU only" if self.runtime is None
              else f"hybrid on {self.runtime.device}"),
             ("load time", f"{self.load_seconds:.2f} s"),

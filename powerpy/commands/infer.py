@@ -92,10 +92,9 @@ def run(args: argparse.Namespace) -> int:
 
     llm = load_from_args(args)
     a = llm.model.args
-    sparse = llm.sparsity is not None and llm.model.can_gate
     print(
-        f"model: {llm.path.name} ({a.arch}, {a.n_layer} layers, {'sparse' if sparse else 'dense'}, "
-        f"threshold {llm.options.threshold:g}), load {llm.load_seconds:.2f} s",
+        f"model: {llm.path.name} ({a.arch}, {a.n_layer} layers, {llm.mode}), "
+        f"load {llm.load_seconds:.2f} s",
         file=sys.stderr,
     )
     prompt = args.prompt if args.prompt is not None else "Once upon a time"
@@ -150,10 +149,13 @@ def run(args: argparse.Namespace) -> int:
             f"{last.generation_tps:.2f} tok/s",
             file=sys.stderr,
         )
-    if sparse:
+    if llm.sparsity is not None and llm.sparse_run:
+        import numpy as np
+
         frac = llm.sparsity.active_fraction()
         print(
-            f"predicted active neurons: {100 * float(frac.mean()):.1f}% (mean over layers)",
+            f"active FFN neurons: {100 * float(np.nanmean(frac)):.1f}% (mean over layers; "
+            "predicted and not cut)",
             file=sys.stderr,
         )
     return 0
