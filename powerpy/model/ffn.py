@@ -146,14 +146,21 @@ def ffn_cut(
     One token reads only its kept down rows; a batch computes h densely and masks it."""
     if x.shape[0] == 1:
         idx = torch.arange(gate.shape[0]) if act is None else act[0].nonzero().squeeze(1)
-        h = glu_rows(x[0], gate, up, idx, variant)  # (k,)
-        keep = h.abs() >= tau[idx]
-        idx, h = idx[keep], h[keep]
-        y = down_t.gather_axpy(h, idx) if idx.numel() else x.new_zeros(down_t.shape[1])
-        return y[None], torch.tensor([idx.numel()])
+        y, kept = _rows_cut(x[0], gate, up, down_t, variant, idx, tau)
+        return y[None], torch.tensor([kept])
     h = glu(gate.linear(x, act), up.linear(x, act), variant, inplace=True)  # (T, n_ff)
     keep = h.abs() >= tau if act is None else act & (h.abs() >= tau)
     return rows_sum(h.mul_(keep), down_t), keep.sum(1)
+
+
+def _rows_cut(
+    x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant, idx: Tensor, tau
+) -> tuple[Tensor, int]:
+    """One token's FFN over neurons ``idx`` (k,) with the cut tau (n_ff,): x (n_embd,) ->
+    ((n_embd,), how many down rows were added). Only the kept down rows are read."""
+    h = glu_rows(x, gate, up, idx, variant)  # (k,)
+    keep = h.abs() >= tau[idx]
+    return down_t.gather_axpy(h[keep], idx[keep]), int(keep.sum())
 
 
 def ffn_masked(
@@ -414,9 +421,7 @@ def _cold(
     if x.shape[0] == 1:  # decode: only the predicted-active cold rows
         idx = hot.cold_idx if act is None else (act[0] & hot.cold).nonzero().squeeze(1)
         if tau is not None:
-            h = glu_rows(x[0], gate, up, idx, variant)  # (r,)
-            keep = h.abs() >= tau[idx]
-            return down_t.gather_axpy(h[keep], idx[keep])[None]
+            return _rows_cut(x[0], gate, up, down_t, variant, idx, tau)[0][None]
         return ffn_rows(x[0], gate, up, down_t, variant, idx)[None]
     mask = hot.cold.expand(x.shape[0], -1) if act is None else act & hot.cold  # (T, n_ff)
     return ffn_union(x, gate, up, down_t, variant, mask, tau)
