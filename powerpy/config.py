@@ -299,13 +299,8 @@ class ModelArgs:
                 f"{source}: {Keys.DENSE_LAYERS} lists layers {list(self.dense_layers)[:8]} "
                 f"beyond the model's {self.n_layer}; re-convert the model"
             )
-        cuts = self.down_thresholds
-        if cuts and (len(cuts) != self.n_layer or not all(0 <= t < math.inf for t in cuts)):
-            raise ModelConfigError(
-                f"{source}: {Keys.FFN_DOWN_THRESHOLD} must hold {self.n_layer} finite values "
-                f">= 0 (one per layer), found {len(cuts)}: {list(cuts)[:4]}; re-convert the "
-                "model or remove the key"
-            )
+        if self.down_thresholds:
+            float_list(self.down_thresholds, Keys.FFN_DOWN_THRESHOLD, source, self.n_layer)
         if n_tokens is not None and self.n_vocab != n_tokens:
             raise ModelConfigError(
                 f"{source}: vocab_size {self.n_vocab} differs from the {n_tokens} tokens of "
@@ -366,11 +361,12 @@ def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) ->
     return tuple(sorted(int(v) for v in items))
 
 
-def float_list(value: Any, key: str, source: str) -> tuple[float, ...]:
-    """A key's array of numbers as floats (ranges are checked by the caller).
+def float_list(value: Any, key: str, source: str, n: int | None = None) -> tuple[float, ...]:
+    """A key's array of numbers as floats; with ``n``, exactly n finite values >= 0 (one per
+    layer).
 
     Raises:
-        ModelConfigError: not an array of numbers; the message names the source and the key.
+        ModelConfigError: anything else; the message names the source and the key.
     """
     seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
     items = list(value) if seq else None  # a list, or the reader's numpy array
@@ -378,7 +374,13 @@ def float_list(value: Any, key: str, source: str) -> tuple[float, ...]:
         isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items
     ):
         raise ModelConfigError(f"{source}: {key} must be an array of numbers, got {_short(value)}")
-    return tuple(float(v) for v in items)
+    out = tuple(float(v) for v in items)
+    if n is not None and (len(out) != n or not all(0 <= t < math.inf for t in out)):
+        raise ModelConfigError(
+            f"{source}: {key} must hold {n} finite values >= 0 (one per layer), found "
+            f"{len(out)}: {list(out)[:4]}; fix the values or remove the key"
+        )
+    return out
 
 
 def _short(v: Any) -> str:

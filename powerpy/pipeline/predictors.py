@@ -10,7 +10,6 @@ int8 pack that ships predictors inside the package. Its reader (for ``convert``)
 from __future__ import annotations
 
 import json
-import math
 import os
 import pickle
 import re
@@ -123,15 +122,7 @@ def read_cuts(pred_dir: Path, n_layer: int) -> tuple[float, ...]:
     """
     path = pred_dir / "config.json"
     value = read_json(path).get("ffn_down_threshold") if path.is_file() else None
-    if value is None:
-        return ()
-    cuts = float_list(value, "ffn_down_threshold", str(path))
-    if len(cuts) != n_layer or not all(0 <= t < math.inf for t in cuts):
-        raise ValueError(
-            f"{path}: ffn_down_threshold must hold {n_layer} finite numbers >= 0 (one per "
-            f"layer), found {len(cuts)}"
-        )
-    return cuts
+    return () if value is None else float_list(value, "ffn_down_threshold", str(path), n_layer)
 
 
 def scan_predictors(pred_dir: str | os.PathLike[str], n_layer: int, n_embd: int, n_ff: int):
