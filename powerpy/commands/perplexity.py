@@ -63,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from powerpy.model.options import DENSE
+    from powerpy.model.options import DENSE, RunOptions
     from powerpy.pipeline.perplexity import perplexity
 
     thresholds = args.sweep or None  # --sweep alone: the default thresholds
@@ -72,8 +72,11 @@ def run(args: argparse.Namespace) -> int:
     bad = [s for s in args.oracle or () if not 0.0 <= s < 1.0]
     if bad:
         raise ValueError(f"--oracle {bad[0]:g}: skipped shares must be in [0, 1), e.g. 0.5")
-    if any(not 0 <= s < float("inf") for s in args.cut or ()):
-        raise ValueError("--cut: scales must be finite numbers >= 0, e.g. 0.5 1 2")
+    for s in args.cut or ():
+        try:
+            RunOptions(cut_scale=s)
+        except ValueError as e:
+            raise ValueError(f"--cut: {e}, e.g. 0.5 1 2") from None
     check_plot(args)
     llm = load_model(args)
     model = llm.model

@@ -251,6 +251,6 @@ def cut_sweep(
     """
     if not any(b.down_tau is not None for b in model.weights.blk):
         raise ValueError("the model has no cuts (powerpy.ffn_down_threshold): nothing to sweep")
-    if any(not 0 <= s < math.inf for s in scales):
-        raise ValueError(f"cut scales {list(scales)} must be finite and >= 0")
+    for s in scales:
+        RunOptions(cut_scale=s)  # its check, before any run
     return _sweep(model, ids, "cut", scales, name, dense, progress, **kwargs)
