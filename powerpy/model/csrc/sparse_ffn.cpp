@@ -2304,8 +2304,9 @@ int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* tau, const fl
 // per layer the attention block (pp_attn_decode) then the FFN block (pp_ffn_decode), x (n_embd)
 // updated in place. layers: n_layer records of 49 int64: attention mats q, k, v, output (20),
 // FFN mats fc1, fc2, gate, up, down (25; fc1 and fc2 zero: dense), then attn_norm, ffn_norm,
-// down_stored and the FFN's cut tau (zero: none). Layer l's keys and values are at kc/vc + l * layer_bytes; rot holds (cos, sin) per
-// pair; counts[l] receives the layer's computed neurons. Returns 0 or the first failing status.
+// down_stored and the FFN's cut tau (zero: none). Layer l's keys and values are at
+// kc/vc + l * layer_bytes; rot holds (cos, sin) per pair; counts[l] receives the number of
+// neurons whose down rows layer l added. Returns 0 or the first failing status.
 int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const float* rot,
                      int64_t n_rot, int64_t n_head, int64_t n_kv, int64_t hd, void* kc, void* vc,
                      int64_t layer_bytes, int cdt, int64_t pos, float thr, int variant, float* x,
