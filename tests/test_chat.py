@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import io
-import os
 
 import pytest
 
@@ -26,17 +25,9 @@ def smol(smollm2_path):
     return powerpy.load(smollm2_path)
 
 
-def _llama_cpp():
-    if os.environ.get("CI"):
-        import llama_cpp  # CI must really run the oracle: fail, never skip
-
-        return llama_cpp
-    return pytest.importorskip("llama_cpp")
-
-
-def llama_cpp_chat(template: str, messages: list[dict], add_ass: bool) -> str:
-    """llama.cpp's built-in (non-Jinja) rendering: it recognises the template's family."""
-    lc = _llama_cpp()
+def llama_cpp_chat(lc, template: str, messages: list[dict], add_ass: bool) -> str:
+    """llama.cpp's built-in (non-Jinja) rendering (lc: the llama_cpp module): it recognises the
+    template's family."""
     arr = (lc.llama_chat_message * len(messages))(
         *[
             lc.llama_chat_message(role=m["role"].encode(), content=m["content"].encode())
@@ -51,10 +42,10 @@ def llama_cpp_chat(template: str, messages: list[dict], add_ass: bool) -> str:
 
 @pytest.mark.parametrize("turns", [2, 3, 4])
 @pytest.mark.parametrize("add_ass", [True, False])
-def test_smollm2_template_matches_llama_cpp(smol, turns, add_ass) -> None:
+def test_smollm2_template_matches_llama_cpp(llama_cpp, smol, turns, add_ass) -> None:
     msgs = CONVERSATION[:turns]
     got = smol.apply_chat_template(msgs, add_generation_prompt=add_ass)
-    assert got == llama_cpp_chat(smol.tokenizer.chat_template, msgs, add_ass)
+    assert got == llama_cpp_chat(llama_cpp, smol.tokenizer.chat_template, msgs, add_ass)
 
 
 def test_smollm2_template_adds_its_default_system_turn(smol) -> None:
@@ -68,14 +59,14 @@ def test_smollm2_template_adds_its_default_system_turn(smol) -> None:
     assert ids == smol.tokenizer.encode(got)
 
 
-def test_chatml_fallback_and_bos_written_once(tmp_path) -> None:
+def test_chatml_fallback_and_bos_written_once(llama_cpp, tmp_path) -> None:
     path = tmp_path / "tiny.gguf"
     write_tiny_model(path, TinySpec(), sparse=False)  # no chat template, SPM adds BOS
     llm = powerpy.load(path)
     assert llm.tokenizer.chat_template is None and llm.tokenizer.add_bos
     text = llm.apply_chat_template(CONVERSATION[:2])
     assert text == render_chat(CHATML, CONVERSATION[:2])
-    assert text == llama_cpp_chat("chatml", CONVERSATION[:2], True)
+    assert text == llama_cpp_chat(llama_cpp, "chatml", CONVERSATION[:2], True)
     ids = llm.apply_chat_template(CONVERSATION[:2], tokenize=True)
     assert ids[0] == llm.tokenizer.bos_id and ids[1] != llm.tokenizer.bos_id
     llm.tokenizer.chat_template = (

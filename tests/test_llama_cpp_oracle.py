@@ -13,8 +13,6 @@ bit-identical to llama.cpp's, with the default (f16) cache.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -34,14 +32,6 @@ PROMPTS = [
 ]
 
 
-def _llama_cpp():
-    if os.environ.get("CI"):
-        import llama_cpp  # CI must really run the oracle: fail, never skip
-
-        return llama_cpp
-    return pytest.importorskip("llama_cpp")
-
-
 @pytest.fixture(scope="module")
 def f32_path(smollm2_path, tmp_path_factory):
     gf = read_gguf(smollm2_path)
@@ -51,17 +41,16 @@ def f32_path(smollm2_path, tmp_path_factory):
     return path
 
 
-def _engines(path):
-    """(llama.cpp, powerpy) on one file."""
-    ref = _llama_cpp().Llama(
-        model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
-    )
+def _engines(lc, path):
+    """(llama.cpp, powerpy) on one file; lc: the llama_cpp module."""
+    ref = lc.Llama(model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False)
     return ref, load(path)
 
 
 @pytest.fixture(scope="module", params=["f32", "q4_1"])
-def pair(request, smollm2_path, f32_path):
-    return (request.param, *_engines(f32_path if request.param == "f32" else smollm2_path))
+def pair(request, llama_cpp, smollm2_path, f32_path):
+    path = f32_path if request.param == "f32" else smollm2_path
+    return (request.param, *_engines(llama_cpp, path))
 
 
 def _ref_logits(ref, ids: list[int]) -> np.ndarray:
@@ -99,8 +88,8 @@ def test_logits_agree(pair, prompt):
 
 
 @pytest.fixture(scope="module")
-def f32_pair(f32_path):
-    return _engines(f32_path)
+def f32_pair(llama_cpp, f32_path):
+    return _engines(llama_cpp, f32_path)
 
 
 # The f32 file: the engines' f32 matmuls sum in different orders, yet greedy runs agree.
@@ -115,8 +104,8 @@ def test_greedy_continuation_agrees(f32_pair, prompt):
 
 
 @pytest.fixture(scope="module")
-def q4_1_pair(smollm2_path):
-    return _engines(smollm2_path)
+def q4_1_pair(llama_cpp, smollm2_path):
+    return _engines(llama_cpp, smollm2_path)
 
 
 def test_single_token_logits_bit_identical_q4_1(q4_1_pair):

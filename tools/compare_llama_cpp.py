@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -192,6 +194,20 @@ def powerpy_tg(model, ids: list[int], n: int, opts) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def check_peer_build() -> None:
+    """Exit with a message where llama-cpp-python has ggml's AMX kernels, which crash here
+    (checked in a child process, so this one never loads ggml)."""
+    code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    info = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if info.returncode != 0:
+        sys.exit(f"llama-cpp-python does not import: {info.stderr.strip().splitlines()[-1:]}")
+    if "AMX_INT8 = 1" in info.stdout:
+        sys.exit(
+            "llama-cpp-python was built with ggml's AMX kernels, which crash on this machine: "
+            "rebuild it with `bash tools/install_test.sh`"
+        )
+
+
 def main() -> None:
     import powerpy
     from powerpy.default_model import smollm2_path
@@ -218,6 +234,7 @@ def main() -> None:
         help="each round loads llama.cpp, then powerpy, in fresh processes (one model resident)",
     )
     args = ap.parse_args()
+    check_peer_build()
     torch.set_num_threads(args.threads)
     if args.exact_activations:
         from powerpy.model import kernels
