@@ -117,6 +117,7 @@ def _raise(status: int, what: str, idx: Tensor | None = None, nrows: int = 0) ->
 
 
 _F32, _I64 = torch.float32, torch.int64
+CACHE_CODES = {_F32: 0, torch.float16: 1}  # the KV cache types the kernels read
 _threads = torch.get_num_threads
 
 
@@ -345,7 +346,7 @@ class KernelLibrary:
             *shape,
             k.data_ptr(),
             v.data_ptr(),
-            0 if k.dtype is _F32 else 1,
+            CACHE_CODES[k.dtype],
             pos,
             out.data_ptr(),
             _quant_act,

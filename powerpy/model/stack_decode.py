@@ -20,10 +20,9 @@ from powerpy.config import FFNVariant
 from powerpy.model import kernels
 from powerpy.model.cache import KVCache
 from powerpy.model.ffn import ffn_kernels
-from powerpy.model.kernels import KernelLibrary, Matrix, as_f32
+from powerpy.model.kernels import CACHE_CODES, KernelLibrary, Matrix, as_f32
 from powerpy.model.options import RunOptions
 
-CACHE_CODES = {torch.float32: 0, torch.float16: 1}  # the kernels' KV cache types
 _REC = 49  # int64 per layer record: 4 + 5 matrices of 5, attn_norm, ffn_norm, down_stored, tau
 
 

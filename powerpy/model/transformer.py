@@ -17,7 +17,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.errors import NonFiniteError
-from powerpy.model import ggml_numerics, stack_decode
+from powerpy.model import ggml_numerics, kernels, stack_decode
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
@@ -297,7 +297,7 @@ def _fused_attention(
     attention (1, n_embd); None when a matrix or the cache is not for the kernels."""
     kern = stack_decode.attention_kernels(blk)
     k, v = cache.k[l], cache.v[l]  # (n_ctx, n_kv, head_dim)
-    if kern is None or k.device.type != "cpu" or k.dtype not in stack_decode.CACHE_CODES:
+    if kern is None or k.device.type != "cpu" or k.dtype not in kernels.CACHE_CODES:
         return None
     rot = torch.view_as_real(rot[0])  # (n_rot / 2, 2): cos, sin
     shape = (a.n_head, a.n_head_kv, a.head_dim)
