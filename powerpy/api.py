@@ -280,7 +280,8 @@ class LLM:
         return run_bench(
             self.model, name=self.name, n_prompt=n_prompt, n_gen=n_gen,
             repetitions=repetitions, threshold=self.options.threshold,
-            first_token=self.tokenizer.bos_id or 0, size_bytes=self.path.stat().st_size,
+            cut_scale=self.options.cut_scale, first_token=self.tokenizer.bos_id or 0,
+            size_bytes=self.path.stat().st_size,
             **kwargs,
         )  # fmt: skip
 
@@ -348,6 +349,7 @@ def load(
     dense: bool = False,
     cache_type: str = "f16",
     use_mmap: bool = False,
+    cut_scale: float = 1.0,
     **placement_options,
 ) -> LLM:
     """Load a GGUF (dense) or PWRI (sparse) model.
@@ -379,6 +381,9 @@ def load(
             decode gathers scattered rows, and with 4 KiB file pages nearly every row costs a
             TLB miss (about 18% of decode speed on a 1B Q4_0 model). A file larger than the
             available memory is mapped anyway.
+        cut_scale: scales the file's per-layer FFN cuts (``powerpy.ffn_down_threshold``) in
+            sparse runs: 0 turns them off, larger values skip more down rows
+            (``RunOptions.cut_scale``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -401,9 +406,8 @@ def load(
     weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
     model = Model(args, weights, cache_dtype=CACHE_TYPES[cache_type])
     stats = SparsityStats.empty(args.n_layer, args.n_ff)
-    opts = RunOptions(
-        sparse=not dense, threshold=resolve_threshold(threshold, args.sparse_threshold), stats=stats
-    )
+    threshold = resolve_threshold(threshold, args.sparse_threshold)
+    opts = RunOptions(sparse=not dense, threshold=threshold, stats=stats, cut_scale=cut_scale)
     llm = LLM(model, tokenizer, gf, path, options=opts)
     if vram_budget is not None:
         from powerpy.placement.runtime import place

@@ -133,11 +133,12 @@ def bench_mode(
     repetitions: int = 1,
     *,
     threshold: float | None = None,
+    cut_scale: float = 1.0,
     first_token: int = 0,
 ) -> list[BenchRow]:
     """pp and tg rows for one mode ("sparse" or "dense"); best of ``repetitions``."""
     sparse = mode == "sparse" and model.can_gate
-    opts = RunOptions(sparse=sparse, threshold=threshold)
+    opts = RunOptions(sparse=sparse, threshold=threshold, cut_scale=cut_scale)
     rows = []
     if n_prompt > 0:
         secs = min(run_pp(model, n_prompt, opts) for _ in range(repetitions))
@@ -301,6 +302,7 @@ def run_bench(
     repetitions: int = 1,
     modes: tuple[str, ...] | None = None,
     threshold: float | None = None,
+    cut_scale: float = 1.0,
     first_token: int = 0,
     size_bytes: int = 0,
     floor: bool = True,
@@ -314,6 +316,7 @@ def run_bench(
         repetitions: best of this many runs.
         modes: ("sparse", "dense") by default for a model with predictors, else ("dense",).
         threshold: the predictor threshold (None: the file's).
+        cut_scale: the scale of the file's FFN cuts in sparse runs (``RunOptions.cut_scale``).
         first_token: the warm-up token of tg (e.g. BOS).
         size_bytes: the model file's size, for the record.
         floor: also measure the dispatch floor (``dispatch_overhead_ms``).
@@ -336,7 +339,7 @@ def run_bench(
     for mode in modes:
         rows += bench_mode(
             model, mode, n_prompt, n_gen, bw, repetitions,
-            threshold=threshold, first_token=first_token,
+            threshold=threshold, cut_scale=cut_scale, first_token=first_token,
         )  # fmt: skip
     dispatch = dispatch_overhead_ms(model, modes[0] == "sparse") if floor and n_gen > 0 else 0.0
     return BenchResult(name, rows, bw, torch.get_num_threads(), size_bytes, dispatch)

@@ -200,3 +200,28 @@ def test_cut_sweep(cut_model):
     plain.model.weights.blk[0].down_tau = plain.model.weights.blk[1].down_tau = None
     with pytest.raises(ValueError, match="no cuts"):
         plain.sparsity_sweep(text, cut=[1.0], ctx=16, chunks=2, progress=False)
+
+
+def test_cut_scale_at_load_and_on_the_command_line(cut_model, capsys):
+    from powerpy.cli import main
+
+    path, _, _ = cut_model
+    base = load(path, threshold=-np.inf)
+    skipped = []
+    for scale in (0.0, 1.0, 2.0):
+        llm = load(path, threshold=-np.inf, cut_scale=scale)
+        assert llm.options.cut_scale == scale
+        assert ("cut x2" in llm.mode) == (scale == 2.0) and ("cut" in llm.mode) == (scale > 0)
+        llm.logits(TOKENS)
+        skipped.append(1 - llm.sparsity.active_fraction().mean())
+        if scale == 1.0:
+            torch.testing.assert_close(llm.logits(TOKENS), base.logits(TOKENS), atol=0, rtol=0)
+    assert skipped[0] < skipped[1] < skipped[2], skipped
+    with pytest.raises(ValueError, match="cut_scale"):
+        load(path, cut_scale=float("nan"))
+    common = ["-m", str(path), "--sparse-threshold=-1e30"]
+    assert main(["infer", *common, "-p", "a", "-n", "2", "--cut-scale", "2"]) == 0
+    assert "cut x2 in 2 of 2 layers" in capsys.readouterr().err
+    assert main(["infer", *common, "-p", "a", "-n", "2", "--cut-scale=-1"]) == 1
+    err = capsys.readouterr().err
+    assert "--cut-scale -1.0: use a finite scale >= 0" in err and "Traceback" not in err

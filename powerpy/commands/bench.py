@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         repetitions=args.repetitions,
         modes=tuple(modes),
         threshold=llm.options.threshold,
+        cut_scale=llm.options.cut_scale,
         first_token=llm.tokenizer.bos_id or 0,
         size_bytes=llm.path.stat().st_size,
     )

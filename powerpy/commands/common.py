@@ -9,8 +9,8 @@ THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
 
 
 def add_load_args(p: argparse.ArgumentParser) -> None:
-    """``-m``, ``-t``, ``--sparse-threshold``, ``--ffn-act``, ``--exact-activations``, the
-    KV cache types ``-ctk``/``-ctv`` and ``--mmap``/``--no-mmap``."""
+    """``-m``, ``-t``, ``--sparse-threshold``, ``--cut-scale``, ``--ffn-act``,
+    ``--exact-activations``, the KV cache types ``-ctk``/``-ctv`` and ``--mmap``/``--no-mmap``."""
     p.add_argument("-m", "--model", help="model file (default: the sparse SmolLM2-135M)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
     p.add_argument(
@@ -18,6 +18,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help=f"predictor threshold (default: env {THRESHOLD_ENV}, then the file's key, then 0)",
+    )
+    p.add_argument(
+        "--cut-scale",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="scale the file's per-layer FFN cuts (powerpy.ffn_down_threshold, sparse runs): "
+        "0 turns them off, larger values skip more down rows (default 1: the file's)",
     )
     p.add_argument(
         "--ffn-act",
@@ -90,6 +98,9 @@ def load_model(args: argparse.Namespace):
             f"-ctk {ctk} and -ctv {ctv} differ: powerpy keeps keys and values in one type, "
             "pass the same value to both"
         )
+    cut_scale = getattr(args, "cut_scale", 1.0)
+    if not 0 <= cut_scale < float("inf"):
+        raise ValueError(f"--cut-scale {cut_scale}: use a finite scale >= 0, e.g. 0 (no cut), 1")
     if getattr(args, "exact_activations", False):
         from powerpy.model import kernels
 
@@ -102,6 +113,7 @@ def load_model(args: argparse.Namespace):
         ffn_act=args.ffn_act,
         cache_type=ctk,
         use_mmap=getattr(args, "mmap", False),
+        cut_scale=cut_scale,
         progress=sys.stderr.isatty(),
     )
 
