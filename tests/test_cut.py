@@ -224,4 +224,4 @@ def test_cut_scale_at_load_and_on_the_command_line(cut_model, capsys):
     assert "cut x2 in 2 of 2 layers" in capsys.readouterr().err
     assert main(["infer", *common, "-p", "a", "-n", "2", "--cut-scale=-1"]) == 1
     err = capsys.readouterr().err
-    assert "--cut-scale -1.0: use a finite scale >= 0" in err and "Traceback" not in err
+    assert "--cut-scale: cut_scale -1.0 must be finite and >= 0" in err and "Traceback" not in err

@@ -89,6 +89,7 @@ def load_model(args: argparse.Namespace):
     import torch
 
     from powerpy.api import load
+    from powerpy.model.options import RunOptions
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -99,8 +100,10 @@ def load_model(args: argparse.Namespace):
             "pass the same value to both"
         )
     cut_scale = getattr(args, "cut_scale", 1.0)
-    if not 0 <= cut_scale < float("inf"):
-        raise ValueError(f"--cut-scale {cut_scale}: use a finite scale >= 0, e.g. 0 (no cut), 1")
+    try:
+        RunOptions(cut_scale=cut_scale)  # its check, named by the flag
+    except ValueError as e:
+        raise ValueError(f"--cut-scale: {e}, e.g. 0 (no cut) or 1") from None
     if getattr(args, "exact_activations", False):
         from powerpy.model import kernels
 
