@@ -391,6 +391,7 @@ def load(
     """
     from powerpy.default_model import default_model_path
 
+    RunOptions(cut_scale=cut_scale)  # its check, before the file is read
     if cache_type not in CACHE_TYPES:
         raise ValueError(
             f"cache type {cache_type!r} is not supported: use one of {list(CACHE_TYPES)}"
