@@ -369,7 +369,8 @@ def load(
             ``disable_gpu_index``, ``activation_dir``, ``capacity_mode``, ``kv_elem_bytes``).
         device: the accelerator: "cuda[:N]", "cpu" (emulated) or None (CUDA when present,
             else CPU-only with ``llm.runtime`` None).
-        n_ctx: context the accelerator KV cache is reserved for (default min(2048, training)).
+        n_ctx: positions the accelerator KV caches are reserved for (default
+            ``ModelArgs.default_n_ctx``: the training context, at most 4096).
         ffn_act: "relu" or "silu" to override the FFN activation the file implies (a dense
             GGUF runs SiLU; a dense GGUF of a ReLU model needs "relu"). See
             ``ModelArgs.with_ffn_act``.

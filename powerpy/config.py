@@ -20,6 +20,9 @@ SUPPORTED_ARCHS = ("llama", "bamboo")
 HF_MODEL_TYPES = ("llama", "mistral")
 
 
+DEFAULT_CTX = 4096  # positions of a KV cache when none is given (llama-server's default)
+
+
 class FFNVariant(str, enum.Enum):
     """How the FFN activation h is computed from gate g and up u (spec §9.2)."""
 
@@ -68,6 +71,13 @@ class ModelArgs:
     @property
     def n_embd_gqa(self) -> int:
         return self.head_dim * self.n_head_kv
+
+    @property
+    def default_n_ctx(self) -> int:
+        """The context of a cache or a placement when none is given: the training context, at
+        most :data:`DEFAULT_CTX` (one default for ``new_cache``, ``gen-gpuidx``, ``infer`` and
+        ``serve``, so a placement's KV reservation and the caches agree)."""
+        return min(self.n_ctx_train, DEFAULT_CTX) if self.n_ctx_train > 0 else DEFAULT_CTX
 
     @classmethod
     def from_gguf_kv(

@@ -208,7 +208,7 @@ def _coverage(model: Any, prof: Any, budgets: Any, n_ctx: int | None) -> Coverag
     if n_ctx is None:
         from powerpy.config import ModelArgs
 
-        n_ctx = min(2048, ModelArgs.from_gguf(gf).n_ctx_train)
+        n_ctx = ModelArgs.from_gguf(gf).default_n_ctx
     return coverage_curve(gf, counts, budgets, n_ctx=n_ctx, name=name)
 
 

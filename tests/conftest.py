@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# The fused GPU kernels (powerpy.model.gpu_kernels) run on CPU tensors in Triton's interpreter,
+# which must be on before Triton is first imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -84,51 +84,114 @@ class FakeCudaOps(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _composite(func) -> bool:
+    """An op that other ops implement (its decomposition runs the kernels)."""
+    if func.namespace != "aten":
+        return False
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+def launches(func) -> bool:
+    """An op that runs a kernel: not a view, not a composite."""
+    if getattr(func, "is_view", False) or func.namespace == "prim":
+        return False
+    return not _composite(func)
+
+
 class OpLog(TorchDispatchMode):
-    """Counts aten ops by (name, device of the output)."""
+    """Counts aten ops by (name, device of the output); ``launches`` counts only those on the
+    device that run a kernel (see :func:`launches`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[tuple[str, str]] = Counter()
+        self.kernels: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if _composite(func) and not getattr(func, "is_view", False):
+            with self:  # count the ops it is made of
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
         dev = out.device.type if isinstance(out, torch.Tensor) else "-"
         self.ops[(func.overloadpacket.__name__, dev)] += 1
+        if dev == "cuda" and launches(func):
+            self.kernels[func.overloadpacket.__name__] += 1
         return out
+
+    @property
+    def launches(self) -> int:
+        return sum(self.kernels.values())
 
 
 class FakeCuda(Accelerator):
-    """A CUDA accelerator with fake tensors: persistent device bytes and transfers counted."""
+    """A CUDA accelerator with fake tensors: persistent device bytes and per-step copies
+    counted, each per-step copy checked to go through a pinned staging buffer."""
 
     def __init__(self) -> None:
         self.mode = FakeTensorMode()
         self.device = torch.device("cuda", 0)
         self.gather_hot = False  # as on real CUDA: no nonzero on the device
+        self.fused = True  # the fused kernels' fake versions give shapes
         self._stream = None
+        self._rings, self._turn = {}, {}
+        self._pinned: set[int] = set()
         self.reset_counts()
 
     def reset_counts(self) -> None:
         self.bytes_in = self.bytes_out = 0  # host -> device, device -> host
         self.n_in = self.n_out = 0
+        self.waits = 0
         self.allocated = 0  # persistent device allocations (caches)
+        self.copied: list[torch.Tensor] = []  # the tensors copied per step (kept alive)
 
     def free_memory(self) -> int | None:
         return 8 << 30
+
+    def _fake(self, t: torch.Tensor) -> torch.Tensor:
+        with self.mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
 
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         assert not isinstance(t, FakeTensor), "already on the device"
         assert t.device.type == "cpu"
         self.n_in += 1
         self.bytes_in += t.numel() * t.element_size()
-        with self.mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+        return self._fake(t)
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+    def send(self, t: torch.Tensor) -> torch.Tensor:
+        self.copied.append(t)
+        return super().send(t)
+
+    def _pinned_empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.empty(n, dtype=dtype)
+        self._pinned.add(t.data_ptr())
+        return t
+
+    def _check_pinned(self, buf: torch.Tensor) -> None:
+        assert buf.untyped_storage().data_ptr() in self._pinned, "a copy from pageable memory"
+
+    def _h2d(self, buf: torch.Tensor) -> torch.Tensor:
+        self._check_pinned(buf)
+        self.n_in += 1
+        self.bytes_in += buf.numel() * buf.element_size()
+        return self._fake(buf)
+
+    def _d2h(self, t: torch.Tensor, buf: torch.Tensor) -> None:
         assert isinstance(t, FakeTensor) and t.device == self.device
+        self._check_pinned(buf)
+        self.copied.append(t)
         self.n_out += 1
         self.bytes_out += t.numel() * t.element_size()
-        return torch.zeros(t.shape, dtype=t.dtype)
+        buf.zero_()
+
+    def _record(self, slot: list) -> None:
+        slot[1] = None
+
+    def _wait(self, slot: list) -> None:
+        self.waits += 1
 
     def zeros(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
         with self.mode:

@@ -365,11 +365,17 @@ def test_cuda_split_ffn_with_fixed_mask(tmp_path, kind, hot_mode):
 @pytest.mark.cuda
 @cuda
 def test_cuda_memory_within_budget(tmp_path):
-    """Peak allocation <= budget + workspace; workspace = the row indexes (16 B per hot neuron,
-    outside the budget like upstream's gpu_bucket) + 8 MiB for activations and caching-allocator
-    rounding of this tiny model."""
+    """Peak allocation <= budget + the row indexes (16 B per hot neuron, outside the budget
+    like upstream's gpu_bucket) + 8 MiB for activations and caching-allocator rounding of this
+    tiny model. cuBLAS allocates its workspace per stream on first use: both streams use it
+    before the baseline is read (``DeviceReserve`` budgets it in real placements)."""
     path = tmp_path / "f16.powerinfer.gguf"
     write_tiny_model(path, SPEC, sparse=True, seed=5, dtype=GGMLType.F16)
+    accel = Accelerator.choose("cuda")
+    a = torch.ones(64, 64, device=accel.device)
+    a @ a
+    with accel.side_stream():
+        a @ a
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -377,7 +383,26 @@ def test_cuda_memory_within_budget(tmp_path):
     budget = dense + 2 * SPEC.n_layer * N_CTX * 32 * 2 + 200 * 3 * SPEC.n_embd * 2
     llm, rt = hybrid(path, index_of("full"), budget, device="cuda", kv_elem_bytes=2)
     assert rt.placement.n_hot == 200 and rt.placement.kv_on_gpu
-    run_logits(llm)
+    cache = llm.model.new_cache(N_CTX)  # the placement's f16 cache
+    llm.model.forward(torch.tensor(PROMPT), cache, llm.options)
+    for t in DECODE:
+        llm.model.forward(torch.tensor([t]), cache, llm.options)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     assert peak <= budget + rt.index_bytes + (8 << 20), (peak, budget)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [GGMLType.Q4_0, GGMLType.Q8_0])
+def test_cuda_quantized_hybrid_agrees_with_the_cpu(tmp_path, dtype, exact_activations):
+    """Quantized placed rows run in the fused kernels (f32 activations): compared with the CPU
+    run with exact activations, the logits agree closely and pick the same top token."""
+    path = tmp_path / f"{dtype.name}.powerinfer.gguf"
+    write_tiny_model(path, SPEC, sparse=True, seed=5, dtype=dtype)
+    want = run_logits(load(path, threshold=-1e30))
+    llm, rt = hybrid(path, index_of("random"), device="cuda", threshold=-1e30)
+    assert rt.accel.fused and rt.model.weights.blk[0].hot.gate_up is not None
+    got = run_logits(llm)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)

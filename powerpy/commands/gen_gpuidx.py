@@ -38,7 +38,10 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--activation", metavar="DIR", help="activation_{i}.pt directory (default: beside model)"
     )
-    p.add_argument("--ctx", type=int, default=2048, help="context length of the KV cache")
+    p.add_argument(
+        "--ctx", type=int, default=None,
+        help="KV cache positions (default: the training context, at most 4096, as infer)",
+    )  # fmt: skip
     p.add_argument("--batch", type=int, default=256, help="group size in neurons")
     p.add_argument(
         "--threshold", type=int, default=0, help="smallest non-zero neuron count per layer"
@@ -72,11 +75,12 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gen-gpuidx``; returns the exit code (errors raise ValueError/FileNotFoundError)."""
+    from powerpy.config import ModelArgs
     from powerpy.formats.constants import Keys
     from powerpy.formats.gguf_reader import read_gguf
     from powerpy.formats.gpuidx import default_gpuidx_path
     from powerpy.formats.stats import lexicographic_pairing, load_activation_stats
-    from powerpy.placement.budget import budget_bytes
+    from powerpy.placement.budget import DeviceReserve, budget_bytes
     from powerpy.placement.placement import Placement
     from powerpy.placement.solve import solve_placement
 
@@ -86,7 +90,12 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else default_gpuidx_path(model_path)
     if output.exists() and os.path.samefile(output, model_path):
         raise ValueError(f"--output {output} is the model file; refusing to overwrite it")
-    if args.ctx <= 0 or args.batch <= 0 or args.threshold < 0 or args.time_limit <= 0:
+    if (
+        (args.ctx is not None and args.ctx <= 0)
+        or args.batch <= 0
+        or args.threshold < 0
+        or args.time_limit <= 0
+    ):
         raise ValueError("--ctx, --batch and --time-limit must be > 0 and --threshold >= 0")
     check_plot(args)
     free = None
@@ -101,6 +110,10 @@ def run(args: argparse.Namespace) -> int:
 
     with read_gguf(model_path) as model:
         arch = model.kv.get(Keys.ARCHITECTURE)
+        margs = ModelArgs.from_gguf(model)
+        args.ctx = args.ctx or margs.default_n_ctx
+        # the budget is the placement's, as upstream's; what a CUDA run needs besides
+        reserve_line = DeviceReserve.for_model(margs, args.ctx).describe()
         base = Placement.for_model(
             model, budget, n_ctx=args.ctx, kv_elem_bytes=4 if args.memory_f32 else 2
         )
@@ -125,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model      {model_path} ({arch}, {base.n_layer} layers, n_ff {base.n_ff})")
     print(f"statistics {activation}{' (lexicographic pairing)' if export else ''}")
     print(placement.summary())
+    print(f"  {reserve_line}")
     print(f"wrote {output}")
     if args.plot:
         from powerpy import plot

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         # reused) or what this prompt needs if more
         n_prompt = len(llm.tokenize(prompt))
         need = n_prompt + args.n_predict if args.n_predict > 0 else a.n_ctx_train
-        setup_hybrid(llm, args, args.ctx_size or max(min(2048, a.n_ctx_train), need))
+        setup_hybrid(llm, args, args.ctx_size or max(a.default_n_ctx, need))
     from powerpy.errors import NonFiniteError
 
     try:

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         args.threads = max(1, torch.get_num_threads() - 1)
     llm = load_from_args(args)
     a = llm.model.args
-    n_ctx = args.ctx_size // args.parallel if args.ctx_size else min(a.n_ctx_train, 4096)
+    n_ctx = args.ctx_size // args.parallel if args.ctx_size else a.default_n_ctx
     if n_ctx < 2:
         raise ValueError(f"-c {args.ctx_size} leaves {n_ctx} positions per session")
     if args.vram_budget is not None:

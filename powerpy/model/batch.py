@@ -34,7 +34,6 @@ from powerpy.model.transformer import (
     Model,
     apply_rope,
     cache_attention,
-    rms_norm,
     rope_tables,
 )
 
@@ -78,11 +77,11 @@ def decode_batch(
     for l, blk in enumerate(w.blk):
         x = move(model.accel, x, blk.attn_norm.device)
         with phase(opts.timer, "attention"):
-            xn = rms_norm(x, blk.attn_norm, a.rms_eps)
+            xn = model._norm(x, blk.attn_norm)
             att = _attention(model, l, blk, xn, caches, rot)
             ffn_inp = x + move(model.accel, att, x.device)
         with phase(opts.timer, "ffn"):
-            xn = rms_norm(move(model.accel, ffn_inp, blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
+            xn = model._norm(move(model.accel, ffn_inp, blk.ffn_norm.device), blk.ffn_norm)
             if not sparse or ffn_mode == "batch":
                 y = ffn(l, blk, xn, ffn_inp, a.ffn_variant, thr, opts, model.accel)
             elif ffn_mode == "rows":
@@ -103,7 +102,7 @@ def decode_batch(
     for c in caches:
         c.pos += 1
     with phase(opts.timer, "output"):
-        x = rms_norm(move(model.accel, x, w.output_norm.device), w.output_norm, a.rms_eps)
+        x = model._norm(move(model.accel, x, w.output_norm.device), w.output_norm)
         return move(model.accel, w.output.linear(move(model.accel, x, w.output.device)), HOST)
 
 

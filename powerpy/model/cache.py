@@ -12,7 +12,9 @@ from powerpy.model.device import Accelerator
 
 @dataclass(frozen=True)
 class KVPlacement:
-    """Where a placement puts new caches: on the accelerator, for contexts up to ``max_ctx``."""
+    """Where a placement puts new caches: on the accelerator, while the live device caches
+    hold at most ``max_ctx`` positions together (``serve --parallel N`` reserves N caches'
+    worth)."""
 
     dtype: torch.dtype  # f16 or f32
     max_ctx: int

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -26,23 +26,55 @@ NO_CUDA_MESSAGE = "no CUDA GPU found: running everything on the CPU"
 _said_no_cuda = False
 
 HOST = torch.device("cpu")
+RING = 4  # pinned staging buffers per (shape, dtype): copies in flight before one must wait
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream_of(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream of a CUDA device (each stream costs a cuBLAS workspace)."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 class Accelerator:
     """One accelerator device and how to reach it.
+
+    Two kinds of transfer:
+
+    - :meth:`to_device`: a persistent copy (weights at placement), blocking;
+    - :meth:`send` / :meth:`fetch`: the per-step copies of a forward. They go through pinned
+      host buffers, reused across steps (a ring of :data:`RING` per shape and dtype, each
+      guarded by an event), as non-blocking copies on the current stream. ``send`` never waits
+      for the device; ``fetch`` waits once, on an event, for all the tensors it copies: the only
+      host waits of a decode step (:attr:`waits` counts them).
 
     Attributes:
         device: the device (``cpu`` when emulated).
         gather_hot: decode gathers only the active hot rows. That needs ``nonzero``, a host
             sync on a GPU, so it is used only where the "device" is the CPU itself (there it
             reads fewer bytes: 1.5-6x faster than the masked dense pass). On CUDA the hot part
-            is one masked dense pass with no host round trip.
+            is one masked pass with no host round trip.
+        fused: placed matrices run in the fused kernels (``gpu_kernels``): one launch each.
+        waits: host waits on the device so far (each ``fetch`` is one).
     """
 
-    def __init__(self, device: torch.device | str, *, gather_hot: bool | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str, *, gather_hot: bool | None = None, fused=None
+    ) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.gather_hot = self.device.type == "cpu" if gather_hot is None else gather_hot
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if fused is None:
+            from powerpy.model import gpu_kernels
+
+            fused = self.device.type == "cuda" and gpu_kernels.available()
+        self.fused = fused
+        self._stream = side_stream_of(self.device) if self.device.type == "cuda" else None
+        self._rings: dict[tuple, list] = {}
+        self._turn: dict[tuple, int] = {}
+        self.waits = 0
 
     def __repr__(self) -> str:
         return f"Accelerator({self.device}{', emulated' if self.emulated else ''})"
@@ -64,7 +96,8 @@ class Accelerator:
             None when ``device`` is None and there is no CUDA GPU (logged once per process).
 
         Raises:
-            ValueError: a CUDA device was asked for but none is available, or an unknown device.
+            ValueError: a CUDA device was asked for but none is available (or not that index),
+                or an unknown device.
         """
         global _said_no_cuda
         if device is None:
@@ -81,7 +114,10 @@ class Accelerator:
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device {device!r} was asked for but no CUDA GPU is available")
+            n = torch.cuda.device_count()
             index = torch.cuda.current_device() if dev.index is None else dev.index
+            if index >= n:
+                raise ValueError(f"device {device!r}: this machine has {n} CUDA device(s)")
             return Accelerator(torch.device("cuda", index))
         if dev.type != "cpu":
             raise ValueError(f"unsupported accelerator {device!r}: use 'cuda[:N]' or 'cpu'")
@@ -93,40 +129,112 @@ class Accelerator:
             return None
         return int(torch.cuda.mem_get_info(self.device)[0])
 
-    # --- transfers and allocation
+    # --- persistent copies and allocation
     def to_device(self, t: Tensor) -> Tensor:
-        """A copy of host tensor ``t`` on the device (``t`` itself when emulated)."""
+        """A persistent copy of host tensor ``t`` on the device (``t`` itself when emulated)."""
         return t.to(self.device)
-
-    def to_host(self, t: Tensor) -> Tensor:
-        """Device tensor ``t`` on the host (a device-to-host copy: it waits for ``t``)."""
-        return t.to(HOST)
-
-    def move(self, t: Tensor, device: torch.device) -> Tensor:
-        """``t`` on ``device`` (the host or this accelerator); no copy when it is there."""
-        if t.device == device:
-            return t
-        return self.to_host(t) if device.type == "cpu" else self.to_device(t)
 
     def zeros(self, *shape: int, dtype: torch.dtype) -> Tensor:
         """A zero-filled tensor allocated on the device."""
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
+    # --- per-step copies
+    def send(self, t: Tensor) -> Tensor:
+        """Host tensor ``t`` on the device, copied through a pinned buffer without a host wait
+        (``t`` itself when emulated)."""
+        if self.emulated:
+            return t
+        slot, buf = self._staging(t)
+        buf.copy_(t)
+        out = self._h2d(buf)
+        self._record(slot)
+        return out
+
+    def fetch(self, ts: Sequence[Tensor]) -> list[Tensor]:
+        """Device tensors ``ts`` on the host: non-blocking copies into pinned buffers, then one
+        wait. The results are views of those buffers: valid until :data:`RING` more copies of
+        the same dtype and size class (copy what must live longer)."""
+        if self.emulated:
+            return list(ts)
+        staged = [self._staging(t) for t in ts]
+        for t, (_, buf) in zip(ts, staged, strict=True):
+            self._d2h(t, buf)
+        for slot, _ in staged:
+            self._record(slot)
+        self._wait(staged[-1][0])
+        return [buf for _, buf in staged]
+
+    def move(self, t: Tensor, device: torch.device) -> Tensor:
+        """``t`` on ``device`` (the host or this accelerator) by a per-step copy; no copy when
+        it is there. A tensor fetched to the host is a copy of its own."""
+        if t.device == device:
+            return t
+        if device.type == "cpu":
+            return self.fetch([t])[0].clone()
+        return self.send(t)
+
     # --- overlap
     @contextlib.contextmanager
-    def side_stream(self) -> Iterator[None]:
-        """Queue the enclosed device work on a side stream (CUDA) so the host goes on."""
+    def side_stream(self, *inputs: Tensor | None) -> Iterator[None]:
+        """Queue the enclosed device work on the side stream (CUDA) so the host goes on;
+        ``inputs``, made on the main stream, stay allocated until the side stream is done."""
         if self._stream is None:
             yield
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for t in inputs:
+            if t is not None and t.device == self.device:
+                t.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
             yield
 
-    def join(self) -> None:
-        """Make the main stream wait for the side stream's work."""
-        if self._stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+    def join(self, *outputs: Tensor) -> None:
+        """Make the main stream wait for the side stream's work (no host wait); ``outputs``,
+        made on the side stream, are then used on the main stream."""
+        if self._stream is None:
+            return
+        main = torch.cuda.current_stream(self.device)
+        main.wait_stream(self._stream)
+        for t in outputs:
+            t.record_stream(main)
+
+    # --- staging buffers and events (FakeCuda overrides these)
+    def _staging(self, t: Tensor) -> tuple[list, Tensor]:
+        """The next pinned host buffer for ``t`` (a ring per dtype and power-of-two size, so
+        prompts of any length reuse a few buffers), once its last copy is done: (its slot
+        [flat buffer, event], a view of ``t``'s shape)."""
+        n = max(t.numel(), 1)
+        key = (t.dtype, 1 << (n - 1).bit_length())
+        ring = self._rings.setdefault(key, [])
+        turn = self._turn.get(key, 0)
+        self._turn[key] = (turn + 1) % RING
+        if turn == len(ring):
+            ring.append([self._pinned_empty(key[1], t.dtype), None])
+        slot = ring[turn]
+        if slot[1] is not None:
+            slot[1].synchronize()  # a copy RING uses old: long done
+        return slot, slot[0][: t.numel()].view(t.shape)
+
+    def _pinned_empty(self, n: int, dtype: torch.dtype) -> Tensor:
+        with torch.inference_mode(False):
+            return torch.empty(n, dtype=dtype, pin_memory=True)
+
+    def _h2d(self, buf: Tensor) -> Tensor:
+        return buf.to(self.device, non_blocking=True)
+
+    def _d2h(self, t: Tensor, buf: Tensor) -> None:
+        buf.copy_(t, non_blocking=True)
+
+    def _record(self, slot: list) -> None:
+        """Mark the end of the copy through ``slot``, queued on the current stream."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        slot[1] = event
+
+    def _wait(self, slot: list) -> None:
+        """The host waits for the copy through ``slot`` (and all the stream queued before)."""
+        self.waits += 1
+        slot[1].synchronize()
 
 
 def move(accel: Accelerator | None, t: Tensor, device: torch.device) -> Tensor:

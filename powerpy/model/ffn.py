@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import FFNVariant
-from powerpy.model import ggml_numerics
+from powerpy.model import ggml_numerics, gpu_kernels
 from powerpy.model.device import HOST, Accelerator, move
+from powerpy.model.gpu_kernels import FusedWeight
 from powerpy.model.matrices import DenseWeight, TransposedWeight, Weight
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
@@ -117,8 +118,12 @@ def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: FFNVaria
 
 def rows_sum(h: Tensor, w: Weight, small_batch: int = 8) -> Tensor:
     """``h @ W`` for a neuron-major W: h (T, n_ff) f32, W (n_ff, n_embd) -> (T, n_embd) f32."""
+    if isinstance(w, FusedWeight):
+        return w.rows_sum(h)  # placed rows: one fused op
+    if w.device.type != "cpu" and isinstance(w, DenseWeight):
+        return (h.to(w.w.dtype) @ w.w).float()  # placed float rows: one matmul, no f32 copy
     if w.device.type != "cpu" and not isinstance(w, TransposedWeight):
-        return h.float() @ w.dequantize()  # an accelerator's hot rows: one matmul over f32 rows
+        return h.float() @ w.dequantize()  # placed blocks no fused kernel reads: decoded
     if h.shape[0] <= small_batch and not isinstance(w, TransposedWeight):
         if not (isinstance(w, DenseWeight) and w.w.dtype == torch.float32):
             # decode: the row-sum kernel over all rows reads W once
@@ -229,6 +234,8 @@ class HotRows:
         cold: ``(n_ff,)`` bool on the host, True where the neuron stays on the CPU.
         cold_idx: ``(n_ff - k,)`` int64 on the host, the cold neuron ids.
         tau: ``(k,)`` f32 on the device, the layer's cut of each compact row, or None.
+        gate_up: ``(2k, n_embd)``, the gate rows then the up rows in one matrix, when the
+            fused kernels run them (``gate`` and ``up`` are its halves); else None.
     """
 
     k: int
@@ -239,6 +246,7 @@ class HotRows:
     cold: Tensor
     cold_idx: Tensor
     tau: Tensor | None = None
+    gate_up: FusedWeight | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -304,7 +312,7 @@ def fused_decode(
     as one native call: x (1, n_embd) the residual stream -> x + FFN (1, n_embd); None when it
     does not apply (a matrix the kernels cannot read, profiling, an oracle)."""
     kern = ffn_kernels(blk, opts)
-    if kern is None:
+    if kern is None or x.device.type != "cpu":
         return None
     lib, mats, stored, tau = kern
     norm = (blk.ffn_norm, norm_eps)
@@ -364,10 +372,10 @@ def split_ffn(
         x_dev = accel.move(x, accel.device)
         act_dev = None if act is None else accel.move(act, accel.device)
         tau_dev = scaled_cut(hot.tau, opts)  # (k,) on the device, or None
-        with accel.side_stream(), phase(opts.timer, "ffn_hot"):
+        with accel.side_stream(x_dev, act_dev, tau_dev), phase(opts.timer, "ffn_hot"):
             y_hot = _hot(hot, x_dev, act_dev, variant, accel.gather_hot, tau_dev)  # queued
-    x_host = move(accel, x, HOST)  # waits for the predictor only, not for the hot part
-    act_host = None if act is None else move(accel, act, HOST)
+    with phase(opts.timer if accel is not None else None, "wait"):
+        x_host, act_host = _to_host(accel, x, act)  # waits for the predictor, not the hot part
     if hot is None and tau is not None:  # CPU-only with a cut: count the rows really added
         y_cold, kept = ffn_cut(x_host, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant,
                                act_host, tau)  # fmt: skip
@@ -380,11 +388,21 @@ def split_ffn(
         y_cold = _cold(blk, hot, x_host, act_host, variant, tau)  # (T, n_embd) on the host
     if y_hot is None:
         return move(accel, y_cold, x.device)
-    with phase(opts.timer, "ffn_hot_wait"):
-        accel.join()
+    accel.join(y_hot)  # the main stream waits for the hot part; the host does not
     if y_hot.device == x.device:
         return y_hot + accel.move(y_cold, x.device)
     return accel.move(y_hot, x.device) + y_cold
+
+
+def _to_host(accel: Accelerator | None, x: Tensor, act: Tensor | None):
+    """x and act (or None) on the host, with one wait for those on the device."""
+    ts = [t for t in (x, act) if t is not None]
+    on_dev = [t for t in ts if t.device != HOST]
+    if on_dev:
+        assert accel is not None
+        got = iter(accel.fetch(on_dev))
+        ts = [next(got) if t.device != HOST else t for t in ts]
+    return ts[0], (ts[1] if act is not None else None)
 
 
 def _hot(
@@ -396,6 +414,9 @@ def _hot(
     tau: Tensor | None,
 ) -> Tensor:
     # x (T, n_embd), act (T, n_ff) bool, tau (k,), all on the device -> (T, n_embd) f32 there
+    if hot.gate_up is not None:  # the fused kernels: three ops, no host round trip
+        gu = hot.gate_up.linear(x, act, hot.bucket)  # (T, 2k); 0 where the predictor is off
+        return hot.down_t.rows_sum(gpu_kernels.glu(gu, tau, FFNVariant(variant).value))
     if gather and act is not None and x.shape[0] == 1:
         idx = act[0, hot.bucket].nonzero().squeeze(1)  # (r,) active compact rows: a host sync
         h = cut(glu_rows(x[0], hot.gate, hot.up, idx, variant), None if tau is None else tau[idx])

@@ -52,6 +52,7 @@ class StackPlan:
     keep: list
     gated: np.ndarray  # (k,) int64 layer ids
     variant: int
+    first: int = 0  # the plan runs layers first.. (a hybrid's host-only layers)
 
     @staticmethod
     def build(blocks, variant, opts: RunOptions) -> StackPlan | None:
@@ -78,9 +79,10 @@ class StackPlan:
     def run(
         self, args, x: Tensor, cache: KVCache, rot: Tensor, thr: float, opts: RunOptions
     ) -> Tensor:
-        """x (1, n_embd) the residual stream before block 0 -> after the last block; writes
-        every layer's cache row at ``cache.pos`` (not advanced). rot: (n_rot / 2,) complex."""
-        k, v = cache.k, cache.v  # (n_layer, n_ctx, n_kv, head_dim) on the host
+        """x (1, n_embd) the residual stream before block ``first`` -> after the last block;
+        writes those layers' cache rows at ``cache.pos`` (not advanced). rot: (n_rot / 2,)
+        complex."""
+        k, v = cache.k[self.first :], cache.v[self.first :]  # (n, n_ctx, n_kv, head_dim), host
         out = as_f32(x[0]).clone()
         r = torch.view_as_real(rot.contiguous())  # (n_rot / 2, 2): cos, sin
         n_layer = self.records.shape[0]
@@ -95,7 +97,7 @@ class StackPlan:
         if st:
             raise ValueError(f"decode_layers: invalid arguments (status {st})")
         if opts.sparse and opts.stats is not None:
-            opts.stats.record_step(self.gated, counts[self.gated])
+            opts.stats.record_step(self.gated + self.first, counts[self.gated])
         return out[None]
 
 
@@ -104,11 +106,43 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mod
 
 def plan_for(model, opts: RunOptions) -> StackPlan | None:
     """The model's plan for ``opts.sparse`` and ``opts.cut_scale``, built on first use (None:
-    per-layer calls)."""
+    per-layer calls). It covers the layers from the first one after which every layer is on
+    the host: all of a CPU-only model, the host part of a hybrid one (a placement fills the
+    device from layer 0 on)."""
     plans, key = _PLANS.setdefault(model, {}), (opts.sparse, opts.sparse and opts.cut_scale)
     if key not in plans:
-        plans[key] = StackPlan.build(model.weights.blk, model.args.ffn_variant, opts)
+        blocks = model.weights.blk
+        first = len(blocks)
+        while first > 0 and _on_host(blocks[first - 1]):
+            first -= 1
+        plan = StackPlan.build(blocks[first:], model.args.ffn_variant, opts) if blocks[first:] \
+            else None  # fmt: skip
+        if plan is not None:
+            plan.first = first
+        plans[key] = plan
     return plans[key]
+
+
+def _on_host(blk) -> bool:
+    """Every tensor of the block is on the host (no hot rows, nothing placed)."""
+    if blk.hot is not None:
+        return False
+    ts = [blk.attn_norm, blk.ffn_norm] + [
+        getattr(blk, n).storage
+        for n in (
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down_t",
+            "fc1",
+            "fc2",
+        )  # fmt: skip
+        if getattr(blk, n) is not None
+    ]
+    return all(t.device.type == "cpu" for t in ts)
 
 
 def usable(cache: KVCache, opts: RunOptions) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.errors import NonFiniteError
-from powerpy.model import ggml_numerics, kernels, stack_decode
+from powerpy.model import ggml_numerics, gpu_kernels, kernels, stack_decode
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
@@ -67,7 +68,11 @@ class Weights:
 _HAS_RMS_NORM = hasattr(F, "rms_norm")
 
 
-def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, w: Tensor, eps: float, *, fused: bool = False) -> Tensor:
+    """x (..., n) f32 -> x / sqrt(mean(x²) + eps) · w; ``fused``: in one launch on a device
+    (``gpu_kernels``)."""
+    if fused and x.device.type != "cpu" and x.dtype == w.dtype == torch.float32:
+        return gpu_kernels.rms_norm_op(x, w, eps)
     c = ggml_numerics.library(x)
     if c is not None:
         return ggml_numerics.rms_norm(c, x, w, eps)
@@ -135,6 +140,7 @@ class Model:
         self.accel = accel
         self.kv = kv
         self.cache_dtype = cache_dtype  # host KV caches: f16 (llama.cpp's default) or f32
+        self._device_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # live, on the device
 
     @property
     def can_gate(self) -> bool:
@@ -142,24 +148,33 @@ class Model:
         return self.args.sparse and all(b.fc1 is not None for b in self.weights.blk)
 
     def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
-        """A fresh KV cache for up to ``n_ctx`` positions (default: training context, ≤ 4096),
-        on the accelerator when the placement reserved room for it, else on the host. Host caches
-        have ``dtype``, else the model's ``cache_dtype`` (f16 unless loaded with ``cache_type``,
-        as llama.cpp's ``-ctk``/``-ctv``)."""
-        n_ctx = n_ctx or min(self.args.n_ctx_train, 4096)
-        if self.kv is not None and n_ctx <= self.kv.max_ctx:
-            return KVCache(self.args, n_ctx, dtype or self.kv.dtype, self.accel)
+        """A fresh KV cache for up to ``n_ctx`` positions (default ``args.default_n_ctx``), on
+        the accelerator while the placement's KV reservation has room for it (the live device
+        caches together), else on the host. Host caches have ``dtype``, else the model's
+        ``cache_dtype`` (f16 unless loaded with ``cache_type``, as llama.cpp's ``-ctk``)."""
+        n_ctx = n_ctx or self.args.default_n_ctx
         if self.kv is not None:
+            live = sum(c.n_ctx for c in self._device_caches)
+            if live + n_ctx <= self.kv.max_ctx:
+                cache = KVCache(self.args, n_ctx, dtype or self.kv.dtype, self.accel)
+                self._device_caches.add(cache)
+                return cache
             log.warning(
-                "a %d-position KV cache exceeds the %d placed on %s: it stays on the host",
+                "a %d-position KV cache does not fit the %d positions placed on %s (%d in use): "
+                "it stays on the host",
                 n_ctx,
                 self.kv.max_ctx,
                 self.accel,
+                live,
             )
         return KVCache(self.args, n_ctx, dtype or self.cache_dtype)
 
     def _to(self, t: Tensor, device: torch.device) -> Tensor:
         return move(self.accel, t, device)
+
+    def _norm(self, x: Tensor, w: Tensor) -> Tensor:
+        fused = self.accel is not None and self.accel.fused
+        return rms_norm(x, w, self.args.rms_eps, fused=fused)
 
     @torch.inference_mode()
     def forward(
@@ -205,20 +220,21 @@ class Model:
         if check:
             _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
         rot = {HOST: rope_tables(a, cache.pos, n)}  # (T, n_rot/2) complex, per device
-        fused = n == 1 and self.accel is None  # CPU-only decode: one native call per block
+        fused = n == 1  # decode: one native call per block where the block is on the host
         plan = None
         if fused and not check and stack_decode.usable(cache, opts):  # or one for the stack
             plan = stack_decode.plan_for(self, opts)
-        if plan is not None:
-            x = plan.run(a, x, cache, rot[HOST][0], thr, opts)
-        for l, blk in enumerate(w.blk if plan is None else []):
+        for l, blk in enumerate(w.blk):
+            if plan is not None and l == plan.first:
+                x = plan.run(a, self._to(x, HOST), cache, rot[HOST][0], thr, opts)
+                break
             # Each step runs where its weights are and the residual stream follows (no move
             # when the tensor is already there, e.g. CPU-only).
             x = self._to(x, blk.attn_norm.device)
             with phase(opts.timer, "attention"):
                 ffn_inp = _fused_attention(l, blk, x, cache, rot[HOST], a) if fused else None
                 if ffn_inp is None:
-                    xn = rms_norm(x, blk.attn_norm, a.rms_eps)
+                    xn = self._norm(x, blk.attn_norm)
                     ffn_inp = x + self._to(self.attention(l, blk, xn, cache, rot), x.device)
             if check:
                 _check_finite(ffn_inp, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
@@ -227,8 +243,12 @@ class Model:
                 if fused:
                     x = fused_decode(l, blk, ffn_inp, a.rms_eps, a.ffn_variant, thr, opts)
                 if x is None:
-                    xn = rms_norm(self._to(ffn_inp, blk.ffn_norm.device), blk.ffn_norm, a.rms_eps)
-                    y = ffn(l, blk, xn, ffn_inp, a.ffn_variant, thr, opts, self.accel)
+                    at = {ffn_inp.device: ffn_inp}  # ffn_inp moved once per device
+                    for dev in (blk.ffn_norm.device, (blk.fc1 or blk.ffn_up).device):
+                        at[dev] = at[dev] if dev in at else self._to(ffn_inp, dev)
+                    xn = self._norm(at[blk.ffn_norm.device], blk.ffn_norm)
+                    pred_in = at[(blk.fc1 or blk.ffn_up).device]  # the predictor's input
+                    y = ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, self.accel)
                     x = ffn_inp + self._to(y, ffn_inp.device)
             if check:
                 _check_finite(x, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
@@ -236,7 +256,7 @@ class Model:
         if not all_logits:
             x = x[-1:]
         with phase(opts.timer, "output"):
-            x = rms_norm(self._to(x, w.output_norm.device), w.output_norm, a.rms_eps)
+            x = self._norm(self._to(x, w.output_norm.device), w.output_norm)
             logits = self._to(w.output.linear(self._to(x, w.output.device)), HOST)
         if check:
             _check_finite(logits, "output", "the output layer (output_norm, output)")
@@ -250,9 +270,16 @@ class Model:
         ``rot`` holds the rotations per device; they move to a device once per forward."""
         a = self.args
         n, p0 = x.shape[0], cache.pos
-        q = blk.attn_q.linear(self._to(x, blk.attn_q.device)).view(n, a.n_head, a.head_dim)
-        k = blk.attn_k.linear(self._to(x, blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
-        v = blk.attn_v.linear(self._to(x, blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
+        xs = {x.device: x}  # x on each device it is needed on, moved once
+
+        def x_on(dev: torch.device) -> Tensor:
+            if dev not in xs:
+                xs[dev] = self._to(x, dev)
+            return xs[dev]
+
+        q = blk.attn_q.linear(x_on(blk.attn_q.device)).view(n, a.n_head, a.head_dim)
+        k = blk.attn_k.linear(x_on(blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
+        v = blk.attn_v.linear(x_on(blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
         for dev in (q.device, k.device):
             if dev not in rot:
                 rot[dev] = self._to(rot[HOST], dev)
@@ -297,7 +324,8 @@ def _fused_attention(
     attention (1, n_embd); None when a matrix or the cache is not for the kernels."""
     kern = stack_decode.attention_kernels(blk)
     k, v = cache.k[l], cache.v[l]  # (n_ctx, n_kv, head_dim)
-    if kern is None or k.device.type != "cpu" or k.dtype not in kernels.CACHE_CODES:
+    host = k.device.type == "cpu" and x.device.type == "cpu"
+    if kern is None or not host or k.dtype not in kernels.CACHE_CODES:
         return None
     rot = torch.view_as_real(rot[0])  # (n_rot / 2, 2): cos, sin
     shape = (a.n_head, a.n_head_kv, a.head_dim)

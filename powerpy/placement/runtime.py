@@ -33,13 +33,15 @@ from torch import Tensor
 
 from powerpy._fs import fmt_bytes
 from powerpy.errors import PlacementError
-from powerpy.formats.constants import Names
+from powerpy.formats.constants import GGMLType, Names
+from powerpy.model import gpu_kernels
 from powerpy.model.cache import KVPlacement
 from powerpy.model.device import Accelerator
 from powerpy.model.ffn import HotRows
-from powerpy.model.matrices import Weight
+from powerpy.model.gpu_kernels import FusedWeight
+from powerpy.model.matrices import DenseWeight, QuantWeight, Weight
 from powerpy.model.transformer import Block, Model, Weights
-from powerpy.placement.budget import budget_bytes
+from powerpy.placement.budget import DeviceReserve, budget_bytes, device_budget
 from powerpy.placement.lifecycle import resolve_placement
 from powerpy.placement.placement import Placement
 
@@ -83,6 +85,7 @@ class HybridRuntime:
     host_file_bytes: int
     host_anon_bytes: int
     skipped: tuple[str, ...] = ()
+    reserve_line: str | None = None  # how the budget kept back the device's own needs
 
     @property
     def device(self) -> torch.device:
@@ -106,6 +109,8 @@ class HybridRuntime:
             f"  host weights: {f(host)}: {f(self.host_file_bytes)} file data, "
             f"{f(self.host_anon_bytes)} made at load",
         ]
+        if self.reserve_line:
+            lines.append(f"  {self.reserve_line}")
         if self.skipped:
             lines.append(f"  left on the host (reserved, unused): {', '.join(self.skipped)}")
         return "\n".join(lines)
@@ -137,10 +142,58 @@ def _nbytes(t: Tensor | Weight) -> int:
     return s.numel() * s.element_size()
 
 
+def _fused_type(w: Weight) -> GGMLType | None:
+    """The block type the fused kernels would read ``w`` as, or None."""
+    if isinstance(w, QuantWeight):
+        t = w.ggml_type
+    elif isinstance(w, DenseWeight) and w.w.dtype == torch.float16:
+        t = GGMLType.F16
+    else:
+        return None
+    return t if gpu_kernels.supports(t) and w.shape[1] % 32 == 0 else None
+
+
 def _to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
-    return (
-        accel.to_device(t) if isinstance(t, Tensor) else t.with_storage(accel.to_device(t.storage))
-    )
+    """A persistent device copy, in the form the device computes with: the fused kernels' when
+    they read the type (the file's bytes, one launch per product)."""
+    if isinstance(t, Tensor):
+        return accel.to_device(t)
+    kind = _fused_type(t) if accel.fused else None
+    if kind is not None:
+        return FusedWeight.of(accel.to_device(t.storage), kind, t.shape[1])
+    if isinstance(t, QuantWeight) and not accel.emulated:
+        _warn_torch_decode(t.ggml_type)
+    return t.with_storage(accel.to_device(t.storage))
+
+
+def _hot_rows(accel: Accelerator, gate: Weight, up: Weight, down_t: Weight, bucket: Tensor):
+    """A layer's rows ``bucket`` (k,) of gate, up and down_t on the device: (gate, up, down_t,
+    gate_up). With the fused kernels, gate and up are the halves of one stacked matrix."""
+    rows = [m.take_rows(bucket) for m in (gate, up, down_t)]  # raw rows, copied on the host
+    kinds = {_fused_type(m) for m in rows[:2]} if accel.fused else {None}
+    if len(kinds) == 1 and None not in kinds and rows[0].shape == rows[1].shape:
+        kind = kinds.pop()
+        stacked = torch.cat([m.storage.view(torch.uint8) for m in rows[:2]])  # (2k, row_bytes)
+        gate_up = FusedWeight(accel.to_device(stacked), kind, rows[0].shape[1])
+        k = bucket.numel()
+        g, u = (FusedWeight(gate_up.raw.narrow(0, s, k), kind, gate_up.cols) for s in (0, k))
+        return g, u, _to_device(accel, rows[2]), gate_up
+    return (*(_to_device(accel, m) for m in rows), None)
+
+
+_warned: set[GGMLType] = set()
+
+
+def _warn_torch_decode(t: GGMLType) -> None:
+    if t not in _warned:
+        _warned.add(t)
+        logger.warning(
+            "placed %s matrices decode with torch ops (many launches per token): the fused "
+            "kernels read %s%s",
+            t.name,
+            ", ".join(k.name for k in gpu_kernels.TYPES),
+            "" if gpu_kernels.available() else ", and need Triton (pip install triton)",
+        )
 
 
 def _host_bytes(weights: Weights, gf: GGUFFile | None, extra: list[Tensor]) -> tuple[int, int]:
@@ -247,7 +300,7 @@ def build_hybrid(
     kv = None
     if placement.kv_on_gpu:
         kv = KVPlacement(torch.float16 if placement.kv_elem_bytes == 2 else torch.float32,
-                         placement.n_ctx)  # fmt: skip
+                         placement.n_ctx)  # fmt: skip  # positions of all sessions together
 
     hot_bytes = index_bytes = 0
     extra_host: list[Tensor] = []
@@ -257,11 +310,9 @@ def build_hybrid(
         bucket = torch.from_numpy(lp.gpu_bucket.astype(np.int64))  # (k,)
         cold = torch.ones(a.n_ff, dtype=torch.bool)
         cold[bucket] = False
-        # take_rows copies raw rows on the host; the accelerator then moves them ("cpu": kept).
-        gate, up, down_t = (
-            _to_device(accel, m.take_rows(bucket))
-            for m in (blk.ffn_gate, blk.ffn_up, blk.ffn_down_t)
-        )
+        # the accelerator moves the rows ("cpu": kept as copied)
+        gate, up, down_t, gate_up = _hot_rows(accel, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t,
+                                              bucket)  # fmt: skip
         blk.hot = HotRows(
             lp.k,
             gate,
@@ -271,6 +322,7 @@ def build_hybrid(
             cold,
             cold.nonzero().squeeze(1),
             None if blk.down_tau is None else accel.to_device(blk.down_tau[bucket]),
+            gate_up,
         )
         hot_bytes += blk.hot.device_bytes
         index_bytes += blk.hot.index_bytes
@@ -315,11 +367,15 @@ def place(
     Args:
         model: a CPU-only PowerInfer (PWRI) model.
         file: its open file (the header drives the placement).
-        vram_budget: GiB; negative means the free VRAM minus 256 MiB (CUDA only).
+        vram_budget: GiB of placed bytes; negative means the free VRAM minus 256 MiB and the
+            reserve (CUDA only).
         device: ``"cuda[:N]"``, ``"cpu"`` (emulated accelerator), an ``Accelerator``, or None:
             CUDA when present, else nothing is placed (logged once) and None is returned.
-        n_ctx: context the KV cache is reserved for (default ``min(2048, n_ctx_train)``, the
-            ``gen-gpuidx`` default, so an index it wrote is reused).
+        n_ctx: positions the device KV caches are reserved for, all sessions together (default
+            ``ModelArgs.default_n_ctx``, as ``gen-gpuidx`` and ``new_cache``, so an index it
+            wrote is reused). On a real device, the placement plus
+            ``DeviceReserve.for_model`` (cuBLAS workspaces, per-step temporaries) must fit the
+            free memory: a larger budget is clamped, with a warning.
         kv_elem_bytes: 2 (f16 cache on the device) or 4 (f32).
         reset_gpu_index: regenerate ``<model>.generated.gpuidx`` even if it could be reused.
         disable_gpu_index: no hot-neuron split (dense parts are still placed).
@@ -336,14 +392,23 @@ def place(
     if accel is None:
         return None
     budget = budget_bytes(vram_budget, accel.free_memory())
+    n_ctx = n_ctx or model.args.default_n_ctx
+    reserve_line = None
+    if not accel.emulated:  # a real device also needs its workspaces and temporaries
+        reserve = DeviceReserve.for_model(model.args, n_ctx)
+        if vram_budget < 0:
+            budget = max(0, budget - reserve.total)
+        budget, reserve_line = device_budget(budget, reserve, accel.free_memory())
     placement = resolve_placement(
         file,
         budget,
-        n_ctx=n_ctx or min(2048, model.args.n_ctx_train),
+        n_ctx=n_ctx,
         kv_elem_bytes=kv_elem_bytes,
         reset_gpu_index=reset_gpu_index,
         disable_gpu_index=disable_gpu_index,
         activation_dir=activation_dir,
         capacity_mode=capacity_mode,  # type: ignore[arg-type]
     )
-    return build_hybrid(model, placement, accel, file=file)
+    rt = build_hybrid(model, placement, accel, file=file)
+    rt.reserve_line = reserve_line
+    return rt

@@ -159,7 +159,7 @@ class Scheduler:
         if batch not in BATCH_MODES:
             raise ValueError(f"unknown batch mode {batch!r}: one of {BATCH_MODES}")
         self.model, self.tokenizer, self.opts, self.source = model, tokenizer, opts, source
-        self.n_ctx = n_ctx or min(model.args.n_ctx_train, 4096)
+        self.n_ctx = n_ctx or model.args.default_n_ctx
         self.slots = [Slot(i, model.new_cache(self.n_ctx)) for i in range(n_parallel)]
         self.queue_size = queue_size
         self.batch = batch

@@ -130,16 +130,21 @@ def write_tiny_model(
         sparse: PWRI magic with predictors and ffn_down_t; else a dense GGUF with ffn_down.
         seed: RNG seed.
         threshold: value of powerinfer.sparse_threshold, or None to leave the key out.
-        dtype: F32 or F16 for 2-D tensors (1-D stay F32).
+        dtype: F32, F16, Q8_0 or Q4_0 for 2-D tensors (1-D stay F32).
         extra_kv: more keys, ``{key: (value, GGUFValueType[, element type])}``.
     """
+    import torch
+
     from powerpy.formats.gguf_writer import write_gguf
+    from powerpy.testing.synthetic import encode
 
     tensors = tiny_tensors(spec, sparse=sparse, seed=seed)
     out = []
+    if dtype not in (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0):
+        raise ValueError(f"tiny models are written in F32, F16, Q8_0 or Q4_0, not {dtype.name}")
     for name, arr in tensors.items():
-        if arr.ndim == 2 and dtype == GGMLType.F16:
-            out.append((name, arr.astype(np.float16), GGMLType.F16))
+        if arr.ndim == 2 and dtype != GGMLType.F32:
+            out.append((name, encode(torch.from_numpy(arr), dtype), dtype))
         else:
             out.append((name, arr, GGMLType.F32))
     write_gguf(
