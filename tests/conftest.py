@@ -7,10 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-# The fused GPU kernels (powerpy.model.gpu_kernels) run on CPU tensors in Triton's interpreter,
-# which must be on before Triton is first imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Without a GPU, the fused GPU kernels (powerpy.model.gpu_kernels) run on CPU tensors in
+# Triton's interpreter, which must be on before Triton is first imported. With one, they compile.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -91,7 +91,7 @@ def _composite(func) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
-def launches(func) -> bool:
+def _runs_kernel(func) -> bool:
     """An op that runs a kernel: not a view, not a composite."""
     if getattr(func, "is_view", False) or func.namespace == "prim":
         return False
@@ -100,7 +100,7 @@ def launches(func) -> bool:
 
 class OpLog(TorchDispatchMode):
     """Counts aten ops by (name, device of the output); ``launches`` counts only those on the
-    device that run a kernel (see :func:`launches`)."""
+    device that run a kernel (see :func:`_runs_kernel`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,7 +117,7 @@ class OpLog(TorchDispatchMode):
         out = func(*args, **kwargs)
         dev = out.device.type if isinstance(out, torch.Tensor) else "-"
         self.ops[(func.overloadpacket.__name__, dev)] += 1
-        if dev == "cuda" and launches(func):
+        if dev == "cuda" and _runs_kernel(func):
             self.kernels[func.overloadpacket.__name__] += 1
         return out
 
@@ -131,12 +131,11 @@ class FakeCuda(Accelerator):
     counted, each per-step copy checked to go through a pinned staging buffer."""
 
     def __init__(self) -> None:
+        super().__init__("cpu")  # no stream; the device is set below
         self.mode = FakeTensorMode()
         self.device = torch.device("cuda", 0)
         self.gather_hot = False  # as on real CUDA: no nonzero on the device
         self.fused = True  # the fused kernels' fake versions give shapes
-        self._stream = None
-        self._rings, self._turn = {}, {}
         self._pinned: set[int] = set()
         self.reset_counts()
 

@@ -220,7 +220,7 @@ def test_parallel_sessions_get_the_device_caches_the_placement_reserved(model_pa
 def test_a_budget_above_free_memory_is_clamped_with_the_reserve(model_path, caplog):
     """``place`` on a device with 8 GiB free: a 100 GiB budget places at most the free memory
     less the modelled workspaces and temporaries, and says so."""
-    from powerpy.placement.budget import DeviceReserve
+    from powerpy.placement.reserve import DeviceReserve
     from powerpy.placement.runtime import place
 
     llm = load(model_path, threshold=0.0)

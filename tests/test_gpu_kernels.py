@@ -1,8 +1,9 @@
 """The fused kernels of placed matrices (``powerpy.model.gpu_kernels``) and the device budget.
 
-The kernels run here in Triton's interpreter (``TRITON_INTERPRET=1``, set in conftest.py) on
-CPU tensors: the same code the GPU compiles. Each is compared with the blocks decoded by
-``gguf.quants`` (the reference dequantization) and a float64 product.
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set in
+conftest.py) on CPU tensors: the same code the GPU compiles. With one they run compiled on it
+(``tools/device_check.sh`` selects them with ``-m triton``). Each is compared with the blocks
+decoded by ``gguf.quants`` (the reference dequantization) and a float64 product.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from powerpy.config import ModelArgs
 from powerpy.formats.constants import GGMLType
 from powerpy.model import gpu_kernels
 from powerpy.model.gpu_kernels import FusedWeight
-from powerpy.placement.budget import (
+from powerpy.placement.reserve import (
     ROWS_SUM_SPLIT,
     WORKSPACE_PER_STREAM,
     DeviceReserve,
@@ -26,7 +27,11 @@ from powerpy.placement.budget import (
 from powerpy.testing import TinySpec
 from powerpy.testing.tiny import spec_args
 
-pytestmark = pytest.mark.skipif(not gpu_kernels.available(), reason="needs triton")
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(not gpu_kernels.available(), reason="needs triton"),
+]
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TYPES = [GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1]
 
 
@@ -39,17 +44,23 @@ def _matrix(t: GGMLType, rows: int, cols: int, seed: int = 0):
         raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(t)))
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t))).reshape(rows, cols)
     raw = torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).reshape(rows, -1)
-    return FusedWeight(raw, t, cols), torch.from_numpy(ref.astype(np.float64))
+    return FusedWeight(raw.to(DEV), t, cols), torch.from_numpy(ref.astype(np.float64))
+
+
+def _on(*ts):
+    return [t.to(DEV) for t in ts]
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_linear_and_rows_sum_equal_the_decoded_blocks(t):
     fw, ref = _matrix(t, 37, 96)  # rows not a multiple of the tiles
     x = torch.randn(3, 96)
-    torch.testing.assert_close(fw.linear(x).double(), x.double() @ ref.t(), atol=2e-5, rtol=1e-5)
+    got = fw.linear(*_on(x)).cpu().double()
+    torch.testing.assert_close(got, x.double() @ ref.t(), atol=2e-5, rtol=1e-5)
     h = torch.randn(2, 37)
     h[:, ::3] = 0  # rows whose weight is 0 are skipped
-    torch.testing.assert_close(fw.rows_sum(h).double(), h.double() @ ref, atol=2e-5, rtol=1e-5)
+    got = fw.rows_sum(*_on(h)).cpu().double()
+    torch.testing.assert_close(got, h.double() @ ref, atol=2e-5, rtol=1e-5)
 
 
 def test_linear_reads_only_the_needed_rows():
@@ -60,7 +71,7 @@ def test_linear_reads_only_the_needed_rows():
     need = torch.rand(3, 100) < 0.4
     bucket = torch.randperm(100)[:20]
     keep = need[:, bucket[torch.arange(40) % 20]]
-    got = fw.linear(x, need, bucket).double()
+    got = fw.linear(*_on(x, need, bucket)).cpu().double()
     torch.testing.assert_close(got, (x.double() @ ref.t()) * keep, atol=2e-5, rtol=1e-5)
 
 
@@ -71,20 +82,21 @@ def test_glu_applies_the_activation_and_the_cut(variant):
     g, u = gu[:, :50], gu[:, 50:]
     want = {"swiglu": F.silu(g) * u, "reglu": F.relu(g) * u, "drelu": F.relu(g) * F.relu(u)}
     want = want[variant].masked_fill(want[variant].abs() < tau, 0.0)
-    torch.testing.assert_close(gpu_kernels.glu(gu, tau, variant), want, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(
-        gpu_kernels.glu(gu, None, variant)[want != 0], want[want != 0], atol=1e-6, rtol=1e-5
-    )
+    got = gpu_kernels.glu(*_on(gu, tau), variant).cpu()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    got = gpu_kernels.glu(*_on(gu), None, variant).cpu()
+    torch.testing.assert_close(got[want != 0], want[want != 0], atol=1e-6, rtol=1e-5)
 
 
 def test_rms_norm():
     x, w = torch.randn(3, 200), torch.randn(200)
     want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-    torch.testing.assert_close(gpu_kernels.rms_norm_op(x, w, 1e-5), want, atol=1e-6, rtol=1e-5)
+    got = gpu_kernels.rms_norm_op(*_on(x, w), 1e-5).cpu()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 def test_a_row_length_the_kernels_cannot_read_is_refused():
-    with pytest.raises(ValueError, match="multiple of 32"):
+    with pytest.raises(ValueError, match="multiple of 32 values, not F16 rows of 20"):
         FusedWeight(torch.zeros(2, 40, dtype=torch.uint8), GGMLType.F16, 20)
 
 

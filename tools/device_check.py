@@ -62,8 +62,7 @@ import torch.nn.functional as F
 from powerpy.api import LLM, load
 from powerpy.formats.constants import GGMLType, Names
 from powerpy.formats.gguf_types import tensor_nbytes
-from powerpy.formats.gguf_writer import GGUFStreamWriter, write_gguf
-from powerpy.formats.quants import quantize
+from powerpy.formats.gguf_writer import GGUFStreamWriter
 from powerpy.formats.stats import save_activation_stats
 from powerpy.generate import generate_step
 from powerpy.model import kernels
@@ -74,7 +73,7 @@ from powerpy.placement.budget import GIB
 from powerpy.placement.lifecycle import resolve_placement
 from powerpy.placement.runtime import HybridRuntime, build_hybrid
 from powerpy.sampling import SamplingParams, make_sampler
-from powerpy.testing import TinySpec, tiny_kv, tiny_tensors
+from powerpy.testing import TinySpec, write_tiny_model
 from powerpy.testing import synthetic as synth
 
 TOOLS = Path(__file__).resolve().parent
@@ -400,20 +399,6 @@ def sec_workspace(ctx: Ctx) -> dict | None:
     return out
 
 
-def write_small(path: Path, spec: TinySpec, ggml_type: GGMLType, seed: int = 5) -> Path:
-    """A tiny-family PWRI model: 2-D tensors F16 or Q4_0 (raw blocks), 1-D F32."""
-    out = []
-    for name, a in tiny_tensors(spec, sparse=True, seed=seed).items():
-        if a.ndim == 1:
-            out.append((name, a, GGMLType.F32))
-        elif ggml_type == GGMLType.F16:
-            out.append((name, a.astype(np.float16), GGMLType.F16))
-        else:
-            out.append((name, quantize(a, ggml_type), ggml_type, a.shape))
-    write_gguf(path, tiny_kv(spec), out, magic=b"PWRI")
-    return path
-
-
 def sec_correctness(ctx: Ctx) -> list[dict]:
     spec = SMALL_DRY if ctx.args.dry_run else SMALL
     rows = ctx.report.data["correctness"]
@@ -426,7 +411,8 @@ def sec_correctness(ctx: Ctx) -> list[dict]:
     kernels.set_quantized_activations(False)  # exact f32 activations on both sides
     try:
         for ggml_type in (GGMLType.F16, GGMLType.Q4_0):
-            path = write_small(ctx.tmp / f"small-{ggml_type.name}.powerinfer.gguf", spec, ggml_type)
+            path = ctx.tmp / f"small-{ggml_type.name}.powerinfer.gguf"
+            write_tiny_model(path, spec, sparse=True, seed=5, dtype=ggml_type)
             ref = load(path, threshold=-1e30)
             want, fed = teacher_forced(ref, CORRECT_PROMPT, CORRECT_STEPS)  # (16, n_vocab)
             mb = model_bytes(ref)

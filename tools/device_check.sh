@@ -5,8 +5,8 @@
 #
 # Steps: env (versions, GPU, compiler, Triton), install (gguf and pulp, and pytest if missing,
 # from .device-wheels, offline), kernels (build the native CPU kernels, timed), measure
-# (tools/device_check.py), pytest_cuda (-m cuda: tests/test_hybrid.py and any other test file
-# with CUDA-marked tests), pytest_fake (tests/test_fake_cuda.py, if time is left). Each step
+# (tools/device_check.py), pytest_cuda (-m "cuda or triton": tests/test_hybrid.py, the fused
+# kernels' tests and any other test file with CUDA-marked tests), pytest_fake (tests/test_fake_cuda.py, if time is left). Each step
 # has its own timeout, capped by the time left of DEVICE_CHECK_SECONDS; a step that fails or
 # times out is recorded and the next one runs. OUTDIR (default $OUT, else ./device-check-out)
 # gets device_check.json (the measurements plus each step's status, rc and seconds),
@@ -175,9 +175,11 @@ if ((DRY)); then
     step pytest_fake 40 "$PY" -m pytest -q -p no:cacheprovider tests/test_fake_cuda.py \
         -k "decode_run_on_the_device and 1-everything"
 else
-    # tests/test_hybrid.py and any other test file with CUDA-marked tests
-    mapfile -t cuda_tests < <(grep -l "mark.cuda" tests/test_*.py)
-    step pytest_cuda 150 "$PY" -m pytest -m cuda -q -rA --durations=5 -p no:cacheprovider \
+    # tests/test_hybrid.py and any other test file with CUDA-marked tests, and the fused
+    # kernels' tests (compiled here, interpreted elsewhere)
+    mapfile -t cuda_tests < <(grep -l "mark.cuda\|mark.triton" tests/test_*.py)
+    step pytest_cuda 150 "$PY" -m pytest -m "cuda or triton" -q -rA --durations=5 \
+        -p no:cacheprovider \
         --continue-on-collection-errors "${cuda_tests[@]:-tests/test_hybrid.py}"
     step pytest_fake 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_fake_cuda.py
 fi

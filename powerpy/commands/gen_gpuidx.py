@@ -80,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
     from powerpy.formats.gguf_reader import read_gguf
     from powerpy.formats.gpuidx import default_gpuidx_path
     from powerpy.formats.stats import lexicographic_pairing, load_activation_stats
-    from powerpy.placement.budget import DeviceReserve, budget_bytes
+    from powerpy.placement.budget import budget_bytes
     from powerpy.placement.placement import Placement
+    from powerpy.placement.reserve import DeviceReserve
     from powerpy.placement.solve import solve_placement
 
     model_path = Path(args.model)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from powerpy.model.cache import KVCache
-from powerpy.model.device import HOST, move
+from powerpy.model.device import HOST, OnDevices, move
 from powerpy.model.ffn import ffn, ffn_union, predict
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
@@ -73,23 +73,25 @@ def decode_batch(
     thr = a.sparse_threshold if opts.threshold is None else float(opts.threshold)
     x = w.token_embd.take_rows(tokens).dequantize()  # (B, n_embd) on the host
     pos = torch.tensor([c.pos for c in caches])
-    rot = {HOST: rope_tables(a, 0, n, positions=pos)}  # (B, n_rot/2)
+    rot = OnDevices(model.accel, rope_tables(a, 0, n, positions=pos))  # (B, n_rot/2)
     for l, blk in enumerate(w.blk):
         x = move(model.accel, x, blk.attn_norm.device)
         with phase(opts.timer, "attention"):
-            xn = model._norm(x, blk.attn_norm)
+            xn = model.norm(x, blk.attn_norm)
             att = _attention(model, l, blk, xn, caches, rot)
             ffn_inp = x + move(model.accel, att, x.device)
         with phase(opts.timer, "ffn"):
-            xn = model._norm(move(model.accel, ffn_inp, blk.ffn_norm.device), blk.ffn_norm)
+            inp = OnDevices(model.accel, ffn_inp)  # the norm's and the predictor's
+            xn = model.norm(inp(blk.ffn_norm.device), blk.ffn_norm)
+            pred_in = blk.predictor_input(inp, opts)
             if not sparse or ffn_mode == "batch":
-                y = ffn(l, blk, xn, ffn_inp, a.ffn_variant, thr, opts, model.accel)
+                y = ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, model.accel)
             elif ffn_mode == "rows":
                 y = torch.cat(
                     [
                         move(
                             model.accel,
-                            ffn(l, blk, xn[i : i + 1], ffn_inp[i : i + 1], a.ffn_variant, thr,
+                            ffn(l, blk, xn[i : i + 1], pred_in[i : i + 1], a.ffn_variant, thr,
                                 opts, model.accel),
                             xn.device,
                         )
@@ -102,7 +104,7 @@ def decode_batch(
     for c in caches:
         c.pos += 1
     with phase(opts.timer, "output"):
-        x = model._norm(move(model.accel, x, w.output_norm.device), w.output_norm)
+        x = model.norm(move(model.accel, x, w.output_norm.device), w.output_norm)
         return move(model.accel, w.output.linear(move(model.accel, x, w.output.device)), HOST)
 
 
@@ -112,19 +114,17 @@ def _attention(
     blk: Block,
     x: Tensor,
     caches: Sequence[KVCache],
-    rot: dict[torch.device, Tensor],
+    rot: OnDevices,
 ) -> Tensor:
     """x (B, n_embd) normed -> (B, n_embd): batched projections, per-session attention."""
     a, acc = model.args, model.accel
     n = x.shape[0]
-    q = blk.attn_q.linear(move(acc, x, blk.attn_q.device)).view(n, a.n_head, a.head_dim)
-    k = blk.attn_k.linear(move(acc, x, blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
-    v = blk.attn_v.linear(move(acc, x, blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
-    for dev in (q.device, k.device):
-        if dev not in rot:
-            rot[dev] = move(acc, rot[HOST], dev)
-    q = apply_rope(q, rot[q.device], a.n_rot)  # (B, n_head, head_dim)
-    k = apply_rope(k, rot[k.device], a.n_rot)
+    x_on = OnDevices(acc, x)  # x moved once to each device that reads it
+    q = blk.attn_q.linear(x_on(blk.attn_q.device)).view(n, a.n_head, a.head_dim)
+    k = blk.attn_k.linear(x_on(blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
+    v = blk.attn_v.linear(x_on(blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
+    q = apply_rope(q, rot(q.device), a.n_rot)  # (B, n_head, head_dim)
+    k = apply_rope(k, rot(k.device), a.n_rot)
     outs = []
     for i, cache in enumerate(caches):
         dev, p = cache.device, cache.pos

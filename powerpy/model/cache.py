@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +19,11 @@ class KVPlacement:
 
     dtype: torch.dtype  # f16 or f32
     max_ctx: int
+    live: weakref.WeakSet = field(default_factory=weakref.WeakSet, compare=False, repr=False)
+
+    def in_use(self) -> int:
+        """Positions of the live caches placed so far (a dropped cache gives its back)."""
+        return sum(c.n_ctx for c in self.live)
 
 
 class KVCache:

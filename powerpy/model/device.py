@@ -243,3 +243,19 @@ def move(accel: Accelerator | None, t: Tensor, device: torch.device) -> Tensor:
         return t
     assert accel is not None, (t.device, device)
     return accel.move(t, device)
+
+
+class OnDevices:
+    """A tensor used on several devices in one step: ``on(device)`` moves it there once, and
+    later calls reuse that copy (an activation read by matrices placed on different devices,
+    the rotations of every device's RoPE)."""
+
+    def __init__(self, accel: Accelerator | None, t: Tensor) -> None:
+        self.tensor = t  # where it was made
+        self._accel = accel
+        self._at = {t.device: t}
+
+    def __call__(self, device: torch.device) -> Tensor:
+        if device not in self._at:
+            self._at[device] = move(self._accel, self.tensor, device)
+        return self._at[device]

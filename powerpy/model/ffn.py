@@ -416,7 +416,7 @@ def _hot(
     # x (T, n_embd), act (T, n_ff) bool, tau (k,), all on the device -> (T, n_embd) f32 there
     if hot.gate_up is not None:  # the fused kernels: three ops, no host round trip
         gu = hot.gate_up.linear(x, act, hot.bucket)  # (T, 2k); 0 where the predictor is off
-        return hot.down_t.rows_sum(gpu_kernels.glu(gu, tau, FFNVariant(variant).value))
+        return hot.down_t.rows_sum(gpu_kernels.glu(gu, tau, variant))
     if gather and act is not None and x.shape[0] == 1:
         idx = act[0, hot.bucket].nonzero().squeeze(1)  # (r,) active compact rows: a host sync
         h = cut(glu_rows(x[0], hot.gate, hot.up, idx, variant), None if tau is None else tau[idx])

@@ -17,7 +17,8 @@ They are torch custom ops written in Triton. Under ``FakeTensorMode`` their fake
 the output shapes, so the launch counts and the absence of host syncs are checked on a CPU. On
 CPU tensors the same kernels run in Triton's interpreter (tests only: slow but exact). Without
 Triton, :func:`available` is False and placed quantized matrices fall back to torch's block
-decoding (``matrices.QuantWeight``), many ops per tile.
+decoding (``matrices.QuantWeight``), many ops per tile. :class:`FusedWeight` is the placed
+matrix that calls them.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import os
 import torch
 from torch import Tensor
 
-from powerpy.formats.constants import TYPE_TRAITS, GGMLType
+from powerpy.config import FFNVariant
+from powerpy.formats.constants import GGMLType
+from powerpy.model.matrices import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ _KERNELS = "powerpy.model.triton_kernels"
 
 # The block types the kernels decode; their codes are compile-time constants of the kernels.
 TYPES = {GGMLType.F16: 0, GGMLType.Q8_0: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3}
-VARIANTS = {"swiglu": 0, "reglu": 1, "drelu": 2}
+VARIANTS = {FFNVariant.SWIGLU: 0, FFNVariant.REGLU: 1, FFNVariant.DRELU: 2}
 ROWS_SUM_SPLIT = 16  # row chunks of rows_sum (the second launch adds them)
 
 
@@ -53,9 +56,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def supports(ggml_type: GGMLType) -> bool:
-    """The fused kernels read this block type."""
-    return ggml_type in TYPES
+def supports(ggml_type: GGMLType, cols: int) -> bool:
+    """The fused kernels read rows of ``cols`` values of this type (32-value blocks)."""
+    return ggml_type in TYPES and cols % 32 == 0
 
 
 def _launch(name: str, grid, *args, **meta) -> None:
@@ -76,19 +79,6 @@ def _launch(name: str, grid, *args, **meta) -> None:
     getattr(importlib.import_module(_KERNELS), name)[grid](*args, **meta)
 
 
-def _blocks(ggml_type: GGMLType, cols: int) -> int:
-    # 32-element blocks per row (F16 rows are read 32 halves at a time)
-    if cols % 32:
-        raise ValueError(f"the fused kernels need rows of a multiple of 32 values, got {cols}")
-    return cols // 32
-
-
-def row_bytes(ggml_type: GGMLType, cols: int) -> int:
-    """Bytes of one row of ``cols`` values."""
-    tr = TYPE_TRAITS[ggml_type]
-    return cols // tr.block_size * tr.type_size
-
-
 # ----------------------------------------------------------------------------------- ops
 @torch.library.custom_op("powerpy::linear", mutates_args=())
 def linear_op(
@@ -100,9 +90,13 @@ def linear_op(
     if rows == 0 or T == 0:
         return y
     nb = cols // 32
+    br = 32 if qtype == 0 else 16
+    if need is None or bucket is None:
+        need = bucket = None  # every row
+    else:
+        need, bucket = need.contiguous(), bucket.contiguous()
     k = 1 if bucket is None else max(bucket.shape[0], 1)
     n_ff = 1 if need is None else need.shape[1]
-    br = 32 if qtype == 0 else 16
     _launch(
         "_linear_kernel", (_cdiv(rows, br), T),
         w, x.contiguous(), y, need, bucket, rows, nb, w.shape[1], k, n_ff,
@@ -174,22 +168,23 @@ def _(x, w, eps):
 
 
 # ----------------------------------------------------------------------------------- weight
-class FusedWeight:
-    """A matrix placed on a GPU in its file bytes, computed by the fused kernels.
+class FusedWeight(QuantWeight):
+    """A matrix placed on a GPU in its file bytes, computed by the fused kernels:
+    ``linear`` and ``rows_sum`` are one custom op each.
 
-    ``raw`` is ``(rows, row_bytes)`` uint8: ggml blocks, or F16 values as bytes. ``linear`` and
-    ``rows_sum`` are one custom op each (see the module doc); results are f32.
+    ``raw`` is ``(rows, row_bytes)`` uint8: ggml blocks of a type the kernels read (F16 values
+    as bytes, Q8_0, Q4_0, Q4_1). Everything else is a ``QuantWeight``'s: row gathers and
+    :meth:`dequantize` decode with torch ops (tests and tools).
     """
 
     def __init__(self, raw: Tensor, ggml_type: GGMLType, cols: int) -> None:
-        if not supports(ggml_type):
-            raise ValueError(f"no fused kernel reads {ggml_type.name}")
-        assert raw.dtype == torch.uint8 and raw.dim() == 2, (raw.dtype, raw.shape)
-        assert raw.shape[1] == row_bytes(ggml_type, cols), (raw.shape, cols)
-        _blocks(ggml_type, cols)
-        self.raw = raw  # (rows, row_bytes)
-        self.ggml_type = ggml_type
-        self.cols = cols
+        if not supports(ggml_type, cols):
+            raise ValueError(
+                f"the fused kernels read {', '.join(t.name for t in TYPES)} rows of "
+                f"a multiple of 32 values, not {ggml_type.name} rows of {cols}"
+            )
+        super().__init__(raw, ggml_type, cols)
+        self._kernel_ok = False  # never the host kernels
         self._code = TYPES[ggml_type]
 
     @classmethod
@@ -199,44 +194,24 @@ class FusedWeight:
             storage = storage.contiguous().view(torch.uint8)
         return cls(storage, ggml_type, cols)
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.raw.shape[0], self.cols)
-
-    @property
-    def nbytes(self) -> int:
-        return self.raw.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.raw.device
-
-    @property
-    def storage(self) -> Tensor:
-        return self.raw
-
-    def _kernel(self) -> None:
-        return None  # not for the host kernels
-
     def linear(self, x: Tensor, need: Tensor | None = None, bucket: Tensor | None = None):
         """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)). With ``need``
-        (T, n_ff) bool and ``bucket`` (k,): row r only where ``need[t, bucket[r % k]]``."""
+        (T, n_ff) bool and ``bucket`` (k,): row r only where ``need[t, bucket[r % k]]``, else
+        0, and the other rows are not read."""
         if x.dim() == 1:
             return self.linear(x[None], need, bucket)[0]
-        if bucket is None:
-            need = None
         return linear_op(self.raw, x.float(), self._code, self.cols, need, bucket)
 
     def rows_sum(self, h: Tensor) -> Tensor:
-        """``h @ W`` for neuron-major W: h (T, rows) f32 -> (T, cols) f32."""
+        """``h @ W`` for neuron-major W: h (T, rows) f32 -> (T, cols) f32; rows whose ``h`` is
+        0 are not read."""
         return rows_sum_op(self.raw, h.float(), self._code, self.cols)
 
-    def dequantize(self) -> Tensor:
-        """The matrix as f32 (rows, cols): ``I @ W.T`` through the kernel, for tests."""
-        eye = torch.eye(self.cols, dtype=torch.float32, device=self.device)
-        return self.linear(eye).t().contiguous()
+    def with_storage(self, t: Tensor) -> FusedWeight:
+        """The same matrix over another copy of its blocks."""
+        return FusedWeight(t, self.ggml_type, self.cols)
 
 
-def glu(gu: Tensor, tau: Tensor | None, variant: str) -> Tensor:
-    """:func:`glu_op` by variant name: gu (T, 2k) -> h (T, k)."""
-    return glu_op(gu, tau, VARIANTS[variant])
+def glu(gu: Tensor, tau: Tensor | None, variant: FFNVariant | str) -> Tensor:
+    """:func:`glu_op` for an FFN variant: gu (T, 2k) -> h (T, k)."""
+    return glu_op(gu, tau, VARIANTS[FFNVariant(variant)])

@@ -24,7 +24,6 @@ from torch import Tensor
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
 from powerpy.model import kernels
 from powerpy.model.block_decode import dequantize_rows_torch
-from powerpy.model.gpu_kernels import FusedWeight
 
 # Batches up to this size use the native multi-vector GEMM (weights read once, decoded in
 # registers); larger ones dequantize tiles of rows and call BLAS.
@@ -461,4 +460,4 @@ class TransposedWeight:
         return TransposedWeight(self.inner.with_storage(t))
 
 
-Weight = DenseWeight | QuantWeight | TransposedWeight | FusedWeight
+Weight = DenseWeight | QuantWeight | TransposedWeight  # gpu_kernels.FusedWeight: a QuantWeight

@@ -113,36 +113,20 @@ def plan_for(model, opts: RunOptions) -> StackPlan | None:
     if key not in plans:
         blocks = model.weights.blk
         first = len(blocks)
-        while first > 0 and _on_host(blocks[first - 1]):
+        while first > 0 and _native(blocks[first - 1], opts):
             first -= 1
-        plan = StackPlan.build(blocks[first:], model.args.ffn_variant, opts) if blocks[first:] \
-            else None  # fmt: skip
+        plan = None
+        if first < len(blocks):
+            plan = StackPlan.build(blocks[first:], model.args.ffn_variant, opts)
         if plan is not None:
             plan.first = first
         plans[key] = plan
     return plans[key]
 
 
-def _on_host(blk) -> bool:
-    """Every tensor of the block is on the host (no hot rows, nothing placed)."""
-    if blk.hot is not None:
-        return False
-    ts = [blk.attn_norm, blk.ffn_norm] + [
-        getattr(blk, n).storage
-        for n in (
-            "attn_q",
-            "attn_k",
-            "attn_v",
-            "attn_output",
-            "ffn_gate",
-            "ffn_up",
-            "ffn_down_t",
-            "fc1",
-            "fc2",
-        )  # fmt: skip
-        if getattr(blk, n) is not None
-    ]
-    return all(t.device.type == "cpu" for t in ts)
+def _native(blk, opts: RunOptions) -> bool:
+    """The block runs in the native block kernels (every matrix and norm on the host)."""
+    return attention_kernels(blk) is not None and ffn_kernels(blk, opts) is not None
 
 
 def usable(cache: KVCache, opts: RunOptions) -> bool:

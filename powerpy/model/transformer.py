@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ from powerpy.config import ModelArgs
 from powerpy.errors import NonFiniteError
 from powerpy.model import ggml_numerics, gpu_kernels, kernels, stack_decode
 from powerpy.model.cache import KVCache, KVPlacement
-from powerpy.model.device import HOST, Accelerator, move
+from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
 from powerpy.model.matrices import Weight
 from powerpy.model.options import SPARSE, RunOptions
@@ -50,6 +49,11 @@ class Block:
     def gates(self, opts: RunOptions) -> bool:
         """Whether the predictor gates this layer's FFN in a run with ``opts``."""
         return opts.sparse and self.gated and self.fc1 is not None and opts.oracle is None
+
+    def predictor_input(self, ffn_inp: OnDevices, opts: RunOptions) -> Tensor:
+        """The FFN's pre-norm input where the predictor reads it (where it was, when the
+        predictor does not run)."""
+        return ffn_inp(self.fc1.device) if self.gates(opts) else ffn_inp.tensor
 
     def cut(self, opts: RunOptions) -> Tensor | None:
         """This layer's cut in a run with ``opts`` (None: every computed neuron counts)."""
@@ -140,7 +144,6 @@ class Model:
         self.accel = accel
         self.kv = kv
         self.cache_dtype = cache_dtype  # host KV caches: f16 (llama.cpp's default) or f32
-        self._device_caches: weakref.WeakSet[KVCache] = weakref.WeakSet()  # live, on the device
 
     @property
     def can_gate(self) -> bool:
@@ -154,10 +157,10 @@ class Model:
         ``cache_dtype`` (f16 unless loaded with ``cache_type``, as llama.cpp's ``-ctk``)."""
         n_ctx = n_ctx or self.args.default_n_ctx
         if self.kv is not None:
-            live = sum(c.n_ctx for c in self._device_caches)
+            live = self.kv.in_use()
             if live + n_ctx <= self.kv.max_ctx:
                 cache = KVCache(self.args, n_ctx, dtype or self.kv.dtype, self.accel)
-                self._device_caches.add(cache)
+                self.kv.live.add(cache)
                 return cache
             log.warning(
                 "a %d-position KV cache does not fit the %d positions placed on %s (%d in use): "
@@ -172,7 +175,9 @@ class Model:
     def _to(self, t: Tensor, device: torch.device) -> Tensor:
         return move(self.accel, t, device)
 
-    def _norm(self, x: Tensor, w: Tensor) -> Tensor:
+    def norm(self, x: Tensor, w: Tensor) -> Tensor:
+        """RMSNorm of x (T, n_embd) by w, in one launch where the accelerator runs the fused
+        kernels."""
         fused = self.accel is not None and self.accel.fused
         return rms_norm(x, w, self.args.rms_eps, fused=fused)
 
@@ -219,22 +224,22 @@ class Model:
         x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
         if check:
             _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
-        rot = {HOST: rope_tables(a, cache.pos, n)}  # (T, n_rot/2) complex, per device
+        rot = OnDevices(self.accel, rope_tables(a, cache.pos, n))  # (T, n_rot/2) complex
         fused = n == 1  # decode: one native call per block where the block is on the host
         plan = None
         if fused and not check and stack_decode.usable(cache, opts):  # or one for the stack
             plan = stack_decode.plan_for(self, opts)
         for l, blk in enumerate(w.blk):
             if plan is not None and l == plan.first:
-                x = plan.run(a, self._to(x, HOST), cache, rot[HOST][0], thr, opts)
+                x = plan.run(a, self._to(x, HOST), cache, rot(HOST)[0], thr, opts)
                 break
             # Each step runs where its weights are and the residual stream follows (no move
             # when the tensor is already there, e.g. CPU-only).
             x = self._to(x, blk.attn_norm.device)
             with phase(opts.timer, "attention"):
-                ffn_inp = _fused_attention(l, blk, x, cache, rot[HOST], a) if fused else None
+                ffn_inp = _fused_attention(l, blk, x, cache, rot(HOST), a) if fused else None
                 if ffn_inp is None:
-                    xn = self._norm(x, blk.attn_norm)
+                    xn = self.norm(x, blk.attn_norm)
                     ffn_inp = x + self._to(self.attention(l, blk, xn, cache, rot), x.device)
             if check:
                 _check_finite(ffn_inp, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
@@ -243,12 +248,10 @@ class Model:
                 if fused:
                     x = fused_decode(l, blk, ffn_inp, a.rms_eps, a.ffn_variant, thr, opts)
                 if x is None:
-                    at = {ffn_inp.device: ffn_inp}  # ffn_inp moved once per device
-                    for dev in (blk.ffn_norm.device, (blk.fc1 or blk.ffn_up).device):
-                        at[dev] = at[dev] if dev in at else self._to(ffn_inp, dev)
-                    xn = self._norm(at[blk.ffn_norm.device], blk.ffn_norm)
-                    pred_in = at[(blk.fc1 or blk.ffn_up).device]  # the predictor's input
-                    y = ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, self.accel)
+                    inp = OnDevices(self.accel, ffn_inp)  # the norm's and the predictor's
+                    xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm)
+                    y = ffn(l, blk, xn, blk.predictor_input(inp, opts), a.ffn_variant, thr, opts,
+                            self.accel)  # fmt: skip
                     x = ffn_inp + self._to(y, ffn_inp.device)
             if check:
                 _check_finite(x, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
@@ -256,35 +259,24 @@ class Model:
         if not all_logits:
             x = x[-1:]
         with phase(opts.timer, "output"):
-            x = self._norm(self._to(x, w.output_norm.device), w.output_norm)
+            x = self.norm(self._to(x, w.output_norm.device), w.output_norm)
             logits = self._to(w.output.linear(self._to(x, w.output.device)), HOST)
         if check:
             _check_finite(logits, "output", "the output layer (output_norm, output)")
         return logits
 
-    def attention(
-        self, l: int, blk: Block, x: Tensor, cache: KVCache, rot: dict[torch.device, Tensor]
-    ) -> Tensor:
+    def attention(self, l: int, blk: Block, x: Tensor, cache: KVCache, rot: OnDevices) -> Tensor:
         """x (T, n_embd) normed -> (T, n_embd) on attn_output's device; writes the cache.
 
         ``rot`` holds the rotations per device; they move to a device once per forward."""
         a = self.args
         n, p0 = x.shape[0], cache.pos
-        xs = {x.device: x}  # x on each device it is needed on, moved once
-
-        def x_on(dev: torch.device) -> Tensor:
-            if dev not in xs:
-                xs[dev] = self._to(x, dev)
-            return xs[dev]
-
+        x_on = OnDevices(self.accel, x)  # x moved once to each device that reads it
         q = blk.attn_q.linear(x_on(blk.attn_q.device)).view(n, a.n_head, a.head_dim)
         k = blk.attn_k.linear(x_on(blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
         v = blk.attn_v.linear(x_on(blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
-        for dev in (q.device, k.device):
-            if dev not in rot:
-                rot[dev] = self._to(rot[HOST], dev)
-        q = apply_rope(q, rot[q.device], a.n_rot)
-        k = apply_rope(k, rot[k.device], a.n_rot)
+        q = apply_rope(q, rot(q.device), a.n_rot)
+        k = apply_rope(k, rot(k.device), a.n_rot)
         dev = cache.device  # attention runs where the cache is
         cache.k[l, p0 : p0 + n].copy_(self._to(k, dev))
         cache.v[l, p0 : p0 + n].copy_(self._to(v, dev))

@@ -41,9 +41,10 @@ from powerpy.model.ffn import HotRows
 from powerpy.model.gpu_kernels import FusedWeight
 from powerpy.model.matrices import DenseWeight, QuantWeight, Weight
 from powerpy.model.transformer import Block, Model, Weights
-from powerpy.placement.budget import DeviceReserve, budget_bytes, device_budget
+from powerpy.placement.budget import budget_bytes
 from powerpy.placement.lifecycle import resolve_placement
 from powerpy.placement.placement import Placement
+from powerpy.placement.reserve import DeviceReserve, device_budget
 
 if TYPE_CHECKING:
     from powerpy.formats.gguf_reader import GGUFFile
@@ -150,7 +151,7 @@ def _fused_type(w: Weight) -> GGMLType | None:
         t = GGMLType.F16
     else:
         return None
-    return t if gpu_kernels.supports(t) and w.shape[1] % 32 == 0 else None
+    return t if gpu_kernels.supports(t, w.shape[1]) else None
 
 
 def _to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
@@ -170,9 +171,8 @@ def _hot_rows(accel: Accelerator, gate: Weight, up: Weight, down_t: Weight, buck
     """A layer's rows ``bucket`` (k,) of gate, up and down_t on the device: (gate, up, down_t,
     gate_up). With the fused kernels, gate and up are the halves of one stacked matrix."""
     rows = [m.take_rows(bucket) for m in (gate, up, down_t)]  # raw rows, copied on the host
-    kinds = {_fused_type(m) for m in rows[:2]} if accel.fused else {None}
-    if len(kinds) == 1 and None not in kinds and rows[0].shape == rows[1].shape:
-        kind = kinds.pop()
+    kind = _fused_type(rows[0]) if accel.fused else None
+    if kind is not None and kind == _fused_type(rows[1]) and rows[0].shape == rows[1].shape:
         stacked = torch.cat([m.storage.view(torch.uint8) for m in rows[:2]])  # (2k, row_bytes)
         gate_up = FusedWeight(accel.to_device(stacked), kind, rows[0].shape[1])
         k = bucket.numel()

@@ -47,7 +47,7 @@ import torch
 from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names
 from powerpy.formats.gguf_types import tensor_nbytes
 from powerpy.formats.gguf_writer import GGUFStreamWriter
-from powerpy.testing.tiny import TinySpec, spec_args, vocab_kv
+from powerpy.testing.tiny import TinySpec, encode_array, spec_args, vocab_kv
 
 log = logging.getLogger(__name__)
 
@@ -82,15 +82,7 @@ RMS_EPS = 1e-5
 
 def encode(w: torch.Tensor, ggml_type: GGMLType) -> np.ndarray:
     """f32 tensor -> the array written to the file (typed for floats, raw blocks for quants)."""
-    a = w.detach().float().contiguous().numpy()
-    if ggml_type == GGMLType.F32:
-        return a
-    if ggml_type == GGMLType.F16:
-        return a.astype(np.float16)
-    from powerpy.formats import quants
-
-    fn = quants.quantize_q8_0 if ggml_type == GGMLType.Q8_0 else quants.quantize_q4_0
-    return np.ascontiguousarray(fn(a))
+    return encode_array(w.detach().float().contiguous().numpy(), ggml_type)
 
 
 # ---- model pieces --------------------------------------------------------------------------------

@@ -112,6 +112,19 @@ def tiny_kv(spec: TinySpec, *, threshold: float | None = None) -> dict:
     return kv
 
 
+def encode_array(a: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
+    """f32 array -> the array written to the file (typed for floats, raw blocks for Q8_0 and
+    Q4_0)."""
+    if ggml_type == GGMLType.F32:
+        return a
+    if ggml_type == GGMLType.F16:
+        return a.astype(np.float16)
+    from powerpy.formats import quants
+
+    fn = quants.quantize_q8_0 if ggml_type == GGMLType.Q8_0 else quants.quantize_q4_0
+    return np.ascontiguousarray(fn(np.ascontiguousarray(a, dtype=np.float32)))
+
+
 def write_tiny_model(
     path: str | Path,
     spec: TinySpec = TinySpec(),
@@ -133,10 +146,7 @@ def write_tiny_model(
         dtype: F32, F16, Q8_0 or Q4_0 for 2-D tensors (1-D stay F32).
         extra_kv: more keys, ``{key: (value, GGUFValueType[, element type])}``.
     """
-    import torch
-
     from powerpy.formats.gguf_writer import write_gguf
-    from powerpy.testing.synthetic import encode
 
     tensors = tiny_tensors(spec, sparse=sparse, seed=seed)
     out = []
@@ -144,7 +154,7 @@ def write_tiny_model(
         raise ValueError(f"tiny models are written in F32, F16, Q8_0 or Q4_0, not {dtype.name}")
     for name, arr in tensors.items():
         if arr.ndim == 2 and dtype != GGMLType.F32:
-            out.append((name, encode(torch.from_numpy(arr), dtype), dtype))
+            out.append((name, encode_array(arr, dtype), dtype))
         else:
             out.append((name, arr, GGMLType.F32))
     write_gguf(
