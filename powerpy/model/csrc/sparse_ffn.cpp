@@ -110,28 +110,6 @@ inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// ggml's vectorized expf: n = round(x / ln 2) by the 1.5 * 2^23 trick, b = x - n ln 2 in two
-// parts, a degree-5 polynomial j(b), then j * 2^n; |n| > 192 saturates to 0 or +inf.
-inline float ggml_expf(float x) {
-  const float r = 0x1.8p23f;
-  const float n = std::fma(x, 0x1.715476p+0f, r) - r;
-  if (n != n) return n;
-  if (std::fabs(n) > 192.0f) return n <= 0.0f ? 0.0f : INFINITY;
-  const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, x));
-  const float u = b * b;
-  const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
-                                    std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
-                           u, std::fma(0x1.ffffecp-1f, b, 1.0f));
-  const int e = (int)n, e1 = e / 2, e2 = e - e1;  // two exact powers: one rounding, as scalef
-  uint32_t b1 = (uint32_t)(e1 + 127) << 23, b2 = (uint32_t)(e2 + 127) << 23;
-  float p1, p2;
-  std::memcpy(&p1, &b1, 4);
-  std::memcpy(&p2, &b2, 4);
-  return (j * p1) * p2;
-}
-
-inline float ggml_silu(float x) { return x / (1.0f + ggml_expf(0.0f - x)); }
-
 // _mm512_reduce_add_ps's pairing (as GCC and clang emit it): halves 8 + 8, 4 + 4, then
 // (0 + 2) + (1 + 3). tree16 sums 16 floats, or 16 vectors lane by lane (overwriting a).
 template <class T>
@@ -145,6 +123,18 @@ inline float reduce16(const float* a) {
   float t[16];
   std::memcpy(t, a, sizeof t);
   return tree16(t);
+}
+
+// The 8-lane (AVX2) reductions of llama.cpp: hsum8 is tinyBLAS's hsum and the softmax's chunk
+// sum (halves 4 + 4, then (0 + 2) + (1 + 3)); hadd8 is GGML_F32x8_REDUCE's two hadds (halves
+// 4 + 4, then (0 + 1) + (2 + 3)). Floats, or vectors lane by lane.
+template <class T>
+inline T hsum8(const T* a) {
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+template <class T>
+inline T hadd8(const T* a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
 // One rotated pair as ggml's rotate_pairs computes it (GCC contracts a * c - b * s into one FMA
@@ -221,6 +211,76 @@ inline vf v_load_h(const uint16_t* p) { return half_to_float(*p); }
 #endif
 
 constexpr int NV = 32 / VL;  // vectors per 32-element block
+
+// ggml's vectorized expf, lane by lane: n = round(x / ln 2) by the 1.5 * 2^23 trick, b = x - n ln 2
+// in two parts, a degree-5 polynomial, then times 2^n. llama.cpp built for this CPU runs its
+// AVX-512 form (j(b) then j * 2^n, saturating beyond |n| > 192) or, with AVX2, its AVX2 form (the
+// polynomial without its 1, then k + k * j with k = 2^n, rescaled in two steps beyond |n| > 126).
+inline float ggml_expf(float x) {
+  const float r = 0x1.8p23f;
+  const float z = std::fma(x, 0x1.715476p+0f, r);
+  const float n = z - r;
+#if PP_SIMD == 1
+  const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, x));
+  uint32_t zb, one_b;
+  const float one = 1.0f;
+  std::memcpy(&zb, &z, 4);
+  std::memcpy(&one_b, &one, 4);
+  const uint32_t e = zb << 23;
+  const uint32_t kb = e + one_b;
+  float k;
+  std::memcpy(&k, &kb, 4);
+  const float u = b * b;
+  const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                                    std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                           u, 0x1.ffffecp-1f * b);
+  if (!(std::fabs(n) > 126.0f)) return std::fma(k, j, k);
+  const uint32_t g = n <= 0.0f ? 0x82000000u : 0u;
+  const uint32_t s1b = g + 0x7f000000u, s2b = e - g;
+  float s1, s2;
+  std::memcpy(&s1, &s1b, 4);
+  std::memcpy(&s2, &s2b, 4);
+  if (std::fabs(n) > 192.0f) return s1 * s1;
+  return std::fma(s2, j, s2) * s1;
+#else
+  if (n != n) return n;
+  if (std::fabs(n) > 192.0f) return n <= 0.0f ? 0.0f : INFINITY;
+  const float b = std::fma(-n, 0x1.7f7d1cp-20f, std::fma(-n, 0x1.62e4p-1f, x));
+  const float u = b * b;
+  const float j = std::fma(std::fma(std::fma(0x1.0e4020p-7f, b, 0x1.573e2ep-5f), u,
+                                    std::fma(0x1.555e66p-3f, b, 0x1.fffdb6p-2f)),
+                           u, std::fma(0x1.ffffecp-1f, b, 1.0f));
+  const int e = (int)n, e1 = e / 2, e2 = e - e1;  // two exact powers: one rounding, as scalef
+  uint32_t b1 = (uint32_t)(e1 + 127) << 23, b2 = (uint32_t)(e2 + 127) << 23;
+  float p1, p2;
+  std::memcpy(&p1, &b1, 4);
+  std::memcpy(&p2, &b2, 4);
+  return (j * p1) * p2;
+#endif
+}
+
+inline float ggml_silu(float x) { return x / (1.0f + ggml_expf(0.0f - x)); }
+
+// ggml's vector width on this CPU (llama.cpp is built for the same one): its dot products and
+// softmax sum in GW-lane vectors, and reduce them as below.
+#if PP_SIMD == 1
+constexpr int GW = 8;
+#else
+constexpr int GW = 16;
+#endif
+
+// A vector of GW lanes summed as tinyBLAS and the softmax do (hsum), or as ggml_vec_dot_f16's
+// GGML_F16_VEC_REDUCE does (vreduce). AVX-512: both are _mm512_reduce_add_ps (reduce16).
+template <class T>
+inline T hsum_gw(T* a) {
+  if constexpr (GW == 8) return hsum8(a);
+  else return tree16(a);
+}
+template <class T>
+inline T vreduce_gw(T* a) {
+  if constexpr (GW == 8) return hadd8(a);
+  else return tree16(a);
+}
 
 // ---- block decoders: 32 elements -> NV f32 vectors --------------------------------------------
 // BB = bytes per 32-element block; one(row, i) decodes element i (float types only, for tails).
@@ -1875,7 +1935,8 @@ static inline void kv_axpy(float p, const void* c, int cdt, int64_t at, int64_t 
 // ---- llama.cpp's float numerics: exp, SiLU, RoPE and f16-cache attention ----------------------
 // With quantized activations and an f16 KV cache, powerpy follows ggml's CPU operations step by
 // step (llama.cpp without flash attention), so that its logits equal llama.cpp's bit for bit.
-// Each step below is one IEEE operation in ggml's order, written as scalar loops over 16 lanes.
+// Each step below is one IEEE operation in ggml's order, written as loops over GW lanes: ggml's
+// vector width on this CPU (16 with AVX-512, 8 with AVX2), which sets its summation orders.
 
 // ggml_expf on 16 lanes at once: the same operations (scalef is j * 2^n with one rounding).
 #if PP_SIMD == 2
@@ -1913,44 +1974,43 @@ inline void swiglu_range(const float* g, const float* u, int64_t a, int64_t b, f
   for (; i < b; ++i) out[i] = ggml_silu(g[i]) * u[i];
 }
 
-constexpr int L16 = 16 / VL;  // vectors per 16 lanes
-
-// reduce16 of 16 lanes held in vectors (AVX-512: the instruction sequence GCC and clang emit for
-// _mm512_reduce_add_ps, which is reduce16's order).
-inline float sum16(const vf* a) {
-#if PP_SIMD == 2
-  return _mm512_reduce_add_ps(a[0]);
-#else
-  float lanes[16];
-  for (int u = 0; u < L16; ++u) v_store(lanes + u * VL, a[u]);
-  return reduce16(lanes);
-#endif
-}
-
 // A dot product of two f16 vectors of n elements in ggml's order. one = true: ggml_vec_dot_f16
-// (one token: four 16-lane accumulators over 64-element steps, summed pairwise, then the rest in
-// double); one = false: the batched tinyBLAS kernel (one 16-lane accumulator, n % 16 == 0).
+// (one token: four GW-lane accumulators over 4 GW-element steps, summed (0 + 2) + (1 + 3) and
+// reduced by vreduce_gw, then the rest in double); one = false: the batched tinyBLAS kernel (one
+// GW-lane accumulator, n % GW == 0, reduced by hsum_gw).
 inline float dot_f16(const uint16_t* x, const uint16_t* y, int64_t n, bool one) {
+  constexpr int LG = GW / VL;  // vectors per GW lanes
+  float lanes[16];
   if (!one) {
-    vf acc[L16];
-    for (int u = 0; u < L16; ++u) acc[u] = v_zero();
-    for (int64_t i = 0; i < n; i += 16)
-      for (int u = 0; u < L16; ++u)
+    vf acc[LG];
+    for (int u = 0; u < LG; ++u) acc[u] = v_zero();
+    for (int64_t i = 0; i < n; i += GW)
+      for (int u = 0; u < LG; ++u)
         acc[u] = v_fma(v_load_h(x + i + u * VL), v_load_h(y + i + u * VL), acc[u]);
-    return sum16(acc);
+#if PP_SIMD == 2
+    return _mm512_reduce_add_ps(acc[0]);
+#else
+    for (int u = 0; u < LG; ++u) v_store(lanes + u * VL, acc[u]);
+    return hsum_gw(lanes);
+#endif
   }
-  vf acc[4][L16];
+  vf acc[4][LG];
   for (int j = 0; j < 4; ++j)
-    for (int u = 0; u < L16; ++u) acc[j][u] = v_zero();
-  const int64_t np = n & ~(int64_t)63;
-  for (int64_t i = 0; i < np; i += 64)
+    for (int u = 0; u < LG; ++u) acc[j][u] = v_zero();
+  const int64_t np = n & ~(int64_t)(4 * GW - 1);
+  for (int64_t i = 0; i < np; i += 4 * GW)
     for (int j = 0; j < 4; ++j)
-      for (int u = 0; u < L16; ++u) {
-        const int64_t e = i + 16 * j + u * VL;
+      for (int u = 0; u < LG; ++u) {
+        const int64_t e = i + GW * j + u * VL;
         acc[j][u] = v_fma(v_load_h(x + e), v_load_h(y + e), acc[j][u]);
       }
-  for (int u = 0; u < L16; ++u) acc[0][u] = v_add(v_add(acc[0][u], acc[2][u]), v_add(acc[1][u], acc[3][u]));
-  double s = sum16(acc[0]);
+  for (int u = 0; u < LG; ++u) acc[0][u] = v_add(v_add(acc[0][u], acc[2][u]), v_add(acc[1][u], acc[3][u]));
+#if PP_SIMD == 2
+  double s = _mm512_reduce_add_ps(acc[0][0]);
+#else
+  for (int u = 0; u < LG; ++u) v_store(lanes + u * VL, acc[0][u]);
+  double s = vreduce_gw(lanes);
+#endif
   for (int64_t i = np; i < n; ++i) s += (double)(half_to_float(x[i]) * half_to_float(y[i]));
   return (float)s;
 }
@@ -2011,7 +2071,8 @@ inline void reduce16_cells(const __m512* A, float* s) {
 #endif
 
 // Softmax of scores s[0..S) (scaled by `scale`, ggml_soft_max_ext) into f16 weights p16, in
-// 16-cell chunks: each chunk's exps are summed as one vector, the chunk sums in double.
+// GW-cell chunks: each chunk's exps are summed as one vector (hsum_gw), the chunk sums in double.
+// llama.cpp's cache pads a row with masked cells; their exps are 0 and change no sum.
 inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
   float mx = -INFINITY;
   int64_t t1 = 0;
@@ -2026,9 +2087,9 @@ inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
 #endif
   for (; t1 < S; ++t1) mx = (s[t1] *= scale) > mx ? s[t1] : mx;
   double sum = 0.0;
-  for (int64_t t0 = 0; t0 < S; t0 += 16) {
+  for (int64_t t0 = 0; t0 < S; t0 += GW) {
     float e[16] = {};
-    const int64_t m = S - t0 < 16 ? S - t0 : 16;
+    const int64_t m = S - t0 < GW ? S - t0 : GW;
 #if PP_SIMD == 2
     const __mmask16 k = (__mmask16)((1u << m) - 1);
     const __m512 v = _mm512_maskz_loadu_ps(k, s + t0);
@@ -2037,7 +2098,7 @@ inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
     for (int64_t t = 0; t < m; ++t) e[t] = ggml_expf(s[t0 + t] - mx);
 #endif
     for (int64_t t = 0; t < m; ++t) s[t0 + t] = e[t];
-    sum += (double)reduce16(e);
+    sum += (double)hsum_gw(e);
   }
   const float inv = (float)(1.0 / sum);
   int64_t t = 0;
@@ -2054,10 +2115,10 @@ inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
 // RoPE; the f16 caches hold rows of n_kv * hd per position (0 .. p0 + T - 1 filled); query head h
 // reads kv head h / (n_head / n_kv); out (T, n_head * hd). One token follows llama.cpp's
 // one-token order (ggml_vec_dot_f16), a batch its tinyBLAS order where that kernel applies
-// (head_dim % 16 == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v).
+// (head_dim % GW == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v).
 static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
                      int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads) {
-  const bool one_kq = T == 1 || hd % 16, one_kqv = T == 1 || hd % 4;
+  const bool one_kq = T == 1 || hd % GW, one_kqv = T == 1 || hd % 4;
   const int64_t nkv = n_kv * hd, group = n_head / n_kv, S = p0 + T;
   const float scale = 1.0f / std::sqrt((float)hd);
   const int nt = team_size(nthreads, T * S * nkv * 8 * group);
@@ -2133,32 +2194,34 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
         continue;
       }
 #endif
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc.begin(), acc.end(), 0.0f);  // (4 GW lanes, hd): lane-major sums
       for (int64_t t = 0; t < n; ++t) {
         const vf p = v_set1(half_to_float(p16[t]));
-        float* ac = acc.data() + ((one_kqv ? (t / 16) % 4 * 16 : 0) + t % 16) * hd;
+        float* ac = acc.data() + ((one_kqv ? (t / GW) % 4 * GW : 0) + t % GW) * hd;
         const uint16_t* vr = vc + t * nkv + off;
         int64_t d = 0;
         for (; d + VL <= hd; d += VL) v_store(ac + d, v_fma(v_load_h(vr + d), p, v_load(ac + d)));
         for (; d < hd; ++d) ac[d] = std::fma(half_to_float(vr[d]), half_to_float(p16[t]), ac[d]);
       }
+      // lane l: (accumulators 0 + 2) + (1 + 3) for one token; then the GW lanes reduced as
+      // ggml_vec_dot_f16 (one token) or tinyBLAS (a batch) does, VL dims at a time
       int64_t d0 = 0;
-      for (; d0 + VL <= hd; d0 += VL) {  // reduce16 of the lanes, VL dims at a time
+      for (; d0 + VL <= hd; d0 += VL) {
         const float* c = acc.data() + d0;
         vf L[16];
-        for (int l = 0; l < 16; ++l)
-          L[l] = one_kqv ? v_add(v_add(v_load(c + l * hd), v_load(c + (32 + l) * hd)),
-                                 v_add(v_load(c + (16 + l) * hd), v_load(c + (48 + l) * hd)))
+        for (int l = 0; l < GW; ++l)
+          L[l] = one_kqv ? v_add(v_add(v_load(c + l * hd), v_load(c + (2 * GW + l) * hd)),
+                                 v_add(v_load(c + (GW + l) * hd), v_load(c + (3 * GW + l) * hd)))
                          : v_load(c + l * hd);
-        v_store(o + d0, tree16(L));
+        v_store(o + d0, one_kqv ? vreduce_gw(L) : hsum_gw(L));
       }
       for (int64_t d = d0; d < hd; ++d) {
-        float lanes[16];
         const float* c = acc.data() + d;
-        for (int l = 0; l < 16; ++l)
-          lanes[l] = one_kqv ? (c[l * hd] + c[(32 + l) * hd]) + (c[(16 + l) * hd] + c[(48 + l) * hd])
+        float lanes[16];
+        for (int l = 0; l < GW; ++l)
+          lanes[l] = one_kqv ? (c[l * hd] + c[(2 * GW + l) * hd]) + (c[(GW + l) * hd] + c[(3 * GW + l) * hd])
                              : c[l * hd];
-        o[d] = reduce16(lanes);
+        o[d] = one_kqv ? vreduce_gw(lanes) : hsum_gw(lanes);
       }
     }
     return 0;
