@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from powerpy._fs import atomic_write
 from powerpy.api import LLM, load
 from powerpy.formats.constants import GGMLType, Names
 from powerpy.formats.gguf_types import tensor_nbytes
@@ -174,9 +175,8 @@ class Report:
             ("device_check.json", json.dumps(self.data, indent=1, default=_json_default)),
             ("device_check.md", render_markdown(self.data)),
         ):
-            tmp = self.out / f".{name}.tmp"
-            tmp.write_text(text)
-            tmp.replace(self.out / name)
+            with atomic_write(self.out / name) as tmp:
+                tmp.write_text(text)
 
 
 def _error_text(limit: int = 4000) -> str:
