@@ -19,7 +19,7 @@ from torch import Tensor
 
 from powerpy.config import FFNVariant
 from powerpy.model import ggml_numerics, gpu_kernels
-from powerpy.model.device import HOST, Accelerator, move
+from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.gpu_kernels import FusedWeight
 from powerpy.model.matrices import DenseWeight, TransposedWeight, Weight
 from powerpy.model.options import SPARSE, RunOptions
@@ -306,15 +306,17 @@ def ffn(
 
 
 def fused_decode(
-    l: int, blk, x: Tensor, norm_eps: float, variant: FFNVariant, thr: float, opts: RunOptions
+    l: int, blk, x: OnDevices, norm_eps: float, variant: FFNVariant, thr: float, opts: RunOptions
 ) -> Tensor | None:
-    """A CPU-only decode step's FFN block (ffn_norm, predictor, GLU rows, down rows, residual)
-    as one native call: x (1, n_embd) the residual stream -> x + FFN (1, n_embd); None when it
-    does not apply (a matrix the kernels cannot read, profiling, an oracle)."""
+    """A decode step's FFN block on the host (ffn_norm, predictor, GLU rows, down rows,
+    residual) as one native call: x (1, n_embd) the residual stream, taken to the host -> x +
+    FFN (1, n_embd) on the host; None when it does not apply (a matrix the kernels cannot read,
+    hot rows, profiling, an oracle)."""
     kern = ffn_kernels(blk, opts)
-    if kern is None or x.device.type != "cpu":
+    if kern is None:
         return None
     lib, mats, stored, tau = kern
+    x = x(HOST)
     norm = (blk.ffn_norm, norm_eps)
     y, k = lib.ffn_decode(mats, thr, x[0], norm, variant, down_stored=stored, tau=tau)
     if (blk.fc1 is not None or tau is not None) and opts.sparse and opts.stats is not None:

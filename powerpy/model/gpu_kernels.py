@@ -90,7 +90,7 @@ def linear_op(
     if rows == 0 or T == 0:
         return y
     nb = cols // 32
-    br = 32 if qtype == 0 else 16
+    br = 16
     if need is None or bucket is None:
         need = bucket = None  # every row
     else:
@@ -100,7 +100,7 @@ def linear_op(
     _launch(
         "_linear_kernel", (_cdiv(rows, br), T),
         w, x.contiguous(), y, need, bucket, rows, nb, w.shape[1], k, n_ff,
-        QT=qtype, HAS_NEED=need is not None, BR=br, BB=4,
+        QT=qtype, HAS_NEED=need is not None, BR=br, BB=8 if qtype == 0 else 4,
     )  # fmt: skip
     return y
 

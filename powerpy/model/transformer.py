@@ -244,11 +244,11 @@ class Model:
             if check:
                 _check_finite(ffn_inp, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
             with phase(opts.timer, "ffn"):
+                inp = OnDevices(self.accel, ffn_inp)  # moved once: native block, norm, predictor
                 x = None
                 if fused:
-                    x = fused_decode(l, blk, ffn_inp, a.rms_eps, a.ffn_variant, thr, opts)
+                    x = fused_decode(l, blk, inp, a.rms_eps, a.ffn_variant, thr, opts)
                 if x is None:
-                    inp = OnDevices(self.accel, ffn_inp)  # the norm's and the predictor's
                     xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm)
                     y = ffn(l, blk, xn, blk.predictor_input(inp, opts), a.ffn_variant, thr, opts,
                             self.accel)  # fmt: skip

@@ -23,9 +23,11 @@ def _block_values(w, r, b, row_bytes, m2, QT: tl.constexpr):
     and j + 16); 0 outside m2, whose bytes are not read."""
     j = tl.arange(0, 16)
     m3 = m2[:, :, None] & (j[None, None, :] < 16)
-    if QT == 0:  # F16: 32 halves per "block" of 64 bytes
-        base = w + r[:, None, None] * row_bytes + b[None, :, None] * 64 + 2 * j[None, None, :]
-        return _f16_at(base, m3), _f16_at(base + 32, m3)
+    if QT == 0:  # F16: 32 halves per "block", read as halves (rows are 2-byte aligned)
+        wh = w.to(tl.pointer_type(tl.float16))
+        base = wh + r[:, None, None] * (row_bytes // 2) + b[None, :, None] * 32 + j[None, None, :]
+        lo = tl.load(base, mask=m3, other=0.0).to(tl.float32)
+        return lo, tl.load(base + 16, mask=m3, other=0.0).to(tl.float32)
     size = 34 if QT == 1 else 18 if QT == 2 else 20
     blk = w + r[:, None] * row_bytes + b[None, :] * size  # (BR, BB) block starts
     d = _f16_at(blk, m2)[:, :, None]  # (BR, BB, 1)
