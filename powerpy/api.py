@@ -22,7 +22,9 @@ from powerpy.config import ModelArgs
 from powerpy.errors import TokenizerError
 from powerpy.formats.gguf_reader import GGUFFile, read_gguf
 from powerpy.generate import Response, generate, stream_generate
+from powerpy.model import numerics
 from powerpy.model.loader import load_weights
+from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions, SparsityStats
 from powerpy.model.transformer import Model
 from powerpy.sampling import SamplingParams
@@ -281,7 +283,7 @@ class LLM:
             self.model, name=self.name, n_prompt=n_prompt, n_gen=n_gen,
             repetitions=repetitions, threshold=self.options.threshold,
             cut_scale=self.options.cut_scale, first_token=self.tokenizer.bos_id or 0,
-            size_bytes=self.path.stat().st_size,
+            size_bytes=self.path.stat().st_size, numerics=self.options.numerics,
             **kwargs,
         )  # fmt: skip
 
@@ -350,6 +352,8 @@ def load(
     cache_type: str = "f16",
     use_mmap: bool = False,
     cut_scale: float = 1.0,
+    exact_activations: bool = False,
+    native_kernels: bool = True,
     **placement_options,
 ) -> LLM:
     """Load a GGUF (dense) or PWRI (sparse) model.
@@ -385,6 +389,10 @@ def load(
         cut_scale: scales the file's per-layer FFN cuts (``powerpy.ffn_down_threshold``) in
             sparse runs: 0 turns them off, larger values skip more down rows
             (``RunOptions.cut_scale``).
+        exact_activations: keep f32 activations in quantized matmuls, float64 RoPE angles and
+            torch's attention (default: llama.cpp's numerics; ``RunOptions.numerics``).
+        native_kernels: compute with the native CPU kernels where they apply (False: torch's
+            code paths only).
 
     Raises:
         FileNotFoundError: no such file.
@@ -405,11 +413,19 @@ def load(
         tokenizer = Tokenizer.from_gguf_kv(gf.kv)
     except TokenizerError as e:  # the tokenizer reads key/values: name the file here
         raise TokenizerError(f"{path}: {e}") from None
-    weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
+    num = Numerics(native=native_kernels, quantized_activations=not exact_activations)
+    with numerics.using(num):  # without the native kernels, quantized matrices load as f16
+        weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
     model = Model(args, weights, cache_dtype=CACHE_TYPES[cache_type])
     stats = SparsityStats.empty(args.n_layer, args.n_ff)
     threshold = resolve_threshold(threshold, args.sparse_threshold)
-    opts = RunOptions(sparse=not dense, threshold=threshold, stats=stats, cut_scale=cut_scale)
+    opts = RunOptions(
+        sparse=not dense,
+        threshold=threshold,
+        stats=stats,
+        cut_scale=cut_scale,
+        numerics=num,
+    )
     llm = LLM(model, tokenizer, gf, path, options=opts)
     if vram_budget is not None:
         from powerpy.placement.runtime import place

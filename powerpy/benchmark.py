@@ -12,6 +12,8 @@ import numpy as np
 import torch
 
 from powerpy._fs import huge_page_buffer
+from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
+from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions, SparsityStats
 from powerpy.model.timing import PhaseTimer
 from powerpy.model.transformer import Model
@@ -135,10 +137,11 @@ def bench_mode(
     threshold: float | None = None,
     cut_scale: float = 1.0,
     first_token: int = 0,
+    numerics: Numerics = DEFAULT_NUMERICS,
 ) -> list[BenchRow]:
     """pp and tg rows for one mode ("sparse" or "dense"); best of ``repetitions``."""
     sparse = mode == "sparse" and model.can_gate
-    opts = RunOptions(sparse=sparse, threshold=threshold, cut_scale=cut_scale)
+    opts = RunOptions(sparse=sparse, threshold=threshold, cut_scale=cut_scale, numerics=numerics)
     rows = []
     if n_prompt > 0:
         secs = min(run_pp(model, n_prompt, opts) for _ in range(repetitions))
@@ -176,7 +179,9 @@ def bench_mode(
     return rows
 
 
-def dispatch_overhead_ms(model: Model, sparse: bool, n_gen: int = 32) -> float:
+def dispatch_overhead_ms(
+    model: Model, sparse: bool, n_gen: int = 32, numerics: Numerics = DEFAULT_NUMERICS
+) -> float:
     """Per-token time of a same-depth model with tiny matrices: the Python/dispatch floor."""
     import tempfile
     from pathlib import Path
@@ -194,7 +199,7 @@ def dispatch_overhead_ms(model: Model, sparse: bool, n_gen: int = 32) -> float:
         with read_gguf(path) as gf:
             targs = ModelArgs.from_gguf(gf)
             tiny = Model(targs, load_weights(gf, targs))
-            opts = RunOptions(sparse=sparse)
+            opts = RunOptions(sparse=sparse, numerics=numerics)
             run_tg(tiny, 4, opts)
             secs = run_tg(tiny, n_gen, opts)
     return 1e3 * secs / n_gen
@@ -306,6 +311,7 @@ def run_bench(
     first_token: int = 0,
     size_bytes: int = 0,
     floor: bool = True,
+    numerics: Numerics = DEFAULT_NUMERICS,
 ) -> BenchResult:
     """Measure pp and tg speed per mode (``bench_mode``), with the bandwidth ceiling.
 
@@ -320,6 +326,7 @@ def run_bench(
         first_token: the warm-up token of tg (e.g. BOS).
         size_bytes: the model file's size, for the record.
         floor: also measure the dispatch floor (``dispatch_overhead_ms``).
+        numerics: how the runs compute (``RunOptions.numerics``).
 
     Raises:
         ValueError: negative token counts or an unknown mode.
@@ -339,7 +346,9 @@ def run_bench(
     for mode in modes:
         rows += bench_mode(
             model, mode, n_prompt, n_gen, bw, repetitions,
-            threshold=threshold, cut_scale=cut_scale, first_token=first_token,
+            threshold=threshold, cut_scale=cut_scale, first_token=first_token, numerics=numerics,
         )  # fmt: skip
-    dispatch = dispatch_overhead_ms(model, modes[0] == "sparse") if floor and n_gen > 0 else 0.0
+    dispatch = 0.0
+    if floor and n_gen > 0:
+        dispatch = dispatch_overhead_ms(model, modes[0] == "sparse", numerics=numerics)
     return BenchResult(name, rows, bw, torch.get_num_threads(), size_bytes, dispatch)

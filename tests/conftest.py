@@ -30,17 +30,6 @@ def smollm2_file() -> Path | None:
 
 
 @pytest.fixture
-def exact_activations():
-    """Quantized matmuls keep f32 activations (``--exact-activations``) during the test."""
-    from powerpy.model import kernels
-
-    saved = kernels.quantized_activations()
-    kernels.set_quantized_activations(False)
-    yield
-    kernels.set_quantized_activations(saved)
-
-
-@pytest.fixture
 def one_thread():
     """Tiny tensors: OpenMP synchronisation costs more than it saves on a shared CPU."""
     import torch

@@ -107,9 +107,10 @@ def test_template_errors_name_the_model(template, match) -> None:
         render_chat(template, CONVERSATION[:2], source="m.gguf")
 
 
-def test_chat_replies_and_stops_at_end_of_turn(smol, exact_activations) -> None:
+def test_chat_replies_and_stops_at_end_of_turn(smollm2_path) -> None:
     """f32 activations: with llama.cpp's Q8_1 rounding this Q4_1 model answers "L'Étoile, la
     Cité, ..." (llama.cpp too)."""
+    smol = powerpy.load(smollm2_path, exact_activations=True)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     responses = list(smol.stream_chat(msgs, 48, temperature=0))
     text = "".join(r.text for r in responses)

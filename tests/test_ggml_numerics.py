@@ -126,8 +126,8 @@ def test_attention_matches_float64(c, head_dim, p0, T) -> None:
 
 def test_model_attention_uses_ggml_order_only_with_an_f16_cache(c) -> None:
     """An f32 cache keeps torch's exact attention; f16 (the default) takes ggml's."""
+    from powerpy.model.attention import attend
     from powerpy.model.cache import KVCache
-    from powerpy.model.transformer import cache_attention
 
     a = _args()
     q = torch.randn(3, a.n_head, a.head_dim)
@@ -135,8 +135,8 @@ def test_model_attention_uses_ggml_order_only_with_an_f16_cache(c) -> None:
     kv = torch.randn(2, 3, a.n_head_kv, a.head_dim).half()
     for cache in caches.values():
         cache.k[0, :3], cache.v[0, :3] = kv[0], kv[1]
-    ggml = cache_attention(a, q, caches[torch.float16], 0, 0)
-    exact = cache_attention(a, q, caches[torch.float32], 0, 0)
+    ggml = attend(a, q, caches[torch.float16], 0, 0)
+    exact = attend(a, q, caches[torch.float32], 0, 0)
     assert torch.equal(
         ggml, gn.attention(c, a, q, caches[torch.float16].k[0], caches[torch.float16].v[0], 0)
     )

@@ -20,10 +20,11 @@ import torch
 from quant_fixtures import random_blocks
 
 from powerpy.formats.constants import GGMLType
-from powerpy.model import kernels
+from powerpy.model import kernels, numerics
 from powerpy.model import matrices as weights
 from powerpy.model.ffn import glu, glu_rows
 from powerpy.model.matrices import DenseWeight, QuantWeight
+from powerpy.model.numerics import Numerics
 
 FLOATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 QUANTS = {t.name.lower(): t for t in kernels.QUANT_TYPES}
@@ -105,9 +106,8 @@ def close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, eps: float 
 @pytest.fixture(autouse=True)
 def exact_activations() -> Iterator[None]:
     """These tests compare with f32 math; llama.cpp's rounding: test_quant_activations.py."""
-    kernels.set_quantized_activations(False)
-    yield
-    kernels.set_quantized_activations(True)
+    with numerics.using(Numerics(quantized_activations=False)):
+        yield
 
 
 @pytest.fixture
@@ -335,9 +335,8 @@ def fallback_eps(dtype: str) -> float:
 def path(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "kernel" and not kernels.available():
         pytest.skip("native kernels unavailable")
-    kernels.set_enabled(request.param == "kernel")
-    yield request.param
-    kernels.set_enabled(True)
+    with numerics.using(Numerics(request.param == "kernel", quantized_activations=False)):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -409,11 +408,8 @@ def test_kernel_and_fallback_agree(dtype, kernels_on) -> None:
     x, idx = torch.randn(2048), torch.randperm(300)[:150]
     h = torch.randn(150)
     kern = (wobj.gather_linear(x, idx), wobj.gather_axpy(h, idx), wobj.linear(x[None]))
-    kernels.set_enabled(False)
-    try:
+    with numerics.using(Numerics(native=False)):
         fb = (wobj.gather_linear(x, idx), wobj.gather_axpy(h, idx), wobj.linear(x[None]))
-    finally:
-        kernels.set_enabled(True)
     eps = fallback_eps(dtype) + EPS
     wi = w[idx]
     close(kern[0], fb[0].double(), wi.abs() @ x.double().abs(), eps)
@@ -481,12 +477,12 @@ def test_fallback_logged_once(monkeypatch, caplog) -> None:
     assert sum("simulated" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_set_enabled() -> None:
-    kernels.set_enabled(False)
-    try:
-        assert not kernels.available() and kernels.library() is None
-    finally:
-        kernels.set_enabled(True)
+def test_numerics_turn_the_kernels_off_for_their_call_only() -> None:
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    with numerics.using(Numerics(native=False)):
+        assert kernels.library() is None and kernels.available()
+    assert kernels.library() is not None
 
 
 def test_concurrent_builds_share_one_file(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from powerpy.formats.gguf_reader import read_gguf
 from powerpy.formats.gguf_writer import write_gguf
 from powerpy.model.ffn import ffn_dense, ffn_rows, glu
 from powerpy.model.matrices import DenseWeight
+from powerpy.model.numerics import Numerics
 from powerpy.testing import TinySpec, tiny_kv, tiny_tensors, write_tiny_model
 
 SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
@@ -259,7 +260,6 @@ def test_quant_types_stay_raw_and_f16_without_kernels(smollm2_path):
     """Q4_1 stays raw (memory-mapped blocks, ffn_down as stored); without the kernels it is
     dequantized to f16 at load. With f32 activations both match the f32 model closely."""
     from powerpy.formats.constants import GGMLType
-    from powerpy.model import kernels
     from powerpy.model.matrices import QuantWeight, TransposedWeight
 
     ref = load(smollm2_path, weight_format="f32")
@@ -272,19 +272,12 @@ def test_quant_types_stay_raw_and_f16_without_kernels(smollm2_path):
     assert ref.model.weights.blk[0].ffn_gate.w.dtype == torch.float32
     ids = llm.tokenize("The Lord is my shepherd; I shall not want.")
     b = _logits(ref, ids)
-    kernels.set_quantized_activations(False)
-    try:
-        a = _logits(llm, ids)
-    finally:
-        kernels.set_quantized_activations(True)
+    llm.options = dataclasses.replace(llm.options, numerics=Numerics(quantized_activations=False))
+    a = _logits(llm, ids)
     assert np.abs(a - b).max() < 1e-3 * (b.max() - b.min())
     assert (a.argmax(-1) == b.argmax(-1)).all()
 
-    kernels.set_enabled(False)
-    try:
-        f16 = load(smollm2_path)
-    finally:
-        kernels.set_enabled(True)
+    f16 = load(smollm2_path, native_kernels=False)  # as without the kernels: f16 at load
     g16 = f16.model.weights.blk[0].ffn_gate
     assert g16.w.dtype == torch.float16
     np.testing.assert_allclose(  # f16 rounding only: 11 significant bits
@@ -295,7 +288,7 @@ def test_quant_types_stay_raw_and_f16_without_kernels(smollm2_path):
 @pytest.mark.parametrize("n_rot", [32, 16])
 def test_rope_rotates_adjacent_pairs_of_the_first_n_rot_dims(n_rot):
     from powerpy.config import ModelArgs
-    from powerpy.model.transformer import apply_rope, rope_tables
+    from powerpy.model.attention import apply_rope, rope_tables
 
     args = ModelArgs(
         arch="llama", n_vocab=8, n_embd=64, n_layer=1, n_ff=8, n_head=2, n_head_kv=1,
@@ -303,7 +296,7 @@ def test_rope_rotates_adjacent_pairs_of_the_first_n_rot_dims(n_rot):
         ffn_variant="swiglu", sparse_threshold=0.0,
     )  # fmt: skip
     x = torch.randn(5, 2, 32)  # (T, heads, head_dim) at positions 7..11
-    got = apply_rope(x, rope_tables(args, 7, 5), n_rot).double().numpy()
+    got = apply_rope(x, rope_tables(args, torch.arange(7, 12)), n_rot).double().numpy()
     xd = x.double().numpy()
     want = xd.copy()
     for t in range(5):
@@ -388,7 +381,7 @@ def test_fused_decode_attention_equals_the_torch_path(dense_path, monkeypatch, c
     runs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(transformer, "_fused_attention", lambda *a: None)
+            monkeypatch.setattr(transformer, "attention_block", lambda *a: None)
             monkeypatch.setattr(stack_decode, "plan_for", lambda *a: None)
         cache = model.new_cache(32, dtype=cache_dtype)
         model.forward(torch.tensor(TOKENS[:3]), cache)  # prefill: the torch path

@@ -16,9 +16,10 @@ import torch
 from quant_fixtures import ACT_KIND, random_blocks, ref_qdot, ref_quantize_act
 
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
-from powerpy.model import kernels
+from powerpy.model import kernels, numerics
 from powerpy.model.ffn import glu
 from powerpy.model.matrices import QuantWeight
+from powerpy.model.numerics import Numerics
 
 ROWS = 67
 EPS = 2e-5  # relative to sum |w_i| |xq_i|: f32 accumulation of exact integer block sums
@@ -41,10 +42,8 @@ def lib(request) -> kernels.KernelLibrary:
 
 @pytest.fixture(autouse=True)
 def quantized() -> Iterator[None]:
-    saved = kernels.quantized_activations()
-    kernels.set_quantized_activations(True)
-    yield
-    kernels.set_quantized_activations(saved)
+    with numerics.using(Numerics(quantized_activations=True)):
+        yield
 
 
 def weight(t: GGMLType, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray, kernels.Matrix]:
@@ -115,8 +114,8 @@ def test_f32_mode_is_exact_and_differs() -> None:
     qw = QuantWeight(torch.from_numpy(raw), GGMLType.Q4_1, 256)
     x = activations(256, seed=6)
     rounded = qw.linear(torch.from_numpy(x)).double().numpy()
-    kernels.set_quantized_activations(False)
-    exact = qw.linear(torch.from_numpy(x)).double().numpy()
+    with numerics.using(Numerics(quantized_activations=False)):
+        exact = qw.linear(torch.from_numpy(x)).double().numpy()
     tol = np.abs(w) @ np.abs(x)
     assert np.all(np.abs(exact - w @ x) <= EPS * tol)
     assert np.all(np.abs(rounded - ref_qdot(w, raw, GGMLType.Q4_1, x)) <= EPS * tol)

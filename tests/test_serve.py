@@ -453,7 +453,7 @@ def test_ctrl_c_drains_running_requests(keyed, reference):
 
 
 # ----------------------------------------------------------------------------------- real model
-def test_smollm2_chat_and_prefix_reuse(smollm2_path, exact_activations):
+def test_smollm2_chat_and_prefix_reuse(smollm2_path):
     """f32 activations (as the reference below): with llama.cpp's Q8_1 rounding this Q4_1 model
     answers "L'Étoile, la Cité, ..." here, in llama.cpp and in powerpy alike."""
     threads = str(torch.get_num_threads())  # as the reference below

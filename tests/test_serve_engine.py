@@ -12,8 +12,8 @@ import torch
 
 from powerpy.api import load
 from powerpy.formats.gpuidx import GpuIndex
-from powerpy.model.batch import FFN_MODES, decode_batch
 from powerpy.model.options import DENSE, RunOptions
+from powerpy.model.transformer import FFN_MODES
 from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
 from powerpy.sampling import SamplingParams
@@ -96,7 +96,7 @@ def test_decode_batch_matches_one_forward_per_session(llm, mode):
             want = torch.cat(
                 [m.forward(torch.tensor([t]), c, opts) for t, c in zip(toks, ca, strict=True)]
             )
-            got = decode_batch(m, torch.tensor(toks), cb, opts, ffn_mode=mode)
+            got = m.decode_batch(torch.tensor(toks), cb, opts, ffn_mode=mode)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             assert [c.pos for c in ca] == [c.pos for c in cb]
             toks = [int(t) for t in want.argmax(-1)]
@@ -123,7 +123,7 @@ def test_decode_batch_on_a_hybrid_placement(tmp_path, mode):
     want = [llm.generate(p, 7, temperature=0) for p in ("Hello", "x", "The Lord is my")]
     got = [[t] for t in toks]
     for _ in range(6):
-        logits = decode_batch(m, torch.tensor(toks), caches, llm.options, ffn_mode=mode)
+        logits = m.decode_batch(torch.tensor(toks), caches, llm.options, ffn_mode=mode)
         toks = [int(t) for t in logits.argmax(-1)]
         for g, t in zip(got, toks, strict=True):
             g.append(t)
@@ -134,12 +134,12 @@ def test_decode_batch_refuses_bad_batches(llm):
     m = llm.model
     c = m.new_cache(4)
     with pytest.raises(ValueError, match="twice"):
-        decode_batch(m, torch.tensor([5, 6]), [c, c])
+        m.decode_batch(torch.tensor([5, 6]), [c, c])
     c.pos = 4
     with pytest.raises(ValueError, match="context is full"):
-        decode_batch(m, torch.tensor([5]), [c])
+        m.decode_batch(torch.tensor([5]), [c])
     with pytest.raises(ValueError, match="ffn_mode"):
-        decode_batch(m, torch.tensor([5]), [m.new_cache(4)], ffn_mode="bogus")
+        m.decode_batch(torch.tensor([5]), [m.new_cache(4)], ffn_mode="bogus")
 
 
 def test_calibration_picks_a_mode(llm):

@@ -16,6 +16,7 @@ import torch
 from powerpy.api import load
 from powerpy.formats.gpuidx import GpuIndex
 from powerpy.generate import generate_step
+from powerpy.model.numerics import Numerics
 from powerpy.model.options import DENSE, RunOptions, SparsityStats
 from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
@@ -109,3 +110,36 @@ def test_the_model_holds_no_run_state(model_path):
     cache = llm.model.new_cache(16)
     llm.model.forward(torch.tensor(PROMPTS[0]), cache, DENSE)
     assert set(vars(llm.model)) == {"args", "weights", "accel", "kv", "cache_dtype"}
+
+
+def test_interleaved_sessions_keep_their_own_numerics(smollm2_path):
+    """Numerics are per call: three sessions on one quantized model (llama.cpp's rounding,
+    exact f32 activations, torch's code paths), stepped token by token in turn, each give the
+    logits of their solo run bit for bit, and the three differ."""
+    llm = load(smollm2_path)
+    kinds = {
+        "llama.cpp": Numerics(),
+        "exact": Numerics(quantized_activations=False),
+        "torch": Numerics(native=False, quantized_activations=False),
+    }
+    opts = {k: RunOptions(numerics=n) for k, n in kinds.items()}
+    prompt, steps = llm.tokenize("The Lord is my shepherd"), [11, 260, 1028, 30, 7]
+
+    def start(k):
+        cache = llm.model.new_cache(32)
+        return cache, llm.model.forward(torch.tensor(prompt), cache, opts[k])
+
+    solo = {}
+    for k in kinds:
+        cache, first = start(k)
+        rows = [llm.model.forward(torch.tensor([t]), cache, opts[k]) for t in steps]
+        solo[k] = torch.cat([first, *rows])
+    runs = {k: start(k) for k in kinds}
+    got = {k: [runs[k][1]] for k in kinds}
+    for t in steps:
+        for k in kinds:  # one token of each session in turn
+            got[k].append(llm.model.forward(torch.tensor([t]), runs[k][0], opts[k]))
+    for k in kinds:
+        assert torch.equal(torch.cat(got[k]), solo[k]), k
+    assert not torch.equal(solo["llama.cpp"], solo["exact"])
+    assert not torch.equal(solo["exact"], solo["torch"])

@@ -40,8 +40,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType  # noqa: E402
-from powerpy.model import kernels  # noqa: E402
-from powerpy.model.matrices import DenseWeight, QuantWeight, Weight, glu_rows  # noqa: E402
+from powerpy.model import kernels, numerics  # noqa: E402
+from powerpy.model.ffn import glu_rows  # noqa: E402
+from powerpy.model.matrices import DenseWeight, QuantWeight, Weight  # noqa: E402
+from powerpy.model.numerics import Numerics  # noqa: E402
 
 SHAPES = {"1b": (2048, 5632), "7b": (4096, 11008)}  # (n_embd, n_ff)
 FLOAT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -89,11 +91,10 @@ def layer_fn(
         g, u, d = layers[i % len(layers)]
         idx = idxs[i % len(idxs)]
         if method in ("kernel", "torch"):
-            kernels.set_enabled(method == "kernel")
-            h = glu_rows(x, g, u, idx, "reglu")
-            d.gather_axpy(h, idx)
+            with numerics.using(Numerics(native=method == "kernel")):
+                h = glu_rows(x, g, u, idx, "reglu")
+                d.gather_axpy(h, idx)
         elif method == "dense-k":
-            kernels.set_enabled(True)
             h = torch.relu(g.linear(x[None])[0]) * u.linear(x[None])[0]
             d.gather_axpy(h, all_rows)
         elif downs is not None:  # dense torch, float
@@ -101,9 +102,9 @@ def layer_fn(
             h = torch.relu(F.linear(xw, g.w)) * F.linear(xw, u.w)
             F.linear(h, downs[i % len(downs)])
         else:  # dense torch, quantized: the fallback's tile dequantize + BLAS over all rows
-            kernels.set_enabled(False)
-            h = torch.relu(g.linear(x[None])) * u.linear(x[None])
-            d.gather_axpy(h[0], all_rows)
+            with numerics.using(Numerics(native=False)):
+                h = torch.relu(g.linear(x[None])) * u.linear(x[None])
+                d.gather_axpy(h[0], all_rows)
 
     return run
 
@@ -135,7 +136,6 @@ def bench_config(args: argparse.Namespace, shape: str, dtype: str, gen: torch.Ge
                     continue  # dense does not depend on k: reported once, at k=100%
                 run = layer_fn(m, layers, downs, x, idxs, all_rows)
                 res[m] = timed(run, args.iters, args.budget, args.stat)
-            kernels.set_enabled(True)
             cells = []
             for m in args.methods:
                 if m in res:

@@ -23,6 +23,7 @@ ratio to ``native``. The compiled f32 logits are checked against the torch path'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -153,7 +154,7 @@ def tg_powerpy(model, first: int, n: int, opts) -> float:
 def main() -> None:
     import powerpy
     from powerpy.default_model import smollm2_path
-    from powerpy.model import kernels
+    from powerpy.model.numerics import Numerics
     from powerpy.model.options import DENSE
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -178,13 +179,14 @@ def main() -> None:
     print(f"compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
     # Check: the compiled f32 block against powerpy's torch path with f32 activations.
-    kernels.set_enabled(False)
-    kernels.set_quantized_activations(False)
+    torch_f32 = dataclasses.replace(
+        DENSE, numerics=Numerics(native=False, quantized_activations=False)
+    )
     ref_cache = model.new_cache(8, dtype=torch.float32)
     cache = decs["compiled f32"].new_cache()
     worst = 0.0
     for tok in (first, 504, 2718, 13):
-        want = model.forward(torch.tensor([tok]), ref_cache, DENSE)[0]
+        want = model.forward(torch.tensor([tok]), ref_cache, torch_f32)[0]
         got = decs["compiled f32"].step(tok, cache)
         worst = max(worst, float((got - want).abs().max()))
     print(f"compiled f32 vs powerpy's torch path: max |logit difference| {worst:.2e}")
@@ -192,12 +194,8 @@ def main() -> None:
     names = ["native", "torch eager", *decs]
     speed: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.rounds):
-        kernels.set_enabled(True)
-        kernels.set_quantized_activations(True)
         speed["native"].append(tg_powerpy(model, first, args.n, DENSE))
-        kernels.set_enabled(False)
-        kernels.set_quantized_activations(False)
-        speed["torch eager"].append(tg_powerpy(model, first, args.n, DENSE))
+        speed["torch eager"].append(tg_powerpy(model, first, args.n, torch_f32))
         for k, d in decs.items():
             speed[k].append(tg_compiled(d, first, args.n))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in speed.items()))

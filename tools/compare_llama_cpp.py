@@ -117,12 +117,11 @@ def _llama_cpp_server(conn, path: str, n_ctx: int, n_batch: int, threads: int) -
 def _powerpy_server(conn, path: str, threads: int, exact: bool) -> None:
     """A powerpy process: answers (test, ids, n, mode) with tokens/s; None stops."""
     import powerpy
-    from powerpy.model import kernels
     from powerpy.model.options import DENSE, SPARSE
 
     torch.set_num_threads(threads)
-    kernels.set_quantized_activations(not exact)
-    model = powerpy.load(path).model
+    llm = powerpy.load(path, exact_activations=exact)
+    model = llm.model
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         test, ids, n, mode = cmd
@@ -236,10 +235,6 @@ def main() -> None:
     args = ap.parse_args()
     check_peer_build()
     torch.set_num_threads(args.threads)
-    if args.exact_activations:
-        from powerpy.model import kernels
-
-        kernels.set_quantized_activations(False)
     if args.shape:
         ours_path, ref_path = synthetic_pair(args.shape, args.dtype, args.work)
     else:

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         cut_scale=llm.options.cut_scale,
         first_token=llm.tokenizer.bos_id or 0,
         size_bytes=llm.path.stat().st_size,
+        numerics=llm.options.numerics,
     )
     if args.json:
         json.dump({**res.to_dict(), "model": str(llm.path)}, sys.stdout, indent=2)

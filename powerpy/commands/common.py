@@ -104,10 +104,6 @@ def load_model(args: argparse.Namespace):
         RunOptions(cut_scale=cut_scale)  # its check, named by the flag
     except ValueError as e:
         raise ValueError(f"--cut-scale: {e}, e.g. 0 (no cut) or 1") from None
-    if getattr(args, "exact_activations", False):
-        from powerpy.model import kernels
-
-        kernels.set_quantized_activations(False)
     return load(
         args.model,
         threshold=args.sparse_threshold,  # None: env LLAMA_SPARSE_PRED_THRESHOLD, file, 0
@@ -117,6 +113,7 @@ def load_model(args: argparse.Namespace):
         cache_type=ctk,
         use_mmap=getattr(args, "mmap", False),
         cut_scale=cut_scale,
+        exact_activations=getattr(args, "exact_activations", False),
         progress=sys.stderr.isatty(),
     )
 

@@ -85,7 +85,7 @@ def predict(x_pred: Tensor, fc1: Weight, fc2: Weight, accel: Accelerator | None 
 def _glu_kernels(gate: Weight, up: Weight):
     """(library, gate matrix, up matrix) when the fused native GLU can read both (same type and
     shape), else None."""
-    kg, ku = gate._kernel(), up._kernel()
+    kg, ku = gate.kernel(), up.kernel()
     if kg is None or ku is None:
         return None
     (lib, gm), um = kg, ku[1]
@@ -305,6 +305,30 @@ def ffn(
     return move(accel, y, x.device)
 
 
+def union_ffn(
+    l: int,
+    blk,
+    x: Tensor,
+    ffn_inp: Tensor,
+    variant: FFNVariant,
+    threshold: float,
+    opts: RunOptions,
+    accel: Accelerator | None,
+) -> Tensor:
+    """The gated FFN of B sessions' tokens over the union of their active rows (CPU-only
+    placements; the others run :func:`ffn`, as do layers with a cut): x, ffn_inp (B, n_embd)
+    as for :func:`ffn` -> (B, n_embd)."""
+    plain = blk.hot is None and opts.observer is None and blk.cut(opts) is None
+    if not plain or not blk.gates(opts):
+        return ffn(l, blk, x, ffn_inp, variant, threshold, opts, accel)
+    with phase(opts.timer, "predictor"):
+        act = predict(ffn_inp, blk.fc1, blk.fc2, accel) >= threshold  # (B, n_ff) bool
+    act = move(accel, act, HOST)
+    if opts.stats is not None:
+        opts.stats.record(l, act)
+    return ffn_union(x, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant, act)
+
+
 def fused_decode(
     l: int, blk, x: OnDevices, norm_eps: float, variant: FFNVariant, thr: float, opts: RunOptions
 ) -> Tensor | None:
@@ -333,9 +357,9 @@ def ffn_kernels(blk, opts: RunOptions):
         return None
     down = blk.ffn_down_t
     stored = isinstance(down, TransposedWeight)  # a dense file's ffn_down: (n_embd, n_ff)
-    pair, kd = _glu_kernels(blk.ffn_gate, blk.ffn_up), (down.inner if stored else down)._kernel()
+    pair, kd = _glu_kernels(blk.ffn_gate, blk.ffn_up), (down.inner if stored else down).kernel()
     gated = blk.gates(opts) and not stored
-    preds = [blk.fc1._kernel(), blk.fc2._kernel()] if gated else [(None, None)] * 2
+    preds = [blk.fc1.kernel(), blk.fc2.kernel()] if gated else [(None, None)] * 2
     if pair is None or kd is None or None in preds or blk.ffn_norm.device.type != "cpu":
         return None
     lib, gm, um = pair

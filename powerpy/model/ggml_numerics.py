@@ -1,8 +1,8 @@
 """llama.cpp's float numerics on the CPU: RMSNorm, SwiGLU, RoPE and attention over an f16 KV
 cache, computed step by step as ggml computes them (native kernels, ``csrc/sparse_ffn.cpp``).
 
-They are on where the native kernels are and quantized activations are (the default, see
-:func:`powerpy.model.kernels.set_quantized_activations`). Together with llama.cpp's activation
+They are on in calls whose numerics keep the native kernels and llama.cpp's activation rounding
+(the default; ``powerpy.model.numerics``). Together with llama.cpp's activation
 rounding they make a quantized model's logits equal llama.cpp's bit for bit, given llama.cpp's
 f16 KV cache (the default cache type). ``--exact-activations`` turns them off: RoPE angles in
 float64 and torch's attention, for research comparisons.
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from powerpy.config import ModelArgs
-from powerpy.model import kernels
+from powerpy.model import kernels, numerics
 
 
 def library(x: Tensor | None = None) -> ctypes.CDLL | None:
@@ -24,7 +24,7 @@ def library(x: Tensor | None = None) -> ctypes.CDLL | None:
     else None."""
     if x is not None and (x.device.type != "cpu" or x.dtype is not torch.float32):
         return None
-    if not kernels.quantized_activations():
+    if not numerics.current().quantized_activations:
         return None
     lib = kernels.library()
     return None if lib is None else lib.cdll

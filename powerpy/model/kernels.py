@@ -3,13 +3,15 @@
 ``powerpy.model.kernel_build`` compiles the library (``-O3 -march=native -fopenmp``) into a
 per-user cache keyed by source, flags, compiler and CPU. When no compiler is found or the build
 fails, :func:`available` returns False and logs the reason once; callers
-(``powerpy.model.matrices``) then use their torch code paths. :func:`set_enabled` switches the
-kernels off (for example from a CLI flag). Every kernel runs on ``torch.get_num_threads()``
+(``powerpy.model.matrices``) then use their torch code paths, as they do in calls whose
+numerics turn the kernels off (``powerpy.model.numerics``: ``RunOptions.native_kernels``). Every
+kernel runs on ``torch.get_num_threads()``
 OpenMP threads, so ``torch.set_num_threads`` controls them too (the library binds to torch's
 own ``libgomp.so.1``, so there is one thread pool).
 
 Quantized matrices (:data:`QUANT_TYPES`) are read as raw ggml blocks; their matmuls round the
-activations as llama.cpp does unless :func:`set_quantized_activations` says otherwise.
+activations as llama.cpp does unless the call's numerics say otherwise
+(``RunOptions.exact_activations``).
 
 The wrappers take CPU tensors and check shapes; ``powerpy.model.matrices`` decides when to call
 them. Matrices are ``(rows, row_bytes)`` uint8 views or float tensors with contiguous rows.
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from powerpy.config import FFNVariant
 from powerpy.formats.constants import GGMLType
+from powerpy.model import numerics
 from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
     DEFAULT_FLAGS,
     SOURCE,
@@ -212,7 +215,7 @@ class KernelLibrary:
             idx = _i64(idx)
             k, ip = idx.numel(), idx.data_ptr()
         out = torch.empty(k, dtype=_F32)
-        st = self._gemv(*w.args, x.data_ptr(), ip, k, out.data_ptr(), _quant_act, _threads())
+        st = self._gemv(*w.args, x.data_ptr(), ip, k, out.data_ptr(), act_code(), _threads())
         if st:
             _raise(st, "gather_gemv", idx, w.nrows)
         return out
@@ -273,7 +276,7 @@ class KernelLibrary:
             k,
             code,
             out.data_ptr(),
-            _quant_act,
+            act_code(),
             _threads(),
         )
         if st:
@@ -310,7 +313,7 @@ class KernelLibrary:
             out.data_ptr(),
             out.stride(0),
             None if need is None else need.data_ptr(),
-            _quant_act,
+            act_code(),
             _threads(),
         )
         if st:
@@ -349,7 +352,7 @@ class KernelLibrary:
             CACHE_CODES[k.dtype],
             pos,
             out.data_ptr(),
-            _quant_act,
+            act_code(),
             _threads(),
         )
         if st:
@@ -379,7 +382,7 @@ class KernelLibrary:
         out, v = torch.empty(x.numel(), dtype=_F32), VARIANTS[FFNVariant(variant)]
         k = self.cdll.pp_ffn_decode(
             Matrix.pack(mats), thr, 0 if tau is None else tau.data_ptr(), x.data_ptr(),
-            w.data_ptr(), norm[1], v, int(down_stored), out.data_ptr(), _quant_act, _threads(),
+            w.data_ptr(), norm[1], v, int(down_stored), out.data_ptr(), act_code(), _threads(),
         )  # fmt: skip
         if k < 0:
             _raise(-k, "ffn_decode")
@@ -436,47 +439,29 @@ def build(
         raise KernelBuildError(f"cannot load {target}: {e}") from e
 
 
-# ---- process-wide state --------------------------------------------------------------------------
+# ---- the built library ------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_enabled = True
-_quant_act = 1  # 1: quantized weights see ggml's vec_dot_type activations; 0: f32 activations
 _library: KernelLibrary | None = None
 _failure: str | None = None  # why the build failed (logged once)
 
 
-def set_enabled(enabled: bool) -> None:
-    """Turn the native kernels on or off for this process (off: torch code paths only)."""
-    global _enabled
-    _enabled = bool(enabled)
-
-
-def set_quantized_activations(on: bool) -> None:
-    """On (default): quantized matmuls round x as llama.cpp does (ggml's ``vec_dot_type``: Q8_0
-    blocks for Q8_0/Q4_0/Q5_0, Q8_1 for Q4_1/Q5_1, Q8_K for K-quants) and take integer block
-    dot products. Off (``--exact-activations``): x stays f32. Float weights and row sums
-    (``gather_axpy``) always use f32. The same switch turns on llama.cpp's float steps elsewhere
-    (``powerpy.model.ggml_numerics``: exp, RMSNorm, RoPE, f16-cache attention). Process-wide,
-    like :func:`set_enabled`."""
-    global _quant_act
-    _quant_act = 1 if on else 0
-
-
-def quantized_activations() -> bool:
-    """Whether quantized matmuls round their activations like llama.cpp (see above)."""
-    return bool(_quant_act)
-
-
-def enabled() -> bool:
-    """Whether the native kernels are switched on (they may still be unavailable)."""
-    return _enabled
+def act_code() -> int:
+    """1 when the running call rounds quantized matmuls' activations like llama.cpp, else 0."""
+    return int(numerics.current().quantized_activations)
 
 
 def library() -> KernelLibrary | None:
-    """The loaded library, building it on first call; None when disabled or unavailable."""
-    global _library, _failure
-    if not _enabled:
+    """The library for the running call, building it on first use; None when the call's
+    numerics turn the kernels off or they are unavailable."""
+    if not numerics.current().native:
         return None
+    return built()
+
+
+def built() -> KernelLibrary | None:
+    """The loaded library, building it on first call; None when it is unavailable."""
+    global _library, _failure
     if _library is not None or _failure is not None:
         return _library
     with _lock:
@@ -491,5 +476,5 @@ def library() -> KernelLibrary | None:
 
 
 def available() -> bool:
-    """True when the native kernels are enabled and built (builds them on first call)."""
-    return library() is not None
+    """True when the native kernels are built (builds them on first call)."""
+    return built() is not None

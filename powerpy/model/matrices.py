@@ -16,13 +16,14 @@ kernels are unavailable or disabled, they use the fastest torch formulation meas
 from __future__ import annotations
 
 import threading
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
-from powerpy.model import kernels
+from powerpy.model import kernels, numerics
 from powerpy.model.block_decode import dequantize_rows_torch
 
 # Batches up to this size use the native multi-vector GEMM (weights read once, decoded in
@@ -140,7 +141,7 @@ class DenseWeight:
     def device(self) -> torch.device:
         return self.w.device
 
-    def _kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
+    def kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
         if not self._kernel_ok:
             return None
         lib = kernels.library()
@@ -155,7 +156,7 @@ class DenseWeight:
         hint that quantized weights use, is ignored."""
         if x.dim() == 1:
             return self.linear(x[None])[0]
-        kern = self._kernel()
+        kern = self.kernel()
         if self.w.dtype == torch.float32:
             if kern is not None and x.shape[0] == 1:  # MKL sgemv reads at ~22 GB/s, this ~32
                 return kern[0].gemm(kern[1], x)
@@ -168,7 +169,7 @@ class DenseWeight:
 
     def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
         """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) int64 -> (k,) f32."""
-        kern = self._kernel()
+        kern = self.kernel()
         if kern is not None:
             return kern[0].gather_gemv(kern[1], x, idx)
         x = _as_x(x, self.w.shape[1])
@@ -197,7 +198,7 @@ class DenseWeight:
         """
         k = idx.numel()
         cols = self.w.shape[1]
-        kern = self._kernel()
+        kern = self.kernel()
         if kern is not None:
             return _kernel_axpy(kern, h, idx, out)
         if k == 0:
@@ -218,7 +219,7 @@ class DenseWeight:
         if self.w.dtype == torch.float32:
             # (W^T h^T)^T: MKL's vector-times-matrix path (h @ W) is ~20x slower here
             return (self.w.t() @ h.t()).t()
-        kern = self._kernel()
+        kern = self.kernel()
         if kern is not None:
             return _tiled_rows_sum(kern[0], kern[1], h)
         out = h.new_zeros(h.shape[0], self.w.shape[1])
@@ -278,7 +279,7 @@ class QuantWeight:
     def device(self) -> torch.device:
         return self.raw.device
 
-    def _kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
+    def kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
         if not self._kernel_ok:
             return None
         lib = kernels.library()
@@ -308,8 +309,10 @@ class QuantWeight:
             return self.linear(x[None])[0]
         x = x.float()
         rows, T = self.raw.shape[0], x.shape[0]
-        kern = self._kernel()
-        if kern is not None and (T <= KERNEL_GEMM_MAX_T or kernels.quantized_activations()):
+        kern = self.kernel()
+        if kern is not None and (
+            T <= KERNEL_GEMM_MAX_T or numerics.current().quantized_activations
+        ):
             return kern[0].gemm(kern[1], x, need=need)  # llama.cpp's rounding: integer GEMM
         if kern is not None:
             return _tiled_linear(kern[0], kern[1], x)
@@ -322,7 +325,7 @@ class QuantWeight:
 
     def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
         """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) int64 -> (k,) f32."""
-        kern = self._kernel()
+        kern = self.kernel()
         if kern is not None:
             return kern[0].gather_gemv(kern[1], x, idx)
         x = _as_x(x, self.cols).float()
@@ -345,7 +348,7 @@ class QuantWeight:
             idx: (k,) row ids.
             out: optional (cols,) f32 tensor to add the sum into (returned).
         """
-        kern = self._kernel()
+        kern = self.kernel()
         if kern is not None:
             return _kernel_axpy(kern, h, idx, out)
         idx = _as_idx(idx)
@@ -359,7 +362,7 @@ class QuantWeight:
 
     def rows_sum(self, h: Tensor) -> Tensor:
         """``h @ W`` for a batch: h (T, rows) -> (T, cols) f32 (a neuron-major down matrix)."""
-        kern = self._kernel()
+        kern = self.kernel()
         if kern is not None:
             return _tiled_rows_sum(kern[0], kern[1], h)
         h = h.float()
@@ -377,7 +380,7 @@ class QuantWeight:
 
     def dequantize(self) -> Tensor:
         """The whole matrix as f32 (rows, cols): a full copy, for tests and tools."""
-        kern = self._kernel()
+        kern = self.kernel()
         if kern is not None:
             return kern[0].dequant_rows(kern[1], None)
         return self._rows_f32(self.raw)
@@ -419,7 +422,7 @@ class TransposedWeight:
     def device(self) -> torch.device:
         return self.inner.device
 
-    def _kernel(self) -> None:
+    def kernel(self) -> None:
         return None  # rows are not contiguous in memory
 
     def rows_sum(self, h: Tensor) -> Tensor:
@@ -460,4 +463,52 @@ class TransposedWeight:
         return TransposedWeight(self.inner.with_storage(t))
 
 
-Weight = DenseWeight | QuantWeight | TransposedWeight  # gpu_kernels.FusedWeight: a QuantWeight
+@runtime_checkable
+class Weight(Protocol):
+    """A ``(rows, cols)`` matrix as the model computes with it, wherever it lives (host or
+    device) and however it is stored: :class:`DenseWeight`, :class:`QuantWeight` (and its
+    ``gpu_kernels.FusedWeight``), :class:`TransposedWeight`."""
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def storage(self) -> Tensor: ...
+
+    def kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
+        """(library, matrix) when the running call may compute it with the native kernels."""
+        ...
+
+    def linear(self, x: Tensor, need: Tensor | None = None) -> Tensor:
+        """``x @ W.T``: x (T, cols) -> (T, rows) f32."""
+        ...
+
+    def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
+        """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) -> (k,) f32."""
+        ...
+
+    def gather_axpy(self, h: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
+        """``sum_j h[j] * W[idx[j]]``: h (k,), idx (k,) -> (cols,) f32."""
+        ...
+
+    def rows_sum(self, h: Tensor) -> Tensor:
+        """``h @ W``: h (T, rows) -> (T, cols) f32."""
+        ...
+
+    def take_rows(self, idx: Tensor) -> Weight:
+        """Rows ``idx`` as a new weight."""
+        ...
+
+    def dequantize(self) -> Tensor:
+        """The matrix as f32 (rows, cols)."""
+        ...
+
+    def with_storage(self, t: Tensor) -> Weight:
+        """The same matrix over another copy of its data (e.g. on a device)."""
+        ...

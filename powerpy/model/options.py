@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import Tensor
 
+from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
+from powerpy.model.numerics import Numerics
 from powerpy.model.timing import PhaseTimer
 
 # FFN observer: (layer, ffn_inp (T, n_embd) pre-norm, h (T, n_ff) true activation) -> None
@@ -89,6 +91,9 @@ class RunOptions:
             observer). ``stats`` then record the oracle's masks.
         cut_scale: research: scales the file's per-layer cuts (``powerpy.ffn_down_threshold``)
             in sparse runs; 0 turns them off, larger values skip more neurons.
+        numerics: native kernels or torch, llama.cpp's activation rounding or exact f32
+            (``--exact-activations``); see :class:`powerpy.model.numerics.Numerics`. The call
+            computes with them whatever other calls on the same model use.
     """
 
     sparse: bool = True
@@ -98,6 +103,7 @@ class RunOptions:
     stats: SparsityStats | None = None
     oracle: Oracle | None = None
     cut_scale: float = 1.0
+    numerics: Numerics = DEFAULT_NUMERICS
 
     def __post_init__(self) -> None:
         if not (self.cut_scale >= 0 and self.cut_scale < float("inf")):

@@ -18,21 +18,13 @@ from torch import Tensor
 
 from powerpy.config import FFNVariant
 from powerpy.model import kernels
+from powerpy.model.attention import attention_kernels
 from powerpy.model.cache import KVCache
 from powerpy.model.ffn import ffn_kernels
 from powerpy.model.kernels import CACHE_CODES, KernelLibrary, Matrix, as_f32
 from powerpy.model.options import RunOptions
 
 _REC = 49  # int64 per layer record: 4 + 5 matrices of 5, attn_norm, ffn_norm, down_stored, tau
-
-
-def attention_kernels(blk) -> tuple[KernelLibrary, list[Matrix]] | None:
-    """(library, [q, k, v, output] matrices) for the native attention block, or None when a
-    matrix or the norm is not for the host kernels."""
-    mats = [w._kernel() for w in (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output)]
-    if any(m is None for m in mats) or blk.attn_norm.device.type != "cpu":
-        return None
-    return mats[0][0], [m[1] for m in mats]
 
 
 @dataclass
@@ -91,7 +83,7 @@ class StackPlan:
             n_layer, self.records.ctypes.data, args.rms_eps, r.data_ptr(), args.n_rot,
             args.n_head, args.n_head_kv, args.head_dim, k.data_ptr(), v.data_ptr(),
             k.stride(0) * k.element_size(), CACHE_CODES[k.dtype], cache.pos, thr, self.variant,
-            out.data_ptr(), counts.ctypes.data, int(kernels.quantized_activations()),
+            out.data_ptr(), counts.ctypes.data, kernels.act_code(),
             torch.get_num_threads(),
         )  # fmt: skip
         if st:
@@ -134,7 +126,7 @@ def usable(cache: KVCache, opts: RunOptions) -> bool:
     on, a host cache of a kernel type, no per-phase timer (it times the per-layer calls), no
     observer or oracle (they need every neuron)."""
     return (
-        kernels.enabled()
+        opts.numerics.native
         and opts.timer is None
         and opts.observer is None
         and opts.oracle is None

@@ -1,14 +1,17 @@
-"""LLaMA-family transformer over GGUF-named weights: RMSNorm, ggml RoPE, GQA attention.
+"""The decoder: its weights (``Block``, ``Weights``) and the one forward loop (``Model``).
 
 The model never opens files: ``loader.load_weights`` hands it weights. Arguments and weights
-(``Model``), per-step state (``KVCache``) and per-call options (``RunOptions``) are separate
-objects. The FFN of each block is ``powerpy.model.ffn.ffn``, the one split runner.
+(``Model``), per-step state (``KVCache``) and per-call options (``RunOptions``, numerics
+included) are separate objects. One loop, :meth:`Model._run`, runs a prompt chunk, a decode
+step and a batch of sessions' decode steps; attention is ``powerpy.model.attention`` and the FFN
+of each block ``powerpy.model.ffn``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +20,11 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.errors import NonFiniteError
-from powerpy.model import ggml_numerics, gpu_kernels, kernels, stack_decode
+from powerpy.model import ggml_numerics, gpu_kernels, numerics, stack_decode
+from powerpy.model.attention import apply_rope, attend, attention_block, rope_tables
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
-from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
+from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut, union_ffn
 from powerpy.model.matrices import Weight
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
@@ -85,49 +89,46 @@ def rms_norm(x: Tensor, w: Tensor, eps: float, *, fused: bool = False) -> Tensor
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope_tables(args: ModelArgs, pos0: int, n: int, positions: Tensor | None = None) -> Tensor:
-    """Rotations ``exp(i·pos·θ_j)`` (n, n_rot/2) complex64 for positions pos0..pos0+n-1 (or the
-    given ``positions`` (n,), e.g. one per session), ggml NORM mode (θ_j = base^(-2j/n_rot)),
-    computed in float64, or as ggml computes them where its numerics are on (ggml_numerics)."""
-    if positions is None:
-        positions = torch.arange(pos0, pos0 + n, dtype=torch.float64)
-    c = ggml_numerics.library()
-    if c is not None:
-        return ggml_numerics.rope_table(c, args, positions)
-    inv = args.rope_base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
-    ang = positions.to(torch.float64)[:, None] * inv[None]
-    return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
-
-
-def decode_attention(args: ModelArgs, q: Tensor, keys: Tensor, vals: Tensor) -> Tensor:
-    """One query token: q (n_head, head_dim) (or (1, n_head, head_dim)), keys/vals (n_head_kv, S,
-    head_dim) -> (1, n_embd) head-major. Query head h reads key/value head h // group, as two bmm
-    (torch's SDPA with GQA costs ~10x more here)."""
-    group = args.n_head // args.n_head_kv
-    qg = q.reshape(args.n_head_kv, group, args.head_dim)
-    scores = torch.bmm(qg, keys.transpose(1, 2)) * args.head_dim**-0.5  # (n_kv, group, S)
-    return torch.bmm(scores.softmax(-1), vals).view(1, args.n_embd)
-
-
-def apply_rope(x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
-    """Rotate adjacent pairs (2i, 2i+1) of the first n_rot dims: x (T, heads, head_dim) f32, rot
-    (T, n_rot/2) from ``rope_tables``. Each pair is one complex number times its rotation."""
-    c = ggml_numerics.library(x)
-    if c is not None:
-        return ggml_numerics.rope(c, x, rot, n_rot)
-    z = torch.view_as_complex(x[..., :n_rot].reshape(*x.shape[:-1], n_rot // 2, 2))
-    out = torch.view_as_real(z * rot[:, None]).flatten(-2)  # (T, heads, n_rot)
-    return torch.cat((out, x[..., n_rot:]), dim=-1) if n_rot < x.shape[-1] else out
-
-
 # ----------------------------------------------------------------------------------- model
-class Model:
-    """A LLaMA-family decoder: its arguments and weights, and nothing that changes per call.
+FFN_MODES = ("rows", "union", "batch")
 
-    ``forward(tokens, cache, opts)`` depends only on its arguments, so any number of sessions
-    (each with its own cache and options) can share one model. A hybrid placement
-    (``powerpy.placement.runtime``) builds a new ``Model`` whose weights live partly on an
-    accelerator; ``accel`` reaches that device and ``kv`` says which new caches go there.
+
+@dataclass
+class Step:
+    """What one forward runs: T tokens in segments, each segment consecutive tokens of one
+    session at its cache's next positions. One sequence (a prompt chunk or a decode step) is one
+    segment; a server's decode step is B one-token segments, one per session."""
+
+    caches: list[KVCache]
+    lengths: list[int]  # tokens of each segment, in order (sum: T)
+
+    def positions(self) -> Tensor:
+        """(T,) int64: each token's position in its own cache."""
+        return torch.cat(
+            [torch.arange(c.pos, c.pos + n) for c, n in zip(self.caches, self.lengths, strict=True)]
+        )
+
+    def segments(self):
+        """(cache, first token, tokens) per segment."""
+        s = 0
+        for c, n in zip(self.caches, self.lengths, strict=True):
+            yield c, s, n
+            s += n
+
+    def advance(self) -> None:
+        for c, n in zip(self.caches, self.lengths, strict=True):
+            c.pos += n
+
+
+class Model:
+    """A decoder of one family (``powerpy.families``): its arguments and weights, and nothing
+    that changes per call.
+
+    ``forward(tokens, cache, opts)`` and ``decode_batch(tokens, caches, opts)`` depend only on
+    their arguments, so any number of sessions (each with its own cache and options, numerics
+    included) can share one model. Both run the one layer loop, :meth:`_run`. A hybrid
+    placement (``powerpy.placement.runtime``) builds a new ``Model`` whose weights live partly
+    on an accelerator; ``accel`` reaches that device and ``kv`` says which new caches go there.
     """
 
     def __init__(
@@ -181,6 +182,9 @@ class Model:
         fused = self.accel is not None and self.accel.fused
         return rms_norm(x, w, self.args.rms_eps, fused=fused)
 
+    def _options(self, opts: RunOptions) -> RunOptions:
+        return opts if opts.sparse and self.can_gate else dataclasses.replace(opts, sparse=False)
+
     @torch.inference_mode()
     def forward(
         self, tokens: Tensor, cache: KVCache, opts: RunOptions = SPARSE, *, all_logits=False
@@ -190,7 +194,7 @@ class Model:
         Args:
             tokens: (T,) token ids.
             cache: the session's KV cache (advanced by T).
-            opts: how to run (sparse or dense, threshold, observer, timer, statistics).
+            opts: how to run (sparse or dense, threshold, numerics, observer, timer, stats).
             all_logits: return every position's logits, not just the last.
 
         Raises:
@@ -204,58 +208,88 @@ class Model:
                 f"context is full: {p0} + {n} tokens exceed n_ctx {cache.n_ctx} "
                 "(use a larger context: -c, n_ctx)"
             )
-        if not (opts.sparse and self.can_gate):
-            opts = dataclasses.replace(opts, sparse=False)
-        logits = self._run(tokens, cache, opts, all_logits)
-        # One reduction over the logits per call; only a bad one pays for the search below.
-        if not bool(torch.isfinite(logits).all()):
-            cache.pos = p0  # the rerun rewrites the same cache rows, then stops at the culprit
-            quiet = dataclasses.replace(opts, observer=None, timer=None, stats=None)
-            self._run(tokens, cache, quiet, all_logits, check=True)
-            raise NonFiniteError("the logits are not finite, but every layer's output is")
+        return self._checked(tokens, Step([cache], [n]), self._options(opts), all_logits, "batch")
+
+    @torch.inference_mode()
+    def decode_batch(
+        self,
+        tokens: Tensor,
+        caches: Sequence[KVCache],
+        opts: RunOptions = SPARSE,
+        *,
+        ffn_mode: str = "rows",
+    ) -> Tensor:
+        """One token per session: tokens (B,) int64, ``caches[i]`` the cache of token i (each
+        advanced by one), in one forward: every dense matrix (attention projections, output
+        head, a dense model's FFN) is read once for the B rows; attention stays per session.
+        Returns logits (B, n_vocab) f32 on the host.
+
+        A predictor-gated FFN gathers each token's active rows; B tokens need the union of
+        their rows, which may cost more than B gathers. ``ffn_mode`` picks how: ``"rows"``
+        (each session's FFN alone on its own rows, as ``forward``), ``"union"`` (one pass over
+        the union, masked per session) or ``"batch"`` (as a T-token prompt chunk).
+
+        Raises:
+            ValueError: a cache is full, the sizes differ, the same cache appears twice, or an
+                unknown ``ffn_mode``.
+        """
+        n = tokens.shape[0]
+        if n != len(caches) or n == 0:
+            raise ValueError(f"{n} tokens for {len(caches)} caches")
+        if len({id(c) for c in caches}) != n:
+            raise ValueError("a cache appears twice in one batch")
+        if ffn_mode not in FFN_MODES:
+            raise ValueError(f"unknown ffn_mode {ffn_mode!r}: one of {FFN_MODES}")
+        for c in caches:
+            if c.pos + 1 > c.n_ctx:
+                raise ValueError(f"context is full: {c.pos} + 1 tokens exceed n_ctx {c.n_ctx}")
+        step = Step(list(caches), [1] * n)
+        return self._checked(tokens, step, self._options(opts), True, ffn_mode)
+
+    def _checked(
+        self, tokens: Tensor, step: Step, opts: RunOptions, all_logits: bool, ffn_mode: str
+    ) -> Tensor:
+        """:meth:`_run` under the call's numerics, with one finiteness check of the logits;
+        only a bad result pays for the search of the layer where it went bad."""
+        with numerics.using(opts.numerics):
+            pos = [c.pos for c in step.caches]
+            logits = self._run(tokens, step, opts, all_logits, ffn_mode)
+            if not bool(torch.isfinite(logits).all()):
+                for c, p in zip(step.caches, pos, strict=True):
+                    c.pos = p  # the rerun rewrites the same cache rows, then stops at the culprit
+                quiet = dataclasses.replace(opts, observer=None, timer=None, stats=None)
+                self._run(tokens, step, quiet, all_logits, ffn_mode, check=True)
+                raise NonFiniteError("the logits are not finite, but every layer's output is")
         return logits
 
     def _run(
-        self, tokens: Tensor, cache: KVCache, opts: RunOptions, all_logits: bool, check=False
+        self,
+        tokens: Tensor,
+        step: Step,
+        opts: RunOptions,
+        all_logits: bool,
+        ffn_mode: str,
+        check: bool = False,
     ) -> Tensor:
+        """The one layer loop. A one-token step whose remaining layers all sit on the host in
+        the native kernels leaves the loop for the stack plan (``stack_decode``), which runs
+        those layers' two block kernels in C, in this loop's order, in one call."""
         a, w = self.args, self.weights
-        n = tokens.shape[0]
         thr = a.sparse_threshold if opts.threshold is None else float(opts.threshold)
         x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
         if check:
             _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
-        rot = OnDevices(self.accel, rope_tables(a, cache.pos, n))  # (T, n_rot/2) complex
-        fused = n == 1  # decode: one native call per block where the block is on the host
+        rot = OnDevices(self.accel, rope_tables(a, step.positions()))  # (T, n_rot/2) complex
+        one = tokens.shape[0] == 1  # one token: native block calls where the block is on the host
         plan = None
-        if fused and not check and stack_decode.usable(cache, opts):  # or one for the stack
+        if one and not check and stack_decode.usable(step.caches[0], opts):
             plan = stack_decode.plan_for(self, opts)
         for l, blk in enumerate(w.blk):
             if plan is not None and l == plan.first:
-                x = plan.run(a, self._to(x, HOST), cache, rot(HOST)[0], thr, opts)
+                x = plan.run(a, self._to(x, HOST), step.caches[0], rot(HOST)[0], thr, opts)
                 break
-            # Each step runs where its weights are and the residual stream follows (no move
-            # when the tensor is already there, e.g. CPU-only).
-            x = self._to(x, blk.attn_norm.device)
-            with phase(opts.timer, "attention"):
-                ffn_inp = _fused_attention(l, blk, x, cache, rot(HOST), a) if fused else None
-                if ffn_inp is None:
-                    xn = self.norm(x, blk.attn_norm)
-                    ffn_inp = x + self._to(self.attention(l, blk, xn, cache, rot), x.device)
-            if check:
-                _check_finite(ffn_inp, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
-            with phase(opts.timer, "ffn"):
-                inp = OnDevices(self.accel, ffn_inp)  # moved once: native block, norm, predictor
-                x = None
-                if fused:
-                    x = fused_decode(l, blk, inp, a.rms_eps, a.ffn_variant, thr, opts)
-                if x is None:
-                    xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm)
-                    y = ffn(l, blk, xn, blk.predictor_input(inp, opts), a.ffn_variant, thr, opts,
-                            self.accel)  # fmt: skip
-                    x = ffn_inp + self._to(y, ffn_inp.device)
-            if check:
-                _check_finite(x, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
-        cache.pos += n
+            x = self._block(l, blk, x, step, rot, thr, opts, ffn_mode, check)
+        step.advance()
         if not all_logits:
             x = x[-1:]
         with phase(opts.timer, "output"):
@@ -265,65 +299,85 @@ class Model:
             _check_finite(logits, "output", "the output layer (output_norm, output)")
         return logits
 
-    def attention(self, l: int, blk: Block, x: Tensor, cache: KVCache, rot: OnDevices) -> Tensor:
-        """x (T, n_embd) normed -> (T, n_embd) on attn_output's device; writes the cache.
+    def _block(
+        self,
+        l: int,
+        blk: Block,
+        x: Tensor,
+        step: Step,
+        rot: OnDevices,
+        thr: float,
+        opts: RunOptions,
+        ffn_mode: str,
+        check: bool,
+    ) -> Tensor:
+        """One block: x (T, n_embd) the residual stream -> after the block. Each step runs
+        where its weights are and the residual stream follows (no move when the tensor is
+        already there, e.g. CPU-only)."""
+        a, one = self.args, x.shape[0] == 1
+        x = self._to(x, blk.attn_norm.device)
+        with phase(opts.timer, "attention"):
+            h = attention_block(l, blk, x, step.caches[0], rot(HOST), a) if one else None
+            if h is None:
+                xn = self.norm(x, blk.attn_norm)
+                h = x + self._to(self.attention(l, blk, xn, step, rot), x.device)
+        if check:
+            _check_finite(h, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
+        with phase(opts.timer, "ffn"):
+            inp = OnDevices(self.accel, h)  # moved once: native block, norm, predictor
+            y = fused_decode(l, blk, inp, a.rms_eps, a.ffn_variant, thr, opts) if one else None
+            if y is None:
+                xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm)
+                pred_in = blk.predictor_input(inp, opts)
+                f = self._ffn(l, blk, xn, pred_in, step, thr, opts, ffn_mode)
+                y = h + self._to(f, h.device)
+        if check:
+            _check_finite(y, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
+        return y
 
-        ``rot`` holds the rotations per device; they move to a device once per forward."""
-        a = self.args
-        n, p0 = x.shape[0], cache.pos
+    def attention(self, l: int, blk: Block, x: Tensor, step: Step, rot: OnDevices) -> Tensor:
+        """x (T, n_embd) normed -> (T, n_embd) on attn_output's device; writes the caches.
+        The projections run once for all T tokens, the attention once per segment (each reads
+        its own cache). ``rot`` holds the rotations per device (moved once per forward)."""
+        a, n = self.args, x.shape[0]
         x_on = OnDevices(self.accel, x)  # x moved once to each device that reads it
         q = blk.attn_q.linear(x_on(blk.attn_q.device)).view(n, a.n_head, a.head_dim)
         k = blk.attn_k.linear(x_on(blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
         v = blk.attn_v.linear(x_on(blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
         q = apply_rope(q, rot(q.device), a.n_rot)
         k = apply_rope(k, rot(k.device), a.n_rot)
-        dev = cache.device  # attention runs where the cache is
-        cache.k[l, p0 : p0 + n].copy_(self._to(k, dev))
-        cache.v[l, p0 : p0 + n].copy_(self._to(v, dev))
-        out = cache_attention(a, self._to(q, dev), cache, l, p0)
-        return blk.attn_output.linear(self._to(out, blk.attn_output.device))
+        outs = []
+        for cache, s, m in step.segments():
+            dev, p0 = cache.device, cache.pos  # attention runs where the cache is
+            cache.k[l, p0 : p0 + m].copy_(self._to(k[s : s + m], dev))
+            cache.v[l, p0 : p0 + m].copy_(self._to(v[s : s + m], dev))
+            out = attend(a, self._to(q[s : s + m], dev), cache, l, p0)  # (m, n_embd)
+            outs.append(self._to(out, blk.attn_output.device))
+        return blk.attn_output.linear(outs[0] if len(outs) == 1 else torch.cat(outs))
 
-
-def cache_attention(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int) -> Tensor:
-    """Causal attention of q (T, n_head, head_dim) at positions p0.. over layer l of the cache
-    (filled up to p0 + T), on the cache's device -> (T, n_embd). An f16 host cache under
-    llama.cpp's numerics runs ggml's order (``ggml_numerics.attention``)."""
-    n = q.shape[0]
-    c = ggml_numerics.library(q)
-    if c is not None and cache.k.dtype is torch.float16:
-        return ggml_numerics.attention(c, a, q, cache.k[l], cache.v[l], p0)
-    keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
-    vals = cache.v[l, : p0 + n].transpose(0, 1).float()
-    if n == 1:
-        return decode_attention(a, q, keys, vals)
-    mask = keys.new_ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)  # query i: keys ..p0+i
-    # with a batch dimension torch picks its fused CPU kernel (3x the 3-D math path)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        keys[None],
-        vals[None],
-        attn_mask=mask,
-        enable_gqa=a.n_head != a.n_head_kv,
-    )[0]  # (n_head, T, head_dim)
-    return out.transpose(0, 1).reshape(n, a.n_embd)
-
-
-def _fused_attention(
-    l: int, blk: Block, x: Tensor, cache: KVCache, rot: Tensor, a: ModelArgs
-) -> Tensor | None:
-    """A CPU-only decode step's attention block (attn_norm, q/k/v, RoPE, cache row, GQA
-    softmax, output, residual) as one native call: x (1, n_embd) the residual stream -> x +
-    attention (1, n_embd); None when a matrix or the cache is not for the kernels."""
-    kern = stack_decode.attention_kernels(blk)
-    k, v = cache.k[l], cache.v[l]  # (n_ctx, n_kv, head_dim)
-    host = k.device.type == "cpu" and x.device.type == "cpu"
-    if kern is None or not host or k.dtype not in kernels.CACHE_CODES:
-        return None
-    rot = torch.view_as_real(rot[0])  # (n_rot / 2, 2): cos, sin
-    shape = (a.n_head, a.n_head_kv, a.head_dim)
-    norm = (blk.attn_norm, a.rms_eps)
-    lib, mats = kern
-    return lib.attn_decode(mats, x[0], norm, rot, shape, (k, v, cache.pos))[None]
+    def _ffn(
+        self,
+        l: int,
+        blk: Block,
+        xn: Tensor,
+        pred_in: Tensor,
+        step: Step,
+        thr: float,
+        opts: RunOptions,
+        ffn_mode: str,
+    ) -> Tensor:
+        """The FFN of xn (T, n_embd) normed, pred_in its pre-norm value where the predictor
+        reads it -> (T, n_embd). Sessions' tokens of one decode step run by ``ffn_mode``."""
+        a, acc = self.args, self.accel
+        if len(step.lengths) == 1 or not opts.sparse or ffn_mode == "batch":
+            return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc)
+        if ffn_mode == "union":
+            return union_ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc)
+        rows = [
+            ffn(l, blk, xn[i : i + 1], pred_in[i : i + 1], a.ffn_variant, thr, opts, acc)
+            for i in range(xn.shape[0])
+        ]
+        return torch.cat([self._to(r, xn.device) for r in rows])
 
 
 def _check_finite(x: Tensor, where: str, what: str) -> None:

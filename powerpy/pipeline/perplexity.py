@@ -23,7 +23,9 @@ import numpy.typing as npt
 import torch
 from tqdm.auto import tqdm
 
-from powerpy.model.options import DENSE, SPARSE, RunOptions, SparsityStats
+from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
+from powerpy.model.numerics import Numerics
+from powerpy.model.options import SPARSE, RunOptions, SparsityStats
 from powerpy.model.transformer import Model
 
 log = logging.getLogger(__name__)
@@ -150,6 +152,7 @@ def compare_dense_sparse(
     ids: Sequence[int] | npt.NDArray[np.integer],
     *,
     threshold: float | None = None,
+    numerics: Numerics = DEFAULT_NUMERICS,
     **kwargs,
 ) -> tuple[PerplexityResult, PerplexityResult | None]:
     """Perplexity of the dense run and, where the model has predictors, the sparse run.
@@ -158,14 +161,16 @@ def compare_dense_sparse(
         model: the model.
         ids: tokens, as for :func:`perplexity`.
         threshold: the predictor threshold of the sparse run (None: the file's).
+        numerics: how both runs compute (``RunOptions.numerics``).
         **kwargs: passed to :func:`perplexity`.
 
     Returns:
         ``(dense, sparse)``; ``sparse`` is None for a model without predictors.
     """
-    dense = perplexity(model, ids, desc="dense", opts=DENSE, **kwargs)
+    dense_opts = RunOptions(sparse=False, numerics=numerics)
+    dense = perplexity(model, ids, desc="dense", opts=dense_opts, **kwargs)
     sparse = None
     if model.can_gate:
-        opts = RunOptions(threshold=threshold)
+        opts = RunOptions(threshold=threshold, numerics=numerics)
         sparse = perplexity(model, ids, desc="sparse", opts=opts, **kwargs)
     return dense, sparse

@@ -37,6 +37,8 @@ from tqdm.auto import tqdm
 from powerpy._fs import atomic_write
 from powerpy.config import ACTIVATIONS
 from powerpy.model.ffn import row_norms
+from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
+from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions
 from powerpy.model.transformer import Model
 from powerpy.pipeline.corpus import window_starts
@@ -221,6 +223,7 @@ def _calibrate_run(
     ctx: int,
     dn: list[torch.Tensor],
     target_sparsity: float,
+    numerics: Numerics,
 ) -> npt.NDArray[np.float64]:
     """SiLU thresholds from a first dense pass over the first ``CALIB_TOKENS`` tokens.
 
@@ -238,7 +241,7 @@ def _calibrate_run(
             v = v[torch.randint(v.numel(), (per_window,), generator=gen)]
         values[l].append(v)
 
-    opts = RunOptions(sparse=False, observer=observer)
+    opts = RunOptions(sparse=False, observer=observer, numerics=numerics)
     for s in calib:
         model.forward(torch.from_numpy(arr[s : s + ctx].copy()), model.new_cache(ctx), opts)
     thr = calibrate_thresholds([torch.cat(v) for v in values], target_sparsity)
@@ -258,6 +261,7 @@ def profile(
     dump_samples: int = 0,
     seed: int = 0,
     progress: bool = False,
+    numerics: Numerics = DEFAULT_NUMERICS,
 ) -> ProfileResult:
     """Run the model dense over a text and count active neurons per layer.
 
@@ -309,7 +313,7 @@ def profile(
     dn = down_norms(model)
     if kind == KIND_SILU and thr is None:
         assert target_sparsity is not None
-        thr = _calibrate_run(model, arr, starts, ctx, dn, target_sparsity)
+        thr = _calibrate_run(model, arr, starts, ctx, dn, target_sparsity, numerics)
     counts = [torch.zeros(a.n_ff, dtype=torch.int64) for _ in range(a.n_layer)]
     state = {"pos": 0}
 
@@ -319,7 +323,7 @@ def profile(
         if writer is not None:
             writer.write(l, state["pos"], x, h)
 
-    opts = RunOptions(sparse=False, observer=observer)
+    opts = RunOptions(sparse=False, observer=observer, numerics=numerics)
     bar = tqdm(total=n_total, desc="profile", unit="tok", disable=not progress)
     for s in starts:
         model.forward(torch.from_numpy(arr[s : s + ctx].copy()), model.new_cache(ctx), opts)

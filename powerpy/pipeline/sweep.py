@@ -22,7 +22,8 @@ import numpy.typing as npt
 import torch
 
 from powerpy import _html
-from powerpy.model.options import DENSE, Oracle, RunOptions
+from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
+from powerpy.model.options import Oracle, RunOptions
 from powerpy.model.transformer import Model
 from powerpy.pipeline.perplexity import PerplexityResult, perplexity
 from powerpy.pipeline.profile import KIND_RELU, activation_kind, down_norms, magnitude_score
@@ -167,16 +168,18 @@ def _sweep(
         raise ValueError("a sweep needs at least one setting")
     if any(math.isnan(s) for s in settings):
         raise ValueError(f"sweep settings {list(settings)} contain NaN")
+    numerics = kwargs.pop("numerics", DEFAULT_NUMERICS)  # how every run computes
     if dense is None:
-        dense = perplexity(model, ids, opts=DENSE, desc="dense", progress=progress, **kwargs)
+        opts = RunOptions(sparse=False, numerics=numerics)
+        dense = perplexity(model, ids, opts=opts, desc="dense", progress=progress, **kwargs)
     res = SweepResult(name, kind, dense.ppl, [], dense.n_scored, dense.ctx, dense.n_chunks)
     for s in settings:
         if kind == "oracle":
-            opts = RunOptions(sparse=False, oracle=topk_oracle(model, s))
+            opts = RunOptions(sparse=False, oracle=topk_oracle(model, s), numerics=numerics)
         elif kind == "cut":
-            opts = RunOptions(cut_scale=s)
+            opts = RunOptions(cut_scale=s, numerics=numerics)
         else:
-            opts = RunOptions(threshold=s)
+            opts = RunOptions(threshold=s, numerics=numerics)
         r = perplexity(model, ids, opts=opts, desc=f"{kind} {s:g}", progress=progress, **kwargs)
         skipped = 0.0 if r.sparsity is None else r.sparsity
         res.points.append(SweepPoint(float(s), r.ppl, skipped, r.ppl / dense.ppl - 1.0))

@@ -14,9 +14,8 @@ import time
 
 import torch
 
-from powerpy.model.batch import FFN_MODES, decode_batch
 from powerpy.model.options import RunOptions
-from powerpy.model.transformer import Model
+from powerpy.model.transformer import FFN_MODES, Model
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ def time_decode(
             pairs = zip(toks, caches, strict=True)
             logits = torch.cat([model.forward(torch.tensor([t]), c, opts) for t, c in pairs])
         else:
-            logits = decode_batch(model, torch.tensor(toks), caches, opts, ffn_mode=mode)
+            logits = model.decode_batch(torch.tensor(toks), caches, opts, ffn_mode=mode)
         if step:
             dt += time.perf_counter() - t0
         toks = [int(t) for t in logits.argmax(-1)]

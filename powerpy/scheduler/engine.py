@@ -25,9 +25,8 @@ import torch
 from torch import Tensor
 
 from powerpy.chat import Message, encode_chat
-from powerpy.model.batch import FFN_MODES, decode_batch
 from powerpy.model.options import SPARSE, RunOptions
-from powerpy.model.transformer import Model
+from powerpy.model.transformer import FFN_MODES, Model
 from powerpy.scheduler.calibrate import SEQUENTIAL, choose_batch_mode
 from powerpy.scheduler.request import (
     Delta,
@@ -364,8 +363,7 @@ class Scheduler:
         rows: list[Tensor | Exception] | None = None
         if len(ready) > 1 and self.batch_mode != SEQUENTIAL:
             try:
-                logits = decode_batch(
-                    self.model,
+                logits = self.model.decode_batch(
                     torch.tensor(toks, dtype=torch.long),
                     [s.cache for s in ready],
                     self.opts,
