@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import numbers
 from collections.abc import Mapping
@@ -11,29 +10,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from powerpy.errors import ModelConfigError
+from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, family
 from powerpy.formats.constants import GGUFValueType, Keys, Names
 
 if TYPE_CHECKING:
     from powerpy.formats.gguf_reader import GGUFFile
 
-SUPPORTED_ARCHS = ("llama", "bamboo")
+__all__ = ["SUPPORTED_ARCHS", "FFNVariant", "ModelArgs", "DEFAULT_CTX", "ACTIVATIONS"]
 HF_MODEL_TYPES = ("llama", "mistral")
 
 
 DEFAULT_CTX = 4096  # positions of a KV cache when none is given (llama-server's default)
-
-
-class FFNVariant(str, enum.Enum):
-    """How the FFN activation h is computed from gate g and up u (spec §9.2)."""
-
-    SWIGLU = "swiglu"  # silu(g) * u        dense llama
-    REGLU = "reglu"  # relu(g) * u          PWRI llama (ReluLLaMA, ProSparse)
-    DRELU = "drelu"  # relu(g) * relu(u)    bamboo
-
-    @property
-    def activation(self) -> str:
-        """The activation name HF configs and ``--ffn-act`` use: "silu" or "relu"."""
-        return "silu" if self is FFNVariant.SWIGLU else "relu"
 
 
 ACTIVATIONS = ("relu", "silu")  # --ffn-act, config.json sparse_activation, hidden_act
@@ -41,7 +28,8 @@ ACTIVATIONS = ("relu", "silu")  # --ffn-act, config.json sparse_activation, hidd
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Hyperparameters of a LLaMA-family model, read from the file's key/values."""
+    """Hyperparameters of a model of one family (``powerpy.families``), read from the file's
+    key/values."""
 
     arch: str
     n_vocab: int
@@ -63,6 +51,11 @@ class ModelArgs:
     # powerpy.ffn_down_threshold: per layer, the cut t_l >= 0 on |h_j|·‖ffn_down_t[j]‖ below
     # which a computed neuron's down row is skipped in sparse mode; () or 0: no cut
     down_thresholds: tuple[float, ...] = ()
+
+    @property
+    def family(self) -> Family:
+        """What the model's family declares (its tensors, norm, RoPE, residual, FFN)."""
+        return family(self.arch)
 
     @property
     def head_dim(self) -> int:
@@ -102,12 +95,8 @@ class ModelArgs:
             ModelConfigError: unsupported architecture, a missing key, a value of the wrong type
                 or out of range, or inconsistent values (the message names key and value).
         """
-        arch = kv.get(Keys.ARCHITECTURE)
-        if not isinstance(arch, str) or arch not in SUPPORTED_ARCHS:
-            raise ModelConfigError(
-                f"{source}: architecture {_short(arch)} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ARCHS)})"
-            )
+        fam = family(kv.get(Keys.ARCHITECTURE), source)
+        arch = fam.arch
 
         def get(key: str, default: Any = None, kind: type = int) -> Any:
             name = key.format(arch=arch)
@@ -134,12 +123,7 @@ class ModelArgs:
         cuts: tuple[float, ...] = ()
         if sparse and Keys.FFN_DOWN_THRESHOLD in kv:
             cuts = float_list(kv[Keys.FFN_DOWN_THRESHOLD], Keys.FFN_DOWN_THRESHOLD, source)
-        if arch == "bamboo":
-            variant = FFNVariant.DRELU
-        elif sparse and _activation(kv, source) == "relu":
-            variant = FFNVariant.REGLU
-        else:
-            variant = FFNVariant.SWIGLU
+        variant = fam.ffn_variant(kv, sparse, source)
         args = cls(
             arch=arch,
             n_vocab=get(Keys.VOCAB_SIZE, n_tokens or n_vocab or 0),
@@ -332,22 +316,15 @@ class ModelArgs:
         variants = {"relu": FFNVariant.REGLU, "silu": FFNVariant.SWIGLU}
         if act not in variants:
             raise ModelConfigError(f"{source}: FFN activation {act!r} is not one of {ACTIVATIONS}")
-        if self.arch == "bamboo":
-            if act != "relu":
-                raise ModelConfigError(f"{source}: bamboo's FFN is dReLU; --ffn-act {act} is wrong")
+        allowed = self.family.ffn_acts
+        if allowed is not None:
+            if act not in allowed:
+                raise ModelConfigError(
+                    f"{source}: {self.family.notes or self.arch + ' fixes its FFN'}; "
+                    f"--ffn-act {act} is wrong"
+                )
             return self
         return dataclasses.replace(self, ffn_variant=variants[act])
-
-
-def _activation(kv: Mapping[str, Any], source: str) -> str:
-    """The ``powerpy.sparse_activation`` string ("relu" when absent)."""
-    act = kv.get(Keys.SPARSE_ACTIVATION, "relu")
-    if not isinstance(act, str):
-        raise ModelConfigError(
-            f"{source}: key {Keys.SPARSE_ACTIVATION!r} must be a string, got {_short(act)}; "
-            'remove the key or set it to "relu" or "silu"'
-        )
-    return act
 
 
 def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) -> tuple[int, ...]:

@@ -15,7 +15,7 @@ PACKAGES = ("powerpy", "solver")
 # Layers along the data flow, lowest first; a module imports only its own layer or lower ones.
 LAYERS = [
     ("powerpy._fs", "powerpy._html", "powerpy.errors", "powerpy.formats"),
-    ("powerpy.config", "powerpy.testing"),
+    ("powerpy.config", "powerpy.families", "powerpy.testing"),
     ("powerpy.tokenizer",),
     ("powerpy.model",),
     ("powerpy.placement",),

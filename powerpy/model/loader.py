@@ -135,7 +135,9 @@ def check_tensor_sizes(gf: GGUFFile) -> None:
 def load_weights(
     gf: GGUFFile, args: ModelArgs, *, weight_format: str = "auto", progress: bool = False
 ) -> Weights:
-    """Build the runtime weights of a LLaMA-family model from an open GGUF/PWRI file.
+    """Build the runtime weights of a model from an open GGUF/PWRI file: the per-layer tensors
+    its family declares (``args.family.block``), the FFN's down matrix and predictors in the
+    dense or the PWRI layout, and the embedding, output norm and (untied) output.
 
     Args:
         gf: the open file (its memory map must outlive the weights).
@@ -151,37 +153,37 @@ def load_weights(
     """
     src = _TensorSource(gf, weight_format)
     check_tensor_sizes(gf)
-    d, ff, gqa = args.n_embd, args.n_ff, args.n_embd_gqa
+    fam, d, ff = args.family, args.n_embd, args.n_ff
     token_embd = src.matrix(Names.TOKEN_EMBD, (args.n_vocab, d))
     output = token_embd
-    if Names.OUTPUT in gf.tensors:
+    if Names.OUTPUT in gf.tensors or not fam.tied_output:
         output = src.matrix(Names.OUTPUT, (args.n_vocab, d))
     blocks, cuts = [], args.down_thresholds
     for l in tqdm(range(args.n_layer), desc="loading", unit="layer", disable=not progress):
-        n = {k: getattr(Names, k).format(l=l) for k in vars(Names) if k.isupper()}
+        fields: dict = {}
+        for t in fam.block:
+            shape = tuple(getattr(args, dim) for dim in t.shape)
+            name = t.name.format(l=l)
+            fields[t.field] = (
+                src.vector(name, *shape) if len(shape) == 1 else src.matrix(name, shape)
+            )
         fc1 = fc2 = None
         if args.sparse:
-            if n["FC1"] not in gf.tensors or n["FC2"] not in gf.tensors:
+            n1, n2 = Names.FC1.format(l=l), Names.FC2.format(l=l)
+            if n1 not in gf.tensors or n2 not in gf.tensors:
                 raise FileFormatError(
-                    f"{gf.path}: PWRI model lacks predictor {n['FC1']!r}/{n['FC2']!r}; "
+                    f"{gf.path}: PWRI model lacks predictor {n1!r}/{n2!r}; "
                     "rebuild it with `powerpy convert MODEL PREDICTOR_DIR`"
                 )
-            h = gf.tensors[n["FC1"]].shape[0]
-            fc1, fc2 = src.matrix(n["FC1"], (h, d)), src.matrix(n["FC2"], (ff, h))
-        if n["FFN_DOWN_T"] in gf.tensors:
-            down_t = src.matrix(n["FFN_DOWN_T"], (ff, d))
+            h = gf.tensors[n1].shape[0]
+            fc1, fc2 = src.matrix(n1, (h, d)), src.matrix(n2, (ff, h))
+        if Names.FFN_DOWN_T.format(l=l) in gf.tensors:
+            down_t = src.matrix(Names.FFN_DOWN_T.format(l=l), (ff, d))
         else:
-            down_t = src.transposed(n["FFN_DOWN"], (d, ff))
+            down_t = src.transposed(Names.FFN_DOWN.format(l=l), (d, ff))
         blocks.append(
             Block(
-                attn_norm=src.vector(n["ATTN_NORM"], d),
-                attn_q=src.matrix(n["ATTN_Q"], (d, d)),
-                attn_k=src.matrix(n["ATTN_K"], (gqa, d)),
-                attn_v=src.matrix(n["ATTN_V"], (gqa, d)),
-                attn_output=src.matrix(n["ATTN_OUTPUT"], (d, d)),
-                ffn_norm=src.vector(n["FFN_NORM"], d),
-                ffn_gate=src.matrix(n["FFN_GATE"], (ff, d)),
-                ffn_up=src.matrix(n["FFN_UP"], (ff, d)),
+                **fields,
                 ffn_down_t=down_t,
                 fc1=fc1,
                 fc2=fc2,

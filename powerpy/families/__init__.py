@@ -1,0 +1,40 @@
+"""The model families powerpy runs, one module each (``base.Family``: what a family declares).
+
+``family(arch)`` finds one by its GGUF ``general.architecture``.
+"""
+
+from __future__ import annotations
+
+from powerpy.errors import ModelConfigError
+from powerpy.families import bamboo, llama
+from powerpy.families.base import Family, FFNVariant, LayerTensor, Norm, Residual, Rope
+
+FAMILIES: dict[str, Family] = {f.arch: f for f in (llama.FAMILY, bamboo.FAMILY)}
+SUPPORTED_ARCHS = tuple(FAMILIES)
+
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED_ARCHS",
+    "Family",
+    "FFNVariant",
+    "LayerTensor",
+    "Norm",
+    "Residual",
+    "Rope",
+    "family",
+]
+
+
+def family(arch: object, source: str = "model") -> Family:
+    """The family of GGUF architecture ``arch``.
+
+    Raises:
+        ModelConfigError: an architecture powerpy does not run (the message lists those it
+            does).
+    """
+    if isinstance(arch, str) and arch in FAMILIES:
+        return FAMILIES[arch]
+    shown = repr(arch) if not isinstance(arch, str) or len(arch) <= 40 else repr(arch[:40] + "…")
+    raise ModelConfigError(
+        f"{source}: architecture {shown} is not supported (supported: {', '.join(FAMILIES)})"
+    )
