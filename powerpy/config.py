@@ -24,7 +24,8 @@ DEFAULT_CTX = 4096  # positions of a KV cache when none is given (llama-server's
 
 
 class FFNVariant(str, enum.Enum):
-    """How the FFN activation h is computed from gate g and up u (spec §9.2)."""
+    """How the FFN activation h is computed from gate g and up u
+    (docs/architecture.md#sparse-ffn)."""
 
     SWIGLU = "swiglu"  # silu(g) * u        dense llama
     REGLU = "reglu"  # relu(g) * u          PWRI llama (ReluLLaMA, ProSparse)
