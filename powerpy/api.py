@@ -204,7 +204,8 @@ class LLM:
         progress: bool = True,
         **options,
     ) -> TrainReport:
-        """Profile the model on a text and train one predictor per layer (spec §14).
+        """Profile the model on a text and train one predictor per layer
+        (docs/architecture.md#predictor-training).
 
         Args:
             text: the training text, or its token ids.
@@ -368,7 +369,7 @@ def load(
         progress: show a progress bar while loading.
         vram_budget: PWRI models: hybrid CPU-accelerator placement for this many GiB
             (``powerpy.placement.runtime.place``; its summary is ``llm.runtime.summary()``). The
-            GPU index is reused or generated per spec §10.3.
+            GPU index is reused or generated as in ``docs/architecture.md#index-lifecycle``.
         placement_options: further keywords of ``place`` (``reset_gpu_index``,
             ``disable_gpu_index``, ``activation_dir``, ``capacity_mode``, ``kv_elem_bytes``).
         device: the accelerator: "cuda[:N]", "cpu" (emulated) or None (CUDA when present,

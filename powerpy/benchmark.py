@@ -1,5 +1,6 @@
 """llama-bench-style measurements: prompt processing (pp) and token generation (tg) speed, bytes
-read per token against the memory-bandwidth ceiling (spec §15), and a per-phase breakdown."""
+read per token against the memory-bandwidth ceiling (docs/kernels.md#bandwidth-limit), and a
+per-phase breakdown."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def _ffn_layer_bytes(model: Model, l: int) -> int:
 
 
 def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> dict[str, float]:
-    """Bytes one decode step reads, by category (spec §15's B_dense / B_sparse).
+    """Bytes one decode step reads, by category (docs/kernels.md#bandwidth-limit).
 
     Args:
         model: the model (its weights' storage sizes are used).

@@ -1,6 +1,6 @@
 """Hot-neuron placement solver: how many neurons of each layer go to the GPU.
 
-Implements PowerInfer's offline solver (``powerinfer-format.md`` §8.2) on numpy arrays:
+Implements PowerInfer's offline solver (``docs/architecture.md#solver``) on numpy arrays:
 
     from solver import solve_hot_counts
     counts = solve_hot_counts(stats, capacity=429432, batch=256)  # (n_layer,) int64
@@ -116,7 +116,7 @@ def solve(
     or at least ``threshold`` neurons (both floored to whole groups, as upstream does).
 
     Methods: ``"greedy"`` (global top-CAP groups; exact while ``threshold < 2·batch``), ``"dp"``
-    (exact dynamic programme, any threshold), ``"ilp"`` (the §8.2 ILP with PuLP/CBC, warm-started
+    (exact dynamic programme, any threshold), ``"ilp"`` (the ILP with PuLP/CBC, warm-started
     from the DP) and ``"auto"`` (greedy when ``threshold // batch == 0``, else the ILP).
 
     Args:

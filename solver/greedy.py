@@ -1,6 +1,6 @@
 """Combinatorial solvers for the hot-neuron split: greedy top-CAP and an exact threshold DP.
 
-Both work on the group masses of ``powerinfer-format.md`` §8.2: per layer, the statistics sorted
+Both work on the group masses of ``docs/architecture.md#solver``: per layer, the statistics sorted
 descending and summed in consecutive groups of ``batch`` neurons, so ``v[i, 0] >= v[i, 1] >= …``.
 
 Because every layer's groups are sorted, any selection can be replaced by the top ``k_i`` groups

@@ -1,4 +1,4 @@
-"""PuLP statement of PowerInfer's hot-neuron ILP (``powerinfer-format.md`` §8.2), solved by CBC.
+"""PuLP statement of PowerInfer's hot-neuron ILP (``docs/architecture.md#solver``), solved by CBC.
 
 Every PuLP call of powerpy lives in this module. numpy in, per-layer group counts out; no torch.
 pulp itself is imported on first use, so ``import solver`` stays cheap.

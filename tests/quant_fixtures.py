@@ -12,7 +12,7 @@ import numpy as np
 
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
 
-# byte offsets of the fp16 scale fields in one block (spec §4)
+# byte offsets of the fp16 scale fields in one block (docs/formats.md#quantized-blocks)
 F16_FIELDS = {
     GGMLType.Q4_0: [0],
     GGMLType.Q4_1: [0, 2],

@@ -1,4 +1,5 @@
-"""Budget tests: capacity parity (§8.4, oracle 13e) and the dense offload order (§10.2, 13j)."""
+"""Budget tests: capacity parity and the dense offload order
+(docs/architecture.md#hot-neuron-capacity, docs/architecture.md#dense-offload-order)."""
 
 from __future__ import annotations
 
@@ -34,11 +35,11 @@ from powerpy.placement.budget import (
 from powerpy.placement.placement import Placement
 from solver import solve
 
-R = 13_357_166_592  # upstream's worked example (§8.4)
+R = 13_357_166_592  # upstream's worked example (docs/architecture.md#hot-neuron-capacity)
 
 
 def exact_neuron_bytes(n_embd: int, ggml_type: GGMLType, gate: bool) -> int:
-    """The spec's true size of a neuron: ``n_mats · row_bytes(n_embd, type)`` (§8.4)."""
+    """The true size of a neuron: ``n_mats · row_bytes(n_embd, type)``."""
     return (3 if gate else 2) * row_bytes(n_embd, ggml_type)
 
 

@@ -2,7 +2,7 @@
 
 The logits check compares the converted file (ggml interleaved RoPE after the q/k permute)
 against an independent float64 numpy forward written in the HF convention (rotate-half RoPE on
-the unpermuted HF weights), which is the oracle of spec §13(i).
+the unpermuted HF weights), which is the converter oracle of docs/architecture.md#tests.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The CUDA path of the hybrid runtime, checked without a GPU (spec §9.3, §10).
+"""The CUDA path of the hybrid runtime, checked without a GPU
+(docs/architecture.md#split-and-merge).
 
 The accelerator is faked as CUDA (``tests/fake_cuda.py``): device tensors have no data, raise on
 any op that mixes devices and on data-dependent host syncs. A hybrid prefill and decode steps
@@ -84,7 +85,7 @@ def test_placed_bytes_fit_the_budget(model_path, what):
         gguf = name + ".weight" if not name.startswith("output") else f"{name}.weight"
         on_device = isinstance(t, FakeTensor) and t.device.type == "cuda"
         assert on_device == (gguf in placed), name
-    index_bytes = 8 * p.n_hot  # the int64 bucket of each layer: outside the budget (§10)
+    index_bytes = 8 * p.n_hot  # the int64 bucket of each layer: outside the budget
     assert accel.bytes_in == rt.dense_bytes + rt.hot_bytes + index_bytes
     assert rt.dense_bytes + rt.hot_bytes + p.kv_bytes <= budget
     cache = rt.model.new_cache(N_CTX)

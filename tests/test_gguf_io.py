@@ -1,6 +1,6 @@
 """GGUF reader and writer: the reader agrees with gguf.GGUFReader, PWRI/id-18 handling, byte-exact
-round trips, the 5472-byte .gpuidx reference (powerinfer-format.md §7), the writer contract and
-`powerpy dump`."""
+round trips, the 5472-byte .gpuidx reference (docs/formats.md#reference-file), the writer
+contract and `powerpy dump`."""
 
 from __future__ import annotations
 
@@ -314,7 +314,7 @@ def test_round_trip_pwri_model_byte_identical(tmp_path):
         assert len(data) == last.offset + 256
 
 
-# --- .gpuidx: spec §7 reference and the id-18 clash ---------------------------------------------
+# --- .gpuidx: the reference file and the id-18 clash --------------------------------------------
 def _write_gpuidx(path: Path, magic: bytes = b"PWRI") -> dict[str, np.ndarray]:
     idx0 = np.zeros(512, np.int32)
     idx0[::2] = 1  # 256 neurons on the GPU

@@ -1,4 +1,4 @@
-"""GPU index tests: §7 bytes, §8.3 export, activation statistics, §10.3 reuse, gen-gpuidx e2e."""
+"""GPU index tests: file bytes, export rule, activation statistics, reuse, gen-gpuidx e2e."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
 
 
-# --- §7 reference bytes ---------------------------------------------------------------------------
+# --- reference bytes (docs/formats.md#reference-file) ---------------------------------------------
 def reference_index() -> GpuIndex:
-    """2 layers, n_ff 512, counts (256, 0), split.vram_capacity 1 GiB (spec §7)."""
+    """2 layers, n_ff 512, counts (256, 0), split.vram_capacity 1 GiB
+    (docs/formats.md#reference-file)."""
     stats = [np.arange(512, 0, -1, dtype=np.float64), np.ones(512)]
     return index_from_counts(stats, [256, 0], vram_capacity=GIB)
 
@@ -243,7 +244,7 @@ def test_odd_tensor_count_is_rejected(tmp_path: Path) -> None:
         GpuIndex.read(path)
 
 
-# --- export rule (§8.3, oracle 13g) ---------------------------------------------------------------
+# --- export rule (docs/architecture.md#export-rule) -----------------------------------------------
 def test_export_is_topk_of_raw_stats() -> None:
     rng = np.random.default_rng(3)
     stats = [rng.random(1024) for _ in range(3)]
@@ -370,7 +371,7 @@ def test_unsafe_pickle_is_refused(tmp_path: Path) -> None:
         load_activation_stats(tmp_path, 2, 16)
 
 
-# --- reuse rule (§10.3) ---------------------------------------------------------------------------
+# --- reuse rule (docs/architecture.md#index-lifecycle) --------------------------------------------
 def test_resolve_gpuidx(tmp_path: Path, caplog) -> None:
     model = tmp_path / "m.powerinfer.gguf"
     path = default_gpuidx_path(model)

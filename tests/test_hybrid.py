@@ -1,4 +1,5 @@
-"""Hybrid runtime: split/merge equals CPU-only (spec §13 (b)), budgets, §10.3 via the CLI.
+"""Hybrid runtime: split/merge equals CPU-only (docs/architecture.md#tests), budgets, the index
+lifecycle via the CLI.
 
 Everything runs on the emulated accelerator (``device="cpu"``): the same placement, hot-row
 copies, split and merge code as on CUDA. Tests marked ``cuda`` need a GPU.
@@ -104,7 +105,7 @@ def dense_bytes(path) -> int:
     return sum(nb for cat, nb in by_cat.items() if cat not in ("kv", "hot_ffn"))
 
 
-# ----------------------------------------------------------------------------------- §13 (b)
+# ---------------------------------------------------------------------- hybrid = CPU-only
 @pytest.mark.parametrize("hot_mode", HOT_MODES)
 @pytest.mark.parametrize("kind", BUCKETS)
 def test_hybrid_equals_cpu_only(tiny, reference, kind, hot_mode):
@@ -243,7 +244,7 @@ def test_no_cuda_runs_cpu_only(tiny, monkeypatch, caplog):
     assert llm.runtime is None and caplog.text.count(device_mod.NO_CUDA_MESSAGE) == 1
 
 
-# ----------------------------------------------------------------------------------- CLI §10.3
+# ------------------------------------------------------------------ CLI index lifecycle
 CLI_SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=512, n_head=4, n_head_kv=2)
 NEURON = 3 * CLI_SPEC.n_embd * 4  # f32 rows
 

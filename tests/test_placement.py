@@ -1,6 +1,6 @@
-"""Placement as plain data: §10.2 offload order, KV rule, hot-row budget, §10.3 lifecycle.
+"""Placement as plain data: offload order, KV rule, hot-row budget, index lifecycle.
 
-No torch devices here; spec oracle (j) of ``powerinfer-format.md`` §13.
+No torch devices here; the placement oracle of ``docs/architecture.md#tests``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def full_index(n_layer: int = N_LAYER, n_ff: int = N_FF, capacity: int = 0) -> G
     return GpuIndex.from_buckets([np.arange(n_ff)] * n_layer, n_ff, vram_capacity=capacity)
 
 
-# ----------------------------------------------------------------------------------- §10.2
+# --------------------------------------------------------------------------- offload order
 def test_offload_stops_at_first_tensor_that_does_not_fit(model):
     entries = dense_entries(Placement.for_model(model, 0, n_ctx=N_CTX))
     assert entries[0].category == ATTN and entries[0].name == Names.ATTN_NORM.format(l=0)
@@ -230,7 +230,7 @@ def test_placement_never_exceeds_budget(m, frac, n_ctx, kv_elem, with_stats):
         assert p.plan.split_budget - p.hot_bytes < 3 * row  # truncation fills the budget
 
 
-# ----------------------------------------------------------------------------------- §10.3
+# ------------------------------------------------------------------------- index lifecycle
 @pytest.fixture
 def model_with_stats(pwri_test_model):
     from powerpy.formats.stats import save_activation_stats

@@ -1,4 +1,5 @@
-"""Solver tests (spec §8.2, oracle 13c): ILP = greedy at t = 0, ILP = brute force, properties."""
+"""Solver tests (docs/architecture.md#solver): ILP = greedy at t = 0, ILP = brute force,
+properties."""
 
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ Pipeline (each step a ``powerpy`` CLI command except training and the checks):
 2. ``powerpy profile -m DENSE_GGUF --ffn-act relu --kjv train --dump-samples N``: activation
    counts (``activation_{i}.pt``) and predictor training samples. GGUF has no activation key
    for llama, so the dense file is run as ReGLU by ``--ffn-act relu``.
-3. ``powerpy train-predictors --from-samples``: one predictor per layer (spec §14).
+3. ``powerpy train-predictors --from-samples``: one predictor per layer
+   (docs/architecture.md#predictor-training).
 4. ``powerpy convert HF PREDICTORS --outtype f16``: the final ``kjv-relu.powerinfer.gguf``.
 5. ``powerpy gen-gpuidx --vram-budget`` (a few MiB): ``.generated.gpuidx`` beside the model.
 6. ``powerpy perplexity --kjv heldout`` (dense and sparse) and ``powerpy infer -p "And God said"``.

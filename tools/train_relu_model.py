@@ -397,7 +397,7 @@ def ggml_to_hf_rows(w: Tensor, n_heads: int) -> Tensor:
     """Undo llama.cpp's q/k permute: ggml pair order -> HF rotate-half order, per head.
 
     ggml row ``2m + j`` (j in {0, 1}) of each head becomes HF row ``m + j·head_dim/2``; the
-    converter's permute (spec §5 step 4) maps it back.
+    converter's permute (docs/formats.md#conversion) maps it back.
     """
     rows, cols = w.shape
     hd = rows // n_heads

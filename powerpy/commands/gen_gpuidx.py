@@ -2,9 +2,10 @@
 
 Reads the model header only (never its weights), the activation statistics beside it, runs the
 dense offload pass for the VRAM budget, turns what is left into a neuron capacity, solves, and
-writes a PowerInfer-compatible index (``powerinfer-format.md`` §7, §8, §10). The work is done by
-``powerpy.placement`` (``Placement.for_model``, then ``solve.solve_placement``); this module
-parses arguments and prints the placement's summary, the same one ``powerpy infer`` prints.
+writes a PowerInfer-compatible index (``docs/formats.md#gpu-index-file``,
+``docs/architecture.md#hybrid-placement``). The work is done by ``powerpy.placement``
+(``Placement.for_model``, then ``solve.solve_placement``); this module parses arguments and
+prints the placement's summary, the same one ``powerpy infer`` prints.
 """
 
 from __future__ import annotations

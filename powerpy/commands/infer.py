@@ -70,7 +70,8 @@ def load_from_args(args: argparse.Namespace):
 
 
 def setup_hybrid(llm, args: argparse.Namespace, n_ctx: int) -> None:
-    """--vram-budget: place the model (spec §10) and print the placement summary to stderr."""
+    """--vram-budget: place the model (docs/architecture.md#hybrid-placement) and print the
+    placement summary to stderr."""
     from powerpy.placement.runtime import place
 
     llm.runtime = place(

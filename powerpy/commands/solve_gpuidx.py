@@ -1,13 +1,14 @@
-"""``python -m solver``: a drop-in for upstream's ``python -m powerinfer`` (spec §8.1).
+"""``python -m solver``: a drop-in for upstream's ``python -m powerinfer``
+(docs/architecture.md#solver).
 
     python -m solver --activation DIR --neuron 11008 --capacity 539288 --layer 32 \\
         --vram-capacity 13357166592 --output model.generated.gpuidx
 
 Same arguments and defaults as upstream (``--batch 256 --threshold 0``), same output file
-(§7), byte for byte. Differences, all deliberate:
+(docs/formats.md#gpu-index-file), byte for byte. Differences, all deliberate:
 
 - statistics are paired with layers in numeric order; ``--compat-lexicographic`` reproduces
-  upstream bug #247 for the export step (§8.3);
+  upstream bug #247 for the export step;
 - exactly ``activation_0.pt … activation_{layer-1}.pt`` must exist (missing or extra files are a
   one-line error instead of a crash or a silent mismatch);
 - ties at the cut follow ``torch.topk`` as upstream (``--tie-break torch``, the default here);

@@ -1,4 +1,5 @@
-"""`powerpy train-predictors`: profile a model and train one predictor per layer (spec §14)."""
+"""`powerpy train-predictors`: profile a model and train one predictor per layer
+(docs/architecture.md#predictor-training)."""
 
 from __future__ import annotations
 

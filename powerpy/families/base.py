@@ -16,7 +16,8 @@ from typing import Any
 
 
 class FFNVariant(str, enum.Enum):
-    """How the FFN activation h is computed from gate g and up u (docs/formats.md#ffn)."""
+    """How the FFN activation h is computed from gate g and up u
+    (docs/architecture.md#sparse-ffn)."""
 
     SWIGLU = "swiglu"  # silu(g) * u        dense llama
     REGLU = "reglu"  # relu(g) * u          PWRI llama (ReluLLaMA, ProSparse)

@@ -1,4 +1,5 @@
-"""Parsing the header of a GGUF or PWRI file: key/values and the tensor table (spec §1-3).
+"""Parsing the header of a GGUF or PWRI file: key/values and the tensor table
+(docs/formats.md#gguf-container).
 
 Nothing here trusts a count: every length is checked against the bytes left in the file before
 anything is allocated or looped over, and every problem raises ``GGUFFormatError`` naming the

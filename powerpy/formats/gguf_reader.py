@@ -1,6 +1,6 @@
 """GGUF and PowerInfer (PWRI) files: a validating, memory-mapped reader.
 
-Format: ``powerinfer-format.md`` §1-3. A PWRI file is GGUF v3 with ``b"PWRI"`` as magic and
+Format: ``docs/formats.md#gguf-container``. A PWRI file is GGUF v3 with ``b"PWRI"`` as magic and
 PowerInfer's ggml type ids (I32 = 18); a GGUF file uses upstream ids (I32 = 26, BF16 = 30) and
 its ids 16..23 (IQ quants) are rejected. Both map onto powerpy's ``GGMLType``.
 

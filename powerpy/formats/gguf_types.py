@@ -1,4 +1,5 @@
-"""Records and tables shared by the GGUF/PWRI reader and writer (``powerinfer-format.md`` §1-3).
+"""Records and tables shared by the GGUF/PWRI reader and writer
+(``docs/formats.md#type-ids``).
 
 A PWRI file is GGUF v3 with ``b"PWRI"`` as magic and PowerInfer's ggml type ids (I32 = 18); a
 GGUF file uses upstream ids (I32 = 26, BF16 = 30). ``type_table`` and ``file_type_id`` map both

@@ -1,4 +1,4 @@
-"""GGUF and PowerInfer (PWRI) files: an atomic writer (``powerinfer-format.md`` §1-3).
+"""GGUF and PowerInfer (PWRI) files: an atomic writer (``docs/formats.md#gguf-container``).
 
 Writing goes through ``gguf.GGUFWriter`` (raw type ids and shapes) into a temporary file beside
 the target (``powerpy._fs.AtomicFile``); the magic is patched there (``b"PWRI"`` files are GGUF

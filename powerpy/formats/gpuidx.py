@@ -1,14 +1,15 @@
 """GPU index file (``<model>.generated.gpuidx``): which neurons of each layer live on the GPU.
 
-Format: ``powerinfer-format.md`` §7, a PWRI container with three key/values and interleaved
-``blk.{l}.gpu_idx`` / ``blk.{l}.gpu_bucket`` I32 tensors. :class:`GpuIndex` is plain data: per
-layer the ascending ids of the GPU neurons (the bucket, the single source of truth) plus two
-numbers. The 0/1 mask ``gpu_idx`` the file stores beside each bucket is derived on write and
-checked against the bucket on read. Reading takes tensors by position, like the engine, and
+Format: ``docs/formats.md#gpu-index-file``, a PWRI container with three key/values and
+interleaved ``blk.{l}.gpu_idx`` / ``blk.{l}.gpu_bucket`` I32 tensors. :class:`GpuIndex` is plain
+data: per layer the ascending ids of the GPU neurons (the bucket, the single source of truth)
+plus two numbers. The 0/1 mask ``gpu_idx`` the file stores beside each bucket is derived on write
+and checked against the bucket on read. Reading takes tensors by position, like the engine, and
 validates; writing is byte-compatible with PowerInfer's exporter.
 
-Choosing the neurons (solver, export rule §8.3) is ``powerpy.placement.solve``; whether an
-existing file is reused (§10.3) is ``powerpy.placement.lifecycle``.
+Choosing the neurons (solver, export rule: ``docs/architecture.md#export-rule``) is
+``powerpy.placement.solve``; whether an existing file is reused
+(``docs/architecture.md#index-lifecycle``) is ``powerpy.placement.lifecycle``.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class GpuIndex:
     Attributes:
         gpu_bucket: per layer, ``(k_l,)`` int32 strictly ascending ids of the GPU neurons.
         n_ff: neurons per layer.
-        vram_capacity: bytes the index was made for (``split.vram_capacity``, §10.3 reuse).
+        vram_capacity: bytes the index was made for (``split.vram_capacity``, for the reuse rule).
         block_count: ``generic.gpu_index.block_count`` (activation files loaded; never read by
             the engine).
     """
@@ -152,7 +153,7 @@ class GpuIndex:
 
     # --- checks
     def validate(self, n_layer: int | None = None, n_ff: int | None = None) -> None:
-        """Check the index on its own and against a model (§7).
+        """Check the index on its own and against a model (docs/formats.md#gpu-index-file).
 
         Args:
             n_layer: the model's layer count, or None to skip that check.
@@ -195,7 +196,7 @@ class GpuIndex:
 
     # --- file I/O
     def write(self, path: str | os.PathLike[str]) -> Path:
-        """Write the index as PowerInfer does (§7), atomically.
+        """Write the index as PowerInfer does (docs/formats.md#gpu-index-file), atomically.
 
         PWRI magic, version 3; key/values ``general.architecture = "generic.gpu_index"``,
         ``generic.gpu_index.block_count`` (UINT32), ``split.vram_capacity`` (UINT64), in that

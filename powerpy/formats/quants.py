@@ -1,6 +1,6 @@
 """ggml block formats: vectorised numpy dequantization and the Q8_0/Q4_0 reference quantizers.
 
-Block layouts follow ``powerinfer-format.md`` §4. Every decoder works on whole blocks at once
+Block layouts: ``docs/formats.md#quantized-blocks``. Every decoder works on whole blocks at once
 (``(n_blocks, type_size)`` uint8 in, ``(n_blocks, block_size)`` float32 out) and the driver walks
 the tensor in chunks of about a million elements, so temporaries stay small whatever the tensor
 size. Results are bit-identical to ``gguf.quants.dequantize`` (PyPI ``gguf``): the float32

@@ -1,7 +1,7 @@
 """Activation statistics: ``activation/activation_{i}.pt``, one 1-D tensor of n_ff per layer.
 
-Format: ``powerinfer-format.md`` §6 (a ``torch.save`` of a 1-D tensor of per-neuron activation
-counts or frequencies) and §8.3 (file naming and upstream's ordering bug #247).
+Format: ``docs/formats.md#activation-statistics`` (a ``torch.save`` of a 1-D tensor of
+per-neuron activation counts or frequencies; the file naming and upstream's ordering bug #247).
 
 powerpy pairs files with layers by the **number** in the name and requires exactly
 ``activation_0.pt … activation_{n_layer-1}.pt``. Files are read with
@@ -223,7 +223,7 @@ def load_activation_stats(
         directory: the directory holding ``activation_{i}.pt``.
         n_layer: the model's layer count; exactly ``0 … n_layer-1`` must be present.
         n_ff: neurons per layer; every file must hold that many values.
-        compat_lexicographic: reproduce upstream bug #247 (§8.3): entry ``j`` is the statistics
+        compat_lexicographic: reproduce upstream bug #247: entry ``j`` is the statistics
             of the ``j``-th file in **string** order (layer 2 gets ``activation_10`` when
             ``n_layer >= 11``). Use it only for the **export** step (which neurons of a layer
             go to the GPU), to compare bytes with indexes upstream generated; the per-layer

@@ -1,12 +1,12 @@
 """The FFN of one block, written once: predictor, activation, and the split runner.
 
-Semantics (spec §9.2-§9.3): ``act = fc2·relu(fc1·ffn_inp) >= thr``; only active neurons
-contribute, ``y = Σ_{j active} h_j · ffn_down_t[j]`` with ``h`` the variant's activation of gate
-and up. A layer with a *cut* ``t`` (``powerpy.ffn_down_threshold``, sparse runs only) also drops
-each computed neuron whose contribution is small, ``|h_j| · ‖ffn_down_t[j]‖ < t``, before its
-down row is read: ``tau_j = t / ‖ffn_down_t[j]‖`` per neuron (:func:`cut_taus`). A hybrid
-placement splits each layer's neurons into k hot rows on the accelerator and the cold rest on
-the host; the CPU-only model is the same split with no hot rows (``blk.hot`` None).
+Semantics (docs/architecture.md#sparse-ffn): ``act = fc2·relu(fc1·ffn_inp) >= thr``; only active
+neurons contribute, ``y = Σ_{j active} h_j · ffn_down_t[j]`` with ``h`` the variant's activation of
+gate and up. A layer with a *cut* ``t`` (``powerpy.ffn_down_threshold``, sparse runs only) also
+drops each computed neuron whose contribution is small, ``|h_j| · ‖ffn_down_t[j]‖ < t``, before its
+down row is read: ``tau_j = t / ‖ffn_down_t[j]‖`` per neuron (:func:`cut_taus`). A hybrid placement
+splits each layer's neurons into k hot rows on the accelerator and the cold rest on the host; the
+CPU-only model is the same split with no hot rows (``blk.hot`` None).
 """
 
 from __future__ import annotations
@@ -377,7 +377,8 @@ def split_ffn(
     opts: RunOptions = SPARSE,
 ) -> Tensor:
     """The FFN for a given mask: hot rows on the accelerator plus the predicted-active cold rows
-    on the host (every row is cold when ``blk.hot`` is None), outputs added (spec §9.3).
+    on the host (every row is cold when ``blk.hot`` is None), outputs added
+    (docs/architecture.md#split-and-merge).
 
     Args:
         blk: the layer's weights (host FFN matrices and ``hot`` rows or None).

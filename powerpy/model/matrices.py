@@ -9,8 +9,8 @@ the file size): rows are decoded on the fly.
 On CPU, with contiguous rows, the methods call the native kernels of :mod:`powerpy.model.kernels`
 (f32 accumulation, OpenMP on ``torch.get_num_threads()`` threads). Elsewhere, or when the
 kernels are unavailable or disabled, they use the fastest torch formulation measured on CPU
-(``cpu-kernels.md``): ``index_select(out=)`` into a reused buffer plus ``F.linear``, and
-``embedding_bag`` for the weighted row sum. All results are f32.
+(``docs/kernels.md#torch-fallback``): ``index_select(out=)`` into a reused buffer plus
+``F.linear``, and ``embedding_bag`` for the weighted row sum. All results are f32.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _scratch = threading.local()
 def _scratch_rows(k: int, cols: int, dtype: torch.dtype) -> Tensor:
     """A reused CPU ``(k, cols)`` buffer (per thread and dtype); valid until the next call.
 
-    Fresh multi-MB allocations page-fault on every call (cpu-kernels.md section 4).
+    Fresh multi-MB allocations page-fault on every call (docs/kernels.md#buffers-and-page-faults).
     """
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:

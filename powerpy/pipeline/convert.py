@@ -1,6 +1,6 @@
 """HF LLaMA-family checkpoint or dense GGUF + predictor directory -> PowerInfer (PWRI) model file.
 
-Layout (spec §5, PowerInfer's ``convert.py``):
+Layout (docs/formats.md#conversion, as PowerInfer's ``convert.py``):
 
 - HF input: ``q_proj``/``k_proj`` rows are permuted from HF rotate-half order to ggml's
   interleaved pairs (``n_head`` for q, ``n_head_kv`` for k); GGUF input is already permuted.

@@ -1,6 +1,6 @@
-"""The predictor directory (spec §6): ``model_{l}.pt`` per layer, ``config.json``, and the
-int8 pack that ships predictors inside the package. Its reader (for ``convert``) and its writer
-(for ``train``) live here together.
+"""The predictor directory (docs/formats.md#predictor-directory): ``model_{l}.pt`` per layer,
+``config.json``, and the int8 pack that ships predictors inside the package. Its reader (for
+``convert``) and its writer (for ``train``) live here together.
 
 ``model_{l}.pt`` is a state dict of exactly ``fc1.weight`` (H, n_embd) and ``fc2.weight``
 (n_ff, H), loaded with ``weights_only=True``. ``config.json`` may hold ``sparse_threshold``

@@ -4,7 +4,7 @@ The model runs **dense** over non-overlapping windows of a text with an observer
 hands over, per layer, the pre-norm FFN input ``ffn_inp`` (T, n_embd) and the true activation
 ``h`` (T, n_ff). A neuron is *active* for a token when
 
-- ReLU-family models (``reglu``/``drelu``): ``h != 0`` (spec §14);
+- ReLU-family models (``reglu``/``drelu``): ``h != 0`` (docs/architecture.md#predictor-training);
 - SiLU models (``swiglu``): ``|h_j| · ‖down_t[j]‖ > t_l``, a per-layer magnitude threshold on
   the norm of the neuron's contribution to the FFN output (CATS/TEAL-style, weighted by the
   output row so that neurons are ranked by what skipping them costs). ``t_l`` is the

@@ -1,4 +1,5 @@
-"""Predictor training (spec §14): one ``fc2·relu(fc1·x)`` MLP per layer, no biases.
+"""Predictor training: one ``fc2·relu(fc1·x)`` MLP per layer, no biases
+(docs/architecture.md#predictor-training).
 
 Recipe: the query is the pre-norm FFN input ``ffn_inp``; labels are the profiler's "active" rule
 (``h != 0`` for ReLU models, ``|h_j| · ‖down_t[j]‖ > t_l`` for SiLU models, see
@@ -71,7 +72,7 @@ HIDDEN_CHOICES = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """Hyperparameters of predictor training (defaults: spec §14 with a smaller H)."""
+    """Hyperparameters of predictor training (defaults: docs/architecture.md#predictor-training)."""
 
     hidden: int = 128  # H, when not auto
     auto_hidden: bool = False  # smallest H of hidden_choices reaching recall_target, per layer

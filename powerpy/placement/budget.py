@@ -2,12 +2,14 @@
 
 Plain data and integer arithmetic over tensor names and byte sizes; no torch, no device, no file
 access (``ModelArgs.from_gguf`` and ``FfnLayout.from_gguf`` read an open ``GGUFFile`` header).
-Spec: ``powerinfer-format.md`` §10.1 (budget), §10.2 (offload order) and §8.4 (budget → neuron
-capacity). The steps, as ``Placement.for_model`` and the GPU-index solver run them::
+Rules: ``docs/architecture.md#vram-budget`` (budget),
+``docs/architecture.md#dense-offload-order`` (offload order) and
+``docs/architecture.md#hot-neuron-capacity`` (budget → neuron capacity). The steps, as
+``Placement.for_model`` and the GPU-index solver run them::
 
-    budget = budget_bytes(vram_budget_gib, free_vram)                   # §10.1
-    plan = plan_offload(tensor_sizes, budget=budget, n_layer=..., ...)  # §10.2
-    capacity = hot_capacity(plan.split_budget, FfnLayout.from_gguf(f, args))  # §8.4, neurons
+    budget = budget_bytes(vram_budget_gib, free_vram)                   # bytes
+    plan = plan_offload(tensor_sizes, budget=budget, n_layer=..., ...)  # dense pass
+    capacity = hot_capacity(plan.split_budget, FfnLayout.from_gguf(f, args))  # neurons
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ __all__ = [
 
 GIB = 1 << 30
 MIB = 1 << 20
-VRAM_RESERVE_BYTES = 256 * MIB  # --vram-budget < 0: free VRAM minus this (§10.1)
+VRAM_RESERVE_BYTES = 256 * MIB  # --vram-budget < 0: free VRAM minus this
 
-# --- categories, in offload order (§10.2) --------------------------------------------------------
+# --- categories, in offload order (docs/architecture.md#dense-offload-order) ---------------------
 ATTN = "attn"  # attn_norm(_2), q, k, v, qkv, attn_output, rot_embd, q/k norms (+ biases)
 PREDICTOR = "predictor"  # fc1, fc2
 FFN_NORM = "ffn_norm"
@@ -131,7 +133,7 @@ def classify_tensor(name: str) -> tuple[str, int, int]:
 
 # --- budget ---------------------------------------------------------------------------------------
 def budget_bytes(vram_budget_gib: float, free_vram: int | None = None) -> int:
-    """Convert ``--vram-budget`` (GiB) to bytes (§10.1); the one place that does.
+    """Convert ``--vram-budget`` (GiB) to bytes; the one place that does.
 
     Args:
         vram_budget_gib: budget in GiB; a negative value means "all free VRAM".
@@ -160,7 +162,7 @@ def budget_bytes(vram_budget_gib: float, free_vram: int | None = None) -> int:
 
 
 def kv_cache_bytes(n_embd_gqa: int, n_layer: int, n_ctx: int, elem_bytes: int = 2) -> int:
-    """Bytes of the V cache (or of the K cache; they are equal), §10.2.
+    """Bytes of the V cache (or of the K cache; they are equal).
 
     ``n_embd_gqa · n_layer · n_ctx · elem_bytes``; ``elem_bytes`` is 2 for f16, 4 with
     ``--memory-f32``.
@@ -187,7 +189,7 @@ class OffloadPlan:
             ``on_gpu`` is False from the first one that did not fit on.
         bytes_by_category: bytes placed on the GPU per category (``CATEGORY_ORDER`` keys).
         dense_complete: every dense tensor fit (the KV cache and the split are only tried then).
-        remaining: budget minus everything placed (``R`` of §8.4 when ``dense_complete``).
+        remaining: budget minus everything placed (``R`` of the capacity when ``dense_complete``).
         budget: the budget in bytes.
         n_ctx: context length the KV cache candidates were sized for.
         kv_elem_bytes: 2 (f16 cache) or 4 (f32 cache).
@@ -224,7 +226,7 @@ class OffloadPlan:
     def stop_message(self) -> str | None:
         """Why the pass stopped, and what that leaves on the host; None when all fit.
 
-        The one place that says "the dense part does not fit" (§10.2: then the KV cache and
+        The one place that says "the dense part does not fit" (then the KV cache and
         the hot-neuron split stay on the host).
         """
         e = self.stopped_at
@@ -254,7 +256,8 @@ def plan_offload(
     n_ctx: int,
     kv_elem_bytes: int = 2,
 ) -> OffloadPlan:
-    """Run PowerInfer's dense offload pass (§10.2) over tensor sizes.
+    """Run PowerInfer's dense offload pass (docs/architecture.md#dense-offload-order) over
+    tensor sizes.
 
     Order: ATTN → predictors (fc1, fc2) → ffn_norm → output_norm/output → V cache → K cache.
     Within a level, layers go from 0, each tensor in llama.cpp's creation order. The first
@@ -331,7 +334,8 @@ _FFN_TEMPLATES = (Names.FFN_GATE, Names.FFN_UP, Names.FFN_DOWN_T)
 
 @dataclass(frozen=True)
 class FfnLayout:
-    """The FFN rows the hot-neuron split moves to the GPU (§8.4, §9.3).
+    """The FFN rows the hot-neuron split moves to the GPU
+    (docs/architecture.md#hot-neuron-capacity).
 
     Attributes:
         n_ff: neurons per layer (rows of ffn_gate, ffn_up and ffn_down_t).
@@ -419,7 +423,7 @@ class FfnLayout:
         return cls.from_sizes(sizes, args.n_layer, n_ff, up_type=up.ggml_type)
 
 
-# --- capacity (§8.4) ------------------------------------------------------------------------------
+# --- capacity (docs/architecture.md#hot-neuron-capacity) -----------------------------------------
 CapacityMode = Literal["exact", "upstream"]
 CAPACITY_MODES: tuple[str, ...] = ("exact", "upstream")
 
@@ -473,7 +477,7 @@ def hot_capacity(remaining: int, ffn: FfnLayout, mode: CapacityMode = "exact") -
         remaining: bytes for the split (``OffloadPlan.split_budget``).
         ffn: the model's FFN layout (layer 0's bytes per neuron, as upstream).
         mode: ``"exact"`` (true bytes per neuron; the default) or ``"upstream"`` (the 4.5-factor
-            formula of §8.4, a compatibility switch for parity with PowerInfer's engine).
+            formula, a compatibility switch for parity with PowerInfer's engine).
 
     Returns:
         Neurons summed over layers (the solver floors it to whole groups).

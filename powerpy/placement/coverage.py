@@ -1,9 +1,9 @@
 """How much of the activation mass a VRAM budget puts on the GPU: the solver run at many budgets.
 
-For each budget the dense offload pass runs (§10.2) and the hot-neuron split is solved
-(``solve.solve_placement``) on the profile's statistics. The curve's y value is the placement's
-``total_coverage``: the share of all counted activations whose neuron is on the GPU, which is the
-share of FFN work the GPU serves when the text looks like the profiled one.
+For each budget the dense offload pass runs (docs/architecture.md#dense-offload-order) and the
+hot-neuron split is solved (``solve.solve_placement``) on the profile's statistics. The curve's y
+value is the placement's ``total_coverage``: the share of all counted activations whose neuron is on
+the GPU, which is the share of FFN work the GPU serves when the text looks like the profiled one.
 """
 
 from __future__ import annotations

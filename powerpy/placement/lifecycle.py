@@ -1,7 +1,8 @@
-"""The GPU index lifecycle at load (spec §10.3): reuse ``<model>.generated.gpuidx`` or make it.
+"""The GPU index lifecycle at load: reuse ``<model>.generated.gpuidx`` or make it
+(docs/architecture.md#index-lifecycle).
 
 :func:`resolve_placement` is the engine's placement at load, used by the API and the CLI alike
-(through ``placement.runtime.place``): one dense offload pass (§10.2), then the index is reused
+(through ``placement.runtime.place``): one dense offload pass, then the index is reused
 when :func:`resolve_gpuidx` allows it, or solved in process from ``activation/`` and written.
 Failures to make an index are logged and leave the hot-neuron split empty; they are not fatal.
 """
@@ -55,7 +56,7 @@ def resolve_gpuidx(
     n_ff: int | None = None,
     path: str | os.PathLike[str] | None = None,
 ) -> GpuIdxDecision:
-    """Apply the engine's reuse rule to ``<model>.generated.gpuidx`` (§10.3).
+    """Apply the engine's reuse rule to ``<model>.generated.gpuidx``.
 
     Reuse iff the file exists, ``--reset-gpu-index`` is absent, it reads and validates, it holds
     ``2·n_layer`` tensors and ``split.vram_capacity <= remaining_bytes``. So an index made for a
@@ -126,7 +127,7 @@ def resolve_placement(
     batch: int = 256,
     write_index: bool = True,
 ) -> Placement:
-    """The engine's placement at load: dense pass, then the GPU index lifecycle of §10.3.
+    """The engine's placement at load: dense pass, then the GPU index lifecycle.
 
     1. The dense offload pass (run once) gives ``R`` (0 when it stopped early: no split then).
     2. ``--disable-gpu-index`` skips the split.
@@ -145,7 +146,8 @@ def resolve_placement(
         disable_gpu_index: ``--disable-gpu-index``: no FFN split.
         activation_dir: statistics directory (default ``dirname(model)/activation``).
         index_path: index file (default ``<model>.generated.gpuidx``).
-        capacity_mode: ``"exact"`` or ``"upstream"`` (§8.4) for a generated index.
+        capacity_mode: ``"exact"`` or ``"upstream"`` for a generated index
+            (docs/architecture.md#hot-neuron-capacity).
         batch: solver group size (must divide n_ff).
         write_index: write a regenerated index to ``index_path``.
 
@@ -161,7 +163,7 @@ def resolve_placement(
         logger.info("%s", reason)
         return dense.with_index(None, empty_reason=reason)
     if not dense.plan.dense_complete:
-        return dense  # the dense pass logged where it stopped; the split is skipped (§10.2)
+        return dense  # the dense pass logged where it stopped; the split is skipped
     decision = resolve_gpuidx(
         model.path,
         dense.plan.split_budget,

@@ -1,11 +1,11 @@
 """Hybrid placement as plain data: what goes to the accelerator under a VRAM budget.
 
-A :class:`Placement` combines three decisions (``powerinfer-format.md`` §10):
+A :class:`Placement` combines three decisions (``docs/architecture.md#hybrid-placement``):
 
-1. the dense offload pass of §10.2 (``budget.plan_offload``): attention, predictors, ffn_norm,
+1. the dense offload pass (``budget.plan_offload``): attention, predictors, ffn_norm,
    output, then the V and K caches, stopping at the first tensor that does not fit;
 2. the KV cache, on the accelerator only when every dense tensor **and** both caches fit;
-3. the hot-neuron split (§9.3): per layer the ``gpu_bucket`` of a
+3. the hot-neuron split: per layer the ``gpu_bucket`` of a
    :class:`~powerpy.formats.gpuidx.GpuIndex`, charged ``k_l · neuron_bytes_l`` (exact rows of
    gate, up and down_t at the file's types) and truncated deterministically when it would
    overrun what is left of the budget.
@@ -13,7 +13,7 @@ A :class:`Placement` combines three decisions (``powerinfer-format.md`` §10):
 It holds names, byte counts and int32 numpy arrays only; no torch, no device. The dense pass
 runs once per placement: :meth:`Placement.with_index` applies another index to the same pass.
 ``placement.runtime`` turns a placement into tensors on a device, ``placement.lifecycle`` is the
-§10.3 index lifecycle and ``placement.solve`` makes an index. :meth:`Placement.summary` is the
+index lifecycle and ``placement.solve`` makes an index. :meth:`Placement.summary` is the
 one report, printed by ``powerpy gen-gpuidx`` and ``powerpy infer``::
 
     with read_gguf(path) as f:
@@ -95,7 +95,7 @@ class SolveSummary:
 
     Attributes:
         capacity: hot-neuron capacity in neurons (before flooring to groups).
-        capacity_mode: ``"exact"`` or ``"upstream"`` (§8.4).
+        capacity_mode: ``"exact"`` or ``"upstream"`` (docs/architecture.md#hot-neuron-capacity).
         batch: group size in neurons.
         threshold: smallest non-zero neuron count per layer.
         method: the solver method that ran, or None when nothing was solved.
@@ -119,7 +119,7 @@ class Placement:
     """Where every part of a model runs under a VRAM budget; plain data.
 
     Attributes:
-        plan: the dense offload pass (§10.2), including the V/K candidates, the budget, n_ctx
+        plan: the dense offload pass, including the V/K candidates, the budget, n_ctx
             and the KV element size.
         ffn: the FFN rows the split moves (bytes per neuron per layer).
         layers: per layer, the hot neurons.
@@ -351,7 +351,7 @@ class Placement:
 
     @property
     def kv_on_gpu(self) -> bool:
-        """Both caches on the accelerator (only when every dense tensor fit, §10.2)."""
+        """Both caches on the accelerator (only when every dense tensor fit)."""
         return self.plan.dense_complete and self.plan.kv_on_gpu
 
     @property

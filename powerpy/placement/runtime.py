@@ -9,11 +9,11 @@
   as they are (memory-mapped from the file): the CPU reads only cold rows from them, so the hot
   rows cost file-backed page cache that decode never touches, not a second anonymous copy.
 
-The split FFN itself is ``powerpy.model.ffn.ffn`` (spec §9.3), the same code that runs a
-CPU-only model. :func:`place` is the one entry point of the API and the CLI: budget → placement
-(with the §10.3 index lifecycle) → ``build_hybrid``. The accelerator may be ``"cpu"``: an
-emulated device with the same budget accounting and the same split/merge code, so CI tests it
-without a GPU::
+The split FFN itself is ``powerpy.model.ffn.ffn`` (docs/architecture.md#split-and-merge), the same
+code that runs a CPU-only model. :func:`place` is the one entry point of the API and the CLI:
+budget → placement (with the index lifecycle) → ``build_hybrid``. The accelerator may be
+``"cpu"``: an emulated device with the same budget accounting and the same split/merge code, so
+CI tests it without a GPU::
 
     llm = powerpy.load("model.powerinfer.gguf", vram_budget=8.0)  # CUDA if present
     print(llm.runtime.summary())  # llm.runtime is None when running CPU-only
@@ -360,7 +360,7 @@ def place(
     activation_dir: str | os.PathLike[str] | None = None,
     capacity_mode: str = "exact",
 ) -> HybridRuntime | None:
-    """Budget → placement (with the §10.3 index lifecycle) → ``build_hybrid``, in one call.
+    """Budget → placement (with the index lifecycle) → ``build_hybrid``, in one call.
 
     The one entry point of ``powerpy.load(vram_budget=)`` and ``powerpy infer --vram-budget``.
 

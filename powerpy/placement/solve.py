@@ -1,4 +1,5 @@
-"""Make a GPU index: capacity (§8.4) → solver (§8.2) → export rule (§8.3).
+"""Make a GPU index: capacity → solver → export rule
+(docs/architecture.md#hybrid-placement).
 
 The only powerpy module that imports ``solver`` (the torch-free solver package). Statistics come
 in as numpy arrays (``powerpy.formats.stats.load_activation_stats``).
@@ -8,7 +9,7 @@ in as numpy arrays (``powerpy.formats.stats.load_activation_stats``).
 - :func:`solve_index`: statistics and a neuron capacity → a :class:`GpuIndex`
   (what ``python -m solver`` does).
 - :func:`solve_placement`: a placement's dense pass and statistics → the same placement with a
-  freshly solved index (what ``powerpy gen-gpuidx`` and the §10.3 lifecycle do). The dense pass
+  freshly solved index (what ``powerpy gen-gpuidx`` and the index lifecycle do). The dense pass
   is not run again: its ``split_budget`` is the ``R`` the capacity comes from.
 """
 
@@ -35,7 +36,7 @@ __all__ = ["TieBreak", "index_from_counts", "solve_index", "solve_placement", "t
 TieBreak = Literal["stable", "torch"]
 
 
-# --- export rule (§8.3) ---------------------------------------------------------------------------
+# --- export rule (docs/architecture.md#export-rule) ----------------------------------------------
 def topk_bucket(
     stats: npt.ArrayLike, k: int, *, tie_break: TieBreak = "stable"
 ) -> npt.NDArray[np.int32]:
@@ -85,7 +86,8 @@ def index_from_counts(
     block_count: int | None = None,
     tie_break: TieBreak = "stable",
 ) -> GpuIndex:
-    """Export rule of §8.3: layer ``l`` keeps the ``counts[l]`` most active neurons.
+    """The export rule (docs/architecture.md#export-rule): layer ``l`` keeps the ``counts[l]``
+    most active neurons.
 
     Args:
         stats: per-layer 1-D statistics used for the selection (the raw values, not the
@@ -130,7 +132,7 @@ def solve_index(
     export_stats: Sequence[npt.ArrayLike] | None = None,
     tie_break: TieBreak = "stable",
 ) -> tuple[GpuIndex, solver.SolveResult]:
-    """Per-layer counts from the solver (§8.2), then the export rule (§8.3).
+    """Per-layer counts from the solver, then the export rule.
 
     Args:
         stats: per-layer statistics in numeric order (the solver's input).
@@ -183,7 +185,7 @@ def solve_placement(
 ) -> Placement:
     """Solve a GPU index for a placement's dense pass and apply it.
 
-    ``base.plan.split_budget`` (``R``) becomes a neuron capacity (§8.4), the solver picks the
+    ``base.plan.split_budget`` (``R``) becomes a neuron capacity, the solver picks the
     per-layer counts and the export rule the neurons. A budget too small for the dense part or
     for one group gives an empty index and an ``empty_reason`` (not an error). The index's
     ``split.vram_capacity`` is ``R`` (0 when the dense pass stopped); write it with

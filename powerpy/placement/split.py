@@ -1,4 +1,5 @@
-"""The hot-neuron split's arithmetic (spec §9.3, §10.2): fit an index into the bytes left.
+"""The hot-neuron split's arithmetic: fit an index into the bytes left
+(docs/architecture.md#split-and-merge).
 
 Plain numpy over per-layer buckets and statistics; :class:`~powerpy.placement.placement.Placement`
 applies it, and ``placement.solve`` checks its statistics with the same function.

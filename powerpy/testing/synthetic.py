@@ -1,9 +1,9 @@
 """Write a synthetic PowerInfer (PWRI) llama model with random weights and working predictors.
 
-The file has the keys and tensors of spec section 5 (llama arch, ReGLU FFN, ffn_down_t, fc1/fc2)
-plus a byte-level SPM vocabulary (<unk>, <s>, </s>, 256 byte tokens, then unused filler tokens
-up to the shape's vocabulary size), and ``activation/activation_{i}.pt`` beside it holding each
-neuron's expected activation frequency.
+The file has the keys and tensors of ``docs/formats.md#powerinfer-model-file`` (llama arch, ReGLU
+FFN, ffn_down_t, fc1/fc2) plus a byte-level SPM vocabulary (<unk>, <s>, </s>, 256 byte tokens, then
+unused filler tokens up to the shape's vocabulary size), and ``activation/activation_{i}.pt`` beside
+it holding each neuron's expected activation frequency.
 
 How the sparsity is made (so that the predictor is meaningful, not just random):
 - Residual dimension 0 is a constant ``C``: every token embedding has ``C`` there, and no layer

@@ -12,7 +12,7 @@
 // there. Row sums (axpy) decode the weights to f32 and add four rows per pass.
 //
 // The main speed lever is a software prefetch of the row `dist` indices ahead into L2, spread
-// over the current row's loop (cpu-kernels.md section 4); `dist` covers at least
+// over the current row's loop (docs/kernels.md#prefetch); `dist` covers at least
 // g_prefetch_bytes and is at least 2 rows.
 //
 // SIMD is chosen at compile time: AVX-512F (16 lanes), AVX2+FMA+F16C (8 lanes), or scalar.
