@@ -67,7 +67,7 @@ class Family:
         block: the per-layer tensors every file of the family has. The FFN's down matrix and
             the predictors are in the dense layout (``ffn_down`` (n_embd, n_ff)) or PowerInfer's
             PWRI layout (``ffn_down_t`` (n_ff, n_embd), ``fc1``, ``fc2``), which the loader
-            reads for every family (docs/formats.md#pwri).
+            reads for every family (docs/formats.md#powerinfer-model-file).
         tied_output: a file without ``output.weight`` reads its logits from ``token_embd``.
         ffn_variant: the FFN activation a file of this family runs: (key/values, sparse, file
             name for errors) -> variant; ``ffn_acts`` the ``--ffn-act`` values a user may set
