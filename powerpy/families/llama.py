@@ -33,7 +33,7 @@ def ffn_variant(kv: Mapping[str, Any], sparse: bool, source: str) -> FFNVariant:
     if not sparse:
         return FFNVariant.SWIGLU
     act = kv.get(Keys.SPARSE_ACTIVATION, "relu")
-    if act not in ("relu", "silu"):
+    if not isinstance(act, str) or act not in ("relu", "silu"):
         shown = repr(act) if len(repr(act)) <= 40 else repr(act)[:37] + "..."
         raise ModelConfigError(
             f"{source}: key {Keys.SPARSE_ACTIVATION!r} is {shown}; remove the key or set it "
