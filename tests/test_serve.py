@@ -462,7 +462,7 @@ def test_smollm2_chat_and_prefix_reuse(smollm2_path):
         "--exact-activations",
     )  # fmt: skip
     try:
-        llm = load(smollm2_path)
+        llm = load(smollm2_path, exact_activations=True)
         client = server.client()
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         r = client.chat.completions.create(
