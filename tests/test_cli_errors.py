@@ -1,5 +1,5 @@
 """``powerpy infer`` on mutated model files (issue 13): never a traceback; exit code 1 and a
-message on stderr that names the file. The files come from ``tests/fuzz_gguf.py``: the issue's
+message on stderr that names the file. The files come from ``powerpy.testing.fuzz``: the issue's
 seed cases that break the model itself, plus generator cases that the library refuses."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import fuzz_gguf as fz
 import pytest
+
+from powerpy.testing import fuzz as fz
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Once upon a time"  # what `powerpy infer` runs without -p

@@ -1,9 +1,9 @@
 """The whole load path under mutated inputs (issue 13): every mutated model, gpuidx or statistics
 file goes through read -> ``powerpy.load`` -> two generated tokens -> detokenize, and the only
 allowed outcomes are: it runs, it raises a ``PowerpyError``, or a ``NonFiniteError`` (also a
-``PowerpyError``). Any other exception escapes ``fuzz_gguf.run`` and fails the test.
+``PowerpyError``). Any other exception escapes ``powerpy.testing.fuzz.run`` and fails the test.
 
-The generator is ``tests/fuzz_gguf.py``; ``tools/fuzz.py`` runs it at scale in subprocesses.
+The generator is ``powerpy.testing.fuzz``; ``tools/fuzz.py`` runs it at scale in subprocesses.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
-import fuzz_gguf as fz
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from powerpy.testing import fuzz as fz
 
 EXAMPLES_PER_FAMILY = 150
 FAMILY_MUTATIONS = fz.families()
@@ -95,18 +96,18 @@ def test_valid_model_runs(tmp_path):
     for sparse, load in ((True, {}), (False, {}), (True, {"vram_budget": fz.BUDGET_GIB})):
         d = fz.base_draft(sparse)
         d.load = dict(load, device="cpu") if load else {}
-        p = fz._finish(d, "none", "base", 0, "base", tmp_path / f"{sparse}{bool(load)}")
+        p = fz.finish(d, "none", "base", 0, "base", tmp_path / f"{sparse}{bool(load)}")
         assert fz.run(p) == "ok", p.errors
 
 
 def test_unexpected_error_is_not_swallowed(tmp_path, monkeypatch):
     """The harness lets a non-PowerpyError through (so a leak fails the tests above)."""
-    import powerpy
+    from powerpy import api
 
     def boom(*a, **k):
         raise IndexError("leaked")
 
-    monkeypatch.setattr(powerpy, "load", boom)
+    monkeypatch.setattr(api, "load", boom)
     p = fz.prepare_seed_case("head_count_0", tmp_path)
     with pytest.raises(IndexError, match="leaked"):
         fz.run(p)

@@ -23,6 +23,7 @@ LAYERS = [
     ("powerpy.pipeline",),
     ("powerpy.benchmark",),
     ("powerpy.default_model", "powerpy.api", "powerpy.plot", "powerpy.serve"),
+    ("powerpy.testing.fuzz",),  # drives powerpy.load; nothing in the library imports it
     ("powerpy.commands", "powerpy.cli", "powerpy.__main__"),
 ]
 TRAINING = {"powerpy.pipeline.train"}
@@ -81,9 +82,16 @@ GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def _layer(name: str) -> int:
-    for i, prefixes in enumerate(LAYERS):
-        if any(name == p or name.startswith(p + ".") for p in prefixes):
-            return i
+    """The layer of the most specific prefix of ``name`` (``powerpy.testing.fuzz`` is not in
+    ``powerpy.testing``'s layer)."""
+    found = [
+        (len(p), i)
+        for i, prefixes in enumerate(LAYERS)
+        for p in prefixes
+        if name == p or name.startswith(p + ".")
+    ]
+    if found:
+        return max(found)[1]
     if name == "powerpy":
         return len(LAYERS) - 1  # the package facade: lazy names only
     raise AssertionError(f"{name} is in no layer: add it to LAYERS")
@@ -159,6 +167,21 @@ def test_load_and_generate_do_not_import_training() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_fuzzer_stays_out_of_the_library() -> None:
+    """``powerpy.testing.fuzz`` drives the public API from above: no other module of the package
+    imports it, so neither ``import powerpy`` nor ``import powerpy.testing`` loads it."""
+    fuzz = "powerpy.testing.fuzz"
+    users = [
+        m
+        for m, deps in GRAPH.items()
+        if not (m == fuzz or m.startswith(fuzz + "."))
+        and any(d == fuzz or d.startswith(fuzz + ".") for d in deps)
+    ]
+    assert not users, users
+    assert "powerpy.api" in _closure(fuzz)
+    assert _layer("powerpy.testing.fuzz.cases") > _layer("powerpy.api") > _layer("powerpy.testing")
 
 
 def test_modules_are_small() -> None:

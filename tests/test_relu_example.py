@@ -1,10 +1,12 @@
 """The committed PowerInfer-native example ``models/kjv-relu/`` (built by
-``tools/build_relu_example.py``): format, tokenizer, ReGLU numerics, sparsity and a golden
-greedy continuation. The files are committed: a missing one fails the tests."""
+``examples/kjv_relu/build_relu_example.py``): format, tokenizer, ReGLU numerics, sparsity and a
+golden greedy continuation. The files are committed: a missing one fails the tests."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +19,10 @@ from powerpy.formats.constants import GPUIDX_SUFFIX, Names
 from powerpy.model.ffn import ffn
 from powerpy.model.options import DENSE, RunOptions, SparsityStats
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kjv-relu"
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = ROOT / "models" / "kjv-relu"
 MODEL = MODEL_DIR / "kjv-relu.powerinfer.gguf"
+RECIPE = ROOT / "examples" / "kjv_relu"  # the trainer and the build script
 
 
 # Held-out text (Hebrews 11:1-2 and Revelation 21:4): never seen by the tokenizer or the model.
@@ -114,3 +118,13 @@ def test_committed_gpuidx_validates(llm):
     a = llm.model.args
     idx = GpuIndex.read(path, n_layer=a.n_layer, n_ff=a.n_ff)
     assert all(int(c) % 256 == 0 for c in idx.counts)
+
+
+@pytest.mark.parametrize("script", ["build_relu_example.py", "train_relu_model.py"])
+def test_recipe_scripts_start(script):
+    """The recipe beside the model's README: both scripts parse their options."""
+    out = subprocess.run(
+        [sys.executable, str(RECIPE / script), "--help"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout

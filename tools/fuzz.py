@@ -1,6 +1,6 @@
 """Fuzz the whole load path (issue 13) in subprocesses: tools/fuzz.py N [--jobs 2] [--seed S].
 
-Runs N cases of the generator in ``tests/fuzz_gguf.py`` (mutations taken round-robin, so every
+Runs N cases of the generator ``powerpy.testing.fuzz`` (mutations taken round-robin, so every
 family gets its share) through read -> ``powerpy.load`` -> two tokens -> detokenize. Cases run in
 batches, one worker subprocess per batch, under an address-space limit (``RLIMIT_AS``) and a
 per-case timeout, so that a crash, a hang or a memory blow-up is caught and charged to the case
@@ -40,7 +40,6 @@ def _setup_worker() -> None:
     import logging
     import warnings
 
-    sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT))
     logging.disable(logging.CRITICAL)
     warnings.simplefilter("ignore")
@@ -52,7 +51,7 @@ def _setup_worker() -> None:
 def worker() -> int:
     """Read cases ``[[name, seed], ...]`` (JSON) on stdin; print ``start`` and result lines."""
     _setup_worker()
-    import fuzz_gguf
+    from powerpy.testing import fuzz
 
     cases = json.loads(sys.stdin.read())
     out = sys.stdout
@@ -62,8 +61,8 @@ def worker() -> int:
             out.flush()
             work = Path(tmp) / str(k)
             try:
-                outcome, detail = fuzz_gguf.run_case(name, seed, work)
-            except fuzz_gguf.GeneratorError as e:
+                outcome, detail = fuzz.run_case(name, seed, work)
+            except fuzz.GeneratorError as e:
                 outcome, detail = "generator", str(e)[:300]
             except MemoryError as e:
                 outcome, detail = "memory", f"MemoryError: {e}"
@@ -85,12 +84,12 @@ def _rmtree(path: Path) -> None:
 def one_case(name: str, seed: int) -> int:
     """Run one case in this process with the full traceback."""
     _setup_worker()
-    import fuzz_gguf
+    from powerpy.testing import fuzz
 
     with tempfile.TemporaryDirectory(prefix="powerpy-fuzz-") as tmp:
-        p = fuzz_gguf.prepare(name, seed, Path(tmp))
+        p = fuzz.prepare(name, seed, Path(tmp))
         print(f"{name} seed {seed}: {p.description}", file=sys.stderr)
-        print(fuzz_gguf.run(p))
+        print(fuzz.run(p))
     return 0
 
 
@@ -197,11 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         return one_case(args.case[0], int(args.case[1]))
 
-    sys.path.insert(0, str(ROOT / "tests"))
     sys.path.insert(0, str(ROOT))
-    import fuzz_gguf
+    from powerpy.testing import fuzz
 
-    names = list(fuzz_gguf.MUTATIONS)
+    names = list(fuzz.MUTATIONS)
     cases = [(names[i % len(names)], args.seed + i) for i in range(args.n)]
     batches: queue.Queue = queue.Queue()
     for s in range(0, len(cases), args.batch):
@@ -230,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         t.join()
 
     print(f"{len(results)} cases in {time.monotonic() - t0:.0f} s (seed {args.seed})")
-    print(table(results, fuzz_gguf.families()))
+    print(table(results, fuzz.families()))
     bad = [r for r in results if r[2] not in ALLOWED]
     shown: collections.Counter = collections.Counter()
     for name, seed, outcome, detail in bad:

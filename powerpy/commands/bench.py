@@ -6,13 +6,18 @@ import argparse
 import json
 import sys
 
-from powerpy.commands.common import add_plot_arg, check_plot, save_plot
-from powerpy.commands.infer import add_model_args
+from powerpy.commands.common import (
+    add_model_args,
+    add_plot_arg,
+    check_plot,
+    load_model,
+    save_plot,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure prompt and generation speed (llama-bench style)")
-    add_model_args(p)
+    add_model_args(p, generate=True)
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (pp test)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (tg test)")
     p.add_argument("-r", "--repetitions", type=int, default=1, help="best of N runs")
@@ -24,10 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from powerpy.benchmark import run_bench
-    from powerpy.commands.infer import load_from_args
 
     check_plot(args)
-    llm = load_from_args(args)
+    llm = load_model(args)
     sparse_ok = llm.model.can_gate
     modes = ["dense"] if args.dense or not sparse_ok else ["sparse"]
     if sparse_ok and not args.dense and not args.sparse_only:

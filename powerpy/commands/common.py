@@ -1,4 +1,5 @@
-"""Options shared by the commands that load a model or read a text."""
+"""Options shared by the commands: loading a model (``add_model_args``), choosing a text
+(``add_text_args``), profiling one (``add_profile_args``) and drawing the result (``--plot``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import sys
 THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
 
 
-def add_load_args(p: argparse.ArgumentParser) -> None:
-    """``-m``, ``-t``, ``--sparse-threshold``, ``--cut-scale``, ``--ffn-act``,
-    ``--exact-activations``, the KV cache types ``-ctk``/``-ctv`` and ``--mmap``/``--no-mmap``."""
+def add_model_args(p: argparse.ArgumentParser, *, generate: bool = False) -> None:
+    """The options that load a model: ``-m``, ``-t``, ``--sparse-threshold``, ``--cut-scale``,
+    ``--ffn-act``, ``--exact-activations``, the KV cache types ``-ctk``/``-ctv`` and
+    ``--mmap``/``--no-mmap``. ``generate``: also those of the commands that generate (infer,
+    bench, serve): ``--dense``, ``--vram-budget``, ``--reset-gpu-index``,
+    ``--disable-gpu-index`` and ``-ngl``. ``load_model`` reads them all."""
     p.add_argument("-m", "--model", help="model file (default: the sparse SmolLM2-135M)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (0: torch default)")
     p.add_argument(
@@ -58,6 +62,28 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
         "weights are read into 2 MiB transparent huge pages, which the sparse kernels' "
         "scattered row reads need; --mmap loads faster and shares the page cache)",
     )
+    if generate:
+        _add_generate_args(p)
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dense", action="store_true", help="ignore the predictors (dense FFN)")
+    p.add_argument(
+        "--weight-format", choices=("auto", "f32", "raw"), default="auto", help=argparse.SUPPRESS
+    )
+    p.add_argument(
+        "--vram-budget",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="PWRI: hybrid CPU-GPU placement within GIB of VRAM (negative: free VRAM - 256 MiB)",
+    )
+    p.add_argument("--reset-gpu-index", action="store_true", help="regenerate the .gpuidx")
+    p.add_argument("--disable-gpu-index", action="store_true", help="keep all FFN rows on CPU")
+    p.add_argument(  # dev/test: "cpu" emulates the accelerator on the CPU
+        "--accel-device", default=None, help=argparse.SUPPRESS
+    )
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="dense GGUF only")
 
 
 def add_text_args(
@@ -77,6 +103,33 @@ def add_text_args(
     return g
 
 
+def add_profile_args(
+    p: argparse.ArgumentParser, *, tokens: int | None, from_samples: bool = False
+) -> None:
+    """The options of the commands that profile a model on a text (profile, train-predictors):
+    ``--text FILE`` or ``--kjv [SPLIT]`` (default split: train), one of them required;
+    ``--tokens`` (default ``tokens``; None: the whole text), ``--ctx``, ``--target-sparsity``
+    and ``--seed``. ``from_samples``: ``--from-samples DIR`` (a sample dump of ``profile``) may
+    replace the text."""
+    g = add_text_args(p, file_flag="--text", kjv_default="train")
+    if from_samples:
+        g.add_argument("--from-samples", help="reuse a sample dump (DIR/samples of `profile`)")
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=tokens,
+        help=f"tokens to profile (default: {'all' if tokens is None else tokens})",
+    )
+    p.add_argument("--ctx", type=int, default=256, help="profiling window length (default 256)")
+    p.add_argument(
+        "--target-sparsity",
+        type=float,
+        default=0.5,
+        help="SiLU models: per-layer quantile of |h|·‖down‖ counted as inactive (default 0.5)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
 def text_ids(llm, args: argparse.Namespace) -> list[int]:
     """Token ids (no BOS) of the text chosen by ``add_text_args``."""
     from powerpy.pipeline.corpus import corpus_text
@@ -85,7 +138,7 @@ def text_ids(llm, args: argparse.Namespace) -> list[int]:
 
 
 def load_model(args: argparse.Namespace):
-    """Load ``args.model`` (or the default model) with the options of ``add_load_args``."""
+    """Load ``args.model`` (or the default model) with the options of ``add_model_args``."""
     import torch
 
     from powerpy.api import load
@@ -104,7 +157,7 @@ def load_model(args: argparse.Namespace):
         RunOptions(cut_scale=cut_scale)  # its check, named by the flag
     except ValueError as e:
         raise ValueError(f"--cut-scale: {e}, e.g. 0 (no cut) or 1") from None
-    return load(
+    llm = load(
         args.model,
         threshold=args.sparse_threshold,  # None: env LLAMA_SPARSE_PRED_THRESHOLD, file, 0
         weight_format=getattr(args, "weight_format", "auto"),
@@ -116,6 +169,31 @@ def load_model(args: argparse.Namespace):
         exact_activations=getattr(args, "exact_activations", False),
         progress=sys.stderr.isatty(),
     )
+    if llm.model.args.sparse and getattr(args, "n_gpu_layers", 0) > 0:
+        raise ValueError(
+            f"{llm.path}: -ngl/--n-gpu-layers is ignored by sparse (PWRI) models; "
+            "use --vram-budget GiB to put hot neurons and dense parts on the GPU"
+        )
+    return llm
+
+
+def setup_hybrid(llm, args: argparse.Namespace, n_ctx: int) -> None:
+    """--vram-budget: place the model (docs/architecture.md#hybrid-placement) and print the
+    placement summary to stderr."""
+    from powerpy.placement.runtime import place
+
+    llm.runtime = place(
+        llm.model,
+        llm.file,
+        args.vram_budget,
+        device=args.accel_device,
+        n_ctx=n_ctx,
+        reset_gpu_index=args.reset_gpu_index,
+        disable_gpu_index=args.disable_gpu_index,
+    )
+    if llm.runtime is not None:
+        llm.model = llm.runtime.model
+        print(llm.runtime.summary(), file=sys.stderr)
 
 
 def add_plot_arg(p: argparse.ArgumentParser, what: str) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from powerpy.commands.common import add_load_args, load_model
+from powerpy.commands.common import add_model_args, load_model, setup_hybrid
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("infer", help="generate text from a GGUF or PowerInfer (PWRI) model")
-    add_model_args(p)
+    add_model_args(p, generate=True)
     p.add_argument("-p", "--prompt", default=None, help="prompt text (default 'Once upon a time')")
     p.add_argument("-f", "--file", help="read the prompt from this file")
     p.add_argument(
@@ -36,62 +36,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Options of the commands that generate (infer, bench): load options plus placement."""
-    add_load_args(p)
-    p.add_argument("--dense", action="store_true", help="ignore the predictors (dense FFN)")
-    p.add_argument(
-        "--weight-format", choices=("auto", "f32", "raw"), default="auto", help=argparse.SUPPRESS
-    )
-    p.add_argument(
-        "--vram-budget",
-        type=float,
-        default=None,
-        metavar="GIB",
-        help="PWRI: hybrid CPU-GPU placement within GIB of VRAM (negative: free VRAM - 256 MiB)",
-    )
-    p.add_argument("--reset-gpu-index", action="store_true", help="regenerate the .gpuidx")
-    p.add_argument("--disable-gpu-index", action="store_true", help="keep all FFN rows on CPU")
-    p.add_argument(  # dev/test: "cpu" emulates the accelerator on the CPU
-        "--accel-device", default=None, help=argparse.SUPPRESS
-    )
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="dense GGUF only")
-
-
-def load_from_args(args: argparse.Namespace):
-    """Load the model named by the shared options (``-ngl`` checked, ``--dense`` applied)."""
-    llm = load_model(args)
-    if llm.model.args.sparse and args.n_gpu_layers > 0:
-        raise ValueError(
-            f"{llm.path}: -ngl/--n-gpu-layers is ignored by sparse (PWRI) models; "
-            "use --vram-budget GiB to put hot neurons and dense parts on the GPU"
-        )
-    return llm
-
-
-def setup_hybrid(llm, args: argparse.Namespace, n_ctx: int) -> None:
-    """--vram-budget: place the model (docs/architecture.md#hybrid-placement) and print the
-    placement summary to stderr."""
-    from powerpy.placement.runtime import place
-
-    llm.runtime = place(
-        llm.model,
-        llm.file,
-        args.vram_budget,
-        device=args.accel_device,
-        n_ctx=n_ctx,
-        reset_gpu_index=args.reset_gpu_index,
-        disable_gpu_index=args.disable_gpu_index,
-    )
-    if llm.runtime is not None:
-        llm.model = llm.runtime.model
-        print(llm.runtime.summary(), file=sys.stderr)
-
-
 def run(args: argparse.Namespace) -> int:
     from powerpy.sampling import SamplingParams
 
-    llm = load_from_args(args)
+    llm = load_model(args)
     a = llm.model.args
     print(
         f"model: {llm.path.name} ({a.arch}, {a.n_layer} layers, {llm.mode}), "

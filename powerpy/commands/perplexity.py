@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from powerpy.commands.common import (
-    add_load_args,
+    add_model_args,
     add_plot_arg,
     add_text_args,
     check_plot,
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "perplexity",
         help="perplexity of a text (llama.cpp method); PWRI models: dense and sparse side by side",
     )
-    add_load_args(p)
+    add_model_args(p)
     add_text_args(p, file_flag="-f|--file", kjv_default="heldout")
     p.add_argument("-c", "--ctx", type=int, default=512, help="chunk length (default 512)")
     p.add_argument("--chunks", type=int, default=None, help="at most this many chunks")

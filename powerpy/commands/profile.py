@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from powerpy.commands.common import (
-    add_load_args,
+    add_model_args,
     add_plot_arg,
-    add_text_args,
+    add_profile_args,
     check_plot,
     load_model,
     save_plot,
@@ -20,11 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "profile", help="count neuron activations on a text (input of gen-gpuidx, training data)"
     )
-    add_load_args(p)
-    add_text_args(p, file_flag="--text", kjv_default="train")
+    add_model_args(p)
+    add_profile_args(p, tokens=None)
     p.add_argument("-o", "--output", required=True, help="output directory")
-    p.add_argument("--tokens", type=int, default=None, help="tokens to run (default: all)")
-    p.add_argument("--ctx", type=int, default=256, help="window length (default 256)")
     p.add_argument(
         "--dump-samples",
         type=int,
@@ -32,13 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="dump N tokens per layer of (ffn_inp, |h|) as fp16 .npy for training",
     )
-    p.add_argument(
-        "--target-sparsity",
-        type=float,
-        default=0.5,
-        help="SiLU models: per-layer quantile of |h|·‖down‖ counted as inactive (default 0.5)",
-    )
-    p.add_argument("--seed", type=int, default=0)
     add_plot_arg(p, "the activation power law per layer")
     p.set_defaults(func=run)
 

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from powerpy.commands.infer import add_model_args, load_from_args, setup_hybrid
+from powerpy.commands.common import add_model_args, load_model, setup_hybrid
 
 API_KEY_ENV = "POWERPY_API_KEY"
 BATCH_CHOICES = ("auto", "off", "rows", "union", "batch")  # powerpy.scheduler.BATCH_MODES
@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "/tokenize, /detokenize). Ctrl-C finishes the running requests, then exits. "
         "-t 0 (the default) leaves one core of torch's default to the HTTP server.",
     )
-    add_model_args(p)
+    add_model_args(p, generate=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free)")
     p.add_argument(
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         args.threads = max(1, torch.get_num_threads() - 1)
-    llm = load_from_args(args)
+    llm = load_model(args)
     a = llm.model.args
     n_ctx = args.ctx_size // args.parallel if args.ctx_size else a.default_n_ctx
     if n_ctx < 2:

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from powerpy.commands.common import (
-    add_load_args,
+    add_model_args,
     add_plot_arg,
-    add_text_args,
+    add_profile_args,
     check_plot,
     load_model,
     save_plot,
@@ -20,9 +20,8 @@ from powerpy.commands.common import (
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-predictors", help="train activation predictors (model_{i}.pt)")
-    add_load_args(p)
-    src = add_text_args(p, file_flag="--text", kjv_default="train")
-    src.add_argument("--from-samples", help="reuse a sample dump (DIR/samples of `profile`)")
+    add_model_args(p)
+    add_profile_args(p, tokens=100_000, from_samples=True)
     p.add_argument("-o", "--output", required=True, help="predictor directory")
     hid = p.add_mutually_exclusive_group()
     hid.add_argument("--hidden", type=int, default=128, help="predictor hidden size H")
@@ -30,15 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--auto-hidden", action="store_true", help="smallest H per layer reaching --recall-target"
     )
     p.add_argument("--recall-target", type=float, default=0.9, help="for --auto-hidden")
-    p.add_argument(
-        "--target-sparsity",
-        type=float,
-        default=0.5,
-        help="SiLU models: per-layer quantile of |h|·‖down‖ labelled inactive (default 0.5)",
-    )
-    p.add_argument("--tokens", type=int, default=100_000, help="tokens to profile")
     p.add_argument("--samples", type=int, default=None, help="samples/layer (default: all)")
-    p.add_argument("--ctx", type=int, default=256, help="profiling window")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--patience", type=int, default=5)
     p.add_argument("--threshold", type=float, default=0.0, help="runtime predictor threshold")
@@ -70,7 +61,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="also write OUTPUT/predictors.q8.safetensors (int8 rows, for shipping)",
     )
     p.add_argument("--work-dir", help="keep the sample dump here (default: temporary)")
-    p.add_argument("--seed", type=int, default=0)
     add_plot_arg(p, "recall, precision and predicted vs true active share per layer")
     p.set_defaults(func=run)
 

@@ -1,5 +1,6 @@
 """Model builders for tests, tools and notebooks: tiny random models (``tiny``) and synthetic
-PWRI models with calibrated predictors and power-law hot neurons (``synthetic``)."""
+PWRI models with calibrated predictors and power-law hot neurons (``synthetic``). The load-path
+fuzzer is the subpackage ``fuzz``, which this package does not import."""
 
 from powerpy.testing.tiny import (
     BYTE_VOCAB,

@@ -1,5 +1,5 @@
 """Mutations of the side files (``.generated.gpuidx``, ``activation/activation_{i}.pt``) and
-the seed cases of issue 13, for the load-path fuzzer (see ``fuzz_gguf``)."""
+the seed cases of issue 13, for the load-path fuzzer (see ``cases``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fuzz_files import (
+
+from powerpy.formats.constants import GGMLType, Keys, Names
+from powerpy.formats.constants import GGUFValueType as V
+from powerpy.formats.gguf_types import file_type_id
+from powerpy.testing.fuzz.files import (
     BUDGET_GIB,
     MUTATIONS,
     SPEC,
@@ -24,10 +28,6 @@ from fuzz_files import (
     pick,
     write_draft,
 )  # fmt: skip
-
-from powerpy.formats.constants import GGMLType, Keys, Names
-from powerpy.formats.constants import GGUFValueType as V
-from powerpy.formats.gguf_types import file_type_id
 
 
 # --- gpuidx files ---------------------------------------------------------------------------------
@@ -63,6 +63,7 @@ def _gpuidx(mutate: Callable[[Draft, np.random.Generator], str]) -> Mutation:
 
 @_gpuidx
 def idx_values(idx: Draft, rng: np.random.Generator) -> str:
+    """One value of an index tensor changed (mostly out of range)."""
     t = pick(rng, idx.tensors)
     a = np.array(t.data, np.int32)
     v = pick(rng, (-1, 2, SPEC.n_ff, 2**31 - 1, -(2**31), 0, 1))
@@ -76,6 +77,7 @@ def idx_values(idx: Draft, rng: np.random.Generator) -> str:
 
 @_gpuidx
 def idx_layers(idx: Draft, rng: np.random.Generator) -> str:
+    """Fewer or more index tensors than the layers need."""
     n = pick(rng, (0, 1, 3, 4, 6))
     idx.tensors = (idx.tensors * 4)[:n]
     return f"{n} tensors"
@@ -83,6 +85,7 @@ def idx_layers(idx: Draft, rng: np.random.Generator) -> str:
 
 @_gpuidx
 def idx_types(idx: Draft, rng: np.random.Generator) -> str:
+    """An index tensor of another type."""
     t = pick(rng, idx.tensors)
     new = pick(rng, (GGMLType.F32, GGMLType.I8, GGMLType.I16, GGMLType.F16))
     dt = {
@@ -97,6 +100,7 @@ def idx_types(idx: Draft, rng: np.random.Generator) -> str:
 
 @_gpuidx
 def idx_shape(idx: Draft, rng: np.random.Generator) -> str:
+    """An index tensor of the wrong shape."""
     t = pick(rng, idx.tensors)
     a = np.asarray(t.data)
     t.data = np.stack([a, a]) if rng.integers(2) else np.concatenate([a, a])
@@ -106,6 +110,7 @@ def idx_shape(idx: Draft, rng: np.random.Generator) -> str:
 
 @_gpuidx
 def idx_keys(idx: Draft, rng: np.random.Generator) -> str:
+    """An index key removed or given a random value."""
     key = pick(rng, (Keys.SPLIT_VRAM_CAPACITY, Keys.GPUIDX_BLOCK_COUNT, Keys.ARCHITECTURE))
     if rng.integers(4) == 0:
         del idx.kv[key]
@@ -116,6 +121,7 @@ def idx_keys(idx: Draft, rng: np.random.Generator) -> str:
 
 @_gpuidx
 def idx_container(idx: Draft, rng: np.random.Generator) -> str:
+    """The index file's magic, end, tensor names or order changed."""
     kind = int(rng.integers(4))
     if kind == 0:
         idx.sparse = False

@@ -1,6 +1,6 @@
 """Model drafts for the load-path fuzzer (issue 13): a tiny model as key/values and tensors
 that mutations edit, written with ``write_gguf`` or, when the writer refuses a mutation, as raw
-bytes here (values wrap, types and sizes are not checked). See ``fuzz_gguf``."""
+bytes here (values wrap, types and sizes are not checked). See ``cases``."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ OUTCOMES = ("ok", "PowerpyError", "NonFiniteError")
 
 @dataclass
 class Tensor:
+    """One tensor of a draft: its data and the type, shape and type id written."""
+
     name: str
     data: np.ndarray  # float32 / float16 / raw uint8 bytes
     ggml_type: GGMLType
@@ -63,6 +65,8 @@ MUTATIONS: dict[str, tuple[str, Mutation]] = {}  # name -> (family, fn)
 
 
 def mutation(family: str) -> Callable[[Mutation], Mutation]:
+    """Register the decorated mutation as ``MUTATIONS[f"{family}.{name}"]``."""
+
     def deco(fn: Mutation) -> Mutation:
         MUTATIONS[f"{family}.{fn.__name__}"] = (family, fn)
         return fn
@@ -71,6 +75,7 @@ def mutation(family: str) -> Callable[[Mutation], Mutation]:
 
 
 def base_draft(sparse: bool = True, seed: int = 0) -> Draft:
+    """The unmutated tiny model (``SPEC``), sparse (PWRI) or dense (GGUF)."""
     kv = dict(tiny_kv(SPEC, threshold=0.0 if sparse else None))
     tensors = [
         Tensor(n, a, GGMLType.F32, a.shape)
@@ -150,6 +155,7 @@ def write_raw(path: Path, d: Draft) -> None:
 
 
 def write_draft(path: Path, d: Draft) -> None:
+    """Write ``d`` with ``write_gguf``, or as raw bytes when it must or the writer refuses it."""
     if not d.raw:
         try:
             write_gguf(path, d.kv, [(t.name, t.data, t.ggml_type, t.shape) for t in d.tensors],
@@ -177,6 +183,7 @@ INT_TYPES = (V.UINT8, V.INT8, V.UINT16, V.INT16, V.UINT32, V.INT32, V.UINT64, V.
 
 
 def pick(rng: np.random.Generator, seq: Any) -> Any:
+    """One item of ``seq``, chosen by ``rng``."""
     return seq[int(rng.integers(len(seq)))]
 
 
@@ -200,6 +207,7 @@ def any_value(rng: np.random.Generator) -> tuple:
 
 
 def scalar_key(d: Draft, rng: np.random.Generator) -> str:
+    """A scalar key of the model (hyperparameter, special token, flag or threshold)."""
     return d.key(
         pick(rng, HP_KEYS + FLOAT_KEYS + SPECIAL_KEYS + FLAG_KEYS + (Keys.SPARSE_THRESHOLD,))
     )

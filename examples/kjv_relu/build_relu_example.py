@@ -2,9 +2,10 @@
 
 Pipeline (each step a ``powerpy`` CLI command except training and the checks):
 
-1. ``tools/train_relu_model.py``: train the ReGLU LLaMA on the KJV train split (Genesis ..
-   Philemon), export an HF llama dir (``hidden_act: relu``) and a dense GGUF with the tokenizer.
-   Skipped when ``WORK/ckpt.pt`` already holds the finished run (``--retrain`` forces it).
+1. ``train_relu_model.py`` (beside this script): train the ReGLU LLaMA on the KJV train split
+   (Genesis .. Philemon), export an HF llama dir (``hidden_act: relu``) and a dense GGUF with
+   the tokenizer. Skipped when ``WORK/ckpt.pt`` already holds the finished run (``--retrain``
+   forces it).
 2. ``powerpy profile -m DENSE_GGUF --ffn-act relu --kjv train --dump-samples N``: activation
    counts (``activation_{i}.pt``) and predictor training samples. GGUF has no activation key
    for llama, so the dense file is run as ReGLU by ``--ffn-act relu``.
@@ -22,7 +23,10 @@ files stay in ``--work`` (default ``build/kjv-relu``).
 
 Usage::
 
-    nice -n 10 python tools/build_relu_example.py            # train (or reuse) + pipeline
+    nice -n 10 python examples/kjv_relu/build_relu_example.py   # train (or reuse) + pipeline
+
+The steps, their commands and the figures of the committed build are in this folder's
+``README.md``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 MODEL_NAME = "kjv-relu.powerinfer.gguf"
 PROMPT = "And God said"
 
@@ -74,7 +79,7 @@ def train_finished(work: Path) -> bool:
 # ------------------------------------------------------------------------------ checks
 def load_training_model(work: Path):
     """The trained ``ReluLlama`` from WORK/ckpt.pt, and the trainer module (its neighbour in
-    tools/, importable because Python puts a script's folder first on the module path)."""
+    this folder, importable because Python puts a script's folder first on the module path)."""
     import torch
     import train_relu_model as mod
 
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. train + export (or reuse)
     t0 = time.perf_counter()
     if args.retrain or not train_finished(work):
-        cmd = [sys.executable, "tools/train_relu_model.py", "--out", rel(work)]
+        cmd = [sys.executable, rel(HERE / "train_relu_model.py"), "--out", rel(work)]
         run(cmd + args.train_args.split(), work / "train.log")
     times["train_and_export"] = time.perf_counter() - t0
     train_report = json.loads((work / "train_report.json").read_text())

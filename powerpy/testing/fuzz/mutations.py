@@ -1,12 +1,17 @@
 """Mutations of the model file for the load-path fuzzer: KV types and values, hyperparameters,
-tokenizer arrays, tensor types and data, alignment, predictor shapes (see ``fuzz_gguf``)."""
+tokenizer arrays, tensor types and data, alignment, predictor shapes (see ``cases``)."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from fuzz_files import (
+
+from powerpy.formats import quants
+from powerpy.formats.constants import GGMLType, Keys, Names, TokenType
+from powerpy.formats.constants import GGUFValueType as V
+from powerpy.formats.gguf_types import file_type_id
+from powerpy.testing.fuzz.files import (
     FLAG_KEYS,
     FLOAT_KEYS,
     FLOATS,
@@ -23,15 +28,11 @@ from fuzz_files import (
     scalar_key,
 )  # fmt: skip
 
-from powerpy.formats import quants
-from powerpy.formats.constants import GGMLType, Keys, Names, TokenType
-from powerpy.formats.constants import GGUFValueType as V
-from powerpy.formats.gguf_types import file_type_id
-
 
 # --- kv: value types ------------------------------------------------------------------------------
 @mutation("kv")
 def scalar_as_array(d: Draft, rng: np.random.Generator) -> str:
+    """A scalar key given as an array."""
     key = scalar_key(d, rng)
     n = int(rng.integers(0, 4))
     item = pick(rng, (V.UINT32, V.INT32, V.FLOAT32, V.STRING, V.BOOL))
@@ -42,6 +43,7 @@ def scalar_as_array(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("kv")
 def array_as_scalar(d: Draft, rng: np.random.Generator) -> str:
+    """A tokenizer array given as a scalar."""
     key = pick(rng, (Keys.TOKENS, Keys.SCORES, Keys.TOKEN_TYPE, Keys.MERGES))
     d.kv[key] = pick(rng, (("x", V.STRING), (3, V.UINT32), (1.5, V.FLOAT32), (True, V.BOOL)))
     return f"{key} = {d.kv[key][:2]}"
@@ -49,6 +51,7 @@ def array_as_scalar(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("kv")
 def empty_array(d: Draft, rng: np.random.Generator) -> str:
+    """A special-token id, flag or tokenizer array given as an empty array."""
     key = pick(rng, SPECIAL_KEYS + FLAG_KEYS + (Keys.TOKENS, Keys.SCORES, Keys.TOKEN_TYPE))
     d.kv[key] = ([], V.ARRAY, pick(rng, (V.UINT32, V.BOOL, V.STRING, V.FLOAT32)))
     return f"{key} = []"
@@ -56,6 +59,7 @@ def empty_array(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("kv")
 def float_token_id(d: Draft, rng: np.random.Generator) -> str:
+    """A special-token id given as a float (inf, NaN, fractions, huge)."""
     key = pick(rng, SPECIAL_KEYS)
     d.kv[key] = (
         pick(rng, (math.inf, -math.inf, math.nan, 1.0, 1.5, 1e20)),
@@ -66,6 +70,7 @@ def float_token_id(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("kv")
 def wrong_type(d: Draft, rng: np.random.Generator) -> str:
+    """Any key given a random value of any type."""
     key = pick(rng, sorted(d.kv))
     d.kv[key] = any_value(rng)
     return f"{key} = {d.kv[key]!r:.80}"
@@ -73,6 +78,7 @@ def wrong_type(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("kv")
 def drop_key(d: Draft, rng: np.random.Generator) -> str:
+    """Any key removed."""
     key = pick(rng, sorted(d.kv))
     del d.kv[key]
     return f"without {key}"
@@ -80,6 +86,7 @@ def drop_key(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("kv")
 def extra_key(d: Draft, rng: np.random.Generator) -> str:
+    """An optional key added with a random value of any type."""
     keys = (Keys.ALIGNMENT, d.key(Keys.VOCAB_SIZE), Keys.SPARSE_ACTIVATION, Keys.CHAT_TEMPLATE,
             Keys.MERGES, Keys.TOKENIZER_PRE, "llama.rope.scaling.type")  # fmt: skip
     key = pick(rng, keys)
@@ -90,6 +97,7 @@ def extra_key(d: Draft, rng: np.random.Generator) -> str:
 # --- hparams: values that make no model -----------------------------------------------------------
 @mutation("hparams")
 def count_value(d: Draft, rng: np.random.Generator) -> str:
+    """A size hyperparameter set to a negative, zero, odd or huge count."""
     key = d.key(pick(rng, HP_KEYS))
     if rng.integers(3) == 0:
         d.kv[key] = (pick(rng, SIGNED), pick(rng, (V.INT32, V.INT64)))
@@ -101,6 +109,7 @@ def count_value(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("hparams")
 def float_value(d: Draft, rng: np.random.Generator) -> str:
+    """The RoPE base, RMS epsilon or sparse threshold set to an odd float."""
     key = d.key(pick(rng, FLOAT_KEYS)) if rng.integers(3) else Keys.SPARSE_THRESHOLD
     d.kv[key] = (pick(rng, FLOATS), pick(rng, (V.FLOAT32, V.FLOAT32, V.FLOAT64)))
     return f"{key} = {d.kv[key][0]} {d.kv[key][1].name}"
@@ -108,6 +117,7 @@ def float_value(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("hparams")
 def heads(d: Draft, rng: np.random.Generator) -> str:
+    """Head counts that do not divide the model (zero, mismatched, too many)."""
     h, hkv = pick(rng, ((0, 2), (3, 3), (4, 3), (8, 2), (4, 8), (2, 2), (32, 32), (4, 0), (64, 1)))
     d.kv[d.key(Keys.HEAD_COUNT)] = (h, V.UINT32)
     d.kv[d.key(Keys.HEAD_COUNT_KV)] = (hkv, V.UINT32)
@@ -116,6 +126,7 @@ def heads(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("hparams")
 def rope_dims(d: Draft, rng: np.random.Generator) -> str:
+    """An odd RoPE dimension count."""
     v = pick(rng, (-8, -1, 0, 1, 2, 3, 6, 7, 8, 9, 16, 64))
     d.kv[d.key(Keys.ROPE_DIMENSION_COUNT)] = (v, V.INT32 if v < 0 else V.UINT32)
     return f"rope.dimension_count = {v}"
@@ -123,6 +134,7 @@ def rope_dims(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("hparams")
 def vocab_size(d: Draft, rng: np.random.Generator) -> str:
+    """A vocab_size that disagrees with the token list."""
     n = len(d.kv[Keys.TOKENS][0]) + pick(rng, (-259, -1, 1, 100, 2**20))
     d.kv[d.key(Keys.VOCAB_SIZE)] = (n, V.UINT32)
     return f"vocab_size = {n}"
@@ -130,6 +142,7 @@ def vocab_size(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("hparams")
 def block_count(d: Draft, rng: np.random.Generator) -> str:
+    """A block count that disagrees with the tensors."""
     n = pick(rng, (0, 1, 3, 100))
     d.kv[d.key(Keys.BLOCK_COUNT)] = (n, V.UINT32)
     return f"block_count = {n}"
@@ -137,6 +150,7 @@ def block_count(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("hparams")
 def dims(d: Draft, rng: np.random.Generator) -> str:
+    """An embedding, FFN or context length that disagrees with the tensors."""
     key = d.key(pick(rng, (Keys.EMBEDDING_LENGTH, Keys.FEED_FORWARD_LENGTH, Keys.CONTEXT_LENGTH)))
     v = pick(rng, (1, 2, 16, 48, 63, 65, 128, 2**30))
     d.kv[key] = (v, V.UINT32)
@@ -145,6 +159,7 @@ def dims(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("hparams")
 def architecture(d: Draft, rng: np.random.Generator) -> str:
+    """An unknown or oddly spelled architecture."""
     arch = pick(rng, ("bamboo", "gpt2", "LLAMA", "", "generic.gpu_index"))
     d.kv[Keys.ARCHITECTURE] = (arch, V.STRING)
     return f"architecture {arch!r}"
@@ -153,6 +168,7 @@ def architecture(d: Draft, rng: np.random.Generator) -> str:
 # --- tokenizer arrays ----------------------------------------------------------------------------
 @mutation("tokenizer")
 def tokens_length(d: Draft, rng: np.random.Generator) -> str:
+    """A token list of another length (the other arrays kept or resized)."""
     tokens = list(d.kv[Keys.TOKENS][0])
     n = pick(rng, (0, 1, 3, 258, 260, 1000))
     tokens = (tokens + [f"<extra{i}>" for i in range(n)])[:n]
@@ -165,6 +181,7 @@ def tokens_length(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("tokenizer")
 def array_items(d: Draft, rng: np.random.Generator) -> str:
+    """A tokenizer array of another item type or length."""
     key = pick(rng, (Keys.TOKENS, Keys.SCORES, Keys.TOKEN_TYPE, Keys.MERGES))
     n = len(d.kv[Keys.TOKENS][0]) + pick(rng, (0, 0, -1, 1))
     item = pick(rng, (V.STRING, V.INT32, V.FLOAT32, V.BOOL, V.UINT8, V.FLOAT64, V.INT64))
@@ -177,6 +194,7 @@ def array_items(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("tokenizer")
 def token_types(d: Draft, rng: np.random.Generator) -> str:
+    """Token types set to out-of-range or special values."""
     types = np.array(d.kv[Keys.TOKEN_TYPE][0], np.int32)
     v = pick(
         rng,
@@ -190,6 +208,7 @@ def token_types(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("tokenizer")
 def special_id(d: Draft, rng: np.random.Generator) -> str:
+    """A special-token id outside the vocabulary."""
     key = pick(rng, SPECIAL_KEYS)
     v = pick(rng, (259, 260, 2**31, 2**32 - 1, -1, 3, 258))
     d.kv[key] = (v, V.INT32 if v < 0 else V.UINT32)
@@ -198,6 +217,7 @@ def special_id(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("tokenizer")
 def token_text(d: Draft, rng: np.random.Generator) -> str:
+    """Some token texts made empty, blank, invalid UTF-8, huge, NUL or byte-token-like."""
     tokens = list(d.kv[Keys.TOKENS][0])
     what = pick(rng, ("", " ", "\udcff\udcfe", "<s>", "<0xZZ>", "<0x41>", "a" * 5000, "\x00"))
     for i in rng.integers(0, len(tokens), int(rng.integers(1, 40))):
@@ -208,6 +228,7 @@ def token_text(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("tokenizer")
 def tokenizer_model(d: Draft, rng: np.random.Generator) -> str:
+    """Another or unknown tokenizer model (and merges or pre-tokenizer)."""
     model = pick(rng, ("gpt2", "bert", "", "none", "rwkv", "t5", "LLAMA"))
     d.kv[Keys.TOKENIZER_MODEL] = (model, V.STRING)
     if model == "gpt2" and rng.integers(2):
@@ -223,6 +244,7 @@ def tokenizer_model(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("tokenizer")
 def chat_template(d: Draft, rng: np.random.Generator) -> str:
+    """A chat template that does not parse or raises."""
     t = pick(
         rng, ("{{", "{% for %}", "{{ messages[0]['content'] }}", "{{ raise_exception('x') }}", "")
     )
@@ -238,6 +260,7 @@ def _some_tensor(d: Draft, rng: np.random.Generator, *, matrix: bool = False) ->
 
 @mutation("tensors")
 def bad_values(d: Draft, rng: np.random.Generator) -> str:
+    """Non-finite or huge values in a tensor."""
     t = _some_tensor(d, rng)
     v = pick(rng, (math.nan, math.inf, -math.inf, 1e30, 3.4e38, -3.4e38, 1e19, 0.0))
     data = np.array(t.data, np.float32)
@@ -283,6 +306,7 @@ def converted(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("tensors")
 def shape(d: Draft, rng: np.random.Generator) -> str:
+    """A tensor transposed, flattened, given a dimension more, or a row less or more."""
     t = _some_tensor(d, rng)
     a = np.ascontiguousarray(t.data)
     kind = int(rng.integers(5))
@@ -303,6 +327,7 @@ def shape(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("tensors")
 def missing_or_renamed(d: Draft, rng: np.random.Generator) -> str:
+    """A tensor removed or renamed (possibly to a duplicate name)."""
     t = _some_tensor(d, rng)
     if rng.integers(2):
         d.tensors.remove(t)
@@ -315,6 +340,7 @@ def missing_or_renamed(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("tensors")
 def truncated(d: Draft, rng: np.random.Generator) -> str:
+    """The end of the file cut off."""
     d.cut = pick(rng, (1, 16, 31, 32, 100, 4096, 10**6))
     return f"last {d.cut} bytes cut"
 
@@ -338,6 +364,7 @@ def shifted(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("alignment")
 def consistent(d: Draft, rng: np.random.Generator) -> str:
+    """Another alignment, with the data laid out at it."""
     a = pick(rng, (1, 8, 64, 256))
     d.kv[Keys.ALIGNMENT] = (a, V.UINT32)
     d.layout_alignment = a
@@ -346,6 +373,7 @@ def consistent(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("alignment")
 def key_type(d: Draft, rng: np.random.Generator) -> str:
+    """general.alignment given another type."""
     d.kv[Keys.ALIGNMENT] = pick(
         rng, ((64, V.UINT64), (32.0, V.FLOAT32), ([32], V.ARRAY, V.UINT32), (-32, V.INT32))
     )
@@ -356,6 +384,7 @@ def key_type(d: Draft, rng: np.random.Generator) -> str:
 # --- predictor shapes -----------------------------------------------------------------------------
 @mutation("predictor")
 def fc_shape(d: Draft, rng: np.random.Generator) -> str:
+    """A predictor matrix of the wrong shape."""
     layer = int(rng.integers(SPEC.n_layer))
     which = pick(rng, (Names.FC1, Names.FC2)).format(l=layer)
     t = d.tensor(which)
@@ -387,6 +416,7 @@ def fc_hidden(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("predictor")
 def fc_missing(d: Draft, rng: np.random.Generator) -> str:
+    """Predictor matrices removed."""
     names = [t.name for t in d.tensors if ".fc" in t.name]
     drop = set(rng.choice(names, size=int(rng.integers(1, len(names) + 1)), replace=False))
     d.tensors = [t for t in d.tensors if t.name not in drop]
@@ -395,6 +425,7 @@ def fc_missing(d: Draft, rng: np.random.Generator) -> str:
 
 @mutation("predictor")
 def fc_values(d: Draft, rng: np.random.Generator) -> str:
+    """A predictor matrix filled with non-finite or huge values."""
     t = d.tensor(pick(rng, (Names.FC1, Names.FC2)).format(l=int(rng.integers(SPEC.n_layer))))
     t.data = np.full(t.shape, pick(rng, (math.nan, math.inf, -math.inf, 1e30, 0.0)), np.float32)
     return f"{t.name} = {t.data.flat[0]}"

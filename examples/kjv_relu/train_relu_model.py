@@ -25,8 +25,8 @@ Outputs under ``--out`` (default ``build/kjv-relu``):
 
 Usage::
 
-    nice -n 10 python tools/train_relu_model.py --out build/kjv-relu
-    python tools/train_relu_model.py --out build/kjv-relu --export-only   # reuse ckpt.pt
+    nice -n 10 python examples/kjv_relu/train_relu_model.py --out build/kjv-relu
+    python examples/kjv_relu/train_relu_model.py --out build/kjv-relu --export-only  # reuse ckpt
 
 Deterministic for a given seed and thread count (``--threads``, default 1: on a shared,
 oversubscribed 2-core machine one thread is about 3x faster than two).

@@ -8,10 +8,10 @@ takes them through read -> ``powerpy.load`` -> two generated tokens -> detokeniz
 the outcome: ``"ok"``, ``"PowerpyError"`` or ``"NonFiniteError"``. Any other exception is a
 library bug and propagates (``run_case`` is both).
 
-The drafts and the raw writer are in ``fuzz_files``, the model-file mutations in
-``fuzz_mutations``, the gpuidx/statistics mutations and the issue's seed cases in
-``fuzz_side_files``. Used by ``tests/test_fuzz_path.py`` (hypothesis), ``tests/test_cli_errors.py``
-and ``tools/fuzz.py`` (subprocesses).
+The drafts and the raw writer are in ``files``, the model-file mutations in ``mutations``, the
+gpuidx/statistics mutations and the issue's seed cases in ``side_files``. Used by
+``tests/test_fuzz_path.py`` (hypothesis), ``tests/test_cli_errors.py`` and ``tools/fuzz.py``
+(subprocesses).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fuzz_mutations  # noqa: F401 - registers the model-file mutations
 import numpy as np
-from fuzz_files import (
+
+import powerpy.testing.fuzz.mutations  # noqa: F401 - registers the model-file mutations
+from powerpy.testing.fuzz.files import (
     BUDGET_GIB,
     FAMILIES,
     MUTATIONS,
@@ -34,7 +35,7 @@ from fuzz_files import (
     pick,
     write_draft,
 )  # fmt: skip
-from fuzz_side_files import SEED_CASES
+from powerpy.testing.fuzz.side_files import SEED_CASES
 
 
 class GeneratorError(Exception):
@@ -48,6 +49,8 @@ PROMPTS = (PROMPT, PROMPT, "<s> a</s>", "日本語 ok\n", "  ", "\udcff\x00x")
 # --- cases ----------------------------------------------------------------------------------------
 @dataclass
 class Prepared:
+    """The files of one case and how to load them; ``run`` fills ``errors``."""
+
     family: str
     mutation: str
     seed: int
@@ -60,7 +63,8 @@ class Prepared:
     prompt: str = PROMPT
 
 
-def _finish(d: Draft, family: str, name: str, seed: int, what: str, workdir: Path) -> Prepared:
+def finish(d: Draft, family: str, name: str, seed: int, what: str, workdir: Path) -> Prepared:
+    """Write draft ``d`` (and its side files) into ``workdir``; the case to ``run``."""
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / ("model.powerinfer.gguf" if d.sparse else "model.gguf")
     write_draft(model, d)
@@ -87,7 +91,7 @@ def prepare(name: str, seed: int, workdir: Path) -> Prepared:
         other = pick(rng, [m for m, (f, _) in MUTATIONS.items() if f in MODEL_FAMILIES])
         try:
             what += f" + {other}: {MUTATIONS[other][1](d, rng)}"
-        except (StopIteration, ValueError, KeyError, IndexError, TypeError):
+        except (StopIteration, ValueError, KeyError, IndexError, TypeError, OverflowError):
             what += f" + {other} (not applicable)"  # e.g. predictor edits on a dense model
     if family in ("tensors", "predictor", "alignment") and rng.random() < 0.3:
         d.load = {"vram_budget": BUDGET_GIB, "device": "cpu"}
@@ -98,7 +102,7 @@ def prepare(name: str, seed: int, workdir: Path) -> Prepared:
     if not d.load and rng.random() < 0.2:
         d.load = pick(rng, ({"weight_format": "f32"}, {"dense": True}))
         what += f" {d.load}"
-    p = _finish(d, family, name, seed, what, workdir)
+    p = finish(d, family, name, seed, what, workdir)
     p.prompt = pick(rng, PROMPTS)
     return p
 
@@ -108,7 +112,7 @@ def prepare_seed_case(name: str, workdir: Path) -> Prepared:
     family, fn = SEED_CASES[name]
     d = base_draft(True)
     fn(d)
-    return _finish(d, family, name, 0, name, workdir)
+    return finish(d, family, name, 0, name, workdir)
 
 
 def run(p: Prepared) -> str:
@@ -117,7 +121,7 @@ def run(p: Prepared) -> str:
     Raises:
         Exception: anything that is not a ``PowerpyError`` (a library bug).
     """
-    import powerpy
+    from powerpy import api
     from powerpy.errors import NonFiniteError, PowerpyError
     from powerpy.formats.gguf_reader import read_gguf
 
@@ -137,7 +141,7 @@ def run(p: Prepared) -> str:
     try:
         with read_gguf(p.model):
             pass
-        llm = powerpy.load(p.model, **p.load)
+        llm = api.load(p.model, **p.load)
         try:
             ids = [r.token for r in llm.stream(p.prompt, 2, temperature=0.8, seed=p.seed)]
             llm.detokenize(ids)
@@ -175,6 +179,6 @@ def families() -> dict[str, list[str]]:
 
 
 __all__ = [
-    "BUDGET_GIB", "FAMILIES", "MUTATIONS", "OUTCOMES", "SEED_CASES", "Prepared", "base_draft",
-    "families", "prepare", "prepare_seed_case", "run", "run_case",
+    "BUDGET_GIB", "FAMILIES", "MUTATIONS", "OUTCOMES", "SEED_CASES", "GeneratorError", "Prepared",
+    "base_draft", "families", "finish", "prepare", "prepare_seed_case", "run", "run_case",
 ]  # fmt: skip
