@@ -4,8 +4,8 @@ llama, under the ``bamboo.`` prefix."""
 
 from __future__ import annotations
 
-from powerpy.families.llama import BLOCK
 from powerpy.families.base import Family, FFNVariant
+from powerpy.families.llama import BLOCK
 
 FAMILY = Family(
     arch="bamboo",
