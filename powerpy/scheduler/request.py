@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from powerpy.sampling import Sampler, SamplingParams, apply_repeat_penalty, make_sampler
+from powerpy.scheduler.logprobs import TokenLogprob
 
 _ids = itertools.count(1)
 
@@ -75,10 +76,20 @@ def build_sampler(s: Sampling, eog_ids: Sequence[int] = ()) -> Sampler:
 # ----------------------------------------------------------------------------------- events
 @dataclass(frozen=True)
 class Delta:
-    """New text of a request (may be empty when only tokens arrived), and its token ids."""
+    """New text of a request (may be empty when only tokens arrived), its token ids and, when
+    the request asked (``Request.logprobs``), their log-probabilities."""
 
     text: str
     tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's own tokens with their log-probabilities (the first has none), sent before
+    any :class:`Delta` when ``Request.prompt_logprobs`` is set."""
+
+    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,7 @@ class Failed:
     message: str
 
 
-Event = Delta | Finished | Failed
+Event = Delta | PromptLogprobs | Finished | Failed
 
 
 class Request:
@@ -133,10 +144,16 @@ class Request:
         sampling: Sampling | None = None,
         stop: Sequence[str] = (),
         on_event: Callable[[Event], None] | None = None,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         """Args: ``prompt`` token ids (non-empty); ``max_tokens`` the most tokens to sample
         (-1: until the context is full, 0: none); ``sampling``; ``stop`` strings;
-        ``on_event`` the callback (None: events are dropped)."""
+        ``on_event`` the callback (None: events are dropped); ``logprobs``: report each
+        sampled token's log-probability with this many alternatives (None: off);
+        ``prompt_logprobs``: also score the prompt's tokens (its whole prompt then runs, the
+        slot's cached prefix is not reused)."""
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         self.id = next(_ids)
@@ -145,6 +162,8 @@ class Request:
         self.sampling = sampling or Sampling()
         self.stop = [s for s in stop if s]
         self.on_event = on_event
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
         self.cancelled = False
 
     def cancel(self) -> None:

@@ -11,8 +11,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from powerpy.scheduler import Delta, Failed, Finished, Sampling
+from powerpy.serve import logprobs as lp
 from powerpy.serve.errors import bad_request
-from powerpy.serve.openai_routes import collect, service_of, sse
+from powerpy.serve.openai_routes import check_top, collect, service_of, sse
 from powerpy.serve.schemas import DetokenizeRequest, LlamaCompletionRequest, TokenizeRequest, parse
 
 router = APIRouter()
@@ -77,8 +78,7 @@ async def completion(request: HTTPRequest):
     svc = service_of(request)
     body = parse(LlamaCompletionRequest, await request.body())
     svc.check_model(body.model)
-    if body.n_probs:
-        raise bad_request("n_probs is not supported", param="n_probs")
+    n_probs = check_top(body.n_probs, "n_probs") or 0
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -87,12 +87,13 @@ async def completion(request: HTTPRequest):
     sampling, stop = svc.sampling(body), body.stop_list()
     n_predict = svc.budget(body.n_predict, param="n_predict", allow_unlimited=True)
     ids = await svc.encode(prompt)
-    gen = svc.generation([ids], n_predict, sampling, stop)
+    gen = svc.generation([ids], n_predict, sampling, stop, logprobs=n_probs or None)
+    tok = svc.scheduler.tokenizer
     prompt_text = prompt if isinstance(prompt, str) else svc.scheduler.tokenizer.decode(prompt)
     extra = {
         "model": svc.config.model_id,
         "prompt": prompt_text,
-        "generation_settings": settings(sampling, n_predict, stop),
+        "generation_settings": {**settings(sampling, n_predict, stop), "n_probs": n_probs},
     }
     if body.stream:
 
@@ -101,9 +102,12 @@ async def completion(request: HTTPRequest):
             async for _, ev in gen.events():
                 if isinstance(ev, Delta):
                     tokens.extend(ev.tokens)
-                    if ev.text:
-                        yield {"content": ev.text, "tokens": list(ev.tokens), "stop": False,
+                    if ev.text or n_probs:
+                        out = {"content": ev.text, "tokens": list(ev.tokens), "stop": False,
                                "id_slot": -1, "index": 0}  # fmt: skip
+                        if n_probs:
+                            out["completion_probabilities"] = lp.llama(tok, ev.logprobs)
+                        yield out
                 elif isinstance(ev, Finished):
                     yield {**final(ev, "", tokens if body.return_tokens else [], extra), "index": 0}
                 elif isinstance(ev, Failed):
@@ -111,9 +115,12 @@ async def completion(request: HTTPRequest):
                     return
 
         return sse(gen, chunks(), done=False)
-    texts, finals, tokens = await collect(gen, request)
-    ids = tokens[0] if body.return_tokens else []
-    return JSONResponse(final(finals[0], texts[0], ids, extra))
+    (c,) = await collect(gen, request)
+    assert c.final is not None
+    out = final(c.final, c.text, c.tokens if body.return_tokens else [], extra)
+    if n_probs:
+        out["completion_probabilities"] = lp.llama(tok, c.logprobs)
+    return JSONResponse(out)
 
 
 @router.post("/tokenize")

@@ -8,6 +8,7 @@ the model. Tokenizing and chat templates run in a thread pool, off the event loo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ from powerpy.serve.errors import APIError, bad_request
 from powerpy.serve.schemas import ChatMessage, SamplingFields
 
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+MAX_N = 16  # choices per prompt (n)
+MAX_CHOICES = 64  # choices per request, all prompts together
+SEED_MOD = 2**64
 
 
 @dataclass
@@ -83,17 +87,25 @@ class Service:
             code="model_not_found",
         )
 
-    def budget(self, value: int | None, *, param: str, allow_unlimited: bool = False) -> int:
+    def budget(
+        self,
+        value: int | None,
+        *,
+        param: str,
+        allow_unlimited: bool = False,
+        allow_zero: bool = False,
+    ) -> int:
         """The token budget of a request: ``value`` or the server default, within limits.
 
         Raises:
-            APIError: 400 for a budget below 1 (below -1 with ``allow_unlimited``, llama.cpp's
-                ``n_predict``) or above ``max_tokens``.
+            APIError: 400 for a budget below 1 (below 0 with ``allow_zero``, a scored prompt;
+                below -1 with ``allow_unlimited``, llama.cpp's ``n_predict``) or above
+                ``max_tokens``.
         """
         if value is None:
             value = self.config.n_predict
             return value if value < 0 else min(value, self.max_tokens)
-        low = -1 if allow_unlimited else 1
+        low = -1 if allow_unlimited else 0 if allow_zero else 1
         if value < low:
             raise bad_request(f"{param} must be at least {low}, got {value}", param=param)
         if value > self.max_tokens:
@@ -108,10 +120,10 @@ class Service:
         """The sampler settings of a request (llama.cpp's defaults for what it leaves out).
 
         Raises:
-            APIError: 400 for ``n`` other than 1 or a malformed ``logit_bias``.
+            APIError: 400 for ``n`` outside 1..``MAX_N`` or a malformed ``logit_bias``.
         """
-        if body.n is not None and body.n != 1:
-            raise bad_request("only n = 1 is supported", param="n")
+        if body.n is not None and not 1 <= body.n <= MAX_N:
+            raise bad_request(f"n must be 1..{MAX_N}, got {body.n}", param="n")
         d = SamplingParams()
 
         def pick(value, default):
@@ -201,14 +213,35 @@ class Service:
         stop: Sequence[str],
         *,
         param: str = "prompt",
+        n: int = 1,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> Generation:
-        """Submit one request per prompt; their events come from ``Generation.events``.
+        """Submit ``n`` requests per prompt (the choices, prompt by prompt); their events come
+        from ``Generation.events``. Choice ``i`` samples with ``seed + i`` when the request
+        gave a seed, so every choice is its own stream and a seeded request repeats.
+        ``logprobs`` and ``prompt_logprobs``: as :class:`powerpy.scheduler.Request`'s.
 
         Raises:
-            APIError: 400 for a prompt longer than the context, 503 (with ``Retry-After``)
-                when the queue is full or the server is shutting down.
+            APIError: 400 for a prompt longer than the context or more than ``MAX_CHOICES``
+                choices, 503 (with ``Retry-After``) when the queue is full or the server is
+                shutting down.
         """
-        gen = Generation(self, prompts, max_tokens, sampling, stop)
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request(
+                f"{len(prompts)} prompts x n = {n} make more than {MAX_CHOICES} choices", param="n"
+            )
+        choices = [ids for ids in prompts for _ in range(n)]
+        samplings = [choice_sampling(sampling, i) for i in range(len(choices))]
+        gen = Generation(
+            self,
+            choices,
+            max_tokens,
+            samplings,
+            stop,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
         try:
             for r in gen.requests:
                 self.scheduler.submit(r)
@@ -227,23 +260,43 @@ class Service:
         return gen
 
 
+def choice_sampling(sampling: Sampling, index: int) -> Sampling:
+    """The settings of choice ``index``: its own seed, ``seed + index``, when one was given."""
+    seed = sampling.params.seed
+    if seed is None or index == 0:
+        return sampling
+    params = dataclasses.replace(sampling.params, seed=(seed + index) % SEED_MOD)
+    return dataclasses.replace(sampling, params=params)
+
+
 class Generation:
-    """Scheduler requests (one per prompt) whose events arrive on one asyncio queue."""
+    """Scheduler requests (one per choice) whose events arrive on one asyncio queue."""
 
     def __init__(
         self,
         service: Service,
         prompts: list[list[int]],
         max_tokens: int,
-        sampling: Sampling,
+        samplings: Sequence[Sampling],
         stop: Sequence[str],
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.service = service
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
         self.requests = [
-            Request(ids, max_tokens, sampling, stop, on_event=self._poster(i))
-            for i, ids in enumerate(prompts)
+            Request(
+                ids,
+                max_tokens,
+                sampling,
+                stop,
+                on_event=self._poster(i),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+            )
+            for i, (ids, sampling) in enumerate(zip(prompts, samplings, strict=True))
         ]
         self.prompts = prompts
         self._open = len(self.requests)
@@ -275,7 +328,7 @@ class Generation:
         self.close()
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
-        """``(prompt index, event)`` until every request has finished or failed."""
+        """``(choice index, event)`` until every request has finished or failed."""
         while self._open:
             index, event = await self.queue.get()
             if event is None:
