@@ -1,5 +1,7 @@
 """llama.cpp's native endpoints, for PowerInfer's users: ``/completion``, ``/tokenize``,
-``/detokenize`` (llama-server's field names)."""
+``/detokenize`` (llama-server's field names). ``/tokenize`` also takes vLLM's fields and, with
+``/tokenizer_info``, serves evaluation harnesses the model's own tokenizer (lm-eval's
+``tokenizer_backend=remote``)."""
 
 from __future__ import annotations
 
@@ -128,6 +130,13 @@ async def tokenize(request: HTTPRequest):
     svc = service_of(request)
     body = parse(TokenizeRequest, await request.body())
     tok = svc.scheduler.tokenizer
+    if body.prompt is not None:  # vLLM's form
+        ids = await run_in_threadpool(
+            tok.encode, body.prompt, add_bos=body.add_special_tokens and tok.add_bos
+        )
+        return {"tokens": ids, "count": len(ids), "max_model_len": svc.scheduler.n_ctx}
+    if body.content is None:
+        raise bad_request("missing required parameter 'content'", param="content")
     ids = await run_in_threadpool(
         tok.encode, body.content, add_bos=body.add_special and tok.add_bos
     )
@@ -142,6 +151,29 @@ async def tokenize(request: HTTPRequest):
             piece = list(raw)
         pieces.append({"id": i, "piece": piece})
     return {"tokens": pieces}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: HTTPRequest):
+    """vLLM's tokenizer facts: the special tokens' texts and the chat template."""
+    svc = service_of(request)
+    tok = svc.scheduler.tokenizer
+
+    def text(token_id: int | None) -> str | None:
+        if token_id is None:
+            return None
+        return tok.token_to_piece(token_id, special=True).decode("utf-8", "replace")
+
+    return {
+        "tokenizer_class": "powerpy",
+        "bos_token": text(tok.bos_id),
+        "eos_token": text(tok.eos_id),
+        "pad_token": text(tok.pad_id),
+        "add_bos_token": tok.add_bos,
+        "chat_template": tok.chat_template,
+        "model_max_length": svc.scheduler.n_ctx,
+        "vocab_size": tok.vocab_size,
+    }
 
 
 @router.post("/detokenize")

@@ -105,9 +105,13 @@ class LlamaCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    content: str
+    """llama.cpp's ``content``/``add_special``, or vLLM's ``prompt``/``add_special_tokens``."""
+
+    content: str | None = None
     add_special: bool = False
     with_pieces: bool = False
+    prompt: str | None = None
+    add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Body):
