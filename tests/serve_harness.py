@@ -54,10 +54,12 @@ class ServerProcess:
     def log(self) -> str:
         return "".join(self.lines)
 
-    def client(self, api_key: str = "none"):
+    def client(self, api_key: str = "none", timeout: float = 60):
         import openai
 
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=timeout
+        )
 
     def connect(self, method: str, path: str, body=None, headers=None):
         """Send a request; returns (connection, response) with the body unread."""

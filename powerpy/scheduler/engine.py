@@ -428,8 +428,11 @@ class Scheduler:
         req = s.req
         assert req is not None
         try:
-            tok = s.sampler(logits, s.history)
+            allowed = logits if req.constraint is None else req.constraint.apply(logits)
+            tok = s.sampler(allowed, s.history)
             lps = () if req.logprobs is None else (sampled_logprob(logits, tok, req.logprobs),)
+            if req.constraint is not None:
+                req.constraint.accept(tok)
         except Exception as e:
             self._fail(s, e)
             return
@@ -452,6 +455,11 @@ class Scheduler:
                 self._emit(req, Delta(text + s.stopper.flush(), (tok,), lps))
                 self._finish(s, "length")
                 return
+        if req.constraint is not None and req.constraint.finished and s.stopper.matched is None:
+            text += s.stopper.push(s.decoder.flush()) + s.stopper.flush()  # the grammar is done
+            self._emit(req, Delta(text, (tok,), lps))
+            self._finish(s, "stop", eos=True)
+            return
         self._emit(req, Delta(text, (tok,), lps))
         if s.stopper.matched is not None:
             self._finish(s, "stop")

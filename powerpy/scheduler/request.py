@@ -14,6 +14,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -71,6 +72,23 @@ def build_sampler(s: Sampling, eog_ids: Sequence[int] = ()) -> Sampler:
         return base(logits, history)
 
     return sample
+
+
+class Constraint(Protocol):
+    """A request's grammar state (:class:`powerpy.structured.Constraint` is one)."""
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """The logits with what the grammar forbids at -inf."""
+        ...
+
+    def accept(self, token: int) -> None:
+        """Follow the sampled token."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """Nothing but the end may follow."""
+        ...
 
 
 # ----------------------------------------------------------------------------------- events
@@ -147,13 +165,15 @@ class Request:
         *,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        constraint: Constraint | None = None,
     ) -> None:
         """Args: ``prompt`` token ids (non-empty); ``max_tokens`` the most tokens to sample
         (-1: until the context is full, 0: none); ``sampling``; ``stop`` strings;
         ``on_event`` the callback (None: events are dropped); ``logprobs``: report each
         sampled token's log-probability with this many alternatives (None: off);
         ``prompt_logprobs``: also score the prompt's tokens (its whole prompt then runs, the
-        slot's cached prefix is not reused)."""
+        slot's cached prefix is not reused); ``constraint``: this request's own grammar state
+        (:class:`Constraint`), which masks every step's logits."""
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         self.id = next(_ids)
@@ -164,6 +184,7 @@ class Request:
         self.on_event = on_event
         self.logprobs = logprobs
         self.prompt_logprobs = prompt_logprobs
+        self.constraint = constraint
         self.cancelled = False
 
     def cancel(self) -> None:

@@ -89,7 +89,16 @@ async def completion(request: HTTPRequest):
     sampling, stop = svc.sampling(body), body.stop_list()
     n_predict = svc.budget(body.n_predict, param="n_predict", allow_unlimited=True)
     ids = await svc.encode(prompt)
-    gen = svc.generation([ids], n_predict, sampling, stop, logprobs=n_probs or None)
+    if body.grammar and body.json_schema is not None:
+        raise bad_request("give either grammar or json_schema", param="grammar")
+    grammar = None
+    if body.json_schema is not None:
+        grammar = await svc.grammar("json_schema", body.json_schema, param="json_schema")
+    elif body.grammar:
+        grammar = await svc.grammar("gbnf", body.grammar, param="grammar")
+    gen = svc.generation(
+        [ids], n_predict, sampling, stop, logprobs=n_probs or None, grammar=grammar
+    )
     tok = svc.scheduler.tokenizer
     prompt_text = prompt if isinstance(prompt, str) else svc.scheduler.tokenizer.decode(prompt)
     extra = {

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 from sse_starlette import EventSourceResponse
@@ -27,8 +27,11 @@ from powerpy.scheduler import (
 )
 from powerpy.serve import logprobs as lp
 from powerpy.serve.errors import APIError, bad_request, error_body
-from powerpy.serve.schemas import ChatRequest, CompletionRequest, parse
+from powerpy.serve.schemas import ChatRequest, CompletionRequest, ResponseFormat, parse
 from powerpy.serve.service import Generation, Service
+
+if TYPE_CHECKING:
+    from powerpy.structured import Grammar
 
 router = APIRouter()
 MAX_PROMPTS = 16  # prompts in one /v1/completions request
@@ -116,6 +119,29 @@ async def collect(gen: Generation, request: HTTPRequest) -> list[Choice]:
     return choices
 
 
+async def response_grammar(svc: Service, rf: ResponseFormat | None) -> Grammar | None:
+    """The grammar of OpenAI's ``response_format`` (None for text).
+
+    Raises:
+        APIError: 400 for an unknown type, a ``json_schema`` without its schema, or a schema
+            the grammar engine cannot compile.
+    """
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return await svc.grammar("json_schema", {"type": "object"}, param="response_format")
+    if rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request(
+                "response_format.json_schema.schema is required", param="response_format"
+            )
+        return await svc.grammar("json_schema", rf.json_schema.schema_, param="response_format")
+    raise bad_request(
+        f"unknown response_format type {rf.type!r}: 'text', 'json_object' or 'json_schema'",
+        param="response_format",
+    )
+
+
 def check_top(k: int | None, param: str) -> int | None:
     """A requested count of alternatives, within ``0..MAX_TOP_LOGPROBS``.
 
@@ -165,7 +191,10 @@ async def completions(request: HTTPRequest):
         for _ in range(n)
     ]
     scored = body.echo and k is not None  # the prompt's own logprobs
-    gen = svc.generation(ids, max_tokens, sampling, stop, n=n, logprobs=k, prompt_logprobs=scored)
+    grammar = await response_grammar(svc, body.response_format)
+    gen = svc.generation(
+        ids, max_tokens, sampling, stop, n=n, logprobs=k, prompt_logprobs=scored, grammar=grammar
+    )
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), svc.config.model_id
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,8 +272,7 @@ async def chat_completions(request: HTTPRequest):
     k = (top or 0) if body.logprobs else None
     if body.tools:
         raise bad_request("tools are not supported by this server", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request("only the 'text' response format is supported", param="response_format")
+    grammar = await response_grammar(svc, body.response_format)
     sampling, stop = svc.sampling(body), body.stop_list()
     if body.max_completion_tokens is not None:
         max_tokens = svc.budget(body.max_completion_tokens, param="max_completion_tokens")
@@ -252,7 +280,9 @@ async def chat_completions(request: HTTPRequest):
         max_tokens = svc.budget(body.max_tokens, param="max_tokens")
     ids = await svc.encode_chat(body.messages)
     n = body.n or 1
-    gen = svc.generation([ids], max_tokens, sampling, stop, param="messages", n=n, logprobs=k)
+    gen = svc.generation(
+        [ids], max_tokens, sampling, stop, param="messages", n=n, logprobs=k, grammar=grammar
+    )
     tok = svc.scheduler.tokenizer
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.config.model_id
 

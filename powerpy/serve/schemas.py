@@ -53,6 +53,20 @@ class SamplingFields(_Body):
         return stops
 
 
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+
+    type: str
+    json_schema: JSONSchemaFormat | None = None
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
@@ -62,6 +76,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ContentPart(_Body):
@@ -75,11 +90,6 @@ class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-
-
-class ResponseFormat(_Body):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
 
 
 class ChatRequest(SamplingFields):
@@ -100,6 +110,8 @@ class LlamaCompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     n_predict: int | None = Field(None, ge=-1)
     n_probs: int | None = None
+    grammar: str | None = None  # GBNF
+    json_schema: dict[str, Any] | bool | None = None
     return_tokens: bool = False
     cache_prompt: bool = True
 

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
@@ -31,6 +31,9 @@ from powerpy.scheduler import (
 )
 from powerpy.serve.errors import APIError, bad_request
 from powerpy.serve.schemas import ChatMessage, SamplingFields
+
+if TYPE_CHECKING:
+    from powerpy.structured import Grammar
 
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 MAX_N = 16  # choices per prompt (n)
@@ -205,6 +208,23 @@ class Service:
             raise bad_request("the conversation renders to an empty prompt", param="messages")
         return ids
 
+    async def grammar(self, kind: str, spec: Any, *, param: str) -> Grammar:
+        """A compiled grammar (``powerpy.structured``; compiled in a worker thread).
+
+        Raises:
+            APIError: 400 naming the problem when the grammar or schema does not compile (or
+                the ``structured`` extra is not installed).
+        """
+        from powerpy.structured import GrammarError, compile_grammar
+
+        n_vocab = self.scheduler.model.args.n_vocab
+        try:
+            return await run_in_threadpool(
+                compile_grammar, self.scheduler.tokenizer, kind, spec, n_vocab
+            )
+        except GrammarError as e:
+            raise bad_request(str(e), param=param, code="invalid_grammar") from None
+
     def generation(
         self,
         prompts: list[list[int]],
@@ -216,11 +236,13 @@ class Service:
         n: int = 1,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        grammar: Grammar | None = None,
     ) -> Generation:
         """Submit ``n`` requests per prompt (the choices, prompt by prompt); their events come
         from ``Generation.events``. Choice ``i`` samples with ``seed + i`` when the request
         gave a seed, so every choice is its own stream and a seeded request repeats.
-        ``logprobs`` and ``prompt_logprobs``: as :class:`powerpy.scheduler.Request`'s.
+        ``logprobs`` and ``prompt_logprobs``: as :class:`powerpy.scheduler.Request`'s;
+        ``grammar``: every choice follows it with its own state.
 
         Raises:
             APIError: 400 for a prompt longer than the context or more than ``MAX_CHOICES``
@@ -241,6 +263,7 @@ class Service:
             stop,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
         try:
             for r in gen.requests:
@@ -282,6 +305,7 @@ class Generation:
         *,
         logprobs: int | None = None,
         prompt_logprobs: bool = False,
+        grammar: Grammar | None = None,
     ) -> None:
         self.service = service
         self.loop = asyncio.get_running_loop()
@@ -295,6 +319,7 @@ class Generation:
                 on_event=self._poster(i),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                constraint=None if grammar is None else grammar.constraint(),
             )
             for i, (ids, sampling) in enumerate(zip(prompts, samplings, strict=True))
         ]
