@@ -193,13 +193,16 @@ class Scheduler:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
         return ids
 
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
-        """The prompt ids of a conversation, through the model's chat template.
+    def encode_chat(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None = None
+    ) -> list[int]:
+        """The prompt ids of a conversation (with ``tools`` definitions), through the model's
+        chat template.
 
         Raises:
             ValueError: malformed messages or a failing template.
         """
-        ids = encode_chat(self.tokenizer, messages, tokenize=True, source=self.source)
+        ids = encode_chat(self.tokenizer, messages, tokenize=True, source=self.source, tools=tools)
         return list(ids)
 
     # ------------------------------------------------------------------------- control

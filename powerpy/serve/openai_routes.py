@@ -29,6 +29,8 @@ from powerpy.serve import logprobs as lp
 from powerpy.serve.errors import APIError, bad_request, error_body
 from powerpy.serve.schemas import ChatRequest, CompletionRequest, ResponseFormat, parse
 from powerpy.serve.service import Generation, Service
+from powerpy.serve.tools import parse as parse_calls
+from powerpy.serve.tools import plan as tool_plan
 
 if TYPE_CHECKING:
     from powerpy.structured import Grammar
@@ -262,7 +264,9 @@ async def completions(request: HTTPRequest):
 @router.post("/v1/chat/completions")
 @router.post("/chat/completions")
 async def chat_completions(request: HTTPRequest):
-    """OpenAI's chat completions: ``n`` choices, ``logprobs`` with ``top_logprobs``."""
+    """OpenAI's chat completions: ``n`` choices, ``logprobs`` with ``top_logprobs``,
+    ``response_format``, ``tools`` (:mod:`powerpy.serve.tools`; a tool request's reply is
+    parsed when it ends, so its stream sends the content and calls then)."""
     svc = service_of(request)
     body = parse(ChatRequest, await request.body())
     svc.check_model(body.model)
@@ -270,20 +274,34 @@ async def chat_completions(request: HTTPRequest):
     if top is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
     k = (top or 0) if body.logprobs else None
-    if body.tools:
-        raise bad_request("tools are not supported by this server", param="tools")
+    tok = svc.scheduler.tokenizer
+    plan = tool_plan(body.tools, body.tool_choice, tok.chat_template)
     grammar = await response_grammar(svc, body.response_format)
+    if plan is not None:
+        if grammar is not None and plan.forced:
+            raise bad_request("a forced tool call and a response_format exclude each other",
+                              param="tool_choice")  # fmt: skip
+        forced, lazy = plan.grammar(tok), plan.lazy(tok)
+        if forced is not None:
+            grammar = await svc.grammar(*forced, param="tools")
+        elif lazy is not None and grammar is None:
+            from powerpy.structured import LazyGrammar
+
+            grammar = LazyGrammar(lazy[0], await svc.grammar("lark", lazy[1], param="tools"))
     sampling, stop = svc.sampling(body), body.stop_list()
     if body.max_completion_tokens is not None:
         max_tokens = svc.budget(body.max_completion_tokens, param="max_completion_tokens")
     else:
         max_tokens = svc.budget(body.max_tokens, param="max_tokens")
-    ids = await svc.encode_chat(body.messages)
+    ids = await svc.encode_chat(
+        body.messages,
+        tools=plan.template_tools if plan else None,
+        system=plan.system if plan else None,
+    )
     n = body.n or 1
     gen = svc.generation(
         [ids], max_tokens, sampling, stop, param="messages", n=n, logprobs=k, grammar=grammar
     )
-    tok = svc.scheduler.tokenizer
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), svc.config.model_id
 
     def chunk(choices: list[dict[str, Any]], obj: str = "chat.completion.chunk") -> dict:
@@ -308,14 +326,26 @@ async def chat_completions(request: HTTPRequest):
 
         async def chunks():
             finals: list[Finished | None] = [None] * n
+            held: list[list[str]] = [[] for _ in range(n)]  # a tool request's text, parsed at end
             for i in range(n):
                 yield chunk(delta(i, {"role": "assistant", "content": ""}))
             async for i, ev in gen.events():
-                if isinstance(ev, Delta) and (ev.text or (k is not None and ev.logprobs)):
+                if isinstance(ev, Delta) and plan is not None:
+                    held[i].append(ev.text)
+                elif isinstance(ev, Delta) and (ev.text or (k is not None and ev.logprobs)):
                     yield chunk(delta(i, {"content": ev.text}, entries=ev.logprobs))
                 elif isinstance(ev, Finished):
                     finals[i] = ev
-                    yield chunk(delta(i, {}, ev.reason))
+                    reason = ev.reason
+                    if plan is not None:
+                        content, calls = parse_calls("".join(held[i]), plan.style)
+                        if content:
+                            yield chunk(delta(i, {"content": content}))
+                        if calls:
+                            reason = "tool_calls"
+                            indexed = [{"index": j, **c} for j, c in enumerate(calls)]
+                            yield chunk(delta(i, {"tool_calls": indexed}))
+                    yield chunk(delta(i, {}, reason))
                 elif isinstance(ev, Failed):
                     yield _failed_chunk(ev)
                     return
@@ -327,9 +357,15 @@ async def chat_completions(request: HTTPRequest):
     choices = []
     for i, c in enumerate(results):
         assert c.final is not None
-        message = {"role": "assistant", "content": c.text}
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        reason = c.final.reason
+        if plan is not None:
+            content, calls = parse_calls(c.text, plan.style)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason = "tool_calls"
         choices.append({"index": i, "message": message, "logprobs": logprobs_of(c.logprobs),
-                        "finish_reason": c.final.reason})  # fmt: skip
+                        "finish_reason": reason})  # fmt: skip
     return JSONResponse(
         {**chunk(choices, "chat.completion"), "usage": usage([c.final for c in results], n)}
     )

@@ -101,6 +101,8 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
 

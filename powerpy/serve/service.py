@@ -31,6 +31,7 @@ from powerpy.scheduler import (
 )
 from powerpy.serve.errors import APIError, bad_request
 from powerpy.serve.schemas import ChatMessage, SamplingFields
+from powerpy.serve.tools import for_template
 
 if TYPE_CHECKING:
     from powerpy.structured import Grammar
@@ -177,8 +178,16 @@ class Service:
             raise bad_request("the prompt is empty", param=param)
         return ids
 
-    async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Prompt ids of a conversation through the model's chat template (in a worker thread).
+    async def encode_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: list[Any] | None = None,
+        system: str | None = None,
+    ) -> list[int]:
+        """Prompt ids of a conversation through the model's chat template (in a worker thread),
+        with the template's ``tools`` or a ``system`` message put first. Earlier tool calls and
+        tool results (``tool_calls``, ``tool_call_id``, ``name``) reach the template.
 
         Raises:
             APIError: 400 for non-text content or a conversation the template rejects.
@@ -199,9 +208,17 @@ class Service:
                 raise bad_request(f"message {i} has no content", param=f"messages.{i}.content")
             else:
                 content = m.content or ""
-            plain.append({"role": CHAT_ROLES.get(m.role, m.role), "content": content})
+            msg = {"role": CHAT_ROLES.get(m.role, m.role), "content": content}
+            for key in ("tool_calls", "tool_call_id", "name"):
+                value = getattr(m, key, None) or (m.model_extra or {}).get(key)
+                if value is not None:
+                    msg[key] = value
+            plain.append(msg)
+        if system:
+            plain.insert(0, {"role": "system", "content": system})
+        plain = for_template(plain)
         try:
-            ids = await run_in_threadpool(self.scheduler.encode_chat, plain)
+            ids = await run_in_threadpool(self.scheduler.encode_chat, plain, tools)
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
         if not ids:

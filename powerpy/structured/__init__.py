@@ -9,7 +9,8 @@ from powerpy.structured.grammar import (
     Constraint,
     Grammar,
     GrammarError,
+    LazyGrammar,
     compile_grammar,
 )
 
-__all__ = ["KINDS", "Constraint", "Grammar", "GrammarError", "compile_grammar"]
+__all__ = ["KINDS", "Constraint", "Grammar", "GrammarError", "LazyGrammar", "compile_grammar"]

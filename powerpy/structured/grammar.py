@@ -140,3 +140,36 @@ class Constraint:
     def finished(self) -> bool:
         """The grammar is complete: nothing but end-of-generation may follow."""
         return self.matcher.is_stopped()
+
+
+@dataclass(frozen=True)
+class LazyGrammar:
+    """A grammar that starts after a ``trigger`` token (a tool call's opening token): the
+    model writes freely until it emits the trigger, then the grammar holds it."""
+
+    trigger: int
+    grammar: Grammar
+
+    def constraint(self) -> LazyConstraint:
+        return LazyConstraint(self)
+
+
+class LazyConstraint:
+    """One request's state of a :class:`LazyGrammar`."""
+
+    def __init__(self, lazy: LazyGrammar) -> None:
+        self.lazy = lazy
+        self.inner: Constraint | None = None
+
+    def apply(self, logits: Tensor) -> Tensor:
+        return logits if self.inner is None else self.inner.apply(logits)
+
+    def accept(self, token: int) -> None:
+        if self.inner is not None:
+            self.inner.accept(token)
+        elif token == self.lazy.trigger:
+            self.inner = self.lazy.grammar.constraint()
+
+    @property
+    def finished(self) -> bool:
+        return self.inner is not None and self.inner.finished

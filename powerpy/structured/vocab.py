@@ -56,6 +56,10 @@ def tokenizer_for(tok: Tokenizer) -> Any:
     if cached is None:
         pieces, special = token_pieces(tok)
         eos = sorted(tok.eog_ids) or [tok.eos_id if tok.eos_id is not None else 0]
-        cached = ll_tokenizer(pieces, special, eos, lambda t: tok.encode(t, add_bos=False))
+        if tok.add_space_prefix:  # encode would prefix a space: a continuation must not get one
+            greedy = ll_tokenizer(pieces, special, eos, lambda t: [])
+            cached = ll_tokenizer(pieces, special, eos, greedy.greedy_tokenize)
+        else:
+            cached = ll_tokenizer(pieces, special, eos, lambda t: tok.encode(t, add_bos=False))
         tok._llguidance = cached  # type: ignore[attr-defined]
     return cached
