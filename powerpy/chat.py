@@ -34,6 +34,14 @@ _CHATML_NOTED: set[str] = set()
 Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | ..., "content": str}
 
 
+def template_tools(template: str | None) -> str | None:
+    """How a chat template writes tool calls: "qwen" (``<tool_call>`` JSON), "other" (it reads
+    ``tools`` in another syntax) or None (it knows no tools; ChatML, the fallback, does not)."""
+    if not template or "tools" not in template:
+        return None
+    return "qwen" if "<tool_call>" in template else "other"
+
+
 def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """The messages as plain dicts, after checking each has a string role and content.
 
@@ -78,6 +86,7 @@ def render_chat(
     bos_token: str = "",
     eos_token: str = "",
     source: str = "model",
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str:
     """The prompt text of a conversation.
 
@@ -87,6 +96,7 @@ def render_chat(
         add_generation_prompt: end with the assistant's turn header, ready for its reply.
         bos_token, eos_token: texts of the special tokens, for templates that write them.
         source: the model file, for error messages.
+        tools: OpenAI-style tool definitions, the template's ``tools`` (HF's convention).
 
     Raises:
         ValueError: malformed messages, or a template that fails to compile or raises.
@@ -105,6 +115,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             bos_token=bos_token,
             eos_token=eos_token,
+            **({"tools": list(tools)} if tools else {}),
         )
     except TemplateError as e:
         raise ValueError(f"{source}: chat template failed: {e}") from None
@@ -117,11 +128,13 @@ def encode_chat(
     add_generation_prompt: bool = True,
     tokenize: bool = False,
     source: str = "model",
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> str | list[int]:
     """A conversation as the model's chat prompt (its ``tokenizer.chat_template``).
 
     Args:
         tokenizer: the model's tokenizer (its chat template and special tokens).
+        tools: tool definitions for templates that render them.
         messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
         add_generation_prompt: end with the assistant's turn header.
         tokenize: return token ids (BOS added per the file, unless the template wrote it).
@@ -144,6 +157,7 @@ def encode_chat(
         bos_token=bos,
         eos_token=eos,
         source=source,
+        tools=tools,
     )
     if not tokenize:
         return text

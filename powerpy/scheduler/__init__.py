@@ -13,11 +13,13 @@ from powerpy.scheduler.engine import (
     ShuttingDown,
     Stats,
 )
+from powerpy.scheduler.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from powerpy.scheduler.request import (
     Delta,
     Event,
     Failed,
     Finished,
+    PromptLogprobs,
     Request,
     Sampling,
     StopMatcher,
@@ -30,6 +32,8 @@ __all__ = [
     "Event",
     "Failed",
     "Finished",
+    "MAX_TOP_LOGPROBS",
+    "PromptLogprobs",
     "PromptTooLong",
     "QueueFull",
     "Request",
@@ -38,5 +42,6 @@ __all__ = [
     "ShuttingDown",
     "Stats",
     "StopMatcher",
+    "TokenLogprob",
     "build_sampler",
 ]

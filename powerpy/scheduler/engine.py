@@ -28,11 +28,13 @@ from powerpy.chat import Message, encode_chat
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.transformer import FFN_MODES, Model
 from powerpy.scheduler.calibrate import SEQUENTIAL, choose_batch_mode
+from powerpy.scheduler.logprobs import TokenLogprob, prompt_logprobs, sampled_logprob
 from powerpy.scheduler.request import (
     Delta,
     Event,
     Failed,
     Finished,
+    PromptLogprobs,
     Request,
     StopMatcher,
     build_sampler,
@@ -91,8 +93,9 @@ class Slot:
 
     def start(self, req: Request, tokenizer: Tokenizer) -> None:
         """Take ``req``: keep the longest cached prefix of its prompt (at least one token runs,
-        for the logits) and set up its sampler, decoder and stop strings."""
-        keep = common_prefix(self.cached, req.prompt[:-1])
+        for the logits; all of them when the prompt is scored) and set up its sampler, decoder
+        and stop strings."""
+        keep = 0 if req.prompt_logprobs else common_prefix(self.cached, req.prompt[:-1])
         self.cached = self.cached[:keep]
         self.cache.pos = keep
         self.req, self.keep = req, keep
@@ -105,6 +108,7 @@ class Slot:
         room = self.cache.n_ctx - len(req.prompt)
         self.budget = room if req.max_tokens < 0 else min(req.max_tokens, room)
         self.n_gen = 0
+        self.scored: list[TokenLogprob] = []  # the prompt's entries so far (prompt_logprobs)
         self.t0 = time.perf_counter()
         self.t_first: float | None = None
 
@@ -188,13 +192,16 @@ class Scheduler:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
         return ids
 
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
-        """The prompt ids of a conversation, through the model's chat template.
+    def encode_chat(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None = None
+    ) -> list[int]:
+        """The prompt ids of a conversation (with ``tools`` definitions), through the model's
+        chat template.
 
         Raises:
             ValueError: malformed messages or a failing template.
         """
-        ids = encode_chat(self.tokenizer, messages, tokenize=True, source=self.source)
+        ids = encode_chat(self.tokenizer, messages, tokenize=True, source=self.source, tools=tools)
         return list(ids)
 
     # ------------------------------------------------------------------------- control
@@ -328,7 +335,7 @@ class Scheduler:
         slot.start(req, self.tokenizer)
         self.stats.cached_tokens += slot.keep
         log.debug("%r -> slot %d (%d cached tokens reused)", req, slot.index, slot.keep)
-        if slot.budget <= 0:
+        if slot.budget <= 0 and not req.prompt_logprobs:  # scored prompts run, then finish
             self._finish(slot, "length")
 
     def _step(self) -> None:
@@ -345,17 +352,43 @@ class Scheduler:
     def _prefill(self, s: Slot) -> None:
         chunk = s.pending[: self.prefill_chunk]
         t0 = time.perf_counter()
+        req = s.req
+        assert req is not None
+        start = s.cache.pos
         try:
-            logits = self.model.forward(torch.tensor(chunk, dtype=torch.long), s.cache, self.opts)
+            logits = self.model.forward(
+                torch.tensor(chunk, dtype=torch.long),
+                s.cache,
+                self.opts,
+                all_logits=req.prompt_logprobs,
+            )
+            if req.prompt_logprobs:
+                self._score_prompt(s, start, logits)
         except Exception as e:
             self._fail(s, e)
             return
         s.cached.extend(chunk)
         s.pending = s.pending[len(chunk) :]
         if not s.pending:
+            if req.prompt_logprobs:
+                self._emit(req, PromptLogprobs(tuple(s.scored)))
+                if s.budget <= 0:
+                    self._finish(s, "length")
+                    return
             self._sample(s, logits[-1])
         self.stats.prompt_tokens += len(chunk)
         self.stats.prompt_seconds += time.perf_counter() - t0
+
+    def _score_prompt(self, s: Slot, start: int, logits: Tensor) -> None:
+        """Add the entries of the prompt tokens that the rows of ``logits`` (positions ``start``
+        onwards) predict; position 0 gets its token with no log-probability."""
+        assert s.req is not None
+        prompt, k = s.req.prompt, s.req.logprobs or 0
+        if start == 0:
+            s.scored.append(TokenLogprob(prompt[0], None))
+        following = prompt[start + 1 : start + 1 + logits.shape[0]]
+        if following:
+            s.scored.extend(prompt_logprobs(logits[: len(following)], following, k))
 
     def _decode(self, ready: list[Slot]) -> None:
         t0 = time.perf_counter()
@@ -393,8 +426,14 @@ class Scheduler:
 
     def _sample(self, s: Slot, logits: Tensor) -> None:
         """Sample the next token of ``s`` and emit its text, or finish the request."""
+        req = s.req
+        assert req is not None
         try:
-            tok = s.sampler(logits, s.history)
+            allowed = logits if req.constraint is None else req.constraint.apply(logits)
+            tok = s.sampler(allowed, s.history)
+            lps = () if req.logprobs is None else (sampled_logprob(logits, tok, req.logprobs),)
+            if req.constraint is not None:
+                req.constraint.accept(tok)
         except Exception as e:
             self._fail(s, e)
             return
@@ -407,17 +446,22 @@ class Scheduler:
             text = s.stopper.push(s.decoder.flush())
             if s.stopper.matched is None:
                 text += s.stopper.flush()
-            self._emit(s.req, Delta(text, (tok,)))
+            self._emit(req, Delta(text, (tok,), lps))
             self._finish(s, "stop", eos=s.stopper.matched is None)
             return
         text = s.stopper.push(s.decoder.push(tok))
         if s.stopper.matched is None and (s.n_gen >= s.budget or s.cache.pos >= s.cache.n_ctx):
             text += s.stopper.push(s.decoder.flush())
             if s.stopper.matched is None:
-                self._emit(s.req, Delta(text + s.stopper.flush(), (tok,)))
+                self._emit(req, Delta(text + s.stopper.flush(), (tok,), lps))
                 self._finish(s, "length")
                 return
-        self._emit(s.req, Delta(text, (tok,)))
+        if req.constraint is not None and req.constraint.finished and s.stopper.matched is None:
+            text += s.stopper.push(s.decoder.flush()) + s.stopper.flush()  # the grammar is done
+            self._emit(req, Delta(text, (tok,), lps))
+            self._finish(s, "stop", eos=True)
+            return
+        self._emit(req, Delta(text, (tok,), lps))
         if s.stopper.matched is not None:
             self._finish(s, "stop")
         else:

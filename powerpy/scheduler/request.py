@@ -14,11 +14,13 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from powerpy.sampling import Sampler, SamplingParams, apply_repeat_penalty, make_sampler
+from powerpy.scheduler.logprobs import TokenLogprob
 
 _ids = itertools.count(1)
 
@@ -72,13 +74,40 @@ def build_sampler(s: Sampling, eog_ids: Sequence[int] = ()) -> Sampler:
     return sample
 
 
+class Constraint(Protocol):
+    """A request's grammar state (:class:`powerpy.structured.Constraint` is one)."""
+
+    def apply(self, logits: Tensor) -> Tensor:
+        """The logits with what the grammar forbids at -inf."""
+        ...
+
+    def accept(self, token: int) -> None:
+        """Follow the sampled token."""
+        ...
+
+    @property
+    def finished(self) -> bool:
+        """Nothing but the end may follow."""
+        ...
+
+
 # ----------------------------------------------------------------------------------- events
 @dataclass(frozen=True)
 class Delta:
-    """New text of a request (may be empty when only tokens arrived), and its token ids."""
+    """New text of a request (may be empty when only tokens arrived), its token ids and, when
+    the request asked (``Request.logprobs``), their log-probabilities."""
 
     text: str
     tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's own tokens with their log-probabilities (the first has none), sent before
+    any :class:`Delta` when ``Request.prompt_logprobs`` is set."""
+
+    entries: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -115,7 +144,7 @@ class Failed:
     message: str
 
 
-Event = Delta | Finished | Failed
+Event = Delta | PromptLogprobs | Finished | Failed
 
 
 class Request:
@@ -133,10 +162,18 @@ class Request:
         sampling: Sampling | None = None,
         stop: Sequence[str] = (),
         on_event: Callable[[Event], None] | None = None,
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        constraint: Constraint | None = None,
     ) -> None:
         """Args: ``prompt`` token ids (non-empty); ``max_tokens`` the most tokens to sample
         (-1: until the context is full, 0: none); ``sampling``; ``stop`` strings;
-        ``on_event`` the callback (None: events are dropped)."""
+        ``on_event`` the callback (None: events are dropped); ``logprobs``: report each
+        sampled token's log-probability with this many alternatives (None: off);
+        ``prompt_logprobs``: also score the prompt's tokens (its whole prompt then runs, the
+        slot's cached prefix is not reused); ``constraint``: this request's own grammar state
+        (:class:`Constraint`), which masks every step's logits."""
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         self.id = next(_ids)
@@ -145,6 +182,9 @@ class Request:
         self.sampling = sampling or Sampling()
         self.stop = [s for s in stop if s]
         self.on_event = on_event
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.constraint = constraint
         self.cancelled = False
 
     def cancel(self) -> None:

@@ -1,5 +1,7 @@
 """llama.cpp's native endpoints, for PowerInfer's users: ``/completion``, ``/tokenize``,
-``/detokenize`` (llama-server's field names)."""
+``/detokenize`` (llama-server's field names). ``/tokenize`` also takes vLLM's fields and, with
+``/tokenizer_info``, serves evaluation harnesses the model's own tokenizer (lm-eval's
+``tokenizer_backend=remote``)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
 from powerpy.scheduler import Delta, Failed, Finished, Sampling
+from powerpy.serve import logprobs as lp
 from powerpy.serve.errors import bad_request
-from powerpy.serve.openai_routes import collect, service_of, sse
+from powerpy.serve.openai_routes import check_top, collect, service_of, sse
 from powerpy.serve.schemas import DetokenizeRequest, LlamaCompletionRequest, TokenizeRequest, parse
 
 router = APIRouter()
@@ -77,8 +80,7 @@ async def completion(request: HTTPRequest):
     svc = service_of(request)
     body = parse(LlamaCompletionRequest, await request.body())
     svc.check_model(body.model)
-    if body.n_probs:
-        raise bad_request("n_probs is not supported", param="n_probs")
+    n_probs = check_top(body.n_probs, "n_probs") or 0
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -87,12 +89,22 @@ async def completion(request: HTTPRequest):
     sampling, stop = svc.sampling(body), body.stop_list()
     n_predict = svc.budget(body.n_predict, param="n_predict", allow_unlimited=True)
     ids = await svc.encode(prompt)
-    gen = svc.generation([ids], n_predict, sampling, stop)
+    if body.grammar and body.json_schema is not None:
+        raise bad_request("give either grammar or json_schema", param="grammar")
+    grammar = None
+    if body.json_schema is not None:
+        grammar = await svc.grammar("json_schema", body.json_schema, param="json_schema")
+    elif body.grammar:
+        grammar = await svc.grammar("gbnf", body.grammar, param="grammar")
+    gen = svc.generation(
+        [ids], n_predict, sampling, stop, logprobs=n_probs or None, grammar=grammar
+    )
+    tok = svc.scheduler.tokenizer
     prompt_text = prompt if isinstance(prompt, str) else svc.scheduler.tokenizer.decode(prompt)
     extra = {
         "model": svc.config.model_id,
         "prompt": prompt_text,
-        "generation_settings": settings(sampling, n_predict, stop),
+        "generation_settings": {**settings(sampling, n_predict, stop), "n_probs": n_probs},
     }
     if body.stream:
 
@@ -101,9 +113,12 @@ async def completion(request: HTTPRequest):
             async for _, ev in gen.events():
                 if isinstance(ev, Delta):
                     tokens.extend(ev.tokens)
-                    if ev.text:
-                        yield {"content": ev.text, "tokens": list(ev.tokens), "stop": False,
+                    if ev.text or n_probs:
+                        out = {"content": ev.text, "tokens": list(ev.tokens), "stop": False,
                                "id_slot": -1, "index": 0}  # fmt: skip
+                        if n_probs:
+                            out["completion_probabilities"] = lp.llama(tok, ev.logprobs)
+                        yield out
                 elif isinstance(ev, Finished):
                     yield {**final(ev, "", tokens if body.return_tokens else [], extra), "index": 0}
                 elif isinstance(ev, Failed):
@@ -111,9 +126,12 @@ async def completion(request: HTTPRequest):
                     return
 
         return sse(gen, chunks(), done=False)
-    texts, finals, tokens = await collect(gen, request)
-    ids = tokens[0] if body.return_tokens else []
-    return JSONResponse(final(finals[0], texts[0], ids, extra))
+    (c,) = await collect(gen, request)
+    assert c.final is not None
+    out = final(c.final, c.text, c.tokens if body.return_tokens else [], extra)
+    if n_probs:
+        out["completion_probabilities"] = lp.llama(tok, c.logprobs)
+    return JSONResponse(out)
 
 
 @router.post("/tokenize")
@@ -121,6 +139,13 @@ async def tokenize(request: HTTPRequest):
     svc = service_of(request)
     body = parse(TokenizeRequest, await request.body())
     tok = svc.scheduler.tokenizer
+    if body.prompt is not None:  # vLLM's form
+        ids = await run_in_threadpool(
+            tok.encode, body.prompt, add_bos=body.add_special_tokens and tok.add_bos
+        )
+        return {"tokens": ids, "count": len(ids), "max_model_len": svc.scheduler.n_ctx}
+    if body.content is None:
+        raise bad_request("missing required parameter 'content'", param="content")
     ids = await run_in_threadpool(
         tok.encode, body.content, add_bos=body.add_special and tok.add_bos
     )
@@ -135,6 +160,29 @@ async def tokenize(request: HTTPRequest):
             piece = list(raw)
         pieces.append({"id": i, "piece": piece})
     return {"tokens": pieces}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: HTTPRequest):
+    """vLLM's tokenizer facts: the special tokens' texts and the chat template."""
+    svc = service_of(request)
+    tok = svc.scheduler.tokenizer
+
+    def text(token_id: int | None) -> str | None:
+        if token_id is None:
+            return None
+        return tok.token_to_piece(token_id, special=True).decode("utf-8", "replace")
+
+    return {
+        "tokenizer_class": "powerpy",
+        "bos_token": text(tok.bos_id),
+        "eos_token": text(tok.eos_id),
+        "pad_token": text(tok.pad_id),
+        "add_bos_token": tok.add_bos,
+        "chat_template": tok.chat_template,
+        "model_max_length": svc.scheduler.n_ctx,
+        "vocab_size": tok.vocab_size,
+    }
 
 
 @router.post("/detokenize")

@@ -53,6 +53,20 @@ class SamplingFields(_Body):
         return stops
 
 
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Body):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+
+    type: str
+    json_schema: JSONSchemaFormat | None = None
+
+
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
@@ -62,6 +76,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     logprobs: int | None = None
+    response_format: ResponseFormat | None = None
 
 
 class ContentPart(_Body):
@@ -77,11 +92,6 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
-class ResponseFormat(_Body):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
-
-
 class ChatRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
@@ -91,6 +101,8 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
 
@@ -100,14 +112,20 @@ class LlamaCompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     n_predict: int | None = Field(None, ge=-1)
     n_probs: int | None = None
+    grammar: str | None = None  # GBNF
+    json_schema: dict[str, Any] | bool | None = None
     return_tokens: bool = False
     cache_prompt: bool = True
 
 
 class TokenizeRequest(_Body):
-    content: str
+    """llama.cpp's ``content``/``add_special``, or vLLM's ``prompt``/``add_special_tokens``."""
+
+    content: str | None = None
     add_special: bool = False
     with_pieces: bool = False
+    prompt: str | None = None
+    add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Body):

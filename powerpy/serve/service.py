@@ -8,10 +8,11 @@ the model. Tokenizing and chat templates run in a thread pool, off the event loo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
@@ -30,8 +31,15 @@ from powerpy.scheduler import (
 )
 from powerpy.serve.errors import APIError, bad_request
 from powerpy.serve.schemas import ChatMessage, SamplingFields
+from powerpy.serve.tools import for_template
+
+if TYPE_CHECKING:
+    from powerpy.structured import Grammar
 
 CHAT_ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
+MAX_N = 16  # choices per prompt (n)
+MAX_CHOICES = 64  # choices per request, all prompts together
+SEED_MOD = 2**64
 
 
 @dataclass
@@ -83,17 +91,25 @@ class Service:
             code="model_not_found",
         )
 
-    def budget(self, value: int | None, *, param: str, allow_unlimited: bool = False) -> int:
+    def budget(
+        self,
+        value: int | None,
+        *,
+        param: str,
+        allow_unlimited: bool = False,
+        allow_zero: bool = False,
+    ) -> int:
         """The token budget of a request: ``value`` or the server default, within limits.
 
         Raises:
-            APIError: 400 for a budget below 1 (below -1 with ``allow_unlimited``, llama.cpp's
-                ``n_predict``) or above ``max_tokens``.
+            APIError: 400 for a budget below 1 (below 0 with ``allow_zero``, a scored prompt;
+                below -1 with ``allow_unlimited``, llama.cpp's ``n_predict``) or above
+                ``max_tokens``.
         """
         if value is None:
             value = self.config.n_predict
             return value if value < 0 else min(value, self.max_tokens)
-        low = -1 if allow_unlimited else 1
+        low = -1 if allow_unlimited else 0 if allow_zero else 1
         if value < low:
             raise bad_request(f"{param} must be at least {low}, got {value}", param=param)
         if value > self.max_tokens:
@@ -108,10 +124,10 @@ class Service:
         """The sampler settings of a request (llama.cpp's defaults for what it leaves out).
 
         Raises:
-            APIError: 400 for ``n`` other than 1 or a malformed ``logit_bias``.
+            APIError: 400 for ``n`` outside 1..``MAX_N`` or a malformed ``logit_bias``.
         """
-        if body.n is not None and body.n != 1:
-            raise bad_request("only n = 1 is supported", param="n")
+        if body.n is not None and not 1 <= body.n <= MAX_N:
+            raise bad_request(f"n must be 1..{MAX_N}, got {body.n}", param="n")
         d = SamplingParams()
 
         def pick(value, default):
@@ -162,8 +178,16 @@ class Service:
             raise bad_request("the prompt is empty", param=param)
         return ids
 
-    async def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Prompt ids of a conversation through the model's chat template (in a worker thread).
+    async def encode_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: list[Any] | None = None,
+        system: str | None = None,
+    ) -> list[int]:
+        """Prompt ids of a conversation through the model's chat template (in a worker thread),
+        with the template's ``tools`` or a ``system`` message put first. Earlier tool calls and
+        tool results (``tool_calls``, ``tool_call_id``, ``name``) reach the template.
 
         Raises:
             APIError: 400 for non-text content or a conversation the template rejects.
@@ -184,14 +208,39 @@ class Service:
                 raise bad_request(f"message {i} has no content", param=f"messages.{i}.content")
             else:
                 content = m.content or ""
-            plain.append({"role": CHAT_ROLES.get(m.role, m.role), "content": content})
+            msg = {"role": CHAT_ROLES.get(m.role, m.role), "content": content}
+            for key in ("tool_calls", "tool_call_id", "name"):
+                value = getattr(m, key, None) or (m.model_extra or {}).get(key)
+                if value is not None:
+                    msg[key] = value
+            plain.append(msg)
+        if system:
+            plain.insert(0, {"role": "system", "content": system})
+        plain = for_template(plain)
         try:
-            ids = await run_in_threadpool(self.scheduler.encode_chat, plain)
+            ids = await run_in_threadpool(self.scheduler.encode_chat, plain, tools)
         except ValueError as e:
             raise bad_request(str(e), param="messages") from None
         if not ids:
             raise bad_request("the conversation renders to an empty prompt", param="messages")
         return ids
+
+    async def grammar(self, kind: str, spec: Any, *, param: str) -> Grammar:
+        """A compiled grammar (``powerpy.structured``; compiled in a worker thread).
+
+        Raises:
+            APIError: 400 naming the problem when the grammar or schema does not compile (or
+                the ``structured`` extra is not installed).
+        """
+        from powerpy.structured import GrammarError, compile_grammar
+
+        n_vocab = self.scheduler.model.args.n_vocab
+        try:
+            return await run_in_threadpool(
+                compile_grammar, self.scheduler.tokenizer, kind, spec, n_vocab
+            )
+        except GrammarError as e:
+            raise bad_request(str(e), param=param, code="invalid_grammar") from None
 
     def generation(
         self,
@@ -201,14 +250,38 @@ class Service:
         stop: Sequence[str],
         *,
         param: str = "prompt",
+        n: int = 1,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        grammar: Grammar | None = None,
     ) -> Generation:
-        """Submit one request per prompt; their events come from ``Generation.events``.
+        """Submit ``n`` requests per prompt (the choices, prompt by prompt); their events come
+        from ``Generation.events``. Choice ``i`` samples with ``seed + i`` when the request
+        gave a seed, so every choice is its own stream and a seeded request repeats.
+        ``logprobs`` and ``prompt_logprobs``: as :class:`powerpy.scheduler.Request`'s;
+        ``grammar``: every choice follows it with its own state.
 
         Raises:
-            APIError: 400 for a prompt longer than the context, 503 (with ``Retry-After``)
-                when the queue is full or the server is shutting down.
+            APIError: 400 for a prompt longer than the context or more than ``MAX_CHOICES``
+                choices, 503 (with ``Retry-After``) when the queue is full or the server is
+                shutting down.
         """
-        gen = Generation(self, prompts, max_tokens, sampling, stop)
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request(
+                f"{len(prompts)} prompts x n = {n} make more than {MAX_CHOICES} choices", param="n"
+            )
+        choices = [ids for ids in prompts for _ in range(n)]
+        samplings = [choice_sampling(sampling, i) for i in range(len(choices))]
+        gen = Generation(
+            self,
+            choices,
+            max_tokens,
+            samplings,
+            stop,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
+        )
         try:
             for r in gen.requests:
                 self.scheduler.submit(r)
@@ -227,23 +300,45 @@ class Service:
         return gen
 
 
+def choice_sampling(sampling: Sampling, index: int) -> Sampling:
+    """The settings of choice ``index``: its own seed, ``seed + index``, when one was given."""
+    seed = sampling.params.seed
+    if seed is None or index == 0:
+        return sampling
+    params = dataclasses.replace(sampling.params, seed=(seed + index) % SEED_MOD)
+    return dataclasses.replace(sampling, params=params)
+
+
 class Generation:
-    """Scheduler requests (one per prompt) whose events arrive on one asyncio queue."""
+    """Scheduler requests (one per choice) whose events arrive on one asyncio queue."""
 
     def __init__(
         self,
         service: Service,
         prompts: list[list[int]],
         max_tokens: int,
-        sampling: Sampling,
+        samplings: Sequence[Sampling],
         stop: Sequence[str],
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        grammar: Grammar | None = None,
     ) -> None:
         self.service = service
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
         self.requests = [
-            Request(ids, max_tokens, sampling, stop, on_event=self._poster(i))
-            for i, ids in enumerate(prompts)
+            Request(
+                ids,
+                max_tokens,
+                sampling,
+                stop,
+                on_event=self._poster(i),
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                constraint=None if grammar is None else grammar.constraint(),
+            )
+            for i, (ids, sampling) in enumerate(zip(prompts, samplings, strict=True))
         ]
         self.prompts = prompts
         self._open = len(self.requests)
@@ -275,7 +370,7 @@ class Generation:
         self.close()
 
     async def events(self) -> AsyncIterator[tuple[int, Event]]:
-        """``(prompt index, event)`` until every request has finished or failed."""
+        """``(choice index, event)`` until every request has finished or failed."""
         while self._open:
             index, event = await self.queue.get()
             if event is None:
