@@ -19,7 +19,7 @@ LAYERS = [
     ("powerpy.tokenizer",),
     ("powerpy.model",),
     ("powerpy.placement",),
-    ("powerpy.sampling", "powerpy.generate", "powerpy.chat", "powerpy.scheduler"),
+    ("powerpy.sampling", "powerpy.generate", "powerpy.chat", "powerpy.scheduler", "powerpy.structured"),
     ("powerpy.pipeline",),
     ("powerpy.benchmark",),
     ("powerpy.default_model", "powerpy.api", "powerpy.plot", "powerpy.serve"),

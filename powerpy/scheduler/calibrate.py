@@ -61,7 +61,7 @@ def choose_batch_mode(
     """The fastest way to run one decode step of ``n`` sessions, and the tok/s of each way.
 
     Returns ``(mode, rates)``: ``mode`` is ``"off"`` (one forward per session) unless a batched
-    mode (``powerpy.model.batch.FFN_MODES``) is at least ``MIN_GAIN`` times faster.
+    mode (``powerpy.model.transformer.FFN_MODES``) is at least ``MIN_GAIN`` times faster.
     """
     modes = candidate_modes(model, opts)
     if n < 2:

@@ -12,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
+import powerpy.serve.logprobs as lp
 from powerpy.scheduler import Delta, Failed, Finished, Sampling
-from powerpy.serve import logprobs as lp
 from powerpy.serve.errors import bad_request
 from powerpy.serve.openai_routes import check_top, collect, service_of, sse
 from powerpy.serve.schemas import DetokenizeRequest, LlamaCompletionRequest, TokenizeRequest, parse

@@ -17,6 +17,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse
 
+import powerpy.serve.logprobs as lp
 from powerpy.scheduler import (
     MAX_TOP_LOGPROBS,
     Delta,
@@ -25,7 +26,6 @@ from powerpy.scheduler import (
     PromptLogprobs,
     TokenLogprob,
 )
-from powerpy.serve import logprobs as lp
 from powerpy.serve.errors import APIError, bad_request, error_body
 from powerpy.serve.schemas import ChatRequest, CompletionRequest, ResponseFormat, parse
 from powerpy.serve.service import Generation, Service
