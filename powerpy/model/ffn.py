@@ -266,8 +266,11 @@ def ffn(
     threshold: float,
     opts: RunOptions,
     accel: Accelerator | None,
+    *,
+    union: bool = False,
 ) -> Tensor:
-    """The block's FFN: the predictor's mask, then :func:`split_ffn`.
+    """The block's FFN: the predictor's mask, then :func:`split_ffn` (the torch path's one
+    entry; a one-token step on the host takes the native block, :func:`fused_decode`).
 
     Args:
         l: layer, for the statistics and the observer.
@@ -278,6 +281,9 @@ def ffn(
         threshold: the predictor cut.
         opts: run options (sparse or dense, observer, timer, statistics).
         accel: the accelerator holding ``blk.hot`` and placed tensors (None: CPU-only).
+        union: the T tokens are sessions' decode steps (``Model.decode_batch``'s "union"
+            mode): a gated layer without hot rows or a cut reads the union of their active
+            rows once, masked per token.
 
     Returns:
         (T, n_embd) f32 on x's device.
@@ -289,7 +295,13 @@ def ffn(
     elif blk.cut(opts) is None and opts.sparse and blk.fc1 is not None and opts.oracle is None:
         if opts.stats is not None:
             opts.stats.record_dense(l, x.shape[0])  # an ungated layer computes every neuron
-    if opts.observer is None and opts.oracle is None:
+    plain = opts.observer is None and opts.oracle is None
+    if union and act is not None and plain and blk.hot is None and blk.cut(opts) is None:
+        act = move(accel, act, HOST)
+        if opts.stats is not None:
+            opts.stats.record(l, act)
+        return ffn_union(x, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant, act)
+    if plain:
         return split_ffn(blk, x, act, variant, accel, l=l, opts=opts)
     # Profiling or an oracle: the true activation of every neuron, from the host matrices.
     x_host = move(accel, x, HOST)
@@ -303,30 +315,6 @@ def ffn(
         opts.observer(l, move(accel, ffn_inp, HOST), h)
     y = rows_sum(h if act_host is None else h * act_host, blk.ffn_down_t)
     return move(accel, y, x.device)
-
-
-def union_ffn(
-    l: int,
-    blk,
-    x: Tensor,
-    ffn_inp: Tensor,
-    variant: FFNVariant,
-    threshold: float,
-    opts: RunOptions,
-    accel: Accelerator | None,
-) -> Tensor:
-    """The gated FFN of B sessions' tokens over the union of their active rows (CPU-only
-    placements; the others run :func:`ffn`, as do layers with a cut): x, ffn_inp (B, n_embd)
-    as for :func:`ffn` -> (B, n_embd)."""
-    plain = blk.hot is None and opts.observer is None and blk.cut(opts) is None
-    if not plain or not blk.gates(opts):
-        return ffn(l, blk, x, ffn_inp, variant, threshold, opts, accel)
-    with phase(opts.timer, "predictor"):
-        act = predict(ffn_inp, blk.fc1, blk.fc2, accel) >= threshold  # (B, n_ff) bool
-    act = move(accel, act, HOST)
-    if opts.stats is not None:
-        opts.stats.record(l, act)
-    return ffn_union(x, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant, act)
 
 
 def fused_decode(

@@ -24,7 +24,7 @@ from powerpy.model import ggml_numerics, gpu_kernels, numerics, stack_decode
 from powerpy.model.attention import apply_rope, attend, attention_block, rope_tables
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
-from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut, union_ffn
+from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
 from powerpy.model.matrices import Weight
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
@@ -372,7 +372,7 @@ class Model:
         if len(step.lengths) == 1 or not opts.sparse or ffn_mode == "batch":
             return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc)
         if ffn_mode == "union":
-            return union_ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc)
+            return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc, union=True)
         rows = [
             ffn(l, blk, xn[i : i + 1], pred_in[i : i + 1], a.ffn_variant, thr, opts, acc)
             for i in range(xn.shape[0])
