@@ -485,6 +485,38 @@ def test_numerics_turn_the_kernels_off_for_their_call_only() -> None:
     assert kernels.library() is not None
 
 
+def test_library_codes_are_checked(monkeypatch) -> None:
+    """A library whose dtype codes or decode layer record differ from Python's is refused."""
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("native kernels unavailable")
+    kernels.KernelLibrary(lib.path)  # the codes agree
+    monkeypatch.setitem(kernels.DTYPE_CODES, GGMLType.Q4_0, 99)
+    with pytest.raises(kernels.KernelBuildError, match="Q4_0"):
+        kernels.KernelLibrary(lib.path)
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "LAYER_RECORD_LEN", 48)
+    with pytest.raises(kernels.KernelBuildError, match="record"):
+        kernels.KernelLibrary(lib.path)
+
+
+def test_editing_a_header_rebuilds(tmp_path: Path) -> None:
+    """The cache key hashes every file next to the source (the unity build's headers)."""
+    if kernels.find_compiler() is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "src"
+    src.mkdir()
+    main = src / "k.cpp"
+    main.write_text('#include "k.h"\nextern "C" int g() { return f(); }\n')
+    (src / "k.h").write_text("inline int f() { return 1; }\n")
+    flags = ("-O0", "-shared", "-fPIC")
+    first = kernels.compile_library(main, flags, tmp_path / "cache")
+    assert kernels.compile_library(main, flags, tmp_path / "cache") == first  # cached
+    (src / "k.h").write_text("inline int f() { return 2; }\n")
+    second = kernels.compile_library(main, flags, tmp_path / "cache")
+    assert second != first and second.exists()
+
+
 def test_concurrent_builds_share_one_file(tmp_path: Path) -> None:
     """Two builders of the same library: one compiles, the other waits and loads the result."""
     if kernels.find_compiler() is None or platform.machine() not in ("x86_64", "AMD64"):

@@ -28,6 +28,8 @@ LAYERS = [
 ]
 TRAINING = {"powerpy.pipeline.train"}
 MAX_LINES = 500
+CSRC = ROOT / "powerpy" / "model" / "csrc"  # the native kernels (one unity build)
+CSRC_MAX_LINES = 800
 
 
 def _modules() -> dict[str, Path]:
@@ -190,6 +192,18 @@ def test_modules_are_small() -> None:
         n = len(path.read_text(encoding="utf-8").splitlines())
         if n > MAX_LINES:
             big[name] = n
+    assert not big, big
+
+
+def test_kernel_sources_are_small() -> None:
+    """No file of the native kernels is over CSRC_MAX_LINES lines."""
+    sizes = {
+        p.name: len(p.read_text(encoding="utf-8").splitlines())
+        for p in sorted(CSRC.iterdir())
+        if p.is_file()
+    }
+    assert "sparse_ffn.cpp" in sizes, sorted(sizes)
+    big = {name: n for name, n in sizes.items() if n > CSRC_MAX_LINES}
     assert not big, big
 
 

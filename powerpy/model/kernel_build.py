@@ -2,10 +2,11 @@
 
 The library is compiled with the system C++ compiler into a per-user cache,
 ``$XDG_CACHE_HOME/powerpy/kernels`` (default ``~/.cache/powerpy/kernels``), under a name that
-hashes the source, the flags, the compiler version and the CPU flags, so a cache shared between
-machines never hands a binary to a CPU it was not built for. Builds go to a temporary file that
-is renamed into place, under a file lock, so concurrent processes neither race nor see
-half-written files.
+hashes the sources (``csrc/sparse_ffn.cpp`` is a unity build that includes the other files of
+``csrc/``: every file there is hashed, so editing any header rebuilds), the flags, the compiler
+version and the CPU flags, so a cache shared between machines never hands a binary to a CPU it
+was not built for. Builds go to a temporary file that is renamed into place, under a file lock,
+so concurrent processes neither race nor see half-written files.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import subprocess
 from pathlib import Path
 
 from powerpy._fs import atomic_write, file_lock
+from powerpy.formats.constants import GGMLType
 
 logger = logging.getLogger("powerpy.model.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "sparse_ffn.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "sparse_ffn.cpp"  # includes the rest of csrc/
 DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
@@ -75,7 +77,8 @@ def compile_library(
     """Compile ``source`` into the cache (or find the cached build) and return its path.
 
     Args:
-        source: the C++ file.
+        source: the C++ file; it and every other file in its folder (the headers it includes)
+            are hashed.
         flags: compiler flags; ``-march=...`` selects the SIMD level (tests build
             ``-march=x86-64-v3`` and ``-march=x86-64`` variants to cover AVX2 and scalar code).
         cache_dir: where builds are kept (default :func:`default_cache_dir`).
@@ -87,10 +90,9 @@ def compile_library(
     compiler = compiler or find_compiler()
     if compiler is None:
         raise KernelBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
-    src = source.read_bytes()
     key = hashlib.sha256()
     for part in (
-        src,
+        _sources_digest(source),
         " ".join(flags).encode(),
         _compiler_id(compiler).encode(),
         _cpu_flags().encode(),
@@ -109,6 +111,30 @@ def compile_library(
             if not target.exists():  # another process may have built it while we waited
                 _compile(compiler, source, flags, target)
     return target
+
+
+def check_codes(cdll, path: Path, dtype_codes: dict, record_len: int) -> None:
+    """Raise KernelBuildError unless the loaded library ``cdll`` has Python's dtype codes
+    (``kernels.DTYPE_CODES``, for every GGMLType; -1: not read) and decode layer record length."""
+    n = cdll.pp_layer_record_len()
+    if n != record_len:
+        raise KernelBuildError(f"{path}: a decode layer record of {n} int64, not {record_len}")
+    for t in GGMLType:
+        code, want = cdll.pp_dtype_code(int(t)), dtype_codes.get(t, -1)
+        if code != want:
+            raise KernelBuildError(f"{path}: dtype code {code} for {t.name}, not {want}")
+
+
+def _sources_digest(source: Path) -> bytes:
+    """A digest of ``source`` and the other files in its folder, by name, in sorted order."""
+    h = hashlib.sha256()
+    try:
+        files = sorted({source, *(p for p in source.parent.iterdir() if p.is_file())})
+        for path in files:
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    except OSError as e:
+        raise KernelBuildError(f"cannot read the kernel sources {source.parent}: {e}") from e
+    return h.digest()
 
 
 def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:

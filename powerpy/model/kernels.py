@@ -1,4 +1,4 @@
-"""Native CPU kernels (powerpy/model/csrc/sparse_ffn.cpp): build on first use, load with ctypes.
+"""Native CPU kernels (powerpy/model/csrc/): build on first use, load with ctypes.
 
 ``powerpy.model.kernel_build`` compiles the library (``-O3 -march=native -fopenmp``) into a
 per-user cache keyed by source, flags, compiler and CPU. When no compiler is found or the build
@@ -35,6 +35,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
     DEFAULT_FLAGS,
     SOURCE,
     KernelBuildError,
+    check_codes,
     compile_library,
     default_cache_dir,
     find_compiler,
@@ -42,9 +43,9 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 
-# dtype codes of the C library (enum DType)
+# dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
     torch.float32: 0,
     torch.float16: 1,
@@ -65,6 +66,7 @@ QUANT_TYPES = tuple(t for t in DTYPE_CODES if isinstance(t, GGMLType) and t.name
 # GLU variants (enum Variant): h = act(gate·x, up·x)
 VARIANTS = {FFNVariant.REGLU: 0, FFNVariant.DRELU: 1, FFNVariant.SWIGLU: 2}
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
+LAYER_RECORD_LEN = 49  # int64 per pp_decode_layers record (stack_decode); checked at load
 _ERR_INDEX = 1
 
 
@@ -74,6 +76,8 @@ _i64, _i32, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_flo
 _SIGNATURES = {
     "pp_abi_version": ([], _i32),
     "pp_simd_level": ([], _i32),
+    "pp_layer_record_len": ([], _i32),
+    "pp_dtype_code": ([_i32], _i32),  # ggml type id -> dtype code, or -1
     "pp_set_tuning": ([_i64, _i64], None),
     # dtype, W, ld, nrows, cols, x, idx, k, out, act, nthreads
     "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
@@ -195,6 +199,7 @@ class KernelLibrary:
         version = self.cdll.pp_abi_version()
         if version != ABI_VERSION:
             raise KernelBuildError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
+        check_codes(self.cdll, path, DTYPE_CODES, LAYER_RECORD_LEN)
         self.simd = SIMD_NAMES.get(self.cdll.pp_simd_level(), "?")
         self._gemv = self.cdll.pp_gather_gemv
         self._axpy = self.cdll.pp_gather_axpy

@@ -24,7 +24,7 @@ from powerpy.model.ffn import ffn_kernels
 from powerpy.model.kernels import CACHE_CODES, KernelLibrary, Matrix, as_f32
 from powerpy.model.options import RunOptions
 
-_REC = 49  # int64 per layer record: 4 + 5 matrices of 5, attn_norm, ffn_norm, down_stored, tau
+_REC = kernels.LAYER_RECORD_LEN  # int64 per layer: 4 + 5 matrices of 5, 2 norms, down_stored, tau
 
 
 @dataclass

@@ -1,0 +1,269 @@
+// Shared by every kernel file: the codes Python mirrors (dtypes, variants, statuses, the decode
+// layer record), the tuning knobs, scalar conversions, fixed summation orders, prefetching and
+// the thread partitioning.
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <algorithm>
+#include <type_traits>
+#include <utility>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+// Bumped whenever an export or its meaning changes; kernels.py refuses a library with another.
+#define PP_ABI_VERSION 11
+
+// Code that is part of its caller (compile-time loops, the arch headers' block decoders).
+#define PP_ALWAYS_INLINE inline __attribute__((always_inline))
+
+namespace {
+
+// Python: powerpy.model.kernels.DTYPE_CODES (checked at load through pp_dtype_code).
+enum DType {
+  DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q8_0 = 3, DT_Q4_0 = 4,
+  DT_Q4_1 = 5, DT_Q5_0 = 6, DT_Q5_1 = 7, DT_Q4_K = 8, DT_Q5_K = 9, DT_Q6_K = 10, DT_COUNT = 11
+};
+// ggml's type id of each DType (powerpy.formats.constants.GGMLType), by DType code.
+constexpr int GGML_TYPE_OF[DT_COUNT] = {0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14};
+enum Variant { V_REGLU = 0, V_DRELU = 1, V_SWIGLU = 2 };
+enum Status { PP_OK = 0, PP_ERR_INDEX = 1, PP_ERR_ARG = 2 };
+// pp_decode_layers' record per layer, int64 each (Python: kernels.LAYER_RECORD_LEN, checked at
+// load through pp_layer_record_len): 4 attention matrices q, k, v, output of 5 (Mat), 5 FFN
+// matrices fc1, fc2, gate, up, down of 5, then the norms' pointers, down_stored and tau.
+enum LayerRecord {
+  REC_ATTN = 0, REC_FFN = 20, REC_ATTN_NORM = 45, REC_FFN_NORM = 46, REC_DOWN_STORED = 47,
+  REC_TAU = 48, REC_LEN = 49
+};
+
+int64_t g_prefetch_bytes = 8192;  // how far ahead (at least) the next-row prefetch reaches
+int64_t g_min_bytes_per_thread = 32768;  // below this much work per thread, use fewer threads
+
+// ---- scalar helpers -----------------------------------------------------------------------------
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalise
+      int e = -1;
+      do {
+        e++;
+        man <<= 1;
+      } while (!(man & 0x400u));
+      bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+inline uint16_t float_to_half(float f) {  // round to nearest even
+#if defined(__F16C__)
+  return _cvtss_sh(f, 0);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0));
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds to infinity
+  if (ax < 0x38800000u) {  // subnormal or zero: scale into f16's subnormal grid
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return (uint16_t)(sign | (uint32_t)std::nearbyint(a * 16777216.0f));
+  }
+  const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);  // round the 13 dropped bits to even
+  return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
+#endif
+}
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline float round_f16(float f) { return half_to_float(float_to_half(f)); }
+
+// _mm512_reduce_add_ps's pairing (as GCC and clang emit it): halves 8 + 8, 4 + 4, then
+// (0 + 2) + (1 + 3). tree16 sums 16 floats, or 16 vectors lane by lane (overwriting a).
+template <class T>
+inline T tree16(T* a) {
+  for (int i = 0; i < 8; ++i) a[i] = a[i + 8] + a[i];
+  for (int i = 0; i < 4; ++i) a[i] = a[i + 4] + a[i];
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+inline float reduce16(const float* a) {
+  float t[16];
+  std::memcpy(t, a, sizeof t);
+  return tree16(t);
+}
+
+// The 8-lane (AVX2) reductions of llama.cpp: hsum8 is tinyBLAS's hsum and the softmax's chunk
+// sum (halves 4 + 4, then (0 + 2) + (1 + 3)); hadd8 is GGML_F32x8_REDUCE's two hadds (halves
+// 4 + 4, then (0 + 1) + (2 + 3)). Floats, or vectors lane by lane.
+template <class T>
+inline T hsum8(const T* a) {
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+template <class T>
+inline T hadd8(const T* a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+// One rotated pair as ggml's rotate_pairs computes it (GCC contracts a * c - b * s into one FMA
+// with b * s rounded first).
+inline void rope_pair(float* p, float c, float s) {
+  const float a = p[0], b = p[1];
+  p[0] = std::fma(a, c, -(b * s));
+  p[1] = std::fma(a, s, b * c);
+}
+
+// ---- prefetching --------------------------------------------------------------------------------
+
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+// Prefetch bytes [pf, end) of the upcoming row `nx`, one cache line at a time.
+inline void prefetch_span(const uint8_t* nx, int64_t& pf, int64_t end) {
+  for (; pf < end; pf += 64) prefetch_l2(nx + pf);
+}
+
+// The same for n upcoming rows nx[i] (null: skipped), read side by side: all advance together.
+inline void prefetch_spans(const uint8_t* const* nx, int n, int64_t& pf, int64_t end) {
+  int64_t p = pf;
+  for (int i = 0; i < n; ++i) {
+    p = pf;
+    if (nx[i]) prefetch_span(nx[i], p, end);
+  }
+  pf = p > pf ? p : pf;
+}
+
+// R upcoming rows (prefetch_spans; one row: prefetch_span).
+template <int R>
+inline void prefetch_rows(const uint8_t* const* nx, int64_t& pf, int64_t end) {
+  if constexpr (R == 1) {
+    if (nx[0]) prefetch_span(nx[0], pf, end);
+  } else {
+    prefetch_spans(nx, R, pf, end);
+  }
+}
+
+// ---- data shared by the decoders and the dot products -------------------------------------------
+
+// A 32-element chunk's affine map per half (elements 0..15 and 16..31): y = a_h * q + b_h.
+struct Affine {
+  float a0, a1, b0, b1;
+};
+
+// ggml's vec_dot_type of a weight type: the rounding of the activations x (quants.h).
+enum ActKind { ACT_F32 = 0, ACT_Q8_0 = 1, ACT_Q8_1 = 2, ACT_Q8_K = 3 };
+
+struct QAct {  // one 32-element chunk of quantized activations
+  float d;         // scale: f16-rounded (Q8_0, Q8_1) or f32 (Q8_K)
+  float s;         // Q8_1: f16(d_f32 * sum); otherwise d * sum
+  int32_t s0, s1;  // sums of qs[0..15] and qs[16..31]
+  int8_t qs[32];
+  int32_t ls[8];  // sums of qs[4 i .. 4 i + 3]: the offset (q - OFF) of Q4_0/Q5_0, per lane
+};
+
+inline void lane_sums(QAct& a) {
+  for (int i = 0; i < 8; ++i) a.ls[i] = a.qs[4 * i] + a.qs[4 * i + 1] + a.qs[4 * i + 2] + a.qs[4 * i + 3];
+}
+
+// ---- threading helpers ------------------------------------------------------------------------
+
+// Threads worth starting for `work_bytes` of memory traffic (an OpenMP region costs ~2 us).
+inline int team_size(int nthreads, int64_t work_bytes) {
+  int64_t t = work_bytes / g_min_bytes_per_thread;
+  if (t < 1) t = 1;
+  if (t > nthreads) t = nthreads;
+#if !defined(_OPENMP)
+  t = 1;
+#endif
+  return (int)t;
+}
+
+inline int thread_id() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+inline int team_threads() {
+#if defined(_OPENMP)
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+// Rows to prefetch ahead: at least 2, enough to cover g_prefetch_bytes.
+inline int64_t prefetch_dist(int64_t rb) {
+  int64_t d = rb > 0 ? (g_prefetch_bytes + rb - 1) / rb : 2;
+  if (d < 2) d = 2;
+  if (d > 16) d = 16;
+  return d;
+}
+
+// Row id of list position j (identity when idx is null); -1 when out of range.
+inline int64_t row_at(const int64_t* idx, int64_t j, int64_t nrows) {
+  const int64_t r = idx ? idx[j] : j;
+  return (uint64_t)r < (uint64_t)nrows ? r : -1;
+}
+
+// Run fn(a, b) over a fixed contiguous partition of [0, k) with up to nt threads; returns the
+// OR of the fn results.
+template <class Fn>
+inline int run_partitioned(int nt, int64_t k, Fn fn) {
+  if (nt <= 1) return fn((int64_t)0, k);
+  int err = 0;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(nt) reduction(| : err)
+  {
+    const int64_t t = thread_id(), n = team_threads();
+    err |= fn(k * t / n, k * (t + 1) / n);
+  }
+#else
+  err = fn((int64_t)0, k);
+#endif
+  return err;
+}
+
+}  // namespace

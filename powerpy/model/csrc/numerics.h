@@ -1,0 +1,163 @@
+// Attention and the float steps around it. kv_dot / kv_axpy: the f32 attention of the decode block
+// with f32 activations. The rest is llama.cpp's float numerics (RMSNorm, SwiGLU, f16 dots, softmax,
+// f16-cache attention): with quantized activations and an f16 KV cache, powerpy follows ggml's CPU
+// operations step by step (llama.cpp without flash attention), so that its logits equal
+// llama.cpp's bit for bit. Each step is one IEEE operation in ggml's order, written as loops over
+// GW lanes: ggml's vector width on this CPU (16 with AVX-512, 8 with AVX2), which sets its
+// summation orders. The 16-lane hooks (swiglu16, kq_cells16, ...) are numerics_avx512.h's.
+
+// y = x / sqrt(mean(x^2) + eps) * w, in ggml's order (squares summed in double).
+static void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum += (double)(x[i] * x[i]);
+  const float scale = 1.0f / std::sqrt((float)(sum / (double)n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * scale) * w[i];
+}
+
+// dot(q, cache[at : at + n]) for an f32 (cdt 0) or f16 (cdt 1) cache.
+static inline float kv_dot(const float* q, const void* c, int cdt, int64_t at, int64_t n) {
+  vf a = v_zero();
+  int64_t i = 0;
+  float r = 0.0f;
+  if (cdt == 0) {
+    const float* k = (const float*)c + at;
+    for (; i + VL <= n; i += VL) a = v_fma(v_load(q + i), v_load(k + i), a);
+    for (; i < n; ++i) r += q[i] * k[i];
+  } else {
+    const uint16_t* k = (const uint16_t*)c + at;
+    for (; i + VL <= n; i += VL) a = v_fma(v_load(q + i), v_load_h(k + i), a);
+    for (; i < n; ++i) r += q[i] * half_to_float(k[i]);
+  }
+  return v_sum(a) + r;
+}
+
+// o += p * cache[at : at + n] for an f32 (cdt 0) or f16 (cdt 1) cache.
+static inline void kv_axpy(float p, const void* c, int cdt, int64_t at, int64_t n, float* o) {
+  const vf pv = v_set1(p);
+  int64_t i = 0;
+  if (cdt == 0) {
+    const float* v = (const float*)c + at;
+    for (; i + VL <= n; i += VL) v_store(o + i, v_fma(v_load(v + i), pv, v_load(o + i)));
+    for (; i < n; ++i) o[i] += p * v[i];
+  } else {
+    const uint16_t* v = (const uint16_t*)c + at;
+    for (; i + VL <= n; i += VL) v_store(o + i, v_fma(v_load_h(v + i), pv, v_load(o + i)));
+    for (; i < n; ++i) o[i] += p * half_to_float(v[i]);
+  }
+}
+
+// out[i] = silu(g[i]) * u[i] for i in [a, b), ggml's swiglu.
+inline void swiglu_range(const float* g, const float* u, int64_t a, int64_t b, float* out) {
+  int64_t i = swiglu16(g, u, a, b, out);
+  for (; i < b; ++i) out[i] = ggml_silu(g[i]) * u[i];
+}
+
+// A dot product of two f16 vectors of n elements in ggml's order. one = true: ggml_vec_dot_f16
+// (one token: four GW-lane accumulators over 4 GW-element steps, summed (0 + 2) + (1 + 3) and
+// reduced by vreduce_gw, then the rest in double); one = false: the batched tinyBLAS kernel (one
+// GW-lane accumulator, n % GW == 0, reduced by hsum_gw).
+inline float dot_f16(const uint16_t* x, const uint16_t* y, int64_t n, bool one) {
+  constexpr int LG = GW / VL;  // vectors per GW lanes
+  if (!one) {
+    vf acc[LG];
+    for (int u = 0; u < LG; ++u) acc[u] = v_zero();
+    for (int64_t i = 0; i < n; i += GW)
+      for (int u = 0; u < LG; ++u)
+        acc[u] = v_fma(v_load_h(x + i + u * VL), v_load_h(y + i + u * VL), acc[u]);
+    return lanes_hsum(acc);
+  }
+  vf acc[4][LG];
+  for (int j = 0; j < 4; ++j)
+    for (int u = 0; u < LG; ++u) acc[j][u] = v_zero();
+  const int64_t np = n & ~(int64_t)(4 * GW - 1);
+  for (int64_t i = 0; i < np; i += 4 * GW)
+    for (int j = 0; j < 4; ++j)
+      for (int u = 0; u < LG; ++u) {
+        const int64_t e = i + GW * j + u * VL;
+        acc[j][u] = v_fma(v_load_h(x + e), v_load_h(y + e), acc[j][u]);
+      }
+  for (int u = 0; u < LG; ++u) acc[0][u] = v_add(v_add(acc[0][u], acc[2][u]), v_add(acc[1][u], acc[3][u]));
+  double s = lanes_vreduce(acc[0]);
+  for (int64_t i = np; i < n; ++i) s += (double)(half_to_float(x[i]) * half_to_float(y[i]));
+  return (float)s;
+}
+
+// Softmax of scores s[0..S) (scaled by `scale`, ggml_soft_max_ext) into f16 weights p16, in
+// GW-cell chunks: each chunk's exps are summed as one vector (hsum_gw), the chunk sums in double.
+// llama.cpp's cache pads a row with masked cells; their exps are 0 and change no sum.
+inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
+  float mx = -INFINITY;
+  int64_t t1 = scale_max16(s, S, scale, mx);
+  for (; t1 < S; ++t1) mx = (s[t1] *= scale) > mx ? s[t1] : mx;
+  double sum = 0.0;
+  for (int64_t t0 = 0; t0 < S; t0 += GW) {
+    float e[16] = {};
+    const int64_t m = S - t0 < GW ? S - t0 : GW;
+    if (!exp16(s + t0, m, mx, e))
+      for (int64_t t = 0; t < m; ++t) e[t] = ggml_expf(s[t0 + t] - mx);
+    for (int64_t t = 0; t < m; ++t) s[t0 + t] = e[t];
+    sum += (double)hsum_gw(e);
+  }
+  const float inv = (float)(1.0 / sum);
+  int64_t t = store_f16x16(s, S, inv, p16);
+  for (; t < S; ++t) p16[t] = float_to_half(s[t] * inv);
+}
+
+// Attention of T query tokens at positions p0.. in ggml's numerics: q (T, n_head * hd) f32 after
+// RoPE; the f16 caches hold rows of n_kv * hd per position (0 .. p0 + T - 1 filled); query head h
+// reads kv head h / (n_head / n_kv); out (T, n_head * hd). One token follows llama.cpp's
+// one-token order (ggml_vec_dot_f16), a batch its tinyBLAS order where that kernel applies
+// (head_dim % GW == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v).
+static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
+                     int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads) {
+  const bool one_kq = T == 1 || hd % GW, one_kqv = T == 1 || hd % 4;
+  const int64_t nkv = n_kv * hd, group = n_head / n_kv, S = p0 + T;
+  const float scale = 1.0f / std::sqrt((float)hd);
+  const int nt = team_size(nthreads, T * S * nkv * 8 * group);
+  return run_partitioned(nt, T * n_head, [&](int64_t a, int64_t b) -> int {
+    std::vector<float> s(S), acc(64 * hd);
+    std::vector<uint16_t> q16(hd), p16(S);
+    for (int64_t job = a; job < b; ++job) {
+      const int64_t i = job / n_head, h = job % n_head, n = p0 + i + 1;  // cells seen
+      const int64_t off = h / group * hd;
+      for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(q[i * n_head * hd + h * hd + e]);
+      const int64_t t0 = kq_cells16(kc, nkv, off, hd, one_kq, q16.data(), n, s.data());
+      for (int64_t t = t0; t < n; ++t) s[t] = dot_f16(kc + t * nkv + off, q16.data(), hd, one_kq);
+      softmax_f16(s.data(), n, scale, p16.data());
+      // out[d] = dot over cells of v[., d] and p16, cell t in lane (t / GW) % 4 (one token) or
+      // 0, and t % GW; the padding cells of llama.cpp's cache add zeros, which change no sum.
+      float* o = out + i * n_head * hd + h * hd;
+      if (kqv16(vc, nkv, off, hd, n, one_kqv, p16.data(), s.data(), o)) continue;
+      std::fill(acc.begin(), acc.end(), 0.0f);  // (4 GW lanes, hd): lane-major sums
+      for (int64_t t = 0; t < n; ++t) {
+        const vf p = v_set1(half_to_float(p16[t]));
+        float* ac = acc.data() + ((one_kqv ? (t / GW) % 4 * GW : 0) + t % GW) * hd;
+        const uint16_t* vr = vc + t * nkv + off;
+        int64_t d = 0;
+        for (; d + VL <= hd; d += VL) v_store(ac + d, v_fma(v_load_h(vr + d), p, v_load(ac + d)));
+        for (; d < hd; ++d) ac[d] = std::fma(half_to_float(vr[d]), half_to_float(p16[t]), ac[d]);
+      }
+      // lane l: (accumulators 0 + 2) + (1 + 3) for one token; then the GW lanes reduced as
+      // ggml_vec_dot_f16 (one token) or tinyBLAS (a batch) does, VL dims at a time
+      int64_t d0 = 0;
+      for (; d0 + VL <= hd; d0 += VL) {
+        const float* c = acc.data() + d0;
+        vf L[16];
+        for (int l = 0; l < GW; ++l)
+          L[l] = one_kqv ? v_add(v_add(v_load(c + l * hd), v_load(c + (2 * GW + l) * hd)),
+                                 v_add(v_load(c + (GW + l) * hd), v_load(c + (3 * GW + l) * hd)))
+                         : v_load(c + l * hd);
+        v_store(o + d0, one_kqv ? vreduce_gw(L) : hsum_gw(L));
+      }
+      for (int64_t d = d0; d < hd; ++d) {
+        const float* c = acc.data() + d;
+        float lanes[16];
+        for (int l = 0; l < GW; ++l)
+          lanes[l] = one_kqv ? (c[l * hd] + c[(2 * GW + l) * hd]) + (c[(GW + l) * hd] + c[(3 * GW + l) * hd])
+                             : c[l * hd];
+        o[d] = one_kqv ? vreduce_gw(lanes) : hsum_gw(lanes);
+      }
+    }
+    return 0;
+  });
+}

@@ -1,0 +1,374 @@
+// The kernels over (gathered) rows, written once for every dtype: GEMV, gate/up GLU, row sums
+// (axpy), GEMM and dequantization. They read rows through the dtype's row engine Rows<DT>:
+// RowsBase below for every type, one specialization where an ISA has a kernel of its own
+// (Rows<DT_Q4_0> in q4_0_avx512.h).
+
+namespace {
+
+template <int DT>
+struct Rows;
+
+// AVX-512 VNNI prompt batches of the 32-element block types (wide_avx512.h; PP_WIDE builds).
+template <int DT>
+int qgemm_wide(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const QAct* xa,
+               int64_t T, float* out, int64_t ldo, int nt);
+
+// Quantized activations for the kernels (act != 0 and a quantized DT): T vectors x + t * ldx,
+// as QAct chunks (p), plus the row engine's own layout of them (g) where it has one (PACKED).
+template <int DT>
+struct ActBuf {
+  QAct* p = nullptr;
+  void* g = nullptr;
+  int64_t nch = 0;
+  ActBuf(int act, const float* x, int64_t ldx, int64_t T, int64_t cols, int nthreads = 1) {
+    using E = Rows<DT>;
+    if (!act || act_kind<DT>() == ACT_F32) return;
+    nch = cols / 32;
+    p = (QAct*)std::malloc(sizeof(QAct) * (size_t)(nch * T > 0 ? nch * T : 1));
+    if (!p) return;
+    if constexpr (E::PACKED) {
+      g = std::aligned_alloc(64, E::packed_bytes(nch, T));
+      if (!g) {
+        std::free(p);
+        p = nullptr;
+        return;
+      }
+    }
+    const int nt = T >= 16 ? nthreads : 1;  // a prompt's tokens are rounded in parallel
+    run_partitioned(nt, T, [&](int64_t a, int64_t b) -> int {
+      for (int64_t t = a; t < b; ++t) {
+        quantize_act(act_kind<DT>(), x + t * ldx, cols, p + t * nch);
+        if constexpr (E::PACKED) E::pack(p + t * nch, nch, g, t, T);
+      }
+      return 0;
+    });
+  }
+  ~ActBuf() {
+    std::free(p);
+    std::free(g);
+  }
+  bool failed(int act) const { return act && act_kind<DT>() != ACT_F32 && !p; }
+};
+
+// The row engine of every dtype: one row at a time in GEMV, tiles of up to 8 tokens in GEMM.
+template <int DT>
+struct RowsBase {
+  static constexpr bool PACKED = false;  // no layout of its own for the activations
+  static constexpr bool PAIRS = false;   // GEMV takes rows one by one (else dot_pair)
+  static size_t packed_bytes(int64_t, int64_t) { return 0; }
+  static void pack(const QAct*, int64_t, void*, int64_t, int64_t) {}
+
+  // dot(row w, x), with the quantized activations of xa when it has them (else f32 x);
+  // prefetches row nx (may be null).
+  static float dot(const uint8_t* w, const float* x, const ActBuf<DT>& xa, int64_t cols,
+                   const uint8_t* nx) {
+    float r, *o = &r;
+    if constexpr (act_kind<DT>() != ACT_F32)
+      if (xa.p) {
+        tile<QDot<DT>, 1, 1, QDOT_U<DT>>(&w, &nx, {xa.p, cols / 32}, &o, 0);
+        return r;
+      }
+    tile<FDot<DT>, 1, 1, 2>(&w, &nx, {x, 0, cols}, &o, 0);
+    return r;
+  }
+
+  // *g, *u = dot(rows[0], x), dot(rows[1], x) for a gate and an up row (same dtype and cols);
+  // prefetches next[0], next[1].
+  static void dot_gu(const uint8_t* const* rows, const uint8_t* const* next, const float* x,
+                     const ActBuf<DT>& xa, int64_t cols, float* g, float* u) {
+    if (xa.p) {
+      *g = dot(rows[0], x, xa, cols, next[0]);
+      *u = dot(rows[1], x, xa, cols, next[1]);
+    } else {  // two dots sharing x
+      float* const o[2] = {g, u};
+      tile<FDot<DT>, 2, 1>(rows, next, {x, 0, cols}, o, 0);
+    }
+  }
+
+  // Quantized-activation GEMM: tokens in tiles of QT (their int8 rows stay in cache), rows split
+  // over the threads, each weight chunk decoded once per tile of up to 8 tokens.
+  static int qgemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols,
+                   const ActBuf<DT>& xa, int64_t T, float* out, int64_t ldo, const uint8_t*,
+                   int nt) {
+    constexpr int64_t QT = 32;
+    const int64_t nch = cols / 32, dist = prefetch_dist(row_bytes<DT>(cols));
+    if constexpr (PP_WIDE && UDec<DT>::QK == 32)
+      if (T >= 8 && nch % 2 == 0) return qgemm_wide<DT>(W, ld, nrows, cols, xa.p, T, out, ldo, nt);
+    return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
+      for (int64_t t0 = 0; t0 < T; t0 += QT) {
+        const int64_t t1 = t0 + QT < T ? t0 + QT : T;
+        for (int64_t r = a; r < b; ++r) {
+          const uint8_t* w = W + r * ld;
+          const uint8_t* nx = r + dist < b ? W + (r + dist) * ld : nullptr;
+          token_tiles(TileSizes<8, 6, 4, 3, 2, 1>(), t0, t1, [&](auto NT, int64_t t) {
+            const uint8_t* p = t == t0 ? nx : nullptr;
+            float* o = out + t * ldo + r;
+            tile<QDot<DT>, 1, decltype(NT)::value>(&w, &p, {xa.p + t * nch, nch}, &o, ldo);
+          });
+        }
+      }
+      return 0;
+    });
+  }
+};
+
+template <int DT>
+struct Rows : RowsBase<DT> {};
+
+// ---- kernels ----------------------------------------------------------------------------------
+
+template <int DT>
+int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
+              const int64_t* idx, int64_t k, float* out, int act, int nthreads) {
+  using E = Rows<DT>;
+  const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
+  const int nt = team_size(nthreads, k * rb);
+  ActBuf<DT> xa(act, x, cols, 1, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  return run_partitioned(nt, k, [&](int64_t a, int64_t b) -> int {
+    int err = 0;
+    auto row = [&](int64_t j) -> const uint8_t* {  // list position j's row; null past b
+      const int64_t r = j < b ? row_at(idx, j, nrows) : -1;
+      return r >= 0 ? W + r * ld : nullptr;
+    };
+    for (int64_t j = a; j < b; ++j) {
+      if constexpr (E::PAIRS)
+        if (xa.g && j + 1 < b) {  // two rows side by side
+          const uint8_t* w[2] = {row(j), row(j + 1)};
+          if (w[0] && w[1]) {
+            const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
+            E::dot_pair(w, nx, xa, out + j);
+            ++j;
+            continue;
+          }
+        }
+      const uint8_t* w = row(j);
+      if (!w) {
+        out[j] = NAN;
+        err = 1;
+        continue;
+      }
+      out[j] = E::dot(w, x, xa, cols, row(j + dist));
+    }
+    return err;
+  });
+}
+
+// out[i] = W_i x for nm (at most 4) matrices of one type and width, as one GEMV over their
+// concatenated rows: x is rounded once and one thread team splits all the rows (attention's
+// q, k and v; k and v alone are too small to pay for a team of their own).
+template <int DT>
+int gemv_multi_impl(const uint8_t* const* W, const int64_t* ld, const int64_t* nrows, int nm,
+                    int64_t cols, const float* x, float* const* out, int act, int nthreads) {
+  int64_t start[5] = {0, 0, 0, 0, 0};
+  for (int i = 0; i < nm; ++i) start[i + 1] = start[i] + nrows[i];
+  const int64_t total = start[nm], rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
+  const int nt = team_size(nthreads, total * rb);
+  ActBuf<DT> xa(act, x, cols, 1, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  return run_partitioned(nt, total, [&](int64_t a, int64_t b) -> int {
+    int i = 0, k = 0;  // the matrices of rows j and j + dist
+    for (int64_t j = a; j < b; ++j) {
+      while (j >= start[i + 1]) ++i;
+      const int64_t jn = j + dist;
+      const uint8_t* nx = nullptr;
+      if (jn < b) {
+        while (jn >= start[k + 1]) ++k;
+        nx = W[k] + (jn - start[k]) * ld[k];
+      }
+      const int64_t r = j - start[i];
+      out[i][r] = Rows<DT>::dot(W[i] + r * ld[i], x, xa, cols, nx);
+    }
+    return 0;
+  });
+}
+
+inline float activate(int variant, float g, float u) {
+  switch (variant) {
+    case V_REGLU:
+      return (g > 0.0f ? g : 0.0f) * u;
+    case V_DRELU:
+      return (g > 0.0f ? g : 0.0f) * (u > 0.0f ? u : 0.0f);
+    default:  // V_SWIGLU
+      return ggml_silu(g) * u;
+  }
+}
+
+template <int DT>
+int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64_t nrows,
+             int64_t cols, const float* x, const int64_t* idx, int64_t k, int variant, float* out,
+             int act, int nthreads) {
+  const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
+  const int nt = team_size(nthreads, k * rb * 2);
+  ActBuf<DT> xa(act, x, cols, 1, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  return run_partitioned(nt, k, [&](int64_t a, int64_t b) -> int {
+    int err = 0;
+    for (int64_t j = a; j < b; ++j) {
+      const int64_t r = row_at(idx, j, nrows);
+      if (r < 0) {
+        out[j] = NAN;
+        err = 1;
+        continue;
+      }
+      const int64_t rn = j + dist < b ? row_at(idx, j + dist, nrows) : -1;
+      const uint8_t* rows[2] = {G + r * ldg, U + r * ldu};
+      const uint8_t* next[2] = {rn >= 0 ? G + rn * ldg : nullptr, rn >= 0 ? U + rn * ldu : nullptr};
+      float g, u;
+      Rows<DT>::dot_gu(rows, next, x, xa, cols, &g, &u);
+      out[j] = activate(variant, g, u);
+    }
+    return err;
+  });
+}
+
+// acc += sum_{j in [a, b), h[j] != 0} h[j] * W[idx[j]]: the nonzero rows four at a time (the
+// last 0-3 alone), prefetching the rows `dist` (at least 4) positions ahead. With tau, a row r
+// also needs |h[j]| >= tau[r] (the cut); *kept (if given) receives the number of rows added.
+template <int DT>
+int axpy_range(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
+               const int64_t* idx, int64_t a, int64_t b, int64_t dist, float* acc,
+               const float* tau = nullptr, int64_t* kept = nullptr) {
+  const int64_t m = b > a ? b - a : 1;
+  const uint8_t** rows = (const uint8_t**)std::malloc(sizeof(void*) * m);
+  float* hs = (float*)std::malloc(sizeof(float) * m);
+  if (!rows || !hs) {
+    std::free(rows);
+    std::free(hs);
+    return PP_ERR_ARG;
+  }
+  int err = 0;
+  int64_t n = 0;
+  for (int64_t j = a; j < b; ++j) {
+    if (h[j] == 0.0f) continue;
+    const int64_t r = row_at(idx, j, nrows);
+    if (r < 0) {
+      err = 1;
+      continue;
+    }
+    if (tau && !(std::fabs(h[j]) >= tau[r])) continue;  // as torch: NaN is cut
+    rows[n] = W + r * ld;
+    hs[n++] = h[j];
+  }
+  if (dist < 4) dist = 4;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const uint8_t* nx[4];
+    for (int u = 0; u < 4; ++u) nx[u] = i + dist + u < n ? rows[i + dist + u] : nullptr;
+    axpy_rows<DT, 4>(rows + i, hs + i, acc, cols, nx);
+  }
+  for (; i < n; ++i) {
+    const uint8_t* nx = i + dist < n ? rows[i + dist] : nullptr;
+    axpy_rows<DT, 1>(rows + i, hs + i, acc, cols, &nx);
+  }
+  if (kept) *kept = n;
+  std::free(rows);
+  std::free(hs);
+  return err;
+}
+
+template <int DT>
+int axpy_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
+              const int64_t* idx, int64_t k, float* out, int accumulate, int nthreads,
+              const float* tau = nullptr, int64_t* kept = nullptr) {
+  const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
+  if (!accumulate) std::memset(out, 0, sizeof(float) * cols);
+  const int nt = team_size(nthreads, k * rb);
+  if (nt <= 1) return axpy_range<DT>(W, ld, nrows, cols, h, idx, 0, k, dist, out, tau, kept);
+
+  // One private f32 accumulator per thread over a fixed partition of the index list, then a
+  // column-parallel reduction in thread order: deterministic for a given thread count.
+  const int64_t cpad = (cols + 15) / 16 * 16;
+  float* buf = (float*)std::aligned_alloc(64, sizeof(float) * cpad * nt);
+  if (!buf) return PP_ERR_ARG;
+  int err = 0;
+  int64_t added = 0;
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(nt) reduction(| : err) reduction(+ : added)
+  {
+    const int64_t t = thread_id(), n = team_threads();
+    float* acc = buf + t * cpad;
+    std::memset(acc, 0, sizeof(float) * cpad);
+    int64_t mine = 0;  // the cut is applied here, by the thread that computed these h
+    err |= axpy_range<DT>(W, ld, nrows, cols, h, idx, k * t / n, k * (t + 1) / n, dist, acc,
+                          tau, &mine);
+    added += mine;
+#pragma omp barrier
+    const int64_t c0 = cpad / 16 * t / n * 16, c1 = cpad / 16 * (t + 1) / n * 16;
+    for (int64_t c = c0; c < c1 && c < cols; ++c) {
+      float s = buf[c];
+      for (int64_t i = 1; i < n; ++i) s += buf[i * cpad + c];
+      out[c] += s;
+    }
+  }
+#endif
+  if (kept) *kept = added;
+  std::free(buf);
+  return err;
+}
+
+// Whether any of tokens t0..t0+n-1 needs any of rows r0..r0+nr-1: need is (T, nrows) bytes,
+// laid out like the output, nonzero where the caller uses it.
+inline bool any_needed(const uint8_t* need, int64_t nrows, int64_t r0, int nr, int64_t t0, int n) {
+  for (int t = 0; t < n; ++t)
+    for (int r = 0; r < nr; ++r)
+      if (need[(t0 + t) * nrows + r0 + r]) return true;
+  return false;
+}
+
+template <int DT>
+int gemm_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
+              int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need, int act,
+              int nthreads) {
+  // f32 activations: tiles of up to G tokens (the register budget)
+  using Tiles = std::conditional_t<VL == 16, TileSizes<4, 3, 2, 1>, TileSizes<2, 1>>;
+  if (T == 1) return gemv_impl<DT>(W, ld, nrows, cols, x, nullptr, nrows, out, act, nthreads);
+  const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
+  const int nt = team_size(nthreads, nrows * (rb + T * 64));
+  if constexpr (act_kind<DT>() != ACT_F32)
+    if (act) {
+      ActBuf<DT> xa(1, x, ldx, T, cols, nt);
+      if (!xa.p) return PP_ERR_ARG;
+      return Rows<DT>::qgemm(W, ld, nrows, cols, xa, T, out, ldo, need, nt);
+    }
+  return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
+    for (int64_t r = a; r < b; ++r) {
+      const uint8_t* w = W + r * ld;
+      const uint8_t* nx = r + dist < b ? W + (r + dist) * ld : nullptr;
+      token_tiles(Tiles(), 0, T, [&](auto NT, int64_t t0) {
+        const uint8_t* p = t0 == 0 ? nx : nullptr;
+        float* o = out + t0 * ldo + r;
+        tile<FDot<DT>, 1, decltype(NT)::value>(&w, &p, {x + t0 * ldx, ldx, cols}, &o, ldo);
+      });
+    }
+    return 0;
+  });
+}
+
+template <int DT>
+int dequant_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const int64_t* idx,
+                 int64_t k, float* out, int nthreads) {
+  const int nt = team_size(nthreads, k * (row_bytes<DT>(cols) + 4 * cols));
+  return run_partitioned(nt, k, [&](int64_t a, int64_t b) -> int {
+    int err = 0;
+    for (int64_t j = a; j < b; ++j) {
+      const int64_t r = row_at(idx, j, nrows);
+      if (r < 0) {
+        for (int64_t i = 0; i < cols; ++i) out[j * cols + i] = NAN;
+        err = 1;
+        continue;
+      }
+      row_decode<DT>(W + r * ld, out + j * cols, cols);
+    }
+    return err;
+  });
+}
+
+inline bool valid_shape(int dtype, int64_t cols) {
+  if (cols < 0) return false;
+  if (dtype >= DT_Q4_K && dtype <= DT_Q6_K) return cols % 256 == 0;
+  if (dtype >= DT_Q8_0 && dtype <= DT_Q5_1) return cols % 32 == 0;
+  return dtype >= DT_F32 && dtype <= DT_BF16;
+}
+
+}  // namespace

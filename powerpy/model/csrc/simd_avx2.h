@@ -1,0 +1,95 @@
+// AVX2 + FMA + F16C float vectors (8 lanes): the vector operations, the 32-element block decoders
+// of the float and byte types and ggml's 8-lane reductions. simd_avx512.h and simd_scalar.h have
+// the same names.
+
+#define PP_SIMD 1
+
+namespace {
+
+typedef __m256 vf;
+constexpr int VL = 8;
+inline vf v_zero() { return _mm256_setzero_ps(); }
+inline vf v_set1(float a) { return _mm256_set1_ps(a); }
+inline vf v_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void v_store(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline float v_sum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline vf v_load_h(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+// ggml's vector width on this CPU (llama.cpp is built for the same one): its dot products and
+// softmax sum in GW-lane vectors, reduced as tinyBLAS and the softmax do (hsum) or as
+// ggml_vec_dot_f16's GGML_F16_VEC_REDUCE does (vreduce).
+constexpr int GW = 8;
+template <class T>
+inline T hsum_gw(T* a) {
+  return hsum8(a);
+}
+template <class T>
+inline T vreduce_gw(T* a) {
+  return hadd8(a);
+}
+// The same for GW lanes held in GW / VL vectors.
+inline float lanes_hsum(const vf* acc) {
+  float lanes[16];
+  for (int u = 0; u < GW / VL; ++u) v_store(lanes + u * VL, acc[u]);
+  return hsum_gw(lanes);
+}
+inline float lanes_vreduce(const vf* acc) {
+  float lanes[16];
+  for (int u = 0; u < GW / VL; ++u) v_store(lanes + u * VL, acc[u]);
+  return vreduce_gw(lanes);
+}
+
+// ---- 32-element block decoders: 32 elements -> NV = 4 vectors (exact values) -------------------
+
+PP_ALWAYS_INLINE void dec_f16(const uint8_t* p, vf* w) {
+  for (int u = 0; u < 4; ++u) w[u] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16 * u)));
+}
+
+PP_ALWAYS_INLINE void dec_bf16(const uint8_t* p, vf* w) {
+  for (int u = 0; u < 4; ++u) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * u)));
+    w[u] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  }
+}
+
+// Q8_0: int8 qs[32] times d.
+PP_ALWAYS_INLINE void dec_q8_0(const uint8_t* qs, float d, vf* w) {
+  const vf vd = v_set1(d);
+  for (int u = 0; u < 4; ++u) {
+    __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8 * u)));
+    w[u] = v_mul(_mm256_cvtepi32_ps(q), vd);
+  }
+}
+
+// Q4_0: (nibble - 8) d.
+PP_ALWAYS_INLINE void dec_q4_0(const uint8_t* qs, float d, vf* w) {
+  const __m128i q = _mm_loadu_si128((const __m128i*)qs);
+  const __m128i m4 = _mm_set1_epi8(15), k8 = _mm_set1_epi8(8);
+  const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), k8);                     // elements 0..15
+  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), k8);  // 16..31
+  const vf vd = v_set1(d);
+  w[0] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), vd);
+  w[1] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))), vd);
+  w[2] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vd);
+  w[3] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi))), vd);
+}
+
+// Unsigned bytes q through their affine maps: y = a_h q + b_h.
+PP_ALWAYS_INLINE void dec_bytes(const U8x32& q, const Affine& f, vf* w) {
+  const __m128i lo = _mm256_castsi256_si128(q.v), hi = _mm256_extracti128_si256(q.v, 1);
+  const vf a0 = v_set1(f.a0), b0 = v_set1(f.b0), a1 = v_set1(f.a1), b1 = v_set1(f.b1);
+  w[0] = v_fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), a0, b0);
+  w[1] = v_fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))), a0, b0);
+  w[2] = v_fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), a1, b1);
+  w[3] = v_fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))), a1, b1);
+}
+
+}  // namespace

@@ -1,0 +1,21 @@
+// Builds without AVX-512: no 16-lane pieces. Each hook says it did nothing (returns its start, or
+// false), and its caller's portable loop does the work (numerics_avx512.h has the real ones).
+
+namespace {
+
+inline bool quant_act16(int, const float*, QAct&) { return false; }
+
+}  // namespace
+
+inline int64_t swiglu16(const float*, const float*, int64_t a, int64_t, float*) { return a; }
+inline int64_t scale_max16(float*, int64_t, float, float&) { return 0; }
+inline bool exp16(const float*, int64_t, float, float*) { return false; }
+inline int64_t store_f16x16(const float*, int64_t, float, uint16_t*) { return 0; }
+inline int64_t kq_cells16(const uint16_t*, int64_t, int64_t, int64_t, bool, const uint16_t*,
+                          int64_t, float*) {
+  return 0;
+}
+inline bool kqv16(const uint16_t*, int64_t, int64_t, int64_t, int64_t, bool, const uint16_t*,
+                  float*, float*) {
+  return false;
+}
