@@ -1,6 +1,19 @@
 // Builds without AVX-512: no 16-lane pieces. Each hook says it did nothing (returns its start, or
 // false), and its caller's portable loop does the work (numerics_avx512.h has the real ones).
 
+// ggml's GW lanes held in GW / VL vectors, reduced as hsum_gw and vreduce_gw do (AVX-512 holds
+// them in one vector: simd_avx512.h).
+inline float lanes_hsum(const vf* acc) {
+  float lanes[16];
+  for (int u = 0; u < GW / VL; ++u) v_store(lanes + u * VL, acc[u]);
+  return hsum_gw(lanes);
+}
+inline float lanes_vreduce(const vf* acc) {
+  float lanes[16];
+  for (int u = 0; u < GW / VL; ++u) v_store(lanes + u * VL, acc[u]);
+  return vreduce_gw(lanes);
+}
+
 namespace {
 
 inline bool quant_act16(int, const float*, QAct&) { return false; }

@@ -27,17 +27,6 @@ template <class T>
 inline T vreduce_gw(T* a) {
   return tree16(a);
 }
-// The same for GW lanes held in GW / VL vectors.
-inline float lanes_hsum(const vf* acc) {
-  float lanes[16];
-  for (int u = 0; u < GW / VL; ++u) v_store(lanes + u * VL, acc[u]);
-  return hsum_gw(lanes);
-}
-inline float lanes_vreduce(const vf* acc) {
-  float lanes[16];
-  for (int u = 0; u < GW / VL; ++u) v_store(lanes + u * VL, acc[u]);
-  return vreduce_gw(lanes);
-}
 
 // ---- 32-element block decoders: 32 elements -> NV = 32 floats (exact values) -------------------
 
