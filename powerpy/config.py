@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from powerpy.errors import ModelConfigError
+from powerpy.errors import ModelConfigError, shown
 from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, family
 from powerpy.formats.constants import GGUFValueType, Keys, Names
 
@@ -342,8 +342,7 @@ def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) ->
     if not ok or len(set(items)) != len(items):
         below = f" below {n_layer}" if n_layer is not None else ""
         raise ModelConfigError(
-            f"{source}: {key} must be an array of distinct layer numbers{below}, "
-            f"got {_short(value)}"
+            f"{source}: {key} must be an array of distinct layer numbers{below}, got {shown(value)}"
         )
     return tuple(sorted(int(v) for v in items))
 
@@ -360,7 +359,7 @@ def float_list(value: Any, key: str, source: str, n: int | None = None) -> tuple
     if items is None or not all(
         isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items
     ):
-        raise ModelConfigError(f"{source}: {key} must be an array of numbers, got {_short(value)}")
+        raise ModelConfigError(f"{source}: {key} must be an array of numbers, got {shown(value)}")
     out = tuple(float(v) for v in items)
     if n is not None and (len(out) != n or not all(0 <= t < math.inf for t in out)):
         raise ModelConfigError(
@@ -368,11 +367,6 @@ def float_list(value: Any, key: str, source: str, n: int | None = None) -> tuple
             f"{len(out)}: {list(out)[:4]}; fix the values or remove the key"
         )
     return out
-
-
-def _short(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _scalar(v: Any, key: str, kind: type, source: str) -> Any:
@@ -385,6 +379,6 @@ def _scalar(v: Any, key: str, kind: type, source: str) -> Any:
     if not ok:
         raise ModelConfigError(
             f"{source}: key {key!r} must be one {'integer' if kind is int else 'number'}, got "
-            f"{_short(v)} ({type(v).__name__}); the file is corrupt: re-convert the model"
+            f"{shown(v)} ({type(v).__name__}); the file is corrupt: re-convert the model"
         )
     return kind(v)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "FileFormatError",
     "ModelConfigError",
@@ -10,7 +12,14 @@ __all__ = [
     "PowerpyError",
     "StatsError",
     "TokenizerError",
+    "shown",
 ]
+
+
+def shown(v: Any) -> str:
+    """``v`` as an error message shows it: its repr, cut to 40 characters."""
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class PowerpyError(ValueError):

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from powerpy.errors import ModelConfigError
+from powerpy.errors import ModelConfigError, shown
 from powerpy.families import bamboo, llama
 from powerpy.families.base import Family, FFNVariant, LayerTensor, Norm, Residual, Rope
 
@@ -34,7 +34,6 @@ def family(arch: object, source: str = "model") -> Family:
     """
     if isinstance(arch, str) and arch in FAMILIES:
         return FAMILIES[arch]
-    shown = repr(arch) if not isinstance(arch, str) or len(arch) <= 40 else repr(arch[:40] + "…")
     raise ModelConfigError(
-        f"{source}: architecture {shown} is not supported (supported: {', '.join(FAMILIES)})"
+        f"{source}: architecture {shown(arch)} is not supported (supported: {', '.join(FAMILIES)})"
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from powerpy.errors import ModelConfigError
+from powerpy.errors import ModelConfigError, shown
 from powerpy.families.base import Family, FFNVariant, LayerTensor
 from powerpy.formats.constants import Keys, Names
 
@@ -34,9 +34,8 @@ def ffn_variant(kv: Mapping[str, Any], sparse: bool, source: str) -> FFNVariant:
         return FFNVariant.SWIGLU
     act = kv.get(Keys.SPARSE_ACTIVATION, "relu")
     if not isinstance(act, str) or act not in ("relu", "silu"):
-        shown = repr(act) if len(repr(act)) <= 40 else repr(act)[:37] + "..."
         raise ModelConfigError(
-            f"{source}: key {Keys.SPARSE_ACTIVATION!r} is {shown}; remove the key or set it "
+            f"{source}: key {Keys.SPARSE_ACTIVATION!r} is {shown(act)}; remove the key or set it "
             'to "relu" or "silu"'
         )
     return FFNVariant.REGLU if act == "relu" else FFNVariant.SWIGLU
