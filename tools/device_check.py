@@ -408,28 +408,28 @@ def sec_correctness(ctx: Ctx) -> list[dict]:
     save_activation_stats(
         act_dir, [rng.pareto(1.0, spec.n_ff).astype(np.float32) for _ in range(spec.n_layer)]
     )
-    if True:  # exact f32 activations on both sides (the hybrid keeps its base's numerics)
-        for ggml_type in (GGMLType.F16, GGMLType.Q4_0):
-            path = ctx.tmp / f"small-{ggml_type.name}.powerinfer.gguf"
-            write_tiny_model(path, spec, sparse=True, seed=5, dtype=ggml_type)
-            ref = load(path, threshold=-1e30, exact_activations=True)
-            want, fed = teacher_forced(ref, CORRECT_PROMPT, CORRECT_STEPS)  # (16, n_vocab)
-            mb = model_bytes(ref)
-            budgets = {
-                "third": mb // 3,
-                "two thirds": 2 * mb // 3,
-                "all": mb + kv_bytes(ref, SMALL_CTX) + GIB // 64,
-            }
-            for label, budget in budgets.items():
-                row: dict[str, Any] = {"model": ggml_type.name, "budget": label, "bytes": budget}
-                rows.append(row)
-                with guarded(row, "run"):
-                    name = f"small-{ggml_type.name}-{label.replace(' ', '-')}"
-                    try:
-                        compare(ctx, ref, budget, name, act_dir, want, fed, row)
-                    finally:
-                        ctx.free()
-                say(f"correctness {row}")
+    # exact f32 activations on both sides (the hybrid keeps its base's numerics)
+    for ggml_type in (GGMLType.F16, GGMLType.Q4_0):
+        path = ctx.tmp / f"small-{ggml_type.name}.powerinfer.gguf"
+        write_tiny_model(path, spec, sparse=True, seed=5, dtype=ggml_type)
+        ref = load(path, threshold=-1e30, exact_activations=True)
+        want, fed = teacher_forced(ref, CORRECT_PROMPT, CORRECT_STEPS)  # (16, n_vocab)
+        mb = model_bytes(ref)
+        budgets = {
+            "third": mb // 3,
+            "two thirds": 2 * mb // 3,
+            "all": mb + kv_bytes(ref, SMALL_CTX) + GIB // 64,
+        }
+        for label, budget in budgets.items():
+            row: dict[str, Any] = {"model": ggml_type.name, "budget": label, "bytes": budget}
+            rows.append(row)
+            with guarded(row, "run"):
+                name = f"small-{ggml_type.name}-{label.replace(' ', '-')}"
+                try:
+                    compare(ctx, ref, budget, name, act_dir, want, fed, row)
+                finally:
+                    ctx.free()
+            say(f"correctness {row}")
     errors = [r for r in rows if r.get("errors")]
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(rows)} correctness runs failed (see rows)")
