@@ -190,7 +190,7 @@ class LLM:
         ctx = ctx or min(256, self.model.args.n_ctx_train)
         res = profile(
             self.model, self._ids(text), ctx=ctx, max_tokens=tokens,
-            target_sparsity=target_sparsity, progress=progress,
+            target_sparsity=target_sparsity, progress=progress, numerics=self.options.numerics,
         )  # fmt: skip
         res.model = self.name
         return res
@@ -229,8 +229,9 @@ class LLM:
         opts = TrainOptions(**options)
         out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="powerpy-"))
         report, _ = train_predictors(
-            self.model, self._ids(text), out, opts, tokens=tokens, progress=progress, **kw
-        )
+            self.model, self._ids(text), out, opts, tokens=tokens, progress=progress,
+            numerics=self.options.numerics, **kw,
+        )  # fmt: skip
         report.model, report.directory = self.name, str(out)
         return report
 
@@ -266,6 +267,7 @@ class LLM:
             bos_id=self.tokenizer.bos_id if self.tokenizer.add_bos else None,
             name=self.name,
             progress=progress,
+            numerics=self.options.numerics,
         )
         ids = self._ids(text)
         if oracle is not None:

@@ -111,3 +111,17 @@ def test_cli_reports_dense_and_sparse_side_by_side(tmp_path, capsys) -> None:
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines()[1:]]
     assert [r[0] for r in rows] == ["dense"] and float(rows[0][1]) == dense_ppl
     assert main(["perplexity", "-m", str(path), "-f", str(tmp_path / "none.txt")]) == 1
+
+
+def test_sweeps_compute_with_the_handles_numerics(smollm2_path) -> None:
+    """A handle loaded with exact activations runs its sweeps' dense perplexity with them (the
+    quantized model's llama.cpp rounding gives another value)."""
+    text = kjv_text("heldout")[:4000]
+    exact = load(smollm2_path, exact_activations=True)
+    ids = exact.tokenize(text, add_bos=False)
+    got = exact.sparsity_sweep(ids, oracle=[0.5], ctx=64, chunks=1, progress=False).dense_ppl
+    kw = dict(ctx=64, chunks=1, bos_id=exact.tokenizer.bos_id if exact.tokenizer.add_bos else None)
+    opts = RunOptions(sparse=False, numerics=exact.options.numerics)
+    want = perplexity(exact.model, ids, opts=opts, **kw)
+    rounded = perplexity(exact.model, ids, opts=RunOptions(sparse=False), **kw)
+    assert got == want.ppl and got != rounded.ppl

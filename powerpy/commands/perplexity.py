@@ -4,6 +4,7 @@ sparsity trade-off threshold by threshold (``--sweep``)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 from powerpy.commands.common import (
@@ -61,7 +62,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import dataclasses
 
     from powerpy.model.options import DENSE, RunOptions
     from powerpy.pipeline.perplexity import perplexity
@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     results = []
     sparse_ok = model.can_gate and not args.dense
     if args.dense or not args.sparse_only or not sparse_ok:
-        results.append(("dense", perplexity(model, ids, desc="dense", opts=DENSE, **kw)))
+        dense = dataclasses.replace(DENSE, numerics=llm.options.numerics)
+        results.append(("dense", perplexity(model, ids, desc="dense", opts=dense, **kw)))
     if sparse_ok:
         sparse = dataclasses.replace(llm.options, sparse=True)
         results.append(("sparse", perplexity(model, ids, desc="sparse", opts=sparse, **kw)))
@@ -125,7 +126,9 @@ def _sweeps(args: argparse.Namespace, llm, ids: list[int], thresholds, kw: dict)
     model = llm.model
     if args.sweep is not None and not model.can_gate:
         raise ValueError(f"--sweep needs a PWRI model with predictors; {llm.path} is dense")
-    dense = perplexity(model, ids, desc="dense", opts=DENSE, **kw)
+    opts = dataclasses.replace(DENSE, numerics=llm.options.numerics)
+    dense = perplexity(model, ids, desc="dense", opts=opts, **kw)
+    kw = {**kw, "numerics": llm.options.numerics}  # the sweeps' runs compute as the dense one
     results = []
     if args.sweep is not None:
         ts = thresholds or sweep.DEFAULT_THRESHOLDS

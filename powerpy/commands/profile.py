@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         dump_samples=args.dump_samples,
         seed=args.seed,
         progress=sys.stderr.isatty(),
+        numerics=llm.options.numerics,
     )
     res.model = llm.name
     paths = write_profile(res, args.output)

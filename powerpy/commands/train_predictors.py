@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             samples=args.samples,
             ctx=args.ctx,
             target_sparsity=args.target_sparsity,
+            numerics=llm.options.numerics,
             skip_fraction=args.skip_fraction,
             predictor_cost=args.predictor_cost,
             work_dir=args.work_dir,

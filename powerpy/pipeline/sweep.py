@@ -23,6 +23,7 @@ import torch
 
 from powerpy import _html
 from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
+from powerpy.model.numerics import Numerics
 from powerpy.model.options import Oracle, RunOptions
 from powerpy.model.transformer import Model
 from powerpy.pipeline.perplexity import PerplexityResult, perplexity
@@ -162,13 +163,13 @@ def _sweep(
     name: str,
     dense: PerplexityResult | None,
     progress: bool,
+    numerics: Numerics,
     **kwargs,
 ) -> SweepResult:
     if not settings:
         raise ValueError("a sweep needs at least one setting")
     if any(math.isnan(s) for s in settings):
         raise ValueError(f"sweep settings {list(settings)} contain NaN")
-    numerics = kwargs.pop("numerics", DEFAULT_NUMERICS)  # how every run computes
     if dense is None:
         opts = RunOptions(sparse=False, numerics=numerics)
         dense = perplexity(model, ids, opts=opts, desc="dense", progress=progress, **kwargs)
@@ -194,6 +195,7 @@ def sparsity_sweep(
     name: str = "",
     dense: PerplexityResult | None = None,
     progress: bool = False,
+    numerics: Numerics = DEFAULT_NUMERICS,
     **kwargs,
 ) -> SweepResult:
     """Perplexity and skipped share of the model's predictors at each threshold.
@@ -205,6 +207,7 @@ def sparsity_sweep(
         name: the model's name, for titles.
         dense: a dense run of the same text and settings to reuse (None: run it).
         progress: tqdm bars.
+        numerics: how every run computes (``RunOptions.numerics``; the sweeps below too).
         **kwargs: ``ctx``, ``chunks``, ``bos_id`` of :func:`perplexity.perplexity`.
 
     Raises:
@@ -212,7 +215,7 @@ def sparsity_sweep(
     """
     if not model.can_gate:
         raise ValueError("the model has no predictors (a dense GGUF): sweep a PWRI model")
-    return _sweep(model, ids, "predictors", thresholds, name, dense, progress, **kwargs)
+    return _sweep(model, ids, "predictors", thresholds, name, dense, progress, numerics, **kwargs)
 
 
 def oracle_sweep(
@@ -223,6 +226,7 @@ def oracle_sweep(
     name: str = "",
     dense: PerplexityResult | None = None,
     progress: bool = False,
+    numerics: Numerics = DEFAULT_NUMERICS,
     **kwargs,
 ) -> SweepResult:
     """The same curve for the top-k oracle (:func:`topk_oracle`) at each skipped share.
@@ -232,7 +236,7 @@ def oracle_sweep(
     for s in skips:
         if not 0.0 <= s < 1.0:
             raise ValueError(f"oracle skipped share {s} must be in [0, 1)")
-    return _sweep(model, ids, "oracle", skips, name, dense, progress, **kwargs)
+    return _sweep(model, ids, "oracle", skips, name, dense, progress, numerics, **kwargs)
 
 
 def cut_sweep(
@@ -243,6 +247,7 @@ def cut_sweep(
     name: str = "",
     dense: PerplexityResult | None = None,
     progress: bool = False,
+    numerics: Numerics = DEFAULT_NUMERICS,
     **kwargs,
 ) -> SweepResult:
     """The same curve for the file's per-layer cuts (``powerpy.ffn_down_threshold``) scaled by
@@ -256,4 +261,4 @@ def cut_sweep(
         raise ValueError("the model has no cuts (powerpy.ffn_down_threshold): nothing to sweep")
     for s in scales:
         RunOptions(cut_scale=s)  # its check, before any run
-    return _sweep(model, ids, "cut", scales, name, dense, progress, **kwargs)
+    return _sweep(model, ids, "cut", scales, name, dense, progress, numerics, **kwargs)

@@ -45,6 +45,8 @@ from tqdm.auto import tqdm
 
 from powerpy.model.ffn import predict
 from powerpy.model.matrices import DenseWeight
+from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
+from powerpy.model.numerics import Numerics
 from powerpy.model.transformer import Model
 from powerpy.pipeline.calibrate import calibrate_predictors, split_indices
 from powerpy.pipeline.predictors import (
@@ -339,6 +341,7 @@ def train_predictors(
     work_dir: str | os.PathLike[str] | None = None,
     progress: bool = False,
     log_layer: Callable[[LayerReport], None] | None = None,
+    numerics: Numerics = DEFAULT_NUMERICS,
 ) -> tuple[TrainReport, ProfileResult]:
     """Profile a model on a text (dumping samples), then train its predictors.
 
@@ -358,6 +361,7 @@ def train_predictors(
         work_dir: where the sample dump goes (default: a temporary directory, removed after).
         progress: tqdm bars.
         log_layer: called with each layer's report.
+        numerics: how the profiling runs compute (``RunOptions.numerics``).
 
     Returns:
         ``(training report, profile result)``.
@@ -378,6 +382,7 @@ def train_predictors(
             max_tokens=tokens,
             target_sparsity=target_sparsity,
             dump_dir=work_dir,
+            numerics=numerics,
             dump_samples=samples if samples is not None else n_run,
             seed=opts.seed,
             progress=progress,
