@@ -54,6 +54,7 @@ def main() -> int:
     for r in range(args.rounds):
         order = ("base", "new") if r % 2 == 0 else ("new", "base")
         for which in order:
+            print(f"round {r + 1}/{args.rounds}: {which}", file=sys.stderr, flush=True)
             runs[which].append(bench(getattr(args, which), args))
     print(f"model {args.model or 'default'}, {args.threads} threads, {args.rounds} rounds")
     for row in runs["base"][0]:
