@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from powerpy.errors import ModelConfigError, shown
-from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, family
+from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, Rope, family
 from powerpy.formats.constants import GGUFValueType, Keys, Names
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ HF_MODEL_TYPES = ("llama", "mistral")
 DEFAULT_CTX = 4096  # positions of a KV cache when none is given (llama-server's default)
 
 
-ACTIVATIONS = ("relu", "silu")  # --ffn-act, config.json sparse_activation, hidden_act
+ACTIVATIONS = ("relu", "silu", "gelu")  # --ffn-act, config.json sparse_activation, hidden_act
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class ModelArgs:
     n_head_kv: int
     n_rot: int  # rotary dims per head
     rope_base: float
-    rms_eps: float
+    norm_eps: float
     n_ctx_train: int
     sparse: bool  # PWRI magic: predictor-gated FFN
     ffn_variant: FFNVariant
@@ -66,6 +66,11 @@ class ModelArgs:
         return self.head_dim * self.n_head_kv
 
     @property
+    def n_embd_qkv(self) -> int:
+        """Rows of a fused ``attn_qkv``: q, then k, then v."""
+        return self.n_embd + 2 * self.n_embd_gqa
+
+    @property
     def default_n_ctx(self) -> int:
         """The context of a cache or a placement when none is given: the training context, at
         most :data:`DEFAULT_CTX` (one default for ``new_cache``, ``gen-gpuidx``, ``infer`` and
@@ -81,6 +86,7 @@ class ModelArgs:
         n_vocab: int | None = None,
         kv_types: Mapping[str, GGUFValueType] | None = None,
         source: str = "model",
+        n_positions: int | None = None,
     ) -> ModelArgs:
         """Build the arguments from GGUF key/values, checking every value's type and range.
 
@@ -90,6 +96,8 @@ class ModelArgs:
             n_vocab: vocabulary size when the file has no token list (token_embd rows).
             kv_types: value types, to check that the threshold key is FLOAT32.
             source: file name for error messages.
+            n_positions: positions a learned-position table holds (its rows less the family's
+                offset): the training context is at most that.
 
         Raises:
             ModelConfigError: unsupported architecture, a missing key, a value of the wrong type
@@ -134,8 +142,8 @@ class ModelArgs:
             n_head_kv=get(Keys.HEAD_COUNT_KV, n_head),
             n_rot=get(Keys.ROPE_DIMENSION_COUNT, n_embd // n_head if n_head > 0 else 0),
             rope_base=get(Keys.ROPE_FREQ_BASE, 10000.0, float),
-            rms_eps=get(Keys.RMS_EPS, 1e-5, float),
-            n_ctx_train=get(Keys.CONTEXT_LENGTH, 2048),
+            norm_eps=get(fam.norm.eps_key, 1e-5, float),
+            n_ctx_train=min(get(Keys.CONTEXT_LENGTH, 2048), n_positions or 2**62),
             sparse=sparse,
             ffn_variant=variant,
             sparse_threshold=thr,
@@ -153,13 +161,18 @@ class ModelArgs:
         Raises:
             ModelConfigError: see :meth:`from_gguf_kv`.
         """
-        te = gf.tensors.get(Names.TOKEN_EMBD)
+        te, pe = gf.tensors.get(Names.TOKEN_EMBD), gf.tensors.get(Names.POS_EMBD)
+        fam = family(gf.kv.get(Keys.ARCHITECTURE), str(gf.path))
+        n_pos = None
+        if pe is not None and fam.rope is Rope.LEARNED and len(pe.shape) == 2:
+            n_pos = max(pe.shape[0] - fam.position_offset, 1)
         return cls.from_gguf_kv(
             gf.kv,
             sparse=gf.sparse,
             n_vocab=te.shape[0] if te is not None else None,
             kv_types=gf.kv_types,
             source=str(gf.path),
+            n_positions=n_pos,
         )
 
     @classmethod
@@ -197,8 +210,8 @@ class ModelArgs:
             )
         act = cfg.get("hidden_act", "silu")  # HF LlamaConfig's default
         act = "silu" if act == "swish" else act
-        if act not in ACTIVATIONS:
-            raise ModelConfigError(f"{source}: hidden_act {act!r} is not one of {ACTIVATIONS}")
+        if act not in ("relu", "silu"):
+            raise ModelConfigError(f"{source}: hidden_act {act!r} is not one of relu, silu")
         args = cls(
             arch="llama",
             n_vocab=get("vocab_size"),
@@ -209,7 +222,7 @@ class ModelArgs:
             n_head_kv=get("num_key_value_heads", n_head),
             n_rot=head_dim,
             rope_base=get("rope_theta", 10000.0, float),
-            rms_eps=get("rms_norm_eps", 1e-5, float),
+            norm_eps=get("rms_norm_eps", 1e-5, float),
             n_ctx_train=get("max_position_embeddings", 2048),
             sparse=False,
             ffn_variant=FFNVariant.REGLU if act == "relu" else FFNVariant.SWIGLU,
@@ -244,14 +257,14 @@ class ModelArgs:
             Keys.ROPE_FREQ_BASE.format(arch=a): (self.rope_base, f32),
             Keys.HEAD_COUNT.format(arch=a): (self.n_head, u32),
             Keys.HEAD_COUNT_KV.format(arch=a): (self.n_head_kv, u32),
-            Keys.RMS_EPS.format(arch=a): (self.rms_eps, f32),
+            self.family.norm.eps_key.format(arch=a): (self.norm_eps, f32),
         })  # fmt: skip
         if vocab_size:
             kv[Keys.VOCAB_SIZE.format(arch=a)] = (self.n_vocab, u32)
         if self.sparse and self.sparse_threshold != 0.0:
             kv[Keys.SPARSE_THRESHOLD] = (self.sparse_threshold, f32)
-        if self.sparse and self.ffn_variant is FFNVariant.SWIGLU:
-            kv[Keys.SPARSE_ACTIVATION] = ("silu", GGUFValueType.STRING)
+        if self.sparse and self.ffn_variant in (FFNVariant.SWIGLU, FFNVariant.GELU):
+            kv[Keys.SPARSE_ACTIVATION] = (self.ffn_variant.activation, GGUFValueType.STRING)
         if self.sparse and self.dense_layers:
             kv[Keys.DENSE_LAYERS] = (list(self.dense_layers), GGUFValueType.ARRAY, u32)
         if self.sparse and any(self.down_thresholds):
@@ -280,7 +293,7 @@ class ModelArgs:
                 f"{source}: rope dimension {self.n_rot} does not fit head {self.head_dim} "
                 "(it must be even and between 2 and the head size)"
             )
-        for key in ("rope_base", "rms_eps"):
+        for key in ("rope_base", "norm_eps"):
             v = getattr(self, key)
             if not (math.isfinite(v) and v > 0):
                 raise ModelConfigError(f"{source}: {key} is {v}, it must be a finite number > 0")
@@ -313,18 +326,16 @@ class ModelArgs:
         """
         if act is None:
             return self
-        variants = {"relu": FFNVariant.REGLU, "silu": FFNVariant.SWIGLU}
-        if act not in variants:
+        if act not in ACTIVATIONS:
             raise ModelConfigError(f"{source}: FFN activation {act!r} is not one of {ACTIVATIONS}")
-        allowed = self.family.ffn_acts
-        if allowed is not None:
-            if act not in allowed:
-                raise ModelConfigError(
-                    f"{source}: {self.family.notes or self.arch + ' fixes its FFN'}; "
-                    f"--ffn-act {act} is wrong"
-                )
-            return self
-        return dataclasses.replace(self, ffn_variant=variants[act])
+        fam = self.family
+        if fam.ffn_acts is not None and act not in fam.ffn_acts:
+            raise ModelConfigError(
+                f"{source}: {fam.notes or self.arch + ' fixes its FFN'}; --ffn-act {act} is wrong"
+            )
+        if fam.ffn_acts is not None and len(fam.ffn_acts) == 1:
+            return self  # the family's one activation (bamboo's dReLU, OPT's ReLU)
+        return dataclasses.replace(self, ffn_variant=FFNVariant.of(act, fam.gated))
 
 
 def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ BASE = ModelArgs(
     n_head_kv=4,
     n_rot=16,
     rope_base=10000.0,
-    rms_eps=2.0**-17,  # float32-exact, so that the file round trip is exact too
+    norm_eps=2.0**-17,  # float32-exact, so that the file round trip is exact too
     n_ctx_train=512,
     sparse=False,
     ffn_variant=FFNVariant.SWIGLU,
@@ -131,7 +131,7 @@ def test_from_hf_config():
         BASE,
         n_head_kv=2,
         rope_base=500000.0,
-        rms_eps=1e-6,
+        norm_eps=1e-6,
         n_ctx_train=4096,
     )
     assert ModelArgs.from_hf_config(_hf(hidden_act="swish")).ffn_variant is FFNVariant.SWIGLU
@@ -148,7 +148,7 @@ def test_from_hf_config():
             head_dim=16,
         )
     )
-    assert (d.n_head_kv, d.rope_base, d.rms_eps, d.n_ctx_train) == (4, 10000.0, 1e-5, 2048)
+    assert (d.n_head_kv, d.rope_base, d.norm_eps, d.n_ctx_train) == (4, 10000.0, 1e-5, 2048)
     assert d.ffn_variant is FFNVariant.SWIGLU and d.n_rot == 16
     # a dense SwiGLU HF model is a dense GGUF model
     values, types = _plain(a.to_gguf_kv())

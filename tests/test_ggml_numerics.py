@@ -27,7 +27,7 @@ def c():
 def _args(n_head=4, n_head_kv=2, head_dim=64, n_rot=None, base=10000.0) -> ModelArgs:
     return ModelArgs(
         arch="llama", n_vocab=8, n_embd=n_head * head_dim, n_layer=1, n_ff=16, n_head=n_head,
-        n_head_kv=n_head_kv, n_rot=n_rot or head_dim, rope_base=base, rms_eps=1e-5,
+        n_head_kv=n_head_kv, n_rot=n_rot or head_dim, rope_base=base, norm_eps=1e-5,
         n_ctx_train=4096, sparse=False, ffn_variant=FFNVariant.SWIGLU, sparse_threshold=0.0,
     )  # fmt: skip
 

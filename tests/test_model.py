@@ -30,7 +30,7 @@ def reference_logits(t: dict[str, np.ndarray], spec: TinySpec, tokens: list[int]
     n = len(tokens)
 
     def rms(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + spec.rms_eps) * w
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + spec.norm_eps) * w
 
     def rope(x):  # x (n, heads, hd): rotate pairs (2i, 2i+1) by pos * base^(-2i/hd)
         z = x[..., 0::2] + 1j * x[..., 1::2]
@@ -292,7 +292,7 @@ def test_rope_rotates_adjacent_pairs_of_the_first_n_rot_dims(n_rot):
 
     args = ModelArgs(
         arch="llama", n_vocab=8, n_embd=64, n_layer=1, n_ff=8, n_head=2, n_head_kv=1,
-        n_rot=n_rot, rope_base=10000.0, rms_eps=1e-5, n_ctx_train=64, sparse=False,
+        n_rot=n_rot, rope_base=10000.0, norm_eps=1e-5, n_ctx_train=64, sparse=False,
         ffn_variant="swiglu", sparse_threshold=0.0,
     )  # fmt: skip
     x = torch.randn(5, 2, 32)  # (T, heads, head_dim) at positions 7..11

@@ -39,7 +39,7 @@ def reference_ffn_preacts(t: dict[str, np.ndarray], tokens: list[int]) -> list[t
     hd, n = d // nh, len(tokens)
 
     def rms(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + SPEC.rms_eps) * w
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + SPEC.norm_eps) * w
 
     def rope(x):  # adjacent pairs
         z = x[..., 0::2] + 1j * x[..., 1::2]

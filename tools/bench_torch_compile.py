@@ -107,7 +107,7 @@ class CompiledDecoder:
         a = model.args
         self.model, self.a, self.n_ctx = model, a, n_ctx
         self.layers = block_weights(model, dtype)
-        fn = make_block(a.n_head, a.n_head_kv, a.head_dim, a.rms_eps)
+        fn = make_block(a.n_head, a.n_head_kv, a.head_dim, a.norm_eps)
         self.block = torch.compile(fn, dynamic=False) if compile else fn
         inv = a.rope_base ** (-torch.arange(0, a.n_rot, 2, dtype=torch.float64) / a.n_rot)
         ang = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv[None]
@@ -129,7 +129,7 @@ class CompiledDecoder:
         for l, w in enumerate(self.layers):
             x = self.block(x, pos, kc[l], vc[l], cos, sin, *w)
         posbox[0] = p + 1
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.a.rms_eps) * self.out_norm
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.a.norm_eps) * self.out_norm
         return linear(x, self.output)[0]
 
 

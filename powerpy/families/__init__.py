@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 from powerpy.errors import ModelConfigError, shown
-from powerpy.families import bamboo, llama
+from powerpy.families import bamboo, falcon, llama, opt
 from powerpy.families.base import Family, FFNVariant, LayerTensor, Norm, Residual, Rope
 
-FAMILIES: dict[str, Family] = {f.arch: f for f in (llama.FAMILY, bamboo.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    f.arch: f for f in (llama.FAMILY, bamboo.FAMILY, falcon.FAMILY, opt.FAMILY)
+}
 SUPPORTED_ARCHS = tuple(FAMILIES)
 
 __all__ = [

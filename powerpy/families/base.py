@@ -14,47 +14,92 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from powerpy.formats.constants import Keys
+
 
 class FFNVariant(str, enum.Enum):
     """How the FFN activation h is computed from gate g and up u
-    (docs/architecture.md#sparse-ffn)."""
+    (docs/architecture.md#sparse-ffn). The last two have no gate."""
 
     SWIGLU = "swiglu"  # silu(g) * u        dense llama
     REGLU = "reglu"  # relu(g) * u          PWRI llama (ReluLLaMA, ProSparse)
     DRELU = "drelu"  # relu(g) * relu(u)    bamboo
+    RELU = "relu"  # relu(u)                OPT, ReluFalcon
+    GELU = "gelu"  # gelu(u) (erf form)     dense Falcon
+
+    @property
+    def gated(self) -> bool:
+        """The FFN has a gate matrix (``ffn_gate``)."""
+        return self not in (FFNVariant.RELU, FFNVariant.GELU)
 
     @property
     def activation(self) -> str:
-        """The activation name HF configs and ``--ffn-act`` use: "silu" or "relu"."""
-        return "silu" if self is FFNVariant.SWIGLU else "relu"
+        """The activation name HF configs and ``--ffn-act`` use: "silu", "relu" or "gelu"."""
+        if self is FFNVariant.SWIGLU:
+            return "silu"
+        return "gelu" if self is FFNVariant.GELU else "relu"
+
+    @staticmethod
+    def of(act: str, gated: bool) -> FFNVariant:
+        """The variant of activation ``act`` ("relu", "silu", "gelu") for a gated or ungated
+        FFN; raises ``ValueError`` for a pair no family runs."""
+        table = {
+            (True, "relu"): FFNVariant.REGLU,
+            (True, "silu"): FFNVariant.SWIGLU,
+            (False, "relu"): FFNVariant.RELU,
+            (False, "gelu"): FFNVariant.GELU,
+        }
+        if (gated, act) not in table:
+            kind = "a gated" if gated else "an ungated"
+            ok = sorted(a for g, a in table if g == gated)
+            raise ValueError(f"{kind} FFN does not run {act!r} (it runs {', '.join(ok)})")
+        return table[gated, act]
 
 
 class Norm(str, enum.Enum):
     """The normalisation of the residual stream before attention, the FFN and the output."""
 
     RMS = "rms"  # x / sqrt(mean(x²) + eps) · w, eps from {arch}.attention.layer_norm_rms_epsilon
+    LAYER = "layer"  # (x - mean) / sqrt(var + eps) · w + b, eps from ….layer_norm_epsilon
+
+    @property
+    def eps_key(self) -> str:
+        """The GGUF key of the norm's epsilon (format with ``arch``)."""
+        return Keys.RMS_EPS if self is Norm.RMS else Keys.LAYERNORM_EPS
 
 
 class Rope(str, enum.Enum):
     """How positions enter attention."""
 
     NORM = "norm"  # ggml's NORM mode: rotate adjacent pairs (2i, 2i+1) of the first n_rot dims
+    NEOX = "neox"  # ggml's NEOX mode (HF rotate_half): rotate pairs (i, i + n_rot/2)
+    LEARNED = "learned"  # no rotation: rows of ``position_embd`` added to the embeddings
 
 
 class Residual(str, enum.Enum):
     """How a block adds its attention and FFN to the residual stream."""
 
     SEQUENTIAL = "sequential"  # h = x + attn(norm(x)); out = h + ffn(norm'(h))
+    # out = x + attn(norm2(x)) + ffn(norm(x)): one norm (attn_norm) feeds both, or attention
+    # reads its own (attn_norm_2, falcon-40B); the predictor reads x
+    PARALLEL = "parallel"
 
 
 @dataclass(frozen=True)
 class LayerTensor:
     """One per-layer tensor: the ``Block`` field it fills, its GGUF name (with ``{l}``) and its
-    shape in the model's dimensions (names of ``ModelArgs`` attributes, e.g. "n_ff")."""
+    shape in the model's dimensions (names of ``ModelArgs`` attributes, e.g. "n_ff").
+
+    A matrix's bias, ``{name}.bias`` of shape (rows,), is read with it whenever the file has
+    one (``bias="optional"``), must be there (``"required"``), or is refused (``"none"``). A
+    vector's bias is the norm's (LayerNorm). ``optional`` tensors may be absent (the field is
+    then None)."""
 
     field: str
     name: str
     shape: tuple[str, ...]  # (rows, cols) of a matrix, (n,) of a vector
+    optional: bool = False
+    bias: str = "none"  # "none" | "optional" | "required"
 
 
 @dataclass(frozen=True)
@@ -69,6 +114,11 @@ class Family:
             PWRI layout (``ffn_down_t`` (n_ff, n_embd), ``fc1``, ``fc2``), which the loader
             reads for every family (docs/formats.md#powerinfer-model-file).
         tied_output: a file without ``output.weight`` reads its logits from ``token_embd``.
+        gated: the FFN has ``ffn_gate``.
+        down_bias: the down matrix's bias (``ffn_down.bias`` dense, ``ffn_down_t.bias`` PWRI),
+            as ``LayerTensor.bias``.
+        output_norm_bias: ``output_norm.bias`` (LayerNorm families).
+        position_offset: ``Rope.LEARNED`` families read position p at row p + offset.
         ffn_variant: the FFN activation a file of this family runs: (key/values, sparse, file
             name for errors) -> variant; ``ffn_acts`` the ``--ffn-act`` values a user may set
             (None: any).
@@ -84,3 +134,18 @@ class Family:
     residual: Residual = Residual.SEQUENTIAL
     tied_output: bool = True
     notes: str = ""
+    gated: bool = True  # the FFN has ffn_gate
+    down_bias: str = "none"  # the down matrix's bias: "none", "optional", "required"
+    output_norm_bias: bool = False  # output_norm.bias (LayerNorm families)
+    position_offset: int = 0  # Rope.LEARNED: position p reads row p + offset (OPT: 2)
+
+    @property
+    def llama_layout(self) -> bool:
+        """The blocks are the ones the native block kernels compute: RMS norms, NORM RoPE, a
+        sequential residual and a gated FFN (a file's biases rule them out too)."""
+        return (
+            self.norm is Norm.RMS
+            and self.rope is Rope.NORM
+            and self.residual is Residual.SEQUENTIAL
+            and self.gated
+        )

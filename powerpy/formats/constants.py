@@ -139,7 +139,9 @@ class Keys:
     ROPE_FREQ_BASE = "{arch}.rope.freq_base"
     HEAD_COUNT = "{arch}.attention.head_count"
     HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
-    RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+    RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"  # RMSNorm families (llama, bamboo)
+    LAYERNORM_EPS = "{arch}.attention.layer_norm_epsilon"  # LayerNorm families (falcon, opt)
+    TENSOR_DATA_LAYOUT = "{arch}.tensor_data_layout"  # falcon: "jploski" (q, then k, then v)
     VOCAB_SIZE = "{arch}.vocab_size"
 
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"  # FLOAT32, PWRI only, no arch prefix
@@ -190,11 +192,14 @@ class Keys:
 # --- tensor names (GGUF) --------------------------------------------------------------------------
 class Names:
     TOKEN_EMBD = "token_embd.weight"
+    POS_EMBD = "position_embd.weight"  # learned positions (opt): (n_positions, n_embd)
     OUTPUT_NORM = "output_norm.weight"
     OUTPUT = "output.weight"
     ROPE_FREQS = "rope_freqs.weight"
 
     ATTN_NORM = "blk.{l}.attn_norm.weight"
+    ATTN_NORM_2 = "blk.{l}.attn_norm_2.weight"  # falcon-40B: attention's own norm
+    ATTN_QKV = "blk.{l}.attn_qkv.weight"  # fused q, k, v rows (falcon)
     ATTN_Q = "blk.{l}.attn_q.weight"
     ATTN_K = "blk.{l}.attn_k.weight"
     ATTN_V = "blk.{l}.attn_v.weight"
@@ -207,8 +212,16 @@ class Names:
     FC1 = "blk.{l}.fc1.weight"  # predictor (H, n_embd)
     FC2 = "blk.{l}.fc2.weight"  # predictor (n_ff, H)
 
+    # A tensor's bias is its name with ".bias" for ".weight" (:func:`bias_name`).
+
     GPU_IDX = "blk.{l}.gpu_idx"
     GPU_BUCKET = "blk.{l}.gpu_bucket"
+
+
+def bias_name(weight: str) -> str:
+    """The GGUF name of a weight's bias: ``blk.{l}.attn_q.weight`` -> ``blk.{l}.attn_q.bias``."""
+    assert weight.endswith(".weight"), weight
+    return weight[: -len("weight")] + "bias"
 
 
 # Token types of tokenizer.ggml.token_type

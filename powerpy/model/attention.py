@@ -96,6 +96,6 @@ def attention_block(
         return None
     rot = torch.view_as_real(rot[0])  # (n_rot / 2, 2): cos, sin
     shape = (a.n_head, a.n_head_kv, a.head_dim)
-    norm = (blk.attn_norm, a.rms_eps)
+    norm = (blk.attn_norm, a.norm_eps)
     lib, mats = kern
     return lib.attn_decode(mats, x[0], norm, rot, shape, (k, v, cache.pos))[None]

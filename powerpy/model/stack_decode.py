@@ -80,7 +80,7 @@ class StackPlan:
         n_layer = self.records.shape[0]
         counts = np.zeros(n_layer, dtype=np.int64)
         st = self.lib.cdll.pp_decode_layers(
-            n_layer, self.records.ctypes.data, args.rms_eps, r.data_ptr(), args.n_rot,
+            n_layer, self.records.ctypes.data, args.norm_eps, r.data_ptr(), args.n_rot,
             args.n_head, args.n_head_kv, args.head_dim, k.data_ptr(), v.data_ptr(),
             k.stride(0) * k.element_size(), CACHE_CODES[k.dtype], cache.pos, thr, self.variant,
             out.data_ptr(), counts.ctypes.data, kernels.act_code(),

@@ -180,7 +180,7 @@ class Model:
         """RMSNorm of x (T, n_embd) by w, in one launch where the accelerator runs the fused
         kernels."""
         fused = self.accel is not None and self.accel.fused
-        return rms_norm(x, w, self.args.rms_eps, fused=fused)
+        return rms_norm(x, w, self.args.norm_eps, fused=fused)
 
     def _options(self, opts: RunOptions) -> RunOptions:
         return opts if opts.sparse and self.can_gate else dataclasses.replace(opts, sparse=False)
@@ -325,7 +325,7 @@ class Model:
             _check_finite(h, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
         with phase(opts.timer, "ffn"):
             inp = OnDevices(self.accel, h)  # moved once: native block, norm, predictor
-            y = fused_decode(l, blk, inp, a.rms_eps, a.ffn_variant, thr, opts) if one else None
+            y = fused_decode(l, blk, inp, a.norm_eps, a.ffn_variant, thr, opts) if one else None
             if y is None:
                 xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm)
                 pred_in = blk.predictor_input(inp, opts)

@@ -35,7 +35,6 @@ import torch
 from tqdm.auto import tqdm
 
 from powerpy._fs import atomic_write
-from powerpy.config import ACTIVATIONS
 from powerpy.model.ffn import row_norms
 from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
 from powerpy.model.numerics import Numerics
@@ -45,7 +44,7 @@ from powerpy.pipeline.corpus import window_starts
 
 log = logging.getLogger(__name__)
 
-KIND_RELU, KIND_SILU = ACTIVATIONS  # relu: active iff h != 0; silu: |h| > per-layer threshold
+KIND_RELU, KIND_SILU = "relu", "silu"  # relu: active iff h != 0; silu: |h| > per-layer threshold
 PROFILE_JSON = "profile.json"
 SAMPLES_DIR = "samples"
 SAMPLES_META = "meta.json"

@@ -24,7 +24,7 @@ class TinySpec:
     n_pred_hidden: int = 32
     arch: str = "llama"
     rope_base: float = 10000.0
-    rms_eps: float = 1e-5
+    norm_eps: float = 1e-5
     n_ctx: int = 256
 
 
@@ -95,7 +95,7 @@ def spec_args(spec: TinySpec, n_vocab: int = len(BYTE_VOCAB), *, sparse: bool = 
         n_head_kv=spec.n_head_kv,
         n_rot=spec.n_embd // spec.n_head,
         rope_base=spec.rope_base,
-        rms_eps=spec.rms_eps,
+        norm_eps=spec.norm_eps,
         n_ctx_train=spec.n_ctx,
         sparse=sparse,
         ffn_variant=FFNVariant.DRELU if spec.arch == "bamboo" else FFNVariant.REGLU,
