@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from powerpy.config import ACTIVATIONS, ModelArgs
+from powerpy.config import ACTIVATIONS, FFNVariant, ModelArgs
 from powerpy.formats import quants
 from powerpy.formats.constants import (
     GGUF_MAGIC,
@@ -394,11 +394,12 @@ def _convert_gguf(
         args = ModelArgs.from_gguf(gf)
         preds = scan_predictors(pred_dir, args.n_layer, args.n_embd, args.n_ff)
         act = _resolve_activation(preds, None, activation, src)
-        if act == "relu" and not gf.sparse:
+        if act == "relu" and not gf.sparse and args.family.ffn_acts != ("relu",):
             log.warning(
-                "%s: a dense GGUF carries no activation; the PWRI file will run ReLU (ReGLU) "
+                "%s: a dense GGUF carries no activation; the PWRI file will run ReLU (%s) "
                 'FFNs. Mark SiLU predictors with "sparse_activation": "silu".',
                 src,
+                FFNVariant.of("relu", args.family.gated).value,
             )
         kv: dict[str, tuple] = {}
         for key, spec in gf.typed_kv().items():
@@ -423,6 +424,14 @@ def _gguf_tensors(gf: GGUFFile, outtype: str) -> Iterator[_Tensor]:
         if drop.fullmatch(tname):
             continue
         shape = tuple(info.shape)
+        if tname.endswith(".ffn_down.bias"):  # PowerInfer names the down bias after ffn_down_t
+            tname_out = tname.replace(".ffn_down.bias", ".ffn_down_t.bias")
+
+            def load_b(tname: str = tname) -> np.ndarray:
+                return gf.dequantize(tname)
+
+            yield _Tensor(tname_out, shape, GGMLType.F32, load_b)
+            continue
         if tname.endswith(".ffn_down.weight"):
             new = tname.replace(".ffn_down.weight", ".ffn_down_t.weight")
             shape_t = shape[::-1]
