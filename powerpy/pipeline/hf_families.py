@@ -494,6 +494,6 @@ def plan_tensors(
     left = sorted(n for c, n in names.items() if not skip.fullmatch(c))
     if left:
         raise ValueError(
-            f"{source}: {len(left)} tensors are not part of a {fam.arch} model, e.g. {left[:3]}"
+            f"{source}: {len(left)} tensors are not part of the {fam.arch} layout, e.g. {left[:3]}"
         )
     return out, tied
