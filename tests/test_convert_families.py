@@ -490,3 +490,64 @@ def test_opt_lm_head_that_is_not_the_embeddings_is_refused(tmp_path) -> None:
     _write_bin(sd, d, 1)
     with pytest.raises(ValueError, match=r"1 tensors are not part of the opt layout.*extra.weight"):
         convert(d, None, tmp_path / "o.gguf")
+
+
+# ---------------------------------------------------------------- logits oracle
+def _greedy(llm, prompt: list[int], steps: int) -> list[int]:
+    """powerpy's greedy tokens: the prompt in one pass, then one token at a time (KV cache)."""
+    cache = llm.model.new_cache(len(prompt) + steps, dtype=torch.float32)
+    logits = llm.model.forward(torch.tensor(prompt), cache, llm.options)
+    out = []
+    for _ in range(steps):
+        out.append(int(logits[-1].argmax()))
+        logits = llm.model.forward(torch.tensor(out[-1:]), cache, llm.options)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "act"),
+    [("falcon7b", "relu"), ("falcon7b", "gelu"), ("falcon40b", "relu"), ("falcon40b", "gelu")]
+    + [("opt", "relu")],
+)
+def test_logits_and_greedy_tokens_match_transformers(kind, act, tmp_path) -> None:
+    """The converted f32 file in powerpy against the HF model in f32: max |Δlogit| within 1e-4
+    of the logits' spread and the same 16 greedy tokens; a ReLU model's PWRI file, sparse at
+    threshold -inf, computes what its dense run does."""
+    from powerpy.api import load
+
+    over = {"activation": act} if kind.startswith("falcon") else {}
+    model = hf_model(kind, seed=11, **over)
+    src = save_hf(model, tmp_path / "hf")
+    prompt, steps = torch.tensor([TOKENS]), 16
+    with torch.no_grad():
+        want = model(prompt).logits[0].numpy()
+        ones = torch.ones_like(prompt)  # token 1 is OPT's pad id: no mask guessed from it
+        gen = model.generate(prompt, attention_mask=ones, max_new_tokens=steps, do_sample=False)
+    want_tokens = gen[0, len(TOKENS) :].tolist()
+    assert len(want_tokens) == steps
+
+    dense = convert(src, None, tmp_path / "m.gguf", outtype="f32")
+    llm = load(dense, weight_format="f32", ffn_act=act)
+    try:
+        got = llm.logits(TOKENS, cache_dtype=torch.float32).numpy()
+        spread = float(want.max() - want.min())
+        assert np.abs(got - want).max() <= 1e-4 * spread
+        assert _greedy(llm, TOKENS, steps) == want_tokens
+    finally:
+        llm.file.close()
+    if act != "relu":
+        return
+    write_predictors(tmp_path / "pred", model.config.hidden_size, llm.model.args.n_ff)
+    pwri = convert(src, tmp_path / "pred", tmp_path / "m.powerinfer.gguf", outtype="f32")
+    sparse = load(pwri, weight_format="f32", threshold=-math.inf)
+    dense_run = load(pwri, weight_format="f32", dense=True)
+    try:
+        assert sparse.model.args.sparse and sparse.options.sparse
+        a = sparse.logits(TOKENS, cache_dtype=torch.float32).numpy()
+        b = dense_run.logits(TOKENS, cache_dtype=torch.float32).numpy()
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * spread)
+        assert np.abs(a - want).max() <= 1e-4 * spread
+        assert _greedy(sparse, TOKENS, steps) == want_tokens
+    finally:
+        sparse.file.close()
+        dense_run.file.close()
