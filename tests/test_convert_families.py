@@ -437,6 +437,21 @@ def test_relu_falcon_pwri_types(outtype, tmp_path) -> None:
                 assert info.ggml_type is want, name
 
 
+def test_dense_gguf_source_becomes_the_same_pwri_file(tmp_path) -> None:
+    """HF -> dense GGUF -> PWRI equals HF -> PWRI: ffn_down and its bias become ffn_down_t."""
+    model = hf_model("falcon40b", seed=12)
+    src = save_hf(model, tmp_path / "hf")
+    write_predictors(tmp_path / "pred", 64, 128)
+    dense = convert(src, None, tmp_path / "d.gguf", outtype="f32")
+    a = convert(dense, tmp_path / "pred", tmp_path / "a.powerinfer.gguf", outtype="f32")
+    b = convert(src, tmp_path / "pred", tmp_path / "b.powerinfer.gguf", outtype="f32")
+    with read_gguf(a) as ga, read_gguf(b) as gb:
+        assert list(ga.tensors) == list(gb.tensors)
+        for name in ga.tensors:
+            np.testing.assert_array_equal(ga.array(name), gb.array(name), name)
+        assert ModelArgs.from_gguf(ga) == ModelArgs.from_gguf(gb)
+
+
 # ---------------------------------------------------------------- refusals
 @pytest.mark.parametrize(
     ("kind", "over", "match"),

@@ -362,10 +362,10 @@ def _convert_gguf(
         preds = scan_predictors(pred_dir, args.n_layer, args.n_embd, args.n_ff)
         act = _resolve_activation(preds, None, activation, src)
         args.with_ffn_act(act, source=str(src))  # one the family runs
-        if act == "relu" and not gf.sparse:
+        if act == "relu" and not gf.sparse and args.arch != "opt":
             log.warning(
-                "%s: a dense GGUF carries no activation; the PWRI file will run ReLU (ReGLU) "
-                'FFNs. Mark SiLU predictors with "sparse_activation": "silu".',
+                "%s: a dense GGUF carries no activation; the PWRI file will run ReLU FFNs "
+                '(ReGLU when gated). Mark SiLU or GELU predictors with "sparse_activation".',
                 src,
             )
         kv: dict[str, tuple] = {}
