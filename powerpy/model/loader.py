@@ -27,6 +27,7 @@ from powerpy.formats.gguf_reader import GGUFFile
 from powerpy.model.biased import BiasedWeight, row_slices
 from powerpy.model.ffn import cut_taus
 from powerpy.model.kernels import QUANT_TYPES
+from powerpy.model.kernels import VARIANTS as kernel_variants
 from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
 from powerpy.model.transformer import Block, Weights
 
@@ -192,11 +193,11 @@ def load_weights(
                 fields[t.field] = _with_bias(
                     src.matrix(name, shape), _bias(src, name, shape[0], t.bias)
                 )
-        if "attn_qkv" in fields:  # fused rows: q, then k, then v (views)
-            sizes = (d, args.n_embd_gqa, args.n_embd_gqa)
-            fields["attn_q"], fields["attn_k"], fields["attn_v"] = _split_rows(
-                fields.pop("attn_qkv"), sizes
-            )
+        for t in fam.block:  # fused matrices: row views of their parts
+            if t.split and t.field in fields:
+                sizes = tuple(getattr(args, dim) for _, dim in t.split)
+                parts = _split_rows(fields.pop(t.field), sizes)
+                fields.update(zip((f for f, _ in t.split), parts, strict=True))
         fc1 = fc2 = None
         if args.sparse:
             n1, n2 = Names.FC1.format(l=l), Names.FC2.format(l=l)
@@ -214,6 +215,11 @@ def load_weights(
             down = Names.FFN_DOWN.format(l=l)
             down_t = src.transposed(down, (d, ff))
         down_b = _bias(src, down, d, fam.down_bias)
+        plain = (
+            not any(fields.get(f) is not None for f in _NOT_NATIVE)
+            and (args.n_embd_q == d and not args.attn_scale and not args.attn_softcap)
+            and args.ffn_variant in kernel_variants
+        )
         biased = down_b is not None or any(
             isinstance(v, BiasedWeight) or (k.endswith("_b") and v is not None)
             for k, v in fields.items()
@@ -227,11 +233,20 @@ def load_weights(
                 fc2=fc2,
                 gated=l not in args.dense_layers,
                 down_tau=cut_taus(down_t, cuts[l]) if cuts and cuts[l] > 0 else None,
-                native=fam.llama_layout and not biased,
+                native=fam.llama_layout and not biased and plain and l not in args.swa_layers,
             )
         )
     out_b = _bias(src, Names.OUTPUT_NORM, d, "required" if fam.output_norm_bias else "none")
+    factors = {}
+    for field, name in (
+        ("rope_freqs", Names.ROPE_FREQS),
+        ("rope_factors_long", Names.ROPE_FACTORS_LONG),
+        ("rope_factors_short", Names.ROPE_FACTORS_SHORT),
+    ):
+        if name in gf.tensors:
+            factors[field] = src.vector(name, args.n_rot // 2)
     return Weights(
+        **factors,
         token_embd=token_embd,
         output_norm=src.vector(Names.OUTPUT_NORM, d),
         output=output,
@@ -279,10 +294,14 @@ def _split_rows(w: Weight, sizes: tuple[int, ...]) -> list[Weight]:
     return row_slices(w, sizes)
 
 
+# Block fields the native block kernels do not compute (they keep a block on the per-op path)
+_NOT_NATIVE = ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
+
 # Per-layer tensors some family has (their GGUF base names): a file of a family that lacks one
 # of them is of another architecture, or corrupt. Other unknown tensors are ignored.
 _LAYOUT_BASES = {
     "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_norm_2", "ffn_gate", "ffn_norm", "ffn_up",
+    "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
 }  # fmt: skip
 _LAYER_TENSOR = re.compile(r"blk\.\d+\.([a-z_0-9]+)\.(weight|bias)")
 
