@@ -335,7 +335,13 @@ class ModelArgs:
             )
         if fam.ffn_acts is not None and len(fam.ffn_acts) == 1:
             return self  # the family's one activation (bamboo's dReLU, OPT's ReLU)
-        return dataclasses.replace(self, ffn_variant=FFNVariant.of(act, fam.gated))
+        try:
+            variant = FFNVariant.of(act, fam.gated)
+        except ValueError as e:
+            raise ModelConfigError(
+                f"{source}: FFN activation {act!r} does not fit {self.arch}: {e}"
+            ) from None
+        return dataclasses.replace(self, ffn_variant=variant)
 
 
 def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) -> tuple[int, ...]:

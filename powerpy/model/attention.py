@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import ModelArgs
+from powerpy.families import Rope
 from powerpy.model import ggml_numerics, kernels
 from powerpy.model.cache import KVCache
 from powerpy.model.kernels import KernelLibrary, Matrix
@@ -34,9 +35,15 @@ def rope_tables(args: ModelArgs, positions: Tensor) -> Tensor:
     return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
 
 
-def apply_rope(x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
-    """Rotate adjacent pairs (2i, 2i+1) of the first n_rot dims: x (T, heads, head_dim) f32, rot
-    (T, n_rot/2) from ``rope_tables``. Each pair is one complex number times its rotation."""
+def apply_rope(x: Tensor, rot: Tensor, n_rot: int, mode: Rope = Rope.NORM) -> Tensor:
+    """Rotate pairs of the first n_rot dims: x (T, heads, head_dim) f32, rot (T, n_rot/2) from
+    ``rope_tables``. NORM mode pairs (2i, 2i+1), NEOX mode (i, i + n_rot/2); pair i turns by
+    rotation i either way (ggml's angles)."""
+    if mode is Rope.NEOX:
+        half = n_rot // 2
+        cos, sin = rot.real[:, None], rot.imag[:, None]  # (T, 1, n_rot/2)
+        x1, x2 = x[..., :half], x[..., half:n_rot]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., n_rot:]), dim=-1)
     c = ggml_numerics.library(x)
     if c is not None:
         return ggml_numerics.rope(c, x, rot, n_rot)
@@ -74,8 +81,11 @@ def attend(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int) -> Tensor:
 
 
 def attention_kernels(blk) -> tuple[KernelLibrary, list[Matrix]] | None:
-    """(library, [q, k, v, output] matrices) for the native attention block, or None when a
-    matrix or the norm is not for the host kernels (or the call's numerics turn them off)."""
+    """(library, [q, k, v, output] matrices) for the native attention block, or None when the
+    block is not of the layout it computes (``Block.native``), or a matrix or the norm is not
+    for the host kernels (or the call's numerics turn them off)."""
+    if not blk.native:
+        return None
     mats = [w.kernel() for w in (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output)]
     if any(m is None for m in mats) or blk.attn_norm.device.type != "cpu":
         return None

@@ -27,10 +27,14 @@ from powerpy.model.timing import phase
 
 
 # ----------------------------------------------------------------------------------- maths
-def glu(g: Tensor, u: Tensor, variant: FFNVariant, *, inplace: bool = False) -> Tensor:
-    """The FFN activation h of gate g and up u (any shape). With ``inplace`` h overwrites g
-    (and u may be changed): the prompt paths own both, and a fresh multi-MB result per op costs
-    more in page faults than the op itself."""
+def glu(g: Tensor | None, u: Tensor, variant: FFNVariant, *, inplace: bool = False) -> Tensor:
+    """The FFN activation h of gate g and up u (any shape); an ungated variant's of u alone (g
+    is None). With ``inplace`` h overwrites g (or u) and u may be changed: the prompt paths own
+    both, and a fresh multi-MB result per op costs more in page faults than the op itself."""
+    if variant is FFNVariant.RELU:
+        return F.relu(u, inplace=inplace)
+    if variant is FFNVariant.GELU:
+        return F.gelu(u)  # erf form, as the models were trained (HF's nn.GELU)
     if variant not in (FFNVariant.SWIGLU, FFNVariant.REGLU, FFNVariant.DRELU):
         raise ValueError(f"unknown FFN variant {variant!r}")
     if not inplace:
@@ -43,6 +47,11 @@ def glu(g: Tensor, u: Tensor, variant: FFNVariant, *, inplace: bool = False) -> 
     else:
         F.relu(g, inplace=True)
     return g.mul_(F.relu(u, inplace=inplace) if variant == FFNVariant.DRELU else u)
+
+
+def gate_linear(gate: Weight | None, x: Tensor, need: Tensor | None = None) -> Tensor | None:
+    """``gate.linear(x, need)``, or None for an ungated FFN (no gate matrix)."""
+    return None if gate is None else gate.linear(x, need)
 
 
 def row_norms(w: Weight, chunk: int = 4096) -> Tensor:
@@ -82,9 +91,11 @@ def predict(x_pred: Tensor, fc1: Weight, fc2: Weight, accel: Accelerator | None 
     return fc2.linear(move(accel, z, fc2.device))
 
 
-def _glu_kernels(gate: Weight, up: Weight):
+def _glu_kernels(gate: Weight | None, up: Weight):
     """(library, gate matrix, up matrix) when the fused native GLU can read both (same type and
-    shape), else None."""
+    shape), else None (an ungated FFN too)."""
+    if gate is None:
+        return None
     kg, ku = gate.kernel(), up.kernel()
     if kg is None or ku is None:
         return None
@@ -92,12 +103,14 @@ def _glu_kernels(gate: Weight, up: Weight):
     return (lib, gm, um) if (gm.code, gm.nrows, gm.cols) == (um.code, um.nrows, um.cols) else None
 
 
-def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: FFNVariant) -> Tensor:
+def glu_rows(
+    x: Tensor, gate: Weight | None, up: Weight, idx: Tensor, variant: FFNVariant
+) -> Tensor:
     """Activated FFN intermediate of neurons ``idx``: ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``.
 
     Args:
         x: (n_embd,) FFN input.
-        gate, up: (n_ff, n_embd) weights.
+        gate, up: (n_ff, n_embd) weights (gate None: an ungated FFN).
         idx: (k,) neuron ids.
         variant: the FFN variant.
 
@@ -113,7 +126,8 @@ def glu_rows(x: Tensor, gate: Weight, up: Weight, idx: Tensor, variant: FFNVaria
         return lib.glu(gm, um, x, idx, variant)
     if idx.numel() == 0:
         return torch.zeros(0, dtype=torch.float32, device=up.device)
-    return glu(gate.gather_linear(x, idx), up.gather_linear(x, idx), variant)
+    g = None if gate is None else gate.gather_linear(x, idx)
+    return glu(g, up.gather_linear(x, idx), variant, inplace=True)
 
 
 def rows_sum(h: Tensor, w: Weight, small_batch: int = 8) -> Tensor:
@@ -132,14 +146,16 @@ def rows_sum(h: Tensor, w: Weight, small_batch: int = 8) -> Tensor:
     return w.rows_sum(h)  # a dense file's ffn_down: its linear; else tiles of rows and BLAS
 
 
-def ffn_dense(x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant) -> Tensor:
+def ffn_dense(
+    x: Tensor, gate: Weight | None, up: Weight, down_t: Weight, variant: FFNVariant
+) -> Tensor:
     """Dense FFN: x (T, n_embd) normed input -> (T, n_embd)."""
-    return rows_sum(glu(gate.linear(x), up.linear(x), variant, inplace=True), down_t)
+    return rows_sum(glu(gate_linear(gate, x), up.linear(x), variant, inplace=True), down_t)
 
 
 def ffn_cut(
     x: Tensor,
-    gate: Weight,
+    gate: Weight | None,
     up: Weight,
     down_t: Weight,
     variant: FFNVariant,
@@ -150,16 +166,22 @@ def ffn_cut(
     (ungated), tau (n_ff,) -> ((T, n_embd), kept (T,) int64: neurons whose down row was added).
     One token reads only its kept down rows; a batch computes h densely and masks it."""
     if x.shape[0] == 1:
-        idx = torch.arange(gate.shape[0]) if act is None else act[0].nonzero().squeeze(1)
+        idx = torch.arange(up.shape[0]) if act is None else act[0].nonzero().squeeze(1)
         y, kept = _rows_cut(x[0], gate, up, down_t, variant, idx, tau)
         return y[None], torch.tensor([kept])
-    h = glu(gate.linear(x, act), up.linear(x, act), variant, inplace=True)  # (T, n_ff)
+    h = glu(gate_linear(gate, x, act), up.linear(x, act), variant, inplace=True)  # (T, n_ff)
     keep = h.abs() >= tau if act is None else act & (h.abs() >= tau)
     return rows_sum(h.mul_(keep), down_t), keep.sum(1)
 
 
 def _rows_cut(
-    x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant, idx: Tensor, tau
+    x: Tensor,
+    gate: Weight | None,
+    up: Weight,
+    down_t: Weight,
+    variant: FFNVariant,
+    idx: Tensor,
+    tau,
 ) -> tuple[Tensor, int]:
     """One token's FFN over neurons ``idx`` (k,) with the cut tau (n_ff,): x (n_embd,) ->
     ((n_embd,), how many down rows were added). Only the kept down rows are read."""
@@ -170,7 +192,7 @@ def _rows_cut(
 
 def ffn_masked(
     x: Tensor,
-    gate: Weight,
+    gate: Weight | None,
     up: Weight,
     down_t: Weight,
     variant: FFNVariant,
@@ -184,12 +206,12 @@ def ffn_masked(
     prefill, where every token has its own mask. Quantized gate and up skip the rows that no
     token of a tile needs.
     """
-    h = glu(gate.linear(x, act), up.linear(x, act), variant, inplace=True).mul_(act)
+    h = glu(gate_linear(gate, x, act), up.linear(x, act), variant, inplace=True).mul_(act)
     return rows_sum(cut(h, tau), down_t)
 
 
 def ffn_rows(
-    x: Tensor, gate: Weight, up: Weight, down_t: Weight, variant: FFNVariant, idx: Tensor
+    x: Tensor, gate: Weight | None, up: Weight, down_t: Weight, variant: FFNVariant, idx: Tensor
 ) -> Tensor:
     """Row-sparse FFN for one token: x (n_embd,), idx (k,) active neurons -> (n_embd,)."""
     if idx.numel() == 0:
@@ -200,7 +222,7 @@ def ffn_rows(
 
 def ffn_union(
     x: Tensor,
-    gate: Weight,
+    gate: Weight | None,
     up: Weight,
     down_t: Weight,
     variant: FFNVariant,
@@ -215,7 +237,8 @@ def ffn_union(
         return x.new_zeros(x.shape[0], down_t.shape[1])
     if 2 * rows.numel() >= mask.shape[1]:
         return ffn_masked(x, gate, up, down_t, variant, mask, tau)
-    g, u = gate.take_rows(rows).linear(x), up.take_rows(rows).linear(x)  # (T, r)
+    g = None if gate is None else gate.take_rows(rows).linear(x)  # (T, r)
+    u = up.take_rows(rows).linear(x)
     h = cut(
         glu(g, u, variant, inplace=True).mul_(mask[:, rows]), None if tau is None else tau[rows]
     )
@@ -229,7 +252,8 @@ class HotRows:
 
     Attributes:
         k: neurons on the accelerator (> 0).
-        gate, up, down_t: ``(k, n_embd)`` compact rows ``W[bucket]`` on the device.
+        gate, up, down_t: ``(k, n_embd)`` compact rows ``W[bucket]`` on the device (gate None
+            for an ungated FFN).
         bucket: ``(k,)`` int64 on the device: the neuron id of each compact row.
         cold: ``(n_ff,)`` bool on the host, True where the neuron stays on the CPU.
         cold_idx: ``(n_ff - k,)`` int64 on the host, the cold neuron ids.
@@ -239,7 +263,7 @@ class HotRows:
     """
 
     k: int
-    gate: Weight
+    gate: Weight | None
     up: Weight
     down_t: Weight
     bucket: Tensor
@@ -250,7 +274,8 @@ class HotRows:
 
     @property
     def device_bytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down_t.nbytes
+        mats = (self.gate, self.up, self.down_t)
+        return sum(m.nbytes for m in mats if m is not None)
 
     @property
     def index_bytes(self) -> int:
@@ -305,7 +330,7 @@ def ffn(
         return split_ffn(blk, x, act, variant, accel, l=l, opts=opts)
     # Profiling or an oracle: the true activation of every neuron, from the host matrices.
     x_host = move(accel, x, HOST)
-    h = glu(blk.ffn_gate.linear(x_host), blk.ffn_up.linear(x_host), variant)  # (T, n_ff)
+    h = glu(gate_linear(blk.ffn_gate, x_host), blk.ffn_up.linear(x_host), variant)  # (T, n_ff)
     act_host = None if act is None else move(accel, act, HOST)
     if opts.oracle is not None:
         act_host = opts.oracle(l, h)  # (T, n_ff) bool
@@ -343,6 +368,8 @@ def ffn_kernels(blk, opts: RunOptions):
     tau is the layer's cut (None: no cut)."""
     if opts.observer is not None or opts.oracle is not None or blk.hot is not None:
         return None
+    if not blk.native:
+        return None  # another layout (norm, residual, no gate, biases): the per-op path
     down = blk.ffn_down_t
     stored = isinstance(down, TransposedWeight)  # a dense file's ffn_down: (n_embd, n_ff)
     pair, kd = _glu_kernels(blk.ffn_gate, blk.ffn_up), (down.inner if stored else down).kernel()
@@ -436,7 +463,7 @@ def _hot(
         idx = act[0, hot.bucket].nonzero().squeeze(1)  # (r,) active compact rows: a host sync
         h = cut(glu_rows(x[0], hot.gate, hot.up, idx, variant), None if tau is None else tau[idx])
         return hot.down_t.gather_axpy(h, idx)[None]
-    h = cut(glu(hot.gate.linear(x), hot.up.linear(x), variant, inplace=True), tau)  # (T, k)
+    h = cut(glu(gate_linear(hot.gate, x), hot.up.linear(x), variant, inplace=True), tau)  # (T, k)
     if act is not None:
         h = h.mul_(act.index_select(1, hot.bucket))  # predictor gating, no host round trip
     return rows_sum(h, hot.down_t)

@@ -11,6 +11,7 @@ file's ``ffn_down`` stays as stored, seen neuron-major through ``TransposedWeigh
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 import numpy as np
@@ -19,9 +20,11 @@ from tqdm.auto import tqdm
 
 from powerpy.config import ModelArgs
 from powerpy.errors import FileFormatError, ModelConfigError
+from powerpy.families import Rope
 from powerpy.formats import quants
-from powerpy.formats.constants import GGMLType, Names
+from powerpy.formats.constants import GGMLType, Keys, Names, bias_name
 from powerpy.formats.gguf_reader import GGUFFile
+from powerpy.model.biased import BiasedWeight, row_slices
 from powerpy.model.ffn import cut_taus
 from powerpy.model.kernels import QUANT_TYPES
 from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
@@ -136,8 +139,9 @@ def load_weights(
     gf: GGUFFile, args: ModelArgs, *, weight_format: str = "auto", progress: bool = False
 ) -> Weights:
     """Build the runtime weights of a model from an open GGUF/PWRI file: the per-layer tensors
-    its family declares (``args.family.block``), the FFN's down matrix and predictors in the
-    dense or the PWRI layout, and the embedding, output norm and (untied) output.
+    its family declares (``args.family.block``) with their biases, the FFN's down matrix and
+    predictors in the dense or the PWRI layout, and the embeddings, output norm and (untied)
+    output. A fused ``attn_qkv`` becomes row views ``attn_q``, ``attn_k``, ``attn_v``.
 
     Args:
         gf: the open file (its memory map must outlive the weights).
@@ -149,23 +153,49 @@ def load_weights(
     Raises:
         FileFormatError: a tensor is missing, of an unusable type, or its data does not match
             its type and shape; a PWRI file lacks predictors.
-        ModelConfigError: a tensor's shape disagrees with the hyperparameters.
+        ModelConfigError: a tensor's shape disagrees with the hyperparameters, or the file
+            holds a tensor or bias its family does not have (say ``ffn_gate`` in a falcon file).
     """
     src = _TensorSource(gf, weight_format)
     check_tensor_sizes(gf)
     fam, d, ff = args.family, args.n_embd, args.n_ff
+    _check_foreign(gf, fam)
     token_embd = src.matrix(Names.TOKEN_EMBD, (args.n_vocab, d))
     output = token_embd
     if Names.OUTPUT in gf.tensors or not fam.tied_output:
         output = src.matrix(Names.OUTPUT, (args.n_vocab, d))
+    position_embd = None
+    if fam.rope is Rope.LEARNED:
+        pe, off = gf.tensors.get(Names.POS_EMBD), fam.position_offset
+        rows = pe.shape[0] if pe is not None and len(pe.shape) == 2 else args.n_ctx_train + off
+        if rows - off < args.n_ctx_train:
+            raise ModelConfigError(
+                f"{gf.path}: tensor {Names.POS_EMBD!r} holds {rows} rows, but {fam.arch} reads "
+                f"position p at row p + {off}, so {args.n_ctx_train} positions need "
+                f"{args.n_ctx_train + off}: re-convert the model"
+            )
+        position_embd = src.matrix(Names.POS_EMBD, (rows, d))
     blocks, cuts = [], args.down_thresholds
     for l in tqdm(range(args.n_layer), desc="loading", unit="layer", disable=not progress):
-        fields: dict = {}
+        fields: dict = {"ffn_gate": None, "ffn_norm": None}
         for t in fam.block:
-            shape = tuple(getattr(args, dim) for dim in t.shape)
             name = t.name.format(l=l)
-            fields[t.field] = (
-                src.vector(name, *shape) if len(shape) == 1 else src.matrix(name, shape)
+            if t.optional and name not in gf.tensors:
+                continue
+            shape = tuple(getattr(args, dim) for dim in t.shape)
+            if len(shape) == 1:
+                fields[t.field] = src.vector(name, *shape)
+                bias = _bias(src, name, shape[0], t.bias)
+                if bias is not None:
+                    fields[t.field + "_b"] = bias
+            else:
+                fields[t.field] = _with_bias(
+                    src.matrix(name, shape), _bias(src, name, shape[0], t.bias)
+                )
+        if "attn_qkv" in fields:  # fused rows: q, then k, then v (views)
+            sizes = (d, args.n_embd_gqa, args.n_embd_gqa)
+            fields["attn_q"], fields["attn_k"], fields["attn_v"] = _split_rows(
+                fields.pop("attn_qkv"), sizes
             )
         fc1 = fc2 = None
         if args.sparse:
@@ -178,22 +208,103 @@ def load_weights(
             h = gf.tensors[n1].shape[0]
             fc1, fc2 = src.matrix(n1, (h, d)), src.matrix(n2, (ff, h))
         if Names.FFN_DOWN_T.format(l=l) in gf.tensors:
-            down_t = src.matrix(Names.FFN_DOWN_T.format(l=l), (ff, d))
+            down = Names.FFN_DOWN_T.format(l=l)
+            down_t = src.matrix(down, (ff, d))
         else:
-            down_t = src.transposed(Names.FFN_DOWN.format(l=l), (d, ff))
+            down = Names.FFN_DOWN.format(l=l)
+            down_t = src.transposed(down, (d, ff))
+        down_b = _bias(src, down, d, fam.down_bias)
+        biased = down_b is not None or any(
+            isinstance(v, BiasedWeight) or (k.endswith("_b") and v is not None)
+            for k, v in fields.items()
+        )
         blocks.append(
             Block(
                 **fields,
                 ffn_down_t=down_t,
+                ffn_down_b=down_b,
                 fc1=fc1,
                 fc2=fc2,
                 gated=l not in args.dense_layers,
                 down_tau=cut_taus(down_t, cuts[l]) if cuts and cuts[l] > 0 else None,
+                native=fam.llama_layout and not biased,
             )
         )
+    out_b = _bias(src, Names.OUTPUT_NORM, d, "required" if fam.output_norm_bias else "none")
     return Weights(
         token_embd=token_embd,
         output_norm=src.vector(Names.OUTPUT_NORM, d),
         output=output,
         blk=blocks,
+        output_norm_b=out_b,
+        position_embd=position_embd,
     )
+
+
+def _bias(src: _TensorSource, weight: str, n: int, rule: str) -> torch.Tensor | None:
+    """The (n,) f32 bias of tensor ``weight`` under the family's rule for it ("none",
+    "optional", "required"); None when there is none.
+
+    Raises:
+        FileFormatError: a required bias is missing.
+        ModelConfigError: the file has a bias the family does not.
+    """
+    name = bias_name(weight)
+    if name not in src.gf.tensors:
+        if rule == "required":
+            raise FileFormatError(
+                f"{src.gf.path}: tensor {name!r} is missing; this architecture has a bias "
+                "there: re-convert the model"
+            )
+        return None
+    if rule == "none":
+        arch = src.gf.kv.get(Keys.ARCHITECTURE)
+        raise ModelConfigError(
+            f"{src.gf.path}: tensor {name!r} is a bias that {arch} models do not have; the "
+            "file is of another architecture or corrupt: re-convert the model"
+        )
+    return src.vector(name, n)
+
+
+def _with_bias(w: Weight, bias: torch.Tensor | None) -> Weight:
+    return w if bias is None else BiasedWeight(w, bias)
+
+
+def _split_rows(w: Weight, sizes: tuple[int, ...]) -> list[Weight]:
+    """A fused matrix (and its bias) as consecutive row views of ``sizes`` rows."""
+    if isinstance(w, BiasedWeight):
+        parts = row_slices(w.inner, sizes)
+        biases = torch.split(w.bias, list(sizes))
+        return [BiasedWeight(p, b) for p, b in zip(parts, biases, strict=True)]
+    return row_slices(w, sizes)
+
+
+# Per-layer tensors some family has (their GGUF base names): a file of a family that lacks one
+# of them is of another architecture, or corrupt. Other unknown tensors are ignored.
+_LAYOUT_BASES = {
+    "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_norm_2", "ffn_gate", "ffn_norm", "ffn_up",
+}  # fmt: skip
+_LAYER_TENSOR = re.compile(r"blk\.\d+\.([a-z_0-9]+)\.(weight|bias)")
+
+
+def _check_foreign(gf: GGUFFile, fam) -> None:
+    """Refuse a per-layer tensor of another layout (``_LAYOUT_BASES``) that ``fam`` does not
+    declare, and learned positions in a family without them.
+
+    Raises:
+        ModelConfigError: naming the file, the tensor and what the family expects.
+    """
+    own = {t.name.split(".")[2] for t in fam.block}
+    for name in gf.tensors:
+        m = _LAYER_TENSOR.fullmatch(name)
+        if m and m.group(1) in _LAYOUT_BASES and m.group(1) not in own:
+            raise ModelConfigError(
+                f"{gf.path}: tensor {name!r} is not part of a {fam.arch} model, whose layers "
+                f"hold {', '.join(sorted(own))}, the down matrix and predictors; the file is of "
+                "another architecture or corrupt: re-convert the model"
+            )
+    if Names.POS_EMBD in gf.tensors and fam.rope is not Rope.LEARNED:
+        raise ModelConfigError(
+            f"{gf.path}: tensor {Names.POS_EMBD!r} (learned positions) is not part of a "
+            f"{fam.arch} model, which uses RoPE; re-convert the model"
+        )

@@ -467,8 +467,9 @@ class TransposedWeight:
 class Weight(Protocol):
     """A ``(rows, cols)`` matrix as the model computes with it, wherever it lives (host or
     device) and however it is stored: :class:`DenseWeight`, :class:`QuantWeight` (and its
-    ``gpu_kernels.FusedWeight``), :class:`TransposedWeight`. ``kernel()`` is (library,
-    matrix) when the running call may compute it with the native kernels, else None."""
+    ``gpu_kernels.FusedWeight``), :class:`TransposedWeight`, ``biased.BiasedWeight``.
+    ``kernel()`` is (library, matrix) when the running call may compute it with the native
+    kernels, else None."""
 
     @property
     def shape(self) -> tuple[int, int]: ...

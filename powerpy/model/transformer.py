@@ -20,6 +20,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.errors import NonFiniteError
+from powerpy.families import Norm, Residual, Rope
 from powerpy.model import ggml_numerics, gpu_kernels, numerics, stack_decode
 from powerpy.model.attention import apply_rope, attend, attention_block, rope_tables
 from powerpy.model.cache import KVCache, KVPlacement
@@ -35,13 +36,17 @@ log = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------- weights
 @dataclass
 class Block:
+    """One layer's weights, named as in GGUF. Matrices with a bias are ``BiasedWeight``; a
+    norm's bias is ``{norm}_b`` (LayerNorm families). Which fields a family fills is its
+    ``Family.block`` (``powerpy.families``)."""
+
     attn_norm: Tensor  # (n_embd,) f32
     attn_q: Weight  # (n_embd, n_embd)
     attn_k: Weight  # (n_embd_gqa, n_embd)
     attn_v: Weight  # (n_embd_gqa, n_embd)
     attn_output: Weight  # (n_embd, n_embd)
-    ffn_norm: Tensor  # (n_embd,) f32
-    ffn_gate: Weight  # (n_ff, n_embd)
+    ffn_norm: Tensor | None  # (n_embd,) f32; None in a parallel block (attn_norm feeds the FFN)
+    ffn_gate: Weight | None  # (n_ff, n_embd); None for an ungated FFN (FFNVariant.gated)
     ffn_up: Weight  # (n_ff, n_embd)
     ffn_down_t: Weight  # (n_ff, n_embd): row j is neuron j's output
     fc1: Weight | None = None  # (H, n_embd) predictor
@@ -49,6 +54,13 @@ class Block:
     hot: HotRows | None = None  # hybrid placements: this layer's rows on the accelerator
     gated: bool = True  # False: in powerpy.dense_layers, the FFN runs ungated in sparse mode
     down_tau: Tensor | None = None  # (n_ff,) f32 host: the cut (powerpy.ffn_down_threshold)
+    attn_norm_b: Tensor | None = None  # (n_embd,) LayerNorm bias
+    attn_norm_2: Tensor | None = None  # (n_embd,) attention's own norm (falcon-40B)
+    attn_norm_2_b: Tensor | None = None
+    ffn_norm_b: Tensor | None = None
+    ffn_down_b: Tensor | None = None  # (n_embd,) the down matrix's bias (OPT)
+    # the layout the native block kernels compute (``Family.llama_layout``, and no biases)
+    native: bool = True
 
     def gates(self, opts: RunOptions) -> bool:
         """Whether the predictor gates this layer's FFN in a run with ``opts``."""
@@ -70,10 +82,18 @@ class Weights:
     output_norm: Tensor  # (n_embd,)
     output: Weight  # (n_vocab, n_embd); token_embd itself when tied
     blk: list[Block]
+    output_norm_b: Tensor | None = None  # (n_embd,) LayerNorm bias
+    position_embd: Weight | None = None  # (n_positions + offset, n_embd): learned positions
 
 
 # ----------------------------------------------------------------------------------- maths
 _HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
+def layer_norm(x: Tensor, w: Tensor, b: Tensor | None, eps: float) -> Tensor:
+    """x (..., n) f32 -> (x - mean) / sqrt(var + eps) · w + b (biased variance, as ggml and
+    torch compute it)."""
+    return F.layer_norm(x, w.shape, w, b, eps)
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float, *, fused: bool = False) -> Tensor:
@@ -176,11 +196,28 @@ class Model:
     def _to(self, t: Tensor, device: torch.device) -> Tensor:
         return move(self.accel, t, device)
 
-    def norm(self, x: Tensor, w: Tensor) -> Tensor:
-        """RMSNorm of x (T, n_embd) by w, in one launch where the accelerator runs the fused
-        kernels."""
+    def norm(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        """The family's norm of x (T, n_embd) by w (and bias b, LayerNorm): RMSNorm in one
+        launch where the accelerator runs the fused kernels."""
+        if self.args.family.norm is Norm.LAYER:
+            return layer_norm(x, w, b, self.args.norm_eps)
         fused = self.accel is not None and self.accel.fused
         return rms_norm(x, w, self.args.norm_eps, fused=fused)
+
+    def _check_room(self, cache: KVCache, n: int) -> None:
+        """Raise ValueError when n more tokens do not fit the cache (or a learned position
+        table)."""
+        a = self.args
+        if cache.pos + n > cache.n_ctx:
+            raise ValueError(
+                f"context is full: {cache.pos} + {n} tokens exceed n_ctx {cache.n_ctx} "
+                "(use a larger context: -c, n_ctx)"
+            )
+        if a.family.rope is Rope.LEARNED and cache.pos + n > a.n_ctx_train:
+            raise ValueError(
+                f"context is full: {cache.pos} + {n} tokens exceed the {a.n_ctx_train} "
+                f"positions {a.arch} has learned"
+            )
 
     def _options(self, opts: RunOptions) -> RunOptions:
         return opts if opts.sparse and self.can_gate else dataclasses.replace(opts, sparse=False)
@@ -202,12 +239,8 @@ class Model:
             NonFiniteError: the logits are NaN or infinite; the message names the first layer
                 where the residual stream stopped being finite.
         """
-        n, p0 = tokens.shape[0], cache.pos
-        if p0 + n > cache.n_ctx:
-            raise ValueError(
-                f"context is full: {p0} + {n} tokens exceed n_ctx {cache.n_ctx} "
-                "(use a larger context: -c, n_ctx)"
-            )
+        n = tokens.shape[0]
+        self._check_room(cache, n)
         return self._checked(tokens, Step([cache], [n]), self._options(opts), all_logits, "batch")
 
     @torch.inference_mode()
@@ -241,8 +274,7 @@ class Model:
         if ffn_mode not in FFN_MODES:
             raise ValueError(f"unknown ffn_mode {ffn_mode!r}: one of {FFN_MODES}")
         for c in caches:
-            if c.pos + 1 > c.n_ctx:
-                raise ValueError(f"context is full: {c.pos} + 1 tokens exceed n_ctx {c.n_ctx}")
+            self._check_room(c, 1)
         step = Step(list(caches), [1] * n)
         return self._checked(tokens, step, self._options(opts), True, ffn_mode)
 
@@ -277,9 +309,14 @@ class Model:
         a, w = self.args, self.weights
         thr = a.sparse_threshold if opts.threshold is None else float(opts.threshold)
         x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
+        fam, pos = a.family, step.positions()  # (T,)
+        if w.position_embd is not None:  # learned positions
+            x = x + w.position_embd.take_rows(pos + fam.position_offset).dequantize()
         if check:
             _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
-        rot = OnDevices(self.accel, rope_tables(a, step.positions()))  # (T, n_rot/2) complex
+        rot = None  # (T, n_rot/2) complex rotations, per device
+        if fam.rope is not Rope.LEARNED:
+            rot = OnDevices(self.accel, rope_tables(a, pos))
         one = tokens.shape[0] == 1  # one token: native block calls where the block is on the host
         plan = None
         if one and not check and stack_decode.usable(step.caches[0], opts):
@@ -293,7 +330,7 @@ class Model:
         if not all_logits:
             x = x[-1:]
         with phase(opts.timer, "output"):
-            x = self.norm(self._to(x, w.output_norm.device), w.output_norm)
+            x = self.norm(self._to(x, w.output_norm.device), w.output_norm, w.output_norm_b)
             logits = self._to(w.output.linear(self._to(x, w.output.device)), HOST)
         if check:
             _check_finite(logits, "output", "the output layer (output_norm, output)")
@@ -305,21 +342,24 @@ class Model:
         blk: Block,
         x: Tensor,
         step: Step,
-        rot: OnDevices,
+        rot: OnDevices | None,
         thr: float,
         opts: RunOptions,
         ffn_mode: str,
         check: bool,
     ) -> Tensor:
-        """One block: x (T, n_embd) the residual stream -> after the block. Each step runs
-        where its weights are and the residual stream follows (no move when the tensor is
-        already there, e.g. CPU-only)."""
+        """One block: x (T, n_embd) the residual stream -> after the block, by the family's
+        residual layout. Each step runs where its weights are and the residual stream follows
+        (no move when the tensor is already there, e.g. CPU-only)."""
+        if self.args.family.residual is Residual.PARALLEL:
+            return self._parallel_block(l, blk, x, step, rot, thr, opts, ffn_mode, check)
         a, one = self.args, x.shape[0] == 1
         x = self._to(x, blk.attn_norm.device)
         with phase(opts.timer, "attention"):
-            h = attention_block(l, blk, x, step.caches[0], rot(HOST), a) if one else None
+            native = one and blk.native and rot is not None
+            h = attention_block(l, blk, x, step.caches[0], rot(HOST), a) if native else None
             if h is None:
-                xn = self.norm(x, blk.attn_norm)
+                xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
                 h = x + self._to(self.attention(l, blk, xn, step, rot), x.device)
         if check:
             _check_finite(h, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
@@ -327,15 +367,48 @@ class Model:
             inp = OnDevices(self.accel, h)  # moved once: native block, norm, predictor
             y = fused_decode(l, blk, inp, a.norm_eps, a.ffn_variant, thr, opts) if one else None
             if y is None:
-                xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm)
+                xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm, blk.ffn_norm_b)
                 pred_in = blk.predictor_input(inp, opts)
                 f = self._ffn(l, blk, xn, pred_in, step, thr, opts, ffn_mode)
-                y = h + self._to(f, h.device)
+                y = h + self._down_bias(blk, self._to(f, h.device))
         if check:
             _check_finite(y, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
         return y
 
-    def attention(self, l: int, blk: Block, x: Tensor, step: Step, rot: OnDevices) -> Tensor:
+    def _parallel_block(
+        self,
+        l: int,
+        blk: Block,
+        x: Tensor,
+        step: Step,
+        rot: OnDevices | None,
+        thr: float,
+        opts: RunOptions,
+        ffn_mode: str,
+        check: bool,
+    ) -> Tensor:
+        """x + attn(norm2(x)) + ffn(norm(x)): attn_norm feeds the FFN, and attention too
+        unless the block has its own attn_norm_2; the predictor reads x (T, n_embd)."""
+        x = self._to(x, blk.attn_norm.device)
+        with phase(opts.timer, "attention"):
+            xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
+            xa = xn if blk.attn_norm_2 is None else self.norm(x, blk.attn_norm_2, blk.attn_norm_2_b)
+            att = self._to(self.attention(l, blk, xa, step, rot), x.device)
+        if check:
+            _check_finite(att, f"blk.{l}", "attention (attn_norm(_2), attn_qkv/output)")
+        with phase(opts.timer, "ffn"):
+            pred_in = blk.predictor_input(OnDevices(self.accel, x), opts)
+            f = self._ffn(l, blk, xn, pred_in, step, thr, opts, ffn_mode)
+            y = x + att + self._down_bias(blk, self._to(f, x.device))
+        if check:
+            _check_finite(y, f"blk.{l}", "the FFN (attn_norm, ffn_up/down, fc1/fc2)")
+        return y
+
+    def _down_bias(self, blk: Block, f: Tensor) -> Tensor:
+        """The FFN's output f (T, n_embd) plus the down matrix's bias, if it has one."""
+        return f if blk.ffn_down_b is None else f + self._to(blk.ffn_down_b, f.device)
+
+    def attention(self, l: int, blk: Block, x: Tensor, step: Step, rot: OnDevices | None) -> Tensor:
         """x (T, n_embd) normed -> (T, n_embd) on attn_output's device; writes the caches.
         The projections run once for all T tokens, the attention once per segment (each reads
         its own cache). ``rot`` holds the rotations per device (moved once per forward)."""
@@ -344,8 +417,10 @@ class Model:
         q = blk.attn_q.linear(x_on(blk.attn_q.device)).view(n, a.n_head, a.head_dim)
         k = blk.attn_k.linear(x_on(blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
         v = blk.attn_v.linear(x_on(blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
-        q = apply_rope(q, rot(q.device), a.n_rot)
-        k = apply_rope(k, rot(k.device), a.n_rot)
+        if rot is not None:
+            mode = a.family.rope
+            q = apply_rope(q, rot(q.device), a.n_rot, mode)
+            k = apply_rope(k, rot(k.device), a.n_rot, mode)
         outs = []
         for cache, s, m in step.segments():
             dev, p0 = cache.device, cache.pos  # attention runs where the cache is

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from powerpy.config import ModelArgs
 from powerpy.errors import PlacementError
-from powerpy.formats.constants import TYPE_TRAITS, GGMLType, Names
+from powerpy.formats.constants import TYPE_TRAITS, GGMLType, Names, bias_name
 
 if TYPE_CHECKING:
     from powerpy.formats.gguf_reader import GGUFFile
@@ -329,7 +329,10 @@ def plan_offload(
 
 
 # --- what the budget needs from a model header ----------------------------------------------------
-_FFN_TEMPLATES = (Names.FFN_GATE, Names.FFN_UP, Names.FFN_DOWN_T)
+# the per-neuron slices a hot row takes to the device: rows of gate (if any), up and down_t,
+# and up's bias (OPT) element; the down matrix's bias is one vector, not sliced
+_FFN_TEMPLATES = (Names.FFN_GATE, Names.FFN_UP, Names.FFN_DOWN_T, bias_name(Names.FFN_UP))
+_OPTIONAL = (Names.FFN_GATE, bias_name(Names.FFN_UP))
 
 
 @dataclass(frozen=True)
@@ -340,7 +343,7 @@ class FfnLayout:
     Attributes:
         n_ff: neurons per layer (rows of ffn_gate, ffn_up and ffn_down_t).
         neuron_bytes: ``(n_layer,)`` bytes of one neuron in each layer: a row of gate (if
-            any), up and down_t at the file's types (biases are not sliced).
+            any), up and down_t at the file's types, and up's bias element (if any).
         has_gate: the model has ``ffn_gate`` (LLaMA family, Bamboo).
         up_type: ggml type of layer 0's ``ffn_up`` (what upstream's capacity formula reads);
             None when the layout was built from byte sizes alone.
@@ -381,7 +384,7 @@ class FfnLayout:
             for template in _FFN_TEMPLATES:
                 name = template.format(l=layer)
                 if name not in sizes:
-                    if template is Names.FFN_GATE:
+                    if template in _OPTIONAL:
                         continue  # ungated architectures slice up and down_t only
                     raise PlacementError(
                         f"tensor {name!r} is missing: a hybrid split needs neuron-major FFN "
@@ -411,7 +414,7 @@ class FfnLayout:
                 f"{src}: no tensor {Names.FFN_UP.format(l=0)!r}; is this a PowerInfer model?"
             )
         for layer in range(args.n_layer):
-            for template in _FFN_TEMPLATES:
+            for template in _FFN_TEMPLATES[:3]:  # the matrices
                 t = gguf.tensors.get(template.format(l=layer))
                 if t is not None and t.shape != (n_ff, n_embd):
                     raise PlacementError(

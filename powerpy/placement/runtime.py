@@ -33,8 +33,9 @@ from torch import Tensor
 
 from powerpy._fs import fmt_bytes
 from powerpy.errors import PlacementError
-from powerpy.formats.constants import GGMLType, Names
+from powerpy.formats.constants import GGMLType, Names, bias_name
 from powerpy.model import gpu_kernels
+from powerpy.model.biased import BiasedWeight
 from powerpy.model.cache import KVPlacement
 from powerpy.model.device import Accelerator
 from powerpy.model.ffn import HotRows
@@ -117,20 +118,33 @@ class HybridRuntime:
         return "\n".join(lines)
 
 
-def _slots(weights: Weights) -> dict[str, tuple[Any, str]]:
-    """GGUF tensor name -> (object, attribute) holding it in the weights."""
-    slots: dict[str, tuple[Any, str]] = {
-        Names.TOKEN_EMBD: (weights, "token_embd"),
-        Names.OUTPUT_NORM: (weights, "output_norm"),
-        Names.OUTPUT: (weights, "output"),
+def _slots(weights: Weights) -> dict[str, list[tuple[Any, str]]]:
+    """GGUF tensor name -> the (object, attribute) slots holding it in the weights: one slot,
+    three for a fused ``attn_qkv`` (its q, k and v row views), none for a matrix's bias (it
+    travels with its matrix, ``BiasedWeight``). A norm's bias is ``{norm}_b``."""
+    slots: dict[str, list[tuple[Any, str]]] = {
+        Names.TOKEN_EMBD: [(weights, "token_embd")],
+        Names.OUTPUT_NORM: [(weights, "output_norm")],
+        Names.OUTPUT: [(weights, "output")],
     }
+    if weights.output_norm_b is not None:
+        slots[bias_name(Names.OUTPUT_NORM)] = [(weights, "output_norm_b")]
     fields = {f.name for f in dataclasses.fields(Block)}
     templates = [t for k, t in vars(Names).items() if k.isupper() and t.startswith("blk.{l}.")]
     for layer, blk in enumerate(weights.blk):
         for template in templates:
             attr = template.split(".")[2]  # blk.{l}.<attr>.weight: attributes are GGUF names
-            if attr in fields and getattr(blk, attr) is not None:
-                slots[template.format(l=layer)] = (blk, attr)
+            if attr not in fields or getattr(blk, attr) is None:
+                continue
+            name = template.format(l=layer)
+            slots[name] = [(blk, attr)]
+            if isinstance(getattr(blk, attr), BiasedWeight):
+                slots[bias_name(name)] = []
+            elif getattr(blk, attr + "_b", None) is not None:
+                slots[bias_name(name)] = [(blk, attr + "_b")]
+        qkv = Names.ATTN_QKV.format(l=layer)
+        slots[qkv] = [(blk, "attn_q"), (blk, "attn_k"), (blk, "attn_v")]
+        slots[bias_name(qkv)] = []
     return slots
 
 
@@ -167,9 +181,17 @@ def _to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
     return t.with_storage(accel.to_device(t.storage))
 
 
-def _hot_rows(accel: Accelerator, gate: Weight, up: Weight, down_t: Weight, bucket: Tensor):
+def _hot_rows(accel: Accelerator, gate: Weight | None, up: Weight, down_t: Weight, bucket: Tensor):
     """A layer's rows ``bucket`` (k,) of gate, up and down_t on the device: (gate, up, down_t,
-    gate_up). With the fused kernels, gate and up are the halves of one stacked matrix."""
+    gate_up). With the fused kernels, gate and up are the halves of one stacked matrix. An
+    ungated FFN (gate None) moves up and down_t."""
+    if gate is None:
+        return (
+            None,
+            _to_device(accel, up.take_rows(bucket)),
+            _to_device(accel, down_t.take_rows(bucket)),
+            None,
+        )
     rows = [m.take_rows(bucket) for m in (gate, up, down_t)]  # raw rows, copied on the host
     kind = _fused_type(rows[0]) if accel.fused else None
     if kind is not None and kind == _fused_type(rows[1]) and rows[0].shape == rows[1].shape:
@@ -200,7 +222,7 @@ def _host_bytes(weights: Weights, gf: GGUFFile | None, extra: list[Tensor]) -> t
     """(file data, made at load) bytes of the host-resident weights."""
     mapped = anon = 0
     seen: set[int] = set()
-    items = [(name, getattr(o, a)) for name, (o, a) in _slots(weights).items()]
+    items = [(name, getattr(o, a)) for name, sl in _slots(weights).items() for o, a in sl]
     items += [(None, t) for t in extra]
     for name, obj in items:
         t = _storage(obj)
@@ -267,8 +289,7 @@ def build_hybrid(
         if name not in slots:
             skipped.append(name)
             continue
-        obj, attr = slots[name]
-        nb = _nbytes(getattr(obj, attr))
+        nb = sum(_nbytes(getattr(obj, attr)) for obj, attr in slots[name])
         if nb > file_bytes[name]:
             logger.warning(
                 "%s takes %d bytes as loaded but the budget charged its %d file bytes: it stays "
@@ -279,9 +300,9 @@ def build_hybrid(
             )
             skipped.append(name)
             continue
-        moves.append((obj, attr))
+        moves += slots[name]
     for layer, (lp, blk) in enumerate(zip(placement.layers, weights.blk, strict=True)):
-        mats = (blk.ffn_gate, blk.ffn_up, blk.ffn_down_t)
+        mats = [m for m in (blk.ffn_gate, blk.ffn_up, blk.ffn_down_t) if m is not None]
         nb = sum(m.nbytes // a.n_ff for m in mats) * lp.k
         if nb > lp.hot_bytes:
             raise PlacementError(
@@ -327,7 +348,7 @@ def build_hybrid(
         hot_bytes += blk.hot.device_bytes
         index_bytes += blk.hot.index_bytes
         if accel.emulated:
-            extra_host += [m.storage for m in (gate, up, down_t)]
+            extra_host += [m.storage for m in (gate, up, down_t) if m is not None]
     hybrid = Model(a, weights, accel=accel, kv=kv, cache_dtype=model.cache_dtype)
     mapped, anon = _host_bytes(weights, file, extra_host)
     rt = HybridRuntime(
