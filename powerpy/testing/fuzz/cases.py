@@ -9,7 +9,8 @@ the outcome: ``"ok"``, ``"PowerpyError"`` or ``"NonFiniteError"``. Any other exc
 library bug and propagates (``run_case`` is both).
 
 The drafts and the raw writer are in ``files``, the model-file mutations in ``mutations``, the
-gpuidx/statistics mutations and the issue's seed cases in ``side_files``. Used by
+gpuidx/statistics mutations and the issue's seed cases in ``side_files``, the Falcon and OPT
+mutations (family "arch", on drafts of those families) and their seed cases in ``archs``. Used by
 ``tests/test_fuzz_path.py`` (hypothesis), ``tests/test_cli_errors.py`` and ``tools/fuzz.py``
 (subprocesses).
 """
@@ -191,5 +192,6 @@ def families() -> dict[str, list[str]]:
 
 __all__ = [
     "BUDGET_GIB", "FAMILIES", "MUTATIONS", "OUTCOMES", "SEED_CASES", "GeneratorError", "Prepared",
-    "base_draft", "families", "finish", "prepare", "prepare_seed_case", "run", "run_case",
+    "arch_draft", "base_draft", "families", "finish", "prepare", "prepare_seed_case", "run",
+    "run_case",
 ]  # fmt: skip
