@@ -65,9 +65,20 @@ def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
     return n_bytes / best / 1e9
 
 
+def _nbytes(*mats) -> int:
+    """Bytes of the matrices and vectors given (None: absent, e.g. an ungated FFN's gate)."""
+    total = 0
+    for m in mats:
+        if isinstance(m, torch.Tensor):
+            total += m.numel() * m.element_size()
+        elif m is not None:
+            total += m.nbytes
+    return total
+
+
 def _ffn_layer_bytes(model: Model, l: int) -> int:
     b = model.weights.blk[l]
-    return b.ffn_gate.nbytes + b.ffn_up.nbytes + b.ffn_down_t.nbytes
+    return _nbytes(b.ffn_gate, b.ffn_up, b.ffn_down_t)
 
 
 def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> dict[str, float]:
@@ -83,17 +94,20 @@ def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> d
     out: dict[str, float] = {"attention": 0.0, "norms": 0.0, "ffn": 0.0, "predictor": 0.0}
     for l, b in enumerate(w.blk):
         out["attention"] += sum(m.nbytes for m in (b.attn_q, b.attn_k, b.attn_v, b.attn_output))
-        out["norms"] += 4 * (b.attn_norm.numel() + b.ffn_norm.numel())
+        out["norms"] += _nbytes(b.attn_norm, b.attn_norm_b, b.attn_norm_2, b.attn_norm_2_b,
+                                b.ffn_norm, b.ffn_norm_b, b.ffn_down_b)  # fmt: skip
         frac = 1.0 if active is None else float(active[l])
         if active is not None and b.down_tau is not None and not (b.gated and b.fc1 is not None):
             # an ungated layer with a cut reads every gate and up row, and the kept down rows
-            out["ffn"] += b.ffn_gate.nbytes + b.ffn_up.nbytes + frac * b.ffn_down_t.nbytes
+            out["ffn"] += _nbytes(b.ffn_gate, b.ffn_up) + frac * b.ffn_down_t.nbytes
         else:
             out["ffn"] += frac * _ffn_layer_bytes(model, l)
         if active is not None and b.fc1 is not None and b.fc2 is not None and b.gated:
             out["predictor"] += b.fc1.nbytes + b.fc2.nbytes
-    out["output"] = w.output.nbytes + 4 * w.output_norm.numel()
+    out["output"] = _nbytes(w.output, w.output_norm, w.output_norm_b)
     out["embedding_row"] = w.token_embd.nbytes / a.n_vocab
+    if w.position_embd is not None:
+        out["embedding_row"] += w.position_embd.nbytes / w.position_embd.shape[0]
     out["kv"] = 2 * a.n_layer * n_past * a.n_embd_gqa * 4
     return out
 

@@ -1,4 +1,5 @@
-"""Hyperparameters (``ModelArgs``) from GGUF key/values or an HF config, and to GGUF key/values."""
+"""Hyperparameters (``ModelArgs``) from GGUF key/values, and to GGUF key/values (an HF
+config.json's: ``pipeline.hf_families``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
     from powerpy.formats.gguf_reader import GGUFFile
 
 __all__ = ["SUPPORTED_ARCHS", "FFNVariant", "ModelArgs", "DEFAULT_CTX", "ACTIVATIONS"]
-HF_MODEL_TYPES = ("llama", "mistral")
 
 
 DEFAULT_CTX = 4096  # positions of a KV cache when none is given (llama-server's default)
@@ -174,62 +174,6 @@ class ModelArgs:
             source=str(gf.path),
             n_positions=n_pos,
         )
-
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any], *, source: str = "config.json") -> ModelArgs:
-        """Build the arguments from an HF LLaMA-family ``config.json`` (a dense model).
-
-        Raises:
-            ModelConfigError: an unsupported model type or layout, or a missing/bad value.
-        """
-        mt = cfg.get("model_type")
-        if mt not in HF_MODEL_TYPES:
-            raise ModelConfigError(
-                f"{source}: model_type {mt!r} is not supported (supported: {HF_MODEL_TYPES})"
-            )
-        if cfg.get("rope_scaling"):
-            raise ModelConfigError(
-                f"{source}: rope_scaling {cfg['rope_scaling']!r} is not supported"
-            )
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ModelConfigError(f"{source}: attention/MLP biases are not supported")
-
-        def get(key: str, default: Any = None, kind: type = int) -> Any:
-            if cfg.get(key) is None:
-                if default is None:
-                    raise ModelConfigError(f"{source}: config.json needs {kind.__name__} {key!r}")
-                return default
-            return _scalar(cfg[key], key, kind, source)
-
-        n_embd, n_head = get("hidden_size"), get("num_attention_heads")
-        head_dim = get("head_dim", n_embd // n_head if n_head > 0 else 0)
-        if head_dim * n_head != n_embd:
-            raise ModelConfigError(
-                f"{source}: hidden_size {n_embd}, num_attention_heads {n_head} and head_dim "
-                f"{head_dim} are not a supported LLaMA layout (head_dim x heads = hidden_size)"
-            )
-        act = cfg.get("hidden_act", "silu")  # HF LlamaConfig's default
-        act = "silu" if act == "swish" else act
-        if act not in ("relu", "silu"):
-            raise ModelConfigError(f"{source}: hidden_act {act!r} is not one of relu, silu")
-        args = cls(
-            arch="llama",
-            n_vocab=get("vocab_size"),
-            n_embd=n_embd,
-            n_layer=get("num_hidden_layers"),
-            n_ff=get("intermediate_size"),
-            n_head=n_head,
-            n_head_kv=get("num_key_value_heads", n_head),
-            n_rot=head_dim,
-            rope_base=get("rope_theta", 10000.0, float),
-            norm_eps=get("rms_norm_eps", 1e-5, float),
-            n_ctx_train=get("max_position_embeddings", 2048),
-            sparse=False,
-            ffn_variant=FFNVariant.REGLU if act == "relu" else FFNVariant.SWIGLU,
-            sparse_threshold=0.0,
-        )
-        args.validate(source)
-        return args
 
     def to_gguf_kv(self, *, name: str | None = None, vocab_size: bool = False) -> dict:
         """The architecture's GGUF key/values, ``{key: (value, GGUFValueType)}``.

@@ -13,6 +13,7 @@ from powerpy.errors import ModelConfigError
 from powerpy.formats.constants import PWRI_MAGIC, GGMLType, GGUFValueType, Keys, Names
 from powerpy.formats.gguf_reader import read_gguf
 from powerpy.formats.gguf_writer import write_gguf
+from powerpy.pipeline.hf_families import args_from_hf_config
 from powerpy.testing import TinySpec, spec_args, tiny_kv
 
 BASE = ModelArgs(
@@ -126,7 +127,7 @@ def _hf(**over) -> dict:
 
 
 def test_from_hf_config():
-    a = ModelArgs.from_hf_config(_hf())
+    a = args_from_hf_config(_hf())
     assert a == dataclasses.replace(
         BASE,
         n_head_kv=2,
@@ -134,11 +135,11 @@ def test_from_hf_config():
         norm_eps=1e-6,
         n_ctx_train=4096,
     )
-    assert ModelArgs.from_hf_config(_hf(hidden_act="swish")).ffn_variant is FFNVariant.SWIGLU
-    relu = ModelArgs.from_hf_config(_hf(hidden_act="relu", model_type="mistral"))
+    assert args_from_hf_config(_hf(hidden_act="swish")).ffn_variant is FFNVariant.SWIGLU
+    relu = args_from_hf_config(_hf(hidden_act="relu", model_type="mistral"))
     assert relu.ffn_variant is FFNVariant.REGLU and relu.ffn_variant.activation == "relu"
     # defaults: no GQA, rope base 10000, eps 1e-5, context 2048, SiLU; head_dim may be given
-    d = ModelArgs.from_hf_config(
+    d = args_from_hf_config(
         _hf(
             num_key_value_heads=None,
             rope_theta=None,
@@ -171,7 +172,7 @@ def test_from_hf_config():
 )
 def test_from_hf_config_errors(over, match):
     with pytest.raises(ModelConfigError, match=match) as e:
-        ModelArgs.from_hf_config(_hf(**over), source="m/config.json")
+        args_from_hf_config(_hf(**over), source="m/config.json")
     assert str(e.value).startswith("m/config.json: ")
 
 

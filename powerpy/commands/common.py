@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from powerpy.config import ACTIVATIONS
+
 THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
 
 
@@ -33,10 +35,11 @@ def add_model_args(p: argparse.ArgumentParser, *, generate: bool = False) -> Non
     )
     p.add_argument(
         "--ffn-act",
-        choices=("relu", "silu"),
+        choices=ACTIVATIONS,
         default=None,
         help="FFN activation when the file does not say it (a dense GGUF of a ReLU model, "
-        "e.g. ReluLLaMA, needs relu; default: silu for GGUF, relu for PWRI)",
+        "e.g. ReluLLaMA or ReluFalcon, needs relu; default: the family's dense one for GGUF "
+        "(silu llama, gelu falcon), relu for PWRI)",
     )
     p.add_argument(
         "--exact-activations",

@@ -11,7 +11,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "convert",
         help="build a PowerInfer (PWRI) model from an HF checkpoint or a dense GGUF + predictors",
     )
-    p.add_argument("src", help="HF LLaMA-family checkpoint directory, or a dense GGUF file")
+    p.add_argument(
+        "src", help="HF checkpoint directory (LLaMA, Mistral, Falcon, OPT), or a dense GGUF file"
+    )
     p.add_argument(
         "predictor_dir",
         nargs="?",
@@ -29,11 +31,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--vocab-gguf", help="copy the tokenizer from this GGUF (HF sources)")
     p.add_argument(
-        "--vocab-pre", default="default", help="tokenizer.ggml.pre for a tokenizer.json BPE vocab"
+        "--vocab-pre",
+        help="tokenizer.ggml.pre for a BPE vocab (default: the family's: default, falcon, gpt-2)",
     )
     p.add_argument(
         "--activation",
-        choices=("relu", "silu"),
+        choices=("relu", "silu", "gelu"),
         help="override the predictors' sparse_activation (default: their config.json)",
     )
     p.add_argument("--name", help="general.name (default: the source's)")

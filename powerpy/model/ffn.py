@@ -259,7 +259,8 @@ class HotRows:
         cold_idx: ``(n_ff - k,)`` int64 on the host, the cold neuron ids.
         tau: ``(k,)`` f32 on the device, the layer's cut of each compact row, or None.
         gate_up: ``(2k, n_embd)``, the gate rows then the up rows in one matrix, when the
-            fused kernels run them (``gate`` and ``up`` are its halves); else None.
+            fused kernels run them (``gate`` and ``up`` are its halves; an ungated FFN's is
+            ``up`` itself); else None.
     """
 
     k: int
@@ -458,6 +459,8 @@ def _hot(
     # x (T, n_embd), act (T, n_ff) bool, tau (k,), all on the device -> (T, n_embd) f32 there
     if hot.gate_up is not None:  # the fused kernels: three ops, no host round trip
         gu = hot.gate_up.linear(x, act, hot.bucket)  # (T, 2k); 0 where the predictor is off
+        if hot.gate is None:  # ungated: (T, k) up rows; act(0) = 0 keeps the mask
+            return hot.down_t.rows_sum(cut(glu(None, gu, variant, inplace=True), tau))
         return hot.down_t.rows_sum(gpu_kernels.glu(gu, tau, variant))
     if gather and act is not None and x.shape[0] == 1:
         idx = act[0, hot.bucket].nonzero().squeeze(1)  # (r,) active compact rows: a host sync

@@ -1,14 +1,19 @@
-"""HF LLaMA-family checkpoint or dense GGUF + predictor directory -> PowerInfer (PWRI) model file.
+"""HF checkpoint (LLaMA, Falcon, OPT) or dense GGUF + predictor directory -> PowerInfer (PWRI)
+model file; an HF checkpoint without predictors -> a dense GGUF.
 
-Layout (docs/formats.md#conversion, as PowerInfer's ``convert.py``):
+Layout (docs/formats.md#conversion, as PowerInfer's converters):
 
-- HF input: ``q_proj``/``k_proj`` rows are permuted from HF rotate-half order to ggml's
-  interleaved pairs (``n_head`` for q, ``n_head_kv`` for k); GGUF input is already permuted.
-- ``ffn_down_t = down_proj.T`` (contiguous, neuron-major); dense GGUF ``ffn_down`` likewise.
+- HF input: each family's tensors map to GGUF names by its table in ``hf_families`` (LLaMA's
+  ``q_proj``/``k_proj`` rows permuted from rotate-half order to ggml's interleaved pairs,
+  Falcon's fused ``query_key_value`` reordered to q, k, v heads); GGUF input is already in
+  GGUF layout.
+- ``ffn_down_t = down_proj.T`` (contiguous, neuron-major), its bias ``ffn_down_t.bias``; dense
+  GGUF ``ffn_down`` likewise.
 - ``blk.{l}.fc1.weight`` / ``fc2.weight`` come from ``PREDICTOR_DIR/model_{l}.pt`` untransposed.
 - ``powerinfer.sparse_threshold`` (FLOAT32) is written iff ``PREDICTOR_DIR/config.json`` has
-  ``sparse_threshold``; ``powerpy.sparse_activation = "silu"`` when the predictors were trained
-  on magnitude labels of a SiLU model (``config.json``: ``"sparse_activation": "silu"``).
+  ``sparse_threshold``; ``powerpy.sparse_activation`` ("silu", "gelu") when the predictors were
+  trained on magnitude labels of a model that is not ReLU (``config.json``:
+  ``"sparse_activation"``).
 - Types: ``f16`` (default) writes 2-D tensors as F16 and 1-D as F32; ``f32`` all F32;
   ``q8_0``/``q4_0``/``q4_1`` quantize 2-D tensors whose rows are whole 32-blocks (others F16).
   ``auto`` (GGUF sources) keeps every tensor's stored type and copies its blocks untouched; the
@@ -16,9 +21,10 @@ Layout (docs/formats.md#conversion, as PowerInfer's ``convert.py``):
   decoded values) and the predictors as Q8_0.
 - Tensor order: model tensors, then predictors. Magic ``PWRI``.
 
-Tensors stream one at a time (HF shards through ``safetensors.safe_open``, GGUF through its
-memory map), so memory stays near the largest single tensor. The output is written to a
-temporary file and renamed into place; an input is never overwritten.
+Tensors stream one at a time (HF shards through ``safetensors.safe_open`` or a memory-mapped
+``torch.load``, GGUF through its memory map), so memory stays near the largest single tensor.
+The output is written to a temporary file and renamed into place; an input is never
+overwritten.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from powerpy.config import ACTIVATIONS, ModelArgs
+from powerpy.config import ACTIVATIONS, FFNVariant, ModelArgs
 from powerpy.formats import quants
 from powerpy.formats.constants import (
     GGUF_MAGIC,
@@ -46,6 +52,9 @@ from powerpy.formats.constants import (
 from powerpy.formats.gguf_reader import GGUFFile, read_gguf
 from powerpy.formats.gguf_writer import GGUFStreamWriter
 from powerpy.pipeline.hf import HFSource, vocab_kv_from_gguf, vocab_kv_from_hf
+from powerpy.pipeline.hf_families import hf_family, plan_tensors
+from powerpy.pipeline.hf_families import permute_qk as permute_qk  # re-exported
+from powerpy.pipeline.hf_families import unpermute_qk as unpermute_qk
 from powerpy.pipeline.predictors import (
     PREDICTOR_KEYS,
     Predictors,
@@ -64,28 +73,6 @@ OUTTYPES = {
 }
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}  # llama_ftype: ALL_F32, MOSTLY_*
 AUTO = "auto"  # GGUF sources: every tensor keeps its type (see the module docstring)
-
-_HF_SKIP = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-
-
-# ----------------------------------------------------------------------------------- maths
-def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """HF rotate-half rows -> ggml interleaved pairs, per head (llama.cpp's permute).
-
-    Within each head of ``d`` rows, new row ``2m`` = old row ``m`` and new row ``2m+1`` = old row
-    ``m + d/2``: w (n_head * d, n_embd) -> same shape.
-    """
-    rows = w.shape[0]
-    if rows % n_head or (rows // n_head) % 2:
-        raise ValueError(f"cannot permute {rows} rows into {n_head} heads of even size")
-    d = rows // n_head
-    return w.reshape(n_head, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of :func:`permute_qk` (ggml interleaved -> HF rotate-half)."""
-    d = w.shape[0] // n_head
-    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # ----------------------------------------------------------------------------------- output
@@ -174,21 +161,22 @@ def _predictor_tensors(preds: Predictors, outtype: str) -> list[_Tensor]:
 def _resolve_activation(
     preds: Predictors, model_act: str | None, override: str | None, src: Path
 ) -> str:
-    """The sparse activation the file is marked with: "relu" (PowerInfer's) or "silu".
+    """The sparse activation the file is marked with: "relu" (PowerInfer's), "silu" or "gelu".
 
-    ``model_act`` is the source model's activation ("relu"/"silu", from its HF config), or None
-    for a GGUF source, which carries none."""
+    ``model_act`` is the source model's activation ("relu", "silu", "gelu", from its HF config),
+    or None for a GGUF source, which carries none."""
     act = override or preds.activation
     if model_act is not None:
-        if act is None and model_act == "silu":
+        if act is None and model_act != "relu":
             raise ValueError(
-                f"{src}: the model uses SiLU (hidden_act {model_act!r}) but the predictor config "
-                'has no "sparse_activation": "silu" marker; train predictors with '
-                "`powerpy train-predictors` or pass --activation silu"
+                f"{src}: the model's FFN activation is {model_act!r} but the predictor config "
+                f'has no "sparse_activation": "{model_act}" marker; train predictors with '
+                f"`powerpy train-predictors` or pass --activation {model_act}"
             )
         if act is not None and act != model_act:
             raise ValueError(
-                f"{src}: hidden_act {model_act!r} but the predictors are marked {act!r}"
+                f"{src}: the model's FFN activation is {model_act!r} but the predictors are "
+                f"marked {act!r}"
             )
     return act or "relu"
 
@@ -197,8 +185,8 @@ def _sparse_kv(preds: Predictors, act: str) -> dict[str, tuple]:
     kv: dict[str, tuple] = {}
     if preds.threshold is not None:
         kv[Keys.SPARSE_THRESHOLD] = (float(preds.threshold), GGUFValueType.FLOAT32)
-    if act == "silu":
-        kv[Keys.SPARSE_ACTIVATION] = ("silu", GGUFValueType.STRING)
+    if act != "relu":
+        kv[Keys.SPARSE_ACTIVATION] = (act, GGUFValueType.STRING)
     if preds.dense_layers:
         layers = list(preds.dense_layers)
         kv[Keys.DENSE_LAYERS] = (layers, GGUFValueType.ARRAY, GGUFValueType.UINT32)
@@ -215,7 +203,7 @@ def convert(
     *,
     outtype: str = "f16",
     vocab_gguf: str | os.PathLike[str] | None = None,
-    vocab_pre: str = "default",
+    vocab_pre: str | None = None,
     activation: str | None = None,
     name: str | None = None,
     progress: bool = False,
@@ -223,20 +211,22 @@ def convert(
     """Build a PowerInfer (PWRI) model file.
 
     Args:
-        src: an HF LLaMA-family checkpoint directory (config.json + safetensors, BF16/F16/F32,
-            sharded or not) or a dense GGUF file (already q/k-permuted; a PWRI file is accepted
-            too, its predictors are replaced).
+        src: an HF checkpoint directory of a LLaMA, Mistral, Falcon or OPT model (config.json
+            + safetensors or pytorch_model*.bin, BF16/F16/F32, sharded or not) or a dense GGUF
+            file (in GGUF layout; a PWRI file is accepted too, its predictors are replaced).
         predictor_dir: ``model_{l}.pt`` per layer and an optional ``config.json``; None
             (HF sources only) writes a dense GGUF (magic ``GGUF``, ``ffn_down`` untransposed)
             to profile and train predictors on. A dense GGUF carries no activation: load a
-            ReLU model's with ``ffn_act="relu"``.
+            ReLU LLaMA's or Falcon's with ``ffn_act="relu"``.
         out: the output file; written atomically, and never one of the inputs.
         outtype: "f16" (default), "f32", "q8_0", "q4_0", "q4_1", or "auto" (GGUF sources: keep
             the stored types; see the module docstring).
-        vocab_gguf: copy the tokenizer from this GGUF (HF sources; default: tokenizer.model or
-            tokenizer.json of the checkpoint).
-        vocab_pre: ``tokenizer.ggml.pre`` for a tokenizer.json BPE vocabulary.
-        activation: override the predictors' ``sparse_activation`` ("relu" or "silu").
+        vocab_gguf: copy the tokenizer from this GGUF (HF sources; default: tokenizer.model,
+            tokenizer.json or vocab.json + merges.txt of the checkpoint).
+        vocab_pre: ``tokenizer.ggml.pre`` for a BPE vocabulary (default: the family's,
+            "default" for LLaMA, "falcon", "gpt-2" for OPT).
+        activation: override the predictors' ``sparse_activation`` ("relu", "silu" or "gelu",
+            as the family runs).
         name: ``general.name`` (default: the source's name).
         progress: show a progress bar.
 
@@ -287,22 +277,25 @@ def _convert_hf(
     out: Path,
     outtype: str,
     vocab_gguf: str | os.PathLike[str] | None,
-    vocab_pre: str,
+    vocab_pre: str | None,
     activation: str | None,
     name: str | None,
     progress: bool,
 ) -> None:
     hf = HFSource(src)
     try:
-        a = ModelArgs.from_hf_config(hf.config, source=str(src / "config.json"))
+        cfg_src = str(src / "config.json")
+        fam = hf_family(hf.config, cfg_src)
+        a = fam.args(hf.config, cfg_src)
         preds = None
         if pred_dir is not None:
             preds = scan_predictors(pred_dir, a.n_layer, a.n_embd, a.n_ff)
             act = _resolve_activation(preds, a.ffn_variant.activation, activation, src)
+            a.with_ffn_act(act, source=cfg_src)  # one the family runs
         if vocab_gguf is not None:
             vocab = vocab_kv_from_gguf(vocab_gguf)
         else:
-            vocab = vocab_kv_from_hf(src, hf.config, vocab_pre)
+            vocab = vocab_kv_from_hf(src, hf.config, vocab_pre or fam.vocab_pre)
         n_tokens = len(vocab[Keys.TOKENS][0])
         if n_tokens != a.n_vocab:
             raise ValueError(
@@ -310,68 +303,42 @@ def _convert_hf(
                 f"{a.n_vocab}"
             )
         kv = a.to_gguf_kv(name=name or src.name)
+        for key in fam.drop_keys:
+            kv.pop(key.format(arch=a.arch), None)
+        kv.update(fam.kv(hf.config, a))
         kv[Keys.FILE_TYPE] = (FILE_TYPES[outtype], GGUFValueType.UINT32)
         if preds is not None:
             kv.update(_sparse_kv(preds, act))
         kv.update(vocab)
 
+        rows, tied = plan_tensors(fam, hf.config, a, hf.shapes, str(src))
+        if tied is not None and not np.array_equal(hf.get(tied[0]), hf.get(tied[1])):
+            raise ValueError(
+                f"{src}: {tied[0]} differs from {tied[1]}, but a {fam.arch} model's output is "
+                "tied to its embeddings (config.json tie_word_embeddings): not supported"
+            )
         plan: list[_Tensor] = []
-        known = set()
+        for r in rows:
+            gguf_name, shape, transpose = r.gguf, r.shape, False
+            if preds is not None and ".ffn_down." in gguf_name:  # PWRI: ffn_down_t = down.T
+                gguf_name = gguf_name.replace(".ffn_down.", ".ffn_down_t.")
+                transpose = len(shape) == 2
+                shape = shape[::-1]
 
-        def add(
-            hf_name: str,
-            gguf_name: str,
-            expect: tuple[int, ...],
-            n_head: int = 0,
-            transpose: bool = False,
-        ) -> None:
-            """Plan one tensor: permute q/k rows for ``n_head`` heads, or transpose."""
-            if hf_name not in hf.shapes:
-                raise ValueError(f"{src}: tensor {hf_name!r} is missing")
-            if hf.shapes[hf_name] != expect:
-                raise ValueError(
-                    f"{src}: tensor {hf_name!r} has shape {hf.shapes[hf_name]}, expected {expect}"
-                )
-            known.add(hf_name)
-
-            def load() -> np.ndarray:
-                arr = hf.get(hf_name)
-                if n_head:
-                    arr = permute_qk(arr, n_head)
+            def load(r=r, transpose=transpose) -> np.ndarray:
+                arr = hf.get(r.hf)
+                if r.transform is not None:
+                    arr = r.transform(arr, a)
                 return np.ascontiguousarray(arr.T) if transpose else arr
 
-            shape = expect[::-1] if transpose else expect
             plan.append(_Tensor(gguf_name, shape, out_type(shape, outtype), load))
-
-        d, ff, gqa, nv = a.n_embd, a.n_ff, a.n_embd_gqa, a.n_vocab
-        nh, nkv = a.n_head, a.n_head_kv
-        add("model.embed_tokens.weight", Names.TOKEN_EMBD, (nv, d))
-        for l in range(a.n_layer):
-            p = f"model.layers.{l}."
-            add(p + "input_layernorm.weight", Names.ATTN_NORM.format(l=l), (d,))
-            add(p + "self_attn.q_proj.weight", Names.ATTN_Q.format(l=l), (d, d), n_head=nh)
-            add(p + "self_attn.k_proj.weight", Names.ATTN_K.format(l=l), (gqa, d), n_head=nkv)
-            add(p + "self_attn.v_proj.weight", Names.ATTN_V.format(l=l), (gqa, d))
-            add(p + "self_attn.o_proj.weight", Names.ATTN_OUTPUT.format(l=l), (d, d))
-            add(p + "post_attention_layernorm.weight", Names.FFN_NORM.format(l=l), (d,))
-            add(p + "mlp.gate_proj.weight", Names.FFN_GATE.format(l=l), (ff, d))
-            add(p + "mlp.up_proj.weight", Names.FFN_UP.format(l=l), (ff, d))
-            if preds is None:  # dense GGUF: ggml's ffn_down (n_embd, n_ff)
-                add(p + "mlp.down_proj.weight", Names.FFN_DOWN.format(l=l), (d, ff))
-            else:
-                down_t = Names.FFN_DOWN_T.format(l=l)
-                add(p + "mlp.down_proj.weight", down_t, (d, ff), transpose=True)
-        add("model.norm.weight", Names.OUTPUT_NORM, (d,))
-        if "lm_head.weight" in hf.shapes:
-            add("lm_head.weight", Names.OUTPUT, (nv, d))
-        left = sorted(k for k in hf.shapes if k not in known and not _HF_SKIP.fullmatch(k))
-        if left:
-            raise ValueError(
-                f"{src}: {len(left)} tensors are not part of a LLaMA model, e.g. {left[:3]}"
-            )
         if preds is None:
-            if a.ffn_variant.activation == "relu":
-                log.info("%s: a dense GGUF carries no activation: load it with ffn_act='relu'", out)
+            if a.ffn_variant is not a.family.ffn_variant({}, False, str(src)):
+                log.info(
+                    "%s: a dense GGUF carries no activation: load it with ffn_act=%r",
+                    out,
+                    a.ffn_variant.activation,
+                )
             _write_stream(out, kv, plan, progress=progress, magic=GGUF_MAGIC)
         else:
             plan += _predictor_tensors(preds, outtype)
@@ -394,11 +361,13 @@ def _convert_gguf(
         args = ModelArgs.from_gguf(gf)
         preds = scan_predictors(pred_dir, args.n_layer, args.n_embd, args.n_ff)
         act = _resolve_activation(preds, None, activation, src)
-        if act == "relu" and not gf.sparse:
+        args.with_ffn_act(act, source=str(src))  # one the family runs
+        if act == "relu" and not gf.sparse and args.family.ffn_acts != ("relu",):
             log.warning(
-                "%s: a dense GGUF carries no activation; the PWRI file will run ReLU (ReGLU) "
-                'FFNs. Mark SiLU predictors with "sparse_activation": "silu".',
+                "%s: a dense GGUF carries no activation; the PWRI file will run ReLU (%s) "
+                'FFNs. Mark SiLU or GELU predictors with "sparse_activation".',
                 src,
+                FFNVariant.of("relu", args.family.gated).value,
             )
         kv: dict[str, tuple] = {}
         for key, spec in gf.typed_kv().items():
@@ -423,7 +392,13 @@ def _gguf_tensors(gf: GGUFFile, outtype: str) -> Iterator[_Tensor]:
         if drop.fullmatch(tname):
             continue
         shape = tuple(info.shape)
-        if tname.endswith(".ffn_down.weight"):
+        if tname.endswith(".ffn_down.bias"):  # falcon, opt: the down matrix's bias, renamed
+
+            def load_b(tname: str = tname) -> np.ndarray:
+                return gf.dequantize(tname)
+
+            yield _Tensor(tname.replace(".ffn_down.", ".ffn_down_t."), shape, GGMLType.F32, load_b)
+        elif tname.endswith(".ffn_down.weight"):
             new = tname.replace(".ffn_down.weight", ".ffn_down_t.weight")
             shape_t = shape[::-1]
 

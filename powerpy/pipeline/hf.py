@@ -1,6 +1,7 @@
-"""Reading an HF LLaMA-family checkpoint for ``convert``: safetensors shards (lazily, one open
-at a time) and the tokenizer (``tokenizer.json`` BPE or SentencePiece ``tokenizer.model``, plus
-``tokenizer_config.json``) mapped to GGUF tokenizer key/values as llama.cpp's converter does."""
+"""Reading an HF checkpoint for ``convert``: safetensors or ``pytorch_model*.bin`` shards
+(lazily, one open at a time) and the tokenizer (``tokenizer.json`` BPE, GPT-2's ``vocab.json`` +
+``merges.txt``, or SentencePiece ``tokenizer.model``, plus ``tokenizer_config.json``) mapped to
+GGUF tokenizer key/values as llama.cpp's converter does."""
 
 from __future__ import annotations
 
@@ -21,8 +22,55 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------- HF source
+def load_state_dict(path: Path) -> dict[str, Any]:
+    """One ``pytorch_model*.bin`` shard, loaded safely (``weights_only=True``) and memory-mapped
+    where its format allows (the legacy non-zip format is read whole).
+
+    Raises:
+        ValueError: an unsafe pickle (refused), an unreadable file or not a state dict; the
+            message names the file.
+    """
+    import pickle
+
+    import torch
+
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(
+            f"{path}: refused to load: not a plain tensor state dict, and unpickling it could run "
+            f"arbitrary code ({first}); convert the checkpoint to safetensors"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError, TypeError) as e:
+        if "mmap" not in str(e):
+            raise ValueError(f"{path}: cannot read the shard ({e})") from None
+        log.info("%s: legacy torch format, read whole (no memory map)", path)
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(sd, Mapping):
+        raise ValueError(f"{path}: expected a state dict, got {type(sd).__name__}")
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def _shard_names(directory: Path) -> tuple[list[str], bool]:
+    """The checkpoint's weight files and whether they are safetensors (preferred when both
+    kinds are there, as transformers does)."""
+    for index, pattern, safe in (
+        ("model.safetensors.index.json", "*.safetensors", True),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin", False),
+    ):
+        if (directory / index).is_file():
+            weight_map = read_json(directory / index).get("weight_map", {})
+            return sorted(set(weight_map.values())), safe
+        names = sorted(p.name for p in directory.glob(pattern))
+        if names:
+            return names, safe
+    raise FileNotFoundError(f"{directory}: no *.safetensors or pytorch_model*.bin weight files")
+
+
 class HFSource:
-    """Lazy access to the tensors of an HF safetensors checkpoint (one shard open at a time)."""
+    """Lazy access to the tensors of an HF checkpoint: safetensors shards, or
+    ``pytorch_model*.bin`` shards (memory-mapped ``torch.load``), one shard open at a time."""
 
     def __init__(self, directory: Path) -> None:
         from safetensors import safe_open
@@ -32,27 +80,22 @@ class HFSource:
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{directory}: no config.json (not an HF checkpoint)")
         self.config = read_json(cfg_path)
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = read_json(index).get("weight_map", {})
-            shard_names = sorted(set(weight_map.values()))
-        else:
-            shard_names = sorted(p.name for p in directory.glob("*.safetensors"))
-        if not shard_names:
-            raise FileNotFoundError(
-                f"{directory}: no *.safetensors files (pytorch_model.bin is not supported: "
-                "convert it to safetensors first)"
-            )
+        shard_names, self.safetensors = _shard_names(directory)
         self.where: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for name in shard_names:
             path = directory / name
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: shard named in the index is missing")
-            with safe_open(path, framework="pt") as f:
-                for key in f.keys():
+            if self.safetensors:
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        self.where[key] = path
+                        self.shapes[key] = tuple(f.get_slice(key).get_shape())
+            else:
+                for key, t in load_state_dict(path).items():
                     self.where[key] = path
-                    self.shapes[key] = tuple(f.get_slice(key).get_shape())
+                    self.shapes[key] = tuple(t.shape)
         self._open: tuple[Path, Any] | None = None
 
     def get(self, name: str) -> np.ndarray:
@@ -62,17 +105,21 @@ class HFSource:
         path = self.where[name]
         if self._open is None or self._open[0] != path:
             self.close()
-            self._open = (path, safe_open(path, framework="pt").__enter__())
-        t = self._open[1].get_tensor(name)
+            if self.safetensors:
+                self._open = (path, safe_open(path, framework="pt").__enter__())
+            else:
+                self._open = (path, load_state_dict(path))
+        f = self._open[1]
+        t = f.get_tensor(name) if self.safetensors else f[name]
         if not t.is_floating_point():
             raise ValueError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected a float")
         return t.float().numpy()
 
     def close(self) -> None:
-        if self._open is not None:
+        if self._open is not None and self.safetensors:
             with contextlib.suppress(Exception):
                 self._open[1].__exit__(None, None, None)
-            self._open = None
+        self._open = None
 
 
 # ----------------------------------------------------------------------------------- vocab
@@ -200,7 +247,6 @@ def _sentencepiece_hf_kv(
 
 def _bpe_kv(tj: Path, config: Mapping[str, Any], pre: str) -> dict[str, tuple]:
     """The ``gpt2`` vocabulary of a BPE ``tokenizer.json``, padded to config.json's vocab_size."""
-    arr = GGUFValueType.ARRAY
     data = read_json(tj)
     model = data.get("model", {})
     if model.get("type") != "BPE":
@@ -208,16 +254,54 @@ def _bpe_kv(tj: Path, config: Mapping[str, Any], pre: str) -> dict[str, tuple]:
             f"{tj}: tokenizer model {model.get('type')!r} is not supported (BPE is); "
             "pass --vocab-gguf FILE"
         )
+    return _bpe_model_kv(tj, model, data.get("added_tokens", []), config, pre)
+
+
+def _bpe_files_kv(
+    directory: Path, config: Mapping[str, Any], tok_cfg: Mapping[str, Any], pre: str
+) -> dict[str, tuple]:
+    """The ``gpt2`` vocabulary of GPT-2's ``vocab.json`` + ``merges.txt`` (OPT's checkpoints).
+
+    Added tokens come from tokenizer_config.json's ``added_tokens_decoder``; the special tokens
+    it names (bos/eos/unk/pad) are CONTROL tokens, as a tokenizer.json lists them."""
+    vj = directory / "vocab.json"
+    lines = (directory / "merges.txt").read_text(encoding="utf-8").splitlines()
+    merges = [m for m in lines if m and not m.startswith("#version")]
+    added = [
+        {"id": int(i), "content": t["content"], "special": bool(t.get("special"))}
+        for i, t in tok_cfg.get("added_tokens_decoder", {}).items()
+    ]
+    vocab = read_json(vj)
+    listed = {a["id"] for a in added}
+    for role in ("bos", "eos", "unk", "pad"):
+        text = tok_cfg.get(f"{role}_token")
+        text = text.get("content") if isinstance(text, dict) else text
+        if isinstance(text, str) and text in vocab and vocab[text] not in listed:
+            added.append({"id": vocab[text], "content": text, "special": True})
+            listed.add(vocab[text])
+    return _bpe_model_kv(vj, {"vocab": vocab, "merges": merges}, added, config, pre)
+
+
+def _bpe_model_kv(
+    source: Path,
+    model: Mapping[str, Any],
+    added_tokens: list[Mapping[str, Any]],
+    config: Mapping[str, Any],
+    pre: str,
+) -> dict[str, tuple]:
+    """The ``gpt2`` key/values of a BPE ``model`` (``vocab``: text -> id, ``merges``) and its
+    added tokens (``id``, ``content``, ``special``), padded to config.json's vocab_size."""
+    arr = GGUFValueType.ARRAY
     vocab: dict[str, int] = dict(model["vocab"])
     special = set()
-    for t in data.get("added_tokens", []):
+    for t in added_tokens:
         vocab[t["content"]] = int(t["id"])
         if t.get("special"):
             special.add(int(t["id"]))
     n = max(config.get("vocab_size", 0), max(vocab.values()) + 1)
     tokens = [f"[PAD{i}]" for i in range(n)]
     types = [TokenType.UNUSED] * n
-    added = {int(t["id"]) for t in data.get("added_tokens", [])}
+    added = {int(t["id"]) for t in added_tokens}
     for tok, i in vocab.items():
         tokens[i] = tok
         types[i] = (
@@ -226,7 +310,7 @@ def _bpe_kv(tj: Path, config: Mapping[str, Any], pre: str) -> dict[str, tuple]:
             else (TokenType.USER_DEFINED if i in added else TokenType.NORMAL)
         )
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    log.warning("%s: BPE vocabulary with pre-tokenizer %r (set it with --vocab-pre)", tj, pre)
+    log.warning("%s: BPE vocabulary with pre-tokenizer %r (set it with --vocab-pre)", source, pre)
     return {
         Keys.TOKENIZER_MODEL: ("gpt2", GGUFValueType.STRING),
         Keys.TOKENIZER_PRE: (pre, GGUFValueType.STRING),
@@ -237,7 +321,8 @@ def _bpe_kv(tj: Path, config: Mapping[str, Any], pre: str) -> dict[str, tuple]:
 
 
 def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> dict[str, tuple]:
-    """Tokenizer key/values from ``tokenizer.model`` (SentencePiece) or ``tokenizer.json`` (BPE).
+    """Tokenizer key/values from ``tokenizer.model`` (SentencePiece), ``tokenizer.json`` (BPE)
+    or ``vocab.json`` + ``merges.txt`` (GPT-2 BPE).
 
     tokenizer_config.json, where present, adds special-token ids, add_bos/add_eos, the chat
     template and (SentencePiece) added tokens; see ``_tokenizer_config_kv``.
@@ -248,7 +333,7 @@ def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> di
         pre: ``tokenizer.ggml.pre`` for a BPE vocabulary (GGUF's name of the pre-tokenizer).
 
     Raises:
-        FileNotFoundError: neither file exists (pass ``--vocab-gguf``).
+        FileNotFoundError: none of these files exists (pass ``--vocab-gguf``).
         ValueError: a tokenizer.json whose model is not BPE.
     """
     spm, tj = directory / "tokenizer.model", directory / "tokenizer.json"
@@ -257,10 +342,12 @@ def vocab_kv_from_hf(directory: Path, config: Mapping[str, Any], pre: str) -> di
         kv = _sentencepiece_hf_kv(spm, config, tok_cfg)
     elif tj.is_file():
         kv = _bpe_kv(tj, config, pre)
+    elif (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
+        kv = _bpe_files_kv(directory, config, tok_cfg, pre)
     else:
         raise FileNotFoundError(
-            f"{directory}: no tokenizer.model or tokenizer.json; pass --vocab-gguf FILE (a GGUF "
-            "of the same model) to copy its tokenizer"
+            f"{directory}: no tokenizer.model, tokenizer.json or vocab.json; pass --vocab-gguf "
+            "FILE (a GGUF of the same model) to copy its tokenizer"
         )
     kv.update(_tokenizer_config_kv(tok_cfg, config, kv[Keys.TOKENS][0]))
     return kv

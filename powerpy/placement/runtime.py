@@ -173,6 +173,8 @@ def _to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
     they read the type (the file's bytes, one launch per product)."""
     if isinstance(t, Tensor):
         return accel.to_device(t)
+    if isinstance(t, BiasedWeight):  # the matrix as any other, its bias beside it
+        return BiasedWeight(_to_device(accel, t.inner), accel.to_device(t.bias))
     kind = _fused_type(t) if accel.fused else None
     if kind is not None:
         return FusedWeight.of(accel.to_device(t.storage), kind, t.shape[1])
@@ -183,15 +185,12 @@ def _to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
 
 def _hot_rows(accel: Accelerator, gate: Weight | None, up: Weight, down_t: Weight, bucket: Tensor):
     """A layer's rows ``bucket`` (k,) of gate, up and down_t on the device: (gate, up, down_t,
-    gate_up). With the fused kernels, gate and up are the halves of one stacked matrix. An
-    ungated FFN (gate None) moves up and down_t."""
+    gate_up). With the fused kernels, gate and up are the halves of one stacked matrix; an
+    ungated FFN (gate None) has only up's rows there."""
     if gate is None:
-        return (
-            None,
-            _to_device(accel, up.take_rows(bucket)),
-            _to_device(accel, down_t.take_rows(bucket)),
-            None,
-        )
+        placed = [_to_device(accel, m.take_rows(bucket)) for m in (up, down_t)]
+        fused = placed[0] if isinstance(placed[0], FusedWeight) else None
+        return None, placed[0], placed[1], fused
     rows = [m.take_rows(bucket) for m in (gate, up, down_t)]  # raw rows, copied on the host
     kind = _fused_type(rows[0]) if accel.fused else None
     if kind is not None and kind == _fused_type(rows[1]) and rows[0].shape == rows[1].shape:

@@ -1,4 +1,4 @@
-"""Tiny LLaMA-family models for tests and notebooks: random weights (dense GGUF or sparse PWRI),
+"""Tiny models of every family for tests and notebooks: random weights (dense GGUF or sparse PWRI),
 or a zero-data PWRI header for placement tests."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from powerpy.config import FFNVariant, ModelArgs
-from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names, TokenType
+from powerpy.config import ModelArgs
+from powerpy.families import Rope, family
+from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names, TokenType, bias_name
 
 BYTE_VOCAB = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
 
@@ -26,41 +27,50 @@ class TinySpec:
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     n_ctx: int = 256
+    tied: bool = False  # no output.weight: the logits read token_embd
 
 
 def tiny_tensors(spec: TinySpec, *, sparse: bool, seed: int = 0) -> dict[str, np.ndarray]:
-    """Random f32 weights with GGUF names and numpy shapes (PWRI layout when ``sparse``)."""
+    """Random f32 weights with GGUF names and numpy shapes (PWRI layout when ``sparse``): the
+    tensors the spec's family declares (``Family.block``), with their biases, learned
+    positions where the family has them, the down matrix and predictors."""
     rng = np.random.default_rng(seed)
-    d, ff, hd = spec.n_embd, spec.n_ff, spec.n_embd // spec.n_head
-    gqa = hd * spec.n_head_kv
+    fam = family(spec.arch)
+    args = spec_args(spec, sparse=sparse)
+    d, ff = spec.n_embd, spec.n_ff
     n_vocab = len(BYTE_VOCAB)
 
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
-    def norm() -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    def norm(n: int = d) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def bias(n: int) -> np.ndarray:
+        return (0.1 * rng.standard_normal(n)).astype(np.float32)
 
     t = {Names.TOKEN_EMBD: mat(n_vocab, d)}
+    if fam.rope is Rope.LEARNED:
+        t[Names.POS_EMBD] = mat(spec.n_ctx + fam.position_offset, d)
     for l in range(spec.n_layer):
-        f = {k: getattr(Names, k).format(l=l) for k in vars(Names) if k.isupper()}
-        t[f["ATTN_NORM"]] = norm()
-        t[f["ATTN_Q"]] = mat(d, d)
-        t[f["ATTN_K"]] = mat(gqa, d)
-        t[f["ATTN_V"]] = mat(gqa, d)
-        t[f["ATTN_OUTPUT"]] = mat(d, d)
-        t[f["FFN_NORM"]] = norm()
-        t[f["FFN_GATE"]] = mat(ff, d)
-        t[f["FFN_UP"]] = mat(ff, d)
+        for lt in fam.block:
+            name, shape = lt.name.format(l=l), tuple(getattr(args, x) for x in lt.shape)
+            t[name] = norm(*shape) if len(shape) == 1 else mat(*shape)
+            if lt.bias == "required":  # optional biases are left out, as most files do
+                t[bias_name(name)] = bias(shape[0])
         down = mat(d, ff)  # HF down_proj (n_embd, n_ff)
+        name = (Names.FFN_DOWN_T if sparse else Names.FFN_DOWN).format(l=l)
+        t[name] = np.ascontiguousarray(down.T) if sparse else down
+        if fam.down_bias == "required":
+            t[bias_name(name)] = bias(d)
         if sparse:
-            t[f["FFN_DOWN_T"]] = np.ascontiguousarray(down.T)
-            t[f["FC1"]] = mat(spec.n_pred_hidden, d)
-            t[f["FC2"]] = mat(ff, spec.n_pred_hidden)
-        else:
-            t[f["FFN_DOWN"]] = down
+            t[Names.FC1.format(l=l)] = mat(spec.n_pred_hidden, d)
+            t[Names.FC2.format(l=l)] = mat(ff, spec.n_pred_hidden)
     t[Names.OUTPUT_NORM] = norm()
-    t[Names.OUTPUT] = mat(n_vocab, d)
+    if fam.output_norm_bias:
+        t[bias_name(Names.OUTPUT_NORM)] = bias(d)
+    if not spec.tied:
+        t[Names.OUTPUT] = mat(n_vocab, d)
     return t
 
 
@@ -98,7 +108,7 @@ def spec_args(spec: TinySpec, n_vocab: int = len(BYTE_VOCAB), *, sparse: bool = 
         norm_eps=spec.norm_eps,
         n_ctx_train=spec.n_ctx,
         sparse=sparse,
-        ffn_variant=FFNVariant.DRELU if spec.arch == "bamboo" else FFNVariant.REGLU,
+        ffn_variant=family(spec.arch).ffn_variant({}, True, "tiny"),  # the family's sparse one
         sparse_threshold=0.0,
     )
 
