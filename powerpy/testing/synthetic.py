@@ -228,8 +228,7 @@ def key_values(plan: Plan, name: str, threshold: float | None) -> dict:
     s, fam = plan.shape, family(plan.arch)
     spec = TinySpec(s.n_embd, s.n_layer, s.n_ff, s.n_head, s.n_head_kv, s.hidden, n_ctx=s.n_ctx,
                     arch=plan.arch)  # fmt: skip
-    args = replace(spec_args(spec, s.n_vocab), ffn_variant=fam.ffn_variant({}, True, name))
-    kv = args.to_gguf_kv(name=name)
+    kv = spec_args(spec, s.n_vocab).to_gguf_kv(name=name)  # the family's sparse FFN
     if fam.rope is Rope.LEARNED:  # no rotation: no RoPE keys
         for key in (Keys.ROPE_DIMENSION_COUNT, Keys.ROPE_FREQ_BASE):
             kv.pop(key.format(arch=plan.arch))
