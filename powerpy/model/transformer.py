@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import ModelArgs
-from powerpy.errors import NonFiniteError
+from powerpy.errors import ModelConfigError, NonFiniteError
 from powerpy.families import Norm, Residual, Rope
+from powerpy.formats.constants import Names
 from powerpy.model import ggml_numerics, gpu_kernels, numerics, stack_decode
 from powerpy.model.attention import apply_rope, attend, attention_block, layer_rotations
 from powerpy.model.cache import KVCache, KVPlacement
@@ -212,8 +213,8 @@ class Model:
         return rms_norm(x, w, self.args.norm_eps, fused=fused)
 
     def _check_room(self, cache: KVCache, n: int) -> None:
-        """Raise ValueError when n more tokens do not fit the cache (or a learned position
-        table)."""
+        """Raise ValueError when n more tokens do not fit the cache, ModelConfigError when
+        they do not fit the model's learned position table."""
         a = self.args
         if cache.pos + n > cache.n_ctx:
             raise ValueError(
@@ -221,9 +222,10 @@ class Model:
                 "(use a larger context: -c, n_ctx)"
             )
         if a.family.rope is Rope.LEARNED and cache.pos + n > a.n_ctx_train:
-            raise ValueError(
+            raise ModelConfigError(
                 f"context is full: {cache.pos} + {n} tokens exceed the {a.n_ctx_train} "
-                f"positions {a.arch} has learned"
+                f"positions {a.arch} has learned (the model's context_length, at most the rows "
+                f"of {Names.POS_EMBD} less {a.family.position_offset})"
             )
 
     def _options(self, opts: RunOptions) -> RunOptions:
