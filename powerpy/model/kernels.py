@@ -108,10 +108,15 @@ _SIGNATURES = {
     ),
     # llama.cpp's float steps (called by powerpy.model.ggml_numerics)
     "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
+    # positions, n, n_rot, base, freq_scale, factors (or null), mscale, out
+    "pp_rope_table_ext": ([_p, _i64, _i64, _f, _f, _p, _f, _p], None),
     "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p], None),  # x, T, heads, head_dim, n_rot, rot
     # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, out, nthreads
     "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i32], _i32),
+    # … , scale, scale_q, softcap, window, out, nthreads
+    "pp_attn_ext": ([_p, _p, _p, *[_i64] * 5, _f, _i32, _f, _i64, _p, _i32], _i32),
     "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p], None),  # x, w, T, n, eps, y
+    "pp_softcap": ([_p, _i64, _f], None),  # x (in place), n, cap
     "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads
 }
 

@@ -107,12 +107,18 @@ inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
 // RoPE; the f16 caches hold rows of n_kv * hd per position (0 .. p0 + T - 1 filled); query head h
 // reads kv head h / (n_head / n_kv); out (T, n_head * hd). One token follows llama.cpp's
 // one-token order (ggml_vec_dot_f16), a batch its tinyBLAS order where that kernel applies
-// (head_dim % GW == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v).
+// (head_dim % GW == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v). The scores'
+// scale (0: 1/sqrt(hd)) applies in the softmax, or to q before its f16 rounding (scale_q: the
+// graphs that ggml_scale q, gemma's and phi3's); softcap > 0 caps the scores at
+// softcap·tanh(s/softcap); window > 0 masks the keys more than window - 1 positions back.
 static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
-                     int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads) {
+                     int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads,
+                     float qk_scale = 0.0f, bool scale_q = false, float softcap = 0.0f,
+                     int64_t window = 0) {
   const bool one_kq = T == 1 || hd % GW, one_kqv = T == 1 || hd % 4;
   const int64_t nkv = n_kv * hd, group = n_head / n_kv, S = p0 + T;
-  const float scale = 1.0f / std::sqrt((float)hd);
+  const float qs = qk_scale > 0.0f ? qk_scale : 1.0f / std::sqrt((float)hd);
+  const float scale = scale_q ? 1.0f : qs, cap_inv = softcap > 0.0f ? 1.0f / softcap : 0.0f;
   const int nt = team_size(nthreads, T * S * nkv * 8 * group);
   return run_partitioned(nt, T * n_head, [&](int64_t a, int64_t b) -> int {
     std::vector<float> s(S), acc(64 * hd);
@@ -120,9 +126,13 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
     for (int64_t job = a; job < b; ++job) {
       const int64_t i = job / n_head, h = job % n_head, n = p0 + i + 1;  // cells seen
       const int64_t off = h / group * hd;
-      for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(q[i * n_head * hd + h * hd + e]);
+      const float* qi = q + i * n_head * hd + h * hd;
+      for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(scale_q ? qi[e] * qs : qi[e]);
       const int64_t t0 = kq_cells16(kc, nkv, off, hd, one_kq, q16.data(), n, s.data());
       for (int64_t t = t0; t < n; ++t) s[t] = dot_f16(kc + t * nkv + off, q16.data(), hd, one_kq);
+      if (softcap > 0.0f)  // ggml_scale, ggml_tanh, ggml_scale
+        for (int64_t t = 0; t < n; ++t) s[t] = tanhf(s[t] * cap_inv) * softcap;
+      for (int64_t t = 0; window > 0 && t < n - window; ++t) s[t] = -INFINITY;  // the mask
       softmax_f16(s.data(), n, scale, p16.data());
       // out[d] = dot over cells of v[., d] and p16, cell t in lane (t / GW) % 4 (one token) or
       // 0, and t % GW; the padding cells of llama.cpp's cache add zeros, which change no sum.

@@ -274,17 +274,26 @@ int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const fl
   return st;
 }
 
-// ggml's RoPE angles (NORM mode): for each position p = pos[i], theta = p and, pair by pair,
-// (cosf, sinf) of theta, then theta *= base^(-2 / n_rot), all in f32. out (n, n_rot / 2, 2).
-void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
+// ggml's RoPE angles (ggml_rope_cache_init, no YaRN ramp): for each position p = pos[i],
+// theta = p and, pair by pair, t = freq_scale * (theta / factors[j]) (factors null: 1) and
+// (cosf(t), sinf(t)) * mscale, then theta *= base^(-2 / n_rot), all in f32.
+// out (n, n_rot / 2, 2).
+void pp_rope_table_ext(const int64_t* pos, int64_t n, int64_t n_rot, float base, float freq_scale,
+                       const float* factors, float mscale, float* out) {
   const float theta_scale = powf(base, -2.0f / (float)n_rot);
   for (int64_t i = 0; i < n; ++i) {
     float theta = (float)pos[i];
     for (int64_t j = 0; j < n_rot / 2; ++j, theta *= theta_scale) {
-      out[(i * (n_rot / 2) + j) * 2] = cosf(theta);
-      out[(i * (n_rot / 2) + j) * 2 + 1] = sinf(theta);
+      const float t = freq_scale * (theta / (factors ? factors[j] : 1.0f));
+      out[(i * (n_rot / 2) + j) * 2] = cosf(t) * mscale;
+      out[(i * (n_rot / 2) + j) * 2 + 1] = sinf(t) * mscale;
     }
   }
+}
+
+// pp_rope_table_ext unscaled: theta itself, (cosf, sinf).
+void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
+  pp_rope_table_ext(pos, n, n_rot, base, 1.0f, nullptr, 1.0f, out);
 }
 
 // RoPE in place: x (T, heads, hd) f32, the first n_rot dims of each head in adjacent pairs,
@@ -304,6 +313,23 @@ int pp_attn(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, 
             int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads) {
   if (T < 1 || n_kv < 1 || n_head % n_kv) return PP_ERR_ARG;
   return attn_ggml(q, kc, vc, p0, T, n_head, n_kv, hd, out, nthreads);
+}
+
+// pp_attn with a scale of the scores (0: 1/sqrt(hd)) applied to q (scale_q) or in the softmax,
+// a soft-cap (0: none) and a sliding window (0: none), as attn_ggml takes them.
+int pp_attn_ext(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
+                int64_t n_head, int64_t n_kv, int64_t hd, float scale, int scale_q, float softcap,
+                int64_t window, float* out, int nthreads) {
+  if (T < 1 || n_kv < 1 || n_head % n_kv || window < 0) return PP_ERR_ARG;
+  return attn_ggml(q, kc, vc, p0, T, n_head, n_kv, hd, out, nthreads, scale, scale_q != 0,
+                   softcap, window);
+}
+
+// x[i] = tanhf(x[i] * (1 / cap)) * cap in place (llama.cpp's soft-cap: ggml_scale, ggml_tanh,
+// ggml_scale).
+void pp_softcap(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t i = 0; i < n; ++i) x[i] = tanhf(x[i] * inv) * cap;
 }
 
 // y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for T rows of n (ggml's rms_norm, then mul).
