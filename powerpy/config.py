@@ -128,9 +128,16 @@ class ModelArgs:
         fam = family(kv.get(Keys.ARCHITECTURE), source)
         arch = fam.arch
 
+        defaults = dict(fam.key_defaults)
+
         def get(key: str, default: Any = None, kind: type = int) -> Any:
+            """The key's value checked as one ``kind``; an optional key (``default`` given)
+            the family ignores, or absent, is the family's default for it, else ``default``."""
             name = key.format(arch=arch)
+            if default is not None and key in fam.ignored_keys:
+                return default
             if name not in kv:
+                default = defaults.get(key, default)
                 if default is None:
                     raise ModelConfigError(f"{source}: required key {name!r} is missing")
                 return default
@@ -168,14 +175,18 @@ class ModelArgs:
                 f"{head_dim}; powerpy runs heads whose keys and values have one size"
             )
         window = get(Keys.SLIDING_WINDOW, 0)
-        scaling = kv.get(Keys.ROPE_SCALING_TYPE.format(arch=arch), "none")
+        # llama.cpp: no type is "linear", a factor of 0 is none
+        scaling = kv.get(Keys.ROPE_SCALING_TYPE.format(arch=arch), "linear")
         if not isinstance(scaling, str) or scaling not in ("none", "linear"):
             raise ModelConfigError(
                 f"{source}: {Keys.ROPE_SCALING_TYPE.format(arch=arch)} is {shown(scaling)}; "
                 'powerpy runs "none" and "linear" RoPE scaling'
             )
+        factor = get(Keys.ROPE_SCALING_FACTOR, 0.0, float) if scaling == "linear" else 0.0
         extra = {} if fam.extra_args is None else fam.extra_args(get, n_layer)
-        pattern = fam.swa_pattern
+        swa_layers: tuple[int, ...] = ()
+        if window and fam.swa_pattern is not None:
+            swa_layers = windowed_layers(kv, fam, n_layer, source)
         args = cls(
             arch=arch,
             n_vocab=get(Keys.VOCAB_SIZE, n_tokens or n_vocab or 0),
@@ -195,13 +206,9 @@ class ModelArgs:
             down_thresholds=cuts,
             key_length=key_length,
             sliding_window=window,
-            swa_layers=tuple(
-                l
-                for l in range(n_layer)
-                if window and pattern is not None and (not pattern or l % pattern < pattern - 1)
-            ),
+            swa_layers=swa_layers,
             rope_base_swa=get(Keys.ROPE_FREQ_BASE_SWA, 0.0, float),
-            rope_scale=get(Keys.ROPE_SCALING_FACTOR, 1.0, float) if scaling == "linear" else 1.0,
+            rope_scale=factor or 1.0,
             rope_attn_factor=get(Keys.ROPE_SCALING_ATTN_FACTOR, 1.0, float),
             rope_orig_ctx=get(Keys.ROPE_SCALING_ORIG_CTX, 0),
             attn_scale=get(Keys.ATTENTION_SCALE, 0.0, float),
@@ -280,6 +287,12 @@ class ModelArgs:
         for key, value, unset, kind in optional:
             if value != unset:
                 kv[key.format(arch=a)] = (value, kind)
+        fam = self.family
+        if self.sliding_window and fam.swa_pattern is not None:
+            if self.swa_layers != windowed_layers({}, fam, self.n_layer, "model"):
+                flags = [l in self.swa_layers for l in range(self.n_layer)]
+                key = Keys.SLIDING_WINDOW_PATTERN.format(arch=a)
+                kv[key] = (flags, GGUFValueType.ARRAY, GGUFValueType.BOOL)
         if self.rope_scale != 1.0:
             kv[Keys.ROPE_SCALING_TYPE.format(arch=a)] = ("linear", GGUFValueType.STRING)
         if self.sparse and self.sparse_threshold != 0.0:
@@ -371,6 +384,40 @@ class ModelArgs:
                 f"{source}: FFN activation {act!r} does not fit {self.arch}: {e}"
             ) from None
         return dataclasses.replace(self, ffn_variant=variant)
+
+
+def windowed_layers(
+    kv: Mapping[str, Any], fam: Family, n_layer: int, source: str
+) -> tuple[int, ...]:
+    """The layers of a file with a sliding window that use it, as llama.cpp picks them: the
+    file's ``attention.sliding_window_pattern`` (a period n: layer l iff n is 0 or
+    l % n < n - 1; or one flag per layer), else the family's period.
+
+    Raises:
+        ModelConfigError: a pattern that is neither; the message names the source and the key.
+    """
+    key = Keys.SLIDING_WINDOW_PATTERN.format(arch=fam.arch)
+    value = fam.swa_pattern
+    if key in kv and Keys.SLIDING_WINDOW_PATTERN not in fam.ignored_keys:
+        value = kv[key]
+    seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
+    if seq:  # a flag per layer (the reader's numpy array or a list)
+        flags = [f.item() if hasattr(f, "item") else f for f in value]  # numpy scalars
+        if len(flags) != n_layer or not all(
+            isinstance(f, numbers.Integral) and f in (0, 1) for f in flags
+        ):
+            raise ModelConfigError(
+                f"{source}: {key} must be a period or {n_layer} flags (one per layer, 0 or 1), "
+                f"got {shown(value)}; fix or remove the key"
+            )
+        return tuple(l for l, f in enumerate(flags) if f)
+    n = _scalar(value, key, int, source)
+    if not 0 <= n <= MAX_LAYERS:
+        raise ModelConfigError(
+            f"{source}: {key} is {n}, it must be a period between 0 and {MAX_LAYERS} (0: every "
+            "layer is windowed); fix or remove the key"
+        )
+    return tuple(l for l in range(n_layer) if not n or l % n < n - 1)
 
 
 def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) -> tuple[int, ...]:

@@ -144,7 +144,8 @@ class Family:
             as ``LayerTensor.bias``.
         output_norm_bias: ``output_norm.bias`` (LayerNorm families).
         position_offset: ``Rope.LEARNED`` families read position p at row p + offset.
-        embed_scale, swa_pattern, extra_args: see the fields' comments.
+        embed_scale, scale_q, swa_pattern, key_defaults, ignored_keys, extra_args: see the fields'
+            comments.
         ffn_variant: the FFN activation a file of this family runs: (key/values, sparse, file
             name for errors) -> variant; ``ffn_acts`` the ``--ffn-act`` values a user may set
             (None: any).
@@ -165,10 +166,21 @@ class Family:
     output_norm_bias: bool = False  # output_norm.bias (LayerNorm families)
     position_offset: int = 0  # Rope.LEARNED: position p reads row p + offset (OPT: 2)
     embed_scale: bool = False  # the embeddings are scaled by sqrt(n_embd) (gemma)
+    # llama.cpp's graph scales q (then rounded to f16 for the cache's dot products), not the
+    # scores in the softmax (gemma, phi3): the two round differently
+    scale_q: bool = False
     # which layers attend through the file's sliding window: 0 every layer; n: layer l iff
-    # l % n < n - 1 (gemma2: 2, gemma3: 6); None: none (the key is ignored, as llama.cpp
-    # does for phi3)
+    # l % n < n - 1 (gemma2: 2, gemma3: 6), unless the file's attention.sliding_window_pattern
+    # (a period, or one flag per layer) says otherwise; None: none (the window is ignored, as
+    # llama.cpp does for phi3)
     swa_pattern: int | None = 0
+    # (key, value): the value of an optional key (``Keys``, {arch} unformatted) in a file
+    # without it, as llama.cpp's loader sets it for this family (gemma2: a 4096 window,
+    # soft-caps 50 and 30)
+    key_defaults: tuple[tuple[str, Any], ...] = ()
+    # optional keys llama.cpp never reads for this family: a file's value is not applied
+    # (gemma's attention.scale, gemma3's attention soft-cap, phi3's window and soft-caps)
+    ignored_keys: frozenset[str] = frozenset()
     # hyperparameters a family reads beyond the common ones: (key getter, n_layer) ->
     # ModelArgs fields (e.g. gemma's attention scale and local RoPE base)
     extra_args: Callable[[Callable[..., Any], int], dict] | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from powerpy.families.base import Family, FFNVariant, LayerTensor, Rope, gated_ffn
 from powerpy.families.falcon import QKV_SPLIT
-from powerpy.formats.constants import Names
+from powerpy.formats.constants import Keys, Names
 
 FAMILY = Family(
     arch="phi3",
@@ -25,5 +25,18 @@ FAMILY = Family(
     ),
     ffn_variant=gated_ffn(FFNVariant.SWIGLU),
     rope=Rope.NEOX,
+    scale_q=True,
     swa_pattern=None,
+    # llama.cpp's phi3 loader disables the window (its converters wrote wrong ones) and reads
+    # neither soft-caps, an attention scale nor a local RoPE base
+    ignored_keys=frozenset(
+        {
+            Keys.SLIDING_WINDOW,
+            Keys.SLIDING_WINDOW_PATTERN,
+            Keys.ATTN_SOFTCAP,
+            Keys.FINAL_SOFTCAP,
+            Keys.ATTENTION_SCALE,
+            Keys.ROPE_FREQ_BASE_SWA,
+        }
+    ),  # fmt: skip
 )

@@ -35,12 +35,11 @@ def rope_tables(
     (one per token): θ_j = base^(-2j/n_rot) / factors[j] (``base`` defaults to the model's;
     ``factors`` (n_rot/2,) are llama-3's ``rope_freqs`` or phi3's), a the model's
     ``rope_attn_factor``. Computed as ggml computes them where the call keeps llama.cpp's
-    numerics and nothing rescales them, else in float64."""
+    numerics, else in float64."""
     base = args.rope_base if base is None else base
     c = ggml_numerics.library()
-    plain = scale == 1.0 and factors is None and args.rope_attn_factor == 1.0
-    if c is not None and plain:
-        return ggml_numerics.rope_table(c, args, positions, base)
+    if c is not None:
+        return ggml_numerics.rope_table(c, args, positions, base, scale=scale, factors=factors)
     inv = base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
     if factors is not None:
         inv = inv / factors.to(torch.float64)
@@ -53,12 +52,13 @@ def layer_rotations(args: ModelArgs, weights, pos: Tensor, n_ctx: int) -> list[T
     """Each layer's RoPE rotations for positions ``pos`` (T,) of a session of ``n_ctx``
     positions (``rope_tables``): one table, or two where the windowed layers turn by their own
     base and scale (gemma3); None for learned positions. ``weights`` holds the RoPE factors:
-    llama-3's ``rope_freqs``, or phi3's long ones beyond the original context, else short."""
+    llama-3's ``rope_freqs``, or phi3's long ones where the session is longer than the original
+    context (the training context without the key, as llama.cpp has it), else short."""
     if args.family.rope is Rope.LEARNED:
         return [None] * args.n_layer
     factors = weights.rope_freqs
-    if weights.rope_factors_short is not None:
-        long = args.rope_orig_ctx and n_ctx > args.rope_orig_ctx
+    if factors is None and weights.rope_factors_short is not None:
+        long = n_ctx > (args.rope_orig_ctx or args.n_ctx_train)
         factors = weights.rope_factors_long if long else weights.rope_factors_short
     full = rope_tables(args, pos, scale=args.rope_scale, factors=factors)
     if not args.swa_layers or not (args.rope_base_swa or args.rope_scale_swa):
@@ -74,12 +74,17 @@ def apply_rope(x: Tensor, rot: Tensor, n_rot: int, mode: Rope = Rope.NORM) -> Te
     """Rotate pairs of the first n_rot dims: x (T, heads, head_dim) f32, rot (T, n_rot/2) from
     ``rope_tables``. NORM mode pairs (2i, 2i+1), NEOX mode (i, i + n_rot/2); pair i turns by
     rotation i either way (ggml's angles)."""
+    c = ggml_numerics.library(x)
+    if mode is Rope.NEOX and c is not None:  # ggml's rounding: pair (i, i + n_rot/2) adjacent
+        half = n_rot // 2
+        pairs = x[..., :n_rot].unflatten(-1, (2, half)).transpose(-1, -2).flatten(-2)
+        out = ggml_numerics.rope(c, pairs, rot, n_rot).unflatten(-1, (half, 2))
+        return torch.cat((out.transpose(-1, -2).flatten(-2), x[..., n_rot:]), dim=-1)
     if mode is Rope.NEOX:
         half = n_rot // 2
         cos, sin = rot.real[:, None], rot.imag[:, None]  # (T, 1, n_rot/2)
         x1, x2 = x[..., :half], x[..., half:n_rot]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., n_rot:]), dim=-1)
-    c = ggml_numerics.library(x)
     if c is not None:
         return ggml_numerics.rope(c, x, rot, n_rot)
     z = torch.view_as_complex(x[..., :n_rot].reshape(*x.shape[:-1], n_rot // 2, 2))
@@ -96,8 +101,8 @@ def attend(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int, *, window: 
     n = q.shape[0]
     plain = not window and not a.attn_softcap and not a.attn_scale
     c = ggml_numerics.library(q)
-    if plain and c is not None and cache.k.dtype is torch.float16:
-        return ggml_numerics.attention(c, a, q, cache.k[l], cache.v[l], p0)
+    if c is not None and cache.k.dtype is torch.float16:
+        return ggml_numerics.attention(c, a, q, cache.k[l], cache.v[l], p0, window)
     s0 = max(0, p0 - window + 1) if window else 0  # no query reads a key before s0
     keys = cache.k[l, s0 : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
     vals = cache.v[l, s0 : p0 + n].transpose(0, 1).float()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -50,15 +51,27 @@ def swiglu_(c: ctypes.CDLL, g: Tensor, u: Tensor) -> Tensor:
 
 
 def rope_table(
-    c: ctypes.CDLL, args: ModelArgs, positions: Tensor, base: float | None = None
+    c: ctypes.CDLL,
+    args: ModelArgs,
+    positions: Tensor,
+    base: float | None = None,
+    *,
+    scale: float = 1.0,
+    factors: Tensor | None = None,
 ) -> Tensor:
     """ggml's RoPE rotations for positions (n,): (n, n_rot/2) complex64, the angles by ggml's
-    f32 recurrence θ ← θ·base^(-2/n_rot) (base: ``args.rope_base`` unless given) and
-    cosf/sinf."""
+    f32 recurrence θ ← θ·base^(-2/n_rot) (base: ``args.rope_base`` unless given), each divided
+    by its factor (``factors`` (n_rot/2,), or 1), times freq_scale = 1/``scale`` (f32), then
+    cosf/sinf times ``args.rope_attn_factor``."""
     pos = positions.to(torch.int64).contiguous()
     out = torch.empty(pos.numel(), args.n_rot // 2, 2, dtype=torch.float32)
     base = args.rope_base if base is None else base
-    c.pp_rope_table(pos.data_ptr(), pos.numel(), args.n_rot, base, out.data_ptr())
+    freq_scale = float(np.float32(1.0) / np.float32(scale))  # as llama.cpp's hparams hold it
+    f = None if factors is None else factors.to(torch.float32).contiguous()
+    c.pp_rope_table_ext(
+        pos.data_ptr(), pos.numel(), args.n_rot, base, freq_scale,
+        None if f is None else f.data_ptr(), args.rope_attn_factor, out.data_ptr(),
+    )  # fmt: skip
     return torch.view_as_complex(out)
 
 
@@ -71,17 +84,23 @@ def rope(c: ctypes.CDLL, x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
     return x
 
 
-def attention(c: ctypes.CDLL, args: ModelArgs, q: Tensor, k: Tensor, v: Tensor, p0: int) -> Tensor:
+def attention(
+    c: ctypes.CDLL, args: ModelArgs, q: Tensor, k: Tensor, v: Tensor, p0: int, window: int = 0
+) -> Tensor:
     """Causal attention of T queries at positions p0.. as llama.cpp computes it without flash
     attention: q (T, n_head, head_dim) f32 after RoPE, k and v one layer's f16 cache (n_ctx,
     n_head_kv, head_dim) filled up to p0 + T -> (T, n_embd). q and the softmax weights are
-    rounded to f16; one token and batches follow ggml's two summation orders."""
+    rounded to f16; one token and batches follow ggml's two summation orders. The model's
+    ``attn_scale`` scales q before its rounding where the family's graph does
+    (``Family.scale_q``), else the scores; its ``attn_softcap`` caps them; ``window`` > 0: a
+    query at p sees keys at p - window + 1 .. p."""
     q = q.contiguous()
     T = q.shape[0]
     out = torch.empty(T, args.n_head * args.head_dim, dtype=torch.float32)
-    st = c.pp_attn(
+    st = c.pp_attn_ext(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), p0, T, args.n_head, args.n_head_kv,
-        args.head_dim, out.data_ptr(), torch.get_num_threads(),
+        args.head_dim, args.attn_scale, int(args.family.scale_q), args.attn_softcap, window,
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if st:
         raise ValueError(f"attention: invalid arguments (status {st})")
@@ -95,3 +114,13 @@ def gelu(x: Tensor) -> Tensor:
     y = F.gelu(x16, approximate="tanh").half().float()
     y = torch.where(x >= 10.0, x, y)
     return torch.where(x <= -10.0, torch.zeros_like(x), y)
+
+
+def softcap_(x: Tensor, cap: float) -> Tensor:
+    """x ← cap·tanh(x / cap) in place (x f32, contiguous): under llama.cpp's numerics as ggml
+    computes it (x·(1/cap) in f32, tanhf, ·cap), else in torch."""
+    c = library(x)
+    if c is not None and x.is_contiguous():
+        c.pp_softcap(x.data_ptr(), x.numel(), cap)
+        return x
+    return x.div_(cap).tanh_().mul_(cap)

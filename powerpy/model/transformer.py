@@ -345,7 +345,7 @@ class Model:
             x = self.norm(self._to(x, w.output_norm.device), w.output_norm, w.output_norm_b)
             logits = self._to(w.output.linear(self._to(x, w.output.device)), HOST)
             if a.final_softcap:
-                logits = logits.div_(a.final_softcap).tanh_().mul_(a.final_softcap)
+                logits = ggml_numerics.softcap_(logits, a.final_softcap)
         if check:
             _check_finite(logits, "output", "the output layer (output_norm, output)")
         return logits
