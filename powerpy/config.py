@@ -390,8 +390,9 @@ def windowed_layers(
     kv: Mapping[str, Any], fam: Family, n_layer: int, source: str
 ) -> tuple[int, ...]:
     """The layers of a file with a sliding window that use it, as llama.cpp picks them: the
-    file's ``attention.sliding_window_pattern`` (a period n: layer l iff n is 0 or
-    l % n < n - 1; or one flag per layer), else the family's period.
+    file's ``attention.sliding_window_pattern``, a period n (layer l iff n is 0 or
+    l % n < n - 1) or a flag per layer (nonzero: windowed; layers beyond the flags are not),
+    else the family's period.
 
     Raises:
         ModelConfigError: a pattern that is neither; the message names the source and the key.
@@ -400,22 +401,19 @@ def windowed_layers(
     value = fam.swa_pattern
     if key in kv and Keys.SLIDING_WINDOW_PATTERN not in fam.ignored_keys:
         value = kv[key]
-    seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
-    if seq:  # a flag per layer (the reader's numpy array or a list)
+    if hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping)):
         flags = [f.item() if hasattr(f, "item") else f for f in value]  # numpy scalars
-        if len(flags) != n_layer or not all(
-            isinstance(f, numbers.Integral) and f in (0, 1) for f in flags
-        ):
+        if not all(isinstance(f, numbers.Integral) for f in flags):
             raise ModelConfigError(
-                f"{source}: {key} must be a period or {n_layer} flags (one per layer, 0 or 1), "
+                f"{source}: {key} must be a period or one flag per layer (booleans or integers), "
                 f"got {shown(value)}; fix or remove the key"
             )
-        return tuple(l for l, f in enumerate(flags) if f)
+        return tuple(l for l, f in enumerate(flags[:n_layer]) if f)
     n = _scalar(value, key, int, source)
-    if not 0 <= n <= MAX_LAYERS:
+    if not 0 <= n < 2**32:
         raise ModelConfigError(
-            f"{source}: {key} is {n}, it must be a period between 0 and {MAX_LAYERS} (0: every "
-            "layer is windowed); fix or remove the key"
+            f"{source}: {key} is {n}, it must be a period between 0 and 2^32 - 1 (0: every layer "
+            "is windowed); fix or remove the key"
         )
     return tuple(l for l in range(n_layer) if not n or l % n < n - 1)
 

@@ -138,7 +138,8 @@ class Family:
             the predictors are in the dense layout (``ffn_down`` (n_embd, n_ff)) or PowerInfer's
             PWRI layout (``ffn_down_t`` (n_ff, n_embd), ``fc1``, ``fc2``), which the loader
             reads for every family (docs/formats.md#powerinfer-model-file).
-        tied_output: a file without ``output.weight`` reads its logits from ``token_embd``.
+        tied_output: a file without ``output.weight`` reads its logits from ``token_embd``;
+            ``output_tensor``: see the field's comment.
         gated: the FFN has ``ffn_gate``.
         down_bias: the down matrix's bias (``ffn_down.bias`` dense, ``ffn_down_t.bias`` PWRI),
             as ``LayerTensor.bias``.
@@ -160,6 +161,9 @@ class Family:
     rope: Rope = Rope.NORM
     residual: Residual = Residual.SEQUENTIAL
     tied_output: bool = True
+    # the file may hold output.weight; False: the logits always read token_embd and llama.cpp
+    # refuses a file with one (gemma2)
+    output_tensor: bool = True
     notes: str = ""
     gated: bool = True  # the FFN has ffn_gate
     down_bias: str = "none"  # the down matrix's bias: "none", "optional", "required"

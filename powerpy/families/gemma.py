@@ -57,6 +57,7 @@ GEMMA2 = Family(
     embed_scale=True,
     scale_q=True,
     swa_pattern=2,
+    output_tensor=False,
     # llama.cpp's defaults for a file without the keys (llama_hparams, gemma2's loader)
     key_defaults=(
         (Keys.SLIDING_WINDOW, 4096),

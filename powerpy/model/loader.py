@@ -308,7 +308,8 @@ _LAYER_TENSOR = re.compile(r"blk\.\d+\.([a-z_0-9]+)\.(weight|bias)")
 
 def _check_foreign(gf: GGUFFile, fam) -> None:
     """Refuse a per-layer tensor of another layout (``_LAYOUT_BASES``) that ``fam`` does not
-    declare, and learned positions in a family without them.
+    declare, an output matrix where the family has none, and learned positions in a family
+    without them.
 
     Raises:
         ModelConfigError: naming the file, the tensor and what the family expects.
@@ -322,6 +323,11 @@ def _check_foreign(gf: GGUFFile, fam) -> None:
                 f"hold {', '.join(sorted(own))}, the down matrix and predictors; the file is of "
                 "another architecture or corrupt: re-convert the model"
             )
+    if Names.OUTPUT in gf.tensors and not fam.output_tensor:
+        raise ModelConfigError(
+            f"{gf.path}: tensor {Names.OUTPUT!r} is not part of a {fam.arch} model, whose logits "
+            f"read {Names.TOKEN_EMBD!r} (llama.cpp refuses the file too): re-convert the model"
+        )
     if Names.POS_EMBD in gf.tensors and fam.rope is not Rope.LEARNED:
         raise ModelConfigError(
             f"{gf.path}: tensor {Names.POS_EMBD!r} (learned positions) is not part of a "

@@ -69,7 +69,7 @@ def tiny_tensors(spec: TinySpec, *, sparse: bool, seed: int = 0) -> dict[str, np
     t[Names.OUTPUT_NORM] = norm()
     if fam.output_norm_bias:
         t[bias_name(Names.OUTPUT_NORM)] = bias(d)
-    if not spec.tied:
+    if not spec.tied and fam.output_tensor:
         t[Names.OUTPUT] = mat(n_vocab, d)
     return t
 
