@@ -27,6 +27,17 @@ MAX_LAYERS = 1 << 16  # a block_count above this is a corrupt file (the largest 
 ACTIVATIONS = ("relu", "silu", "gelu")  # --ffn-act, config.json sparse_activation, hidden_act
 
 
+# the key each hyperparameter is read from (named by the refusals of ``ModelArgs.validate``)
+_FIELD_KEYS = {
+    "rope_base": Keys.ROPE_FREQ_BASE, "rope_scale": Keys.ROPE_SCALING_FACTOR,
+    "rope_attn_factor": Keys.ROPE_SCALING_ATTN_FACTOR, "key_length": Keys.KEY_LENGTH,
+    "sliding_window": Keys.SLIDING_WINDOW, "rope_orig_ctx": Keys.ROPE_SCALING_ORIG_CTX,
+    "rope_base_swa": Keys.ROPE_FREQ_BASE_SWA, "attn_scale": Keys.ATTENTION_SCALE,
+    "attn_softcap": Keys.ATTN_SOFTCAP, "final_softcap": Keys.FINAL_SOFTCAP,
+    "n_rot": Keys.ROPE_DIMENSION_COUNT,
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     """Hyperparameters of a model of one family (``powerpy.families``), read from the file's
@@ -311,6 +322,12 @@ class ModelArgs:
         Raises:
             ModelConfigError: the first value that makes no model, with what to do.
         """
+        keys = dict(_FIELD_KEYS, norm_eps=self.family.norm.eps_key)
+
+        def named(field: str) -> str:  # the field and the key it is read from
+            key = keys.get(field)
+            return field if key is None else f"{key.format(arch=self.arch)} ({field})"
+
         for key in ("n_vocab", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "n_ctx_train"):
             if getattr(self, key) <= 0:
                 raise ModelConfigError(
@@ -324,20 +341,27 @@ class ModelArgs:
             )
         if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:
             raise ModelConfigError(
-                f"{source}: rope dimension {self.n_rot} does not fit head {self.head_dim} "
-                "(it must be even and between 2 and the head size)"
+                f"{source}: {named('n_rot')} is {self.n_rot}, which does not fit head "
+                f"{self.head_dim} (it must be even and between 2 and the head size)"
             )
-        for key in ("rope_base", "norm_eps", "rope_scale", "rope_attn_factor"):
-            v = getattr(self, key)
+        for field in ("rope_base", "norm_eps", "rope_scale", "rope_attn_factor"):
+            v = getattr(self, field)
             if not (math.isfinite(v) and v > 0):
-                raise ModelConfigError(f"{source}: {key} is {v}, it must be a finite number > 0")
+                raise ModelConfigError(
+                    f"{source}: {named(field)} is {v}, it must be a finite number > 0"
+                )
         unset_zero = ("key_length", "sliding_window", "rope_orig_ctx", "rope_base_swa",
                       "rope_scale_swa", "attn_scale", "attn_softcap", "final_softcap")  # fmt: skip
-        for key in unset_zero:
-            v = getattr(self, key)
+        for field in unset_zero:
+            v = getattr(self, field)
             if not (math.isfinite(v) and 0 <= v < 2**31):
                 raise ModelConfigError(
-                    f"{source}: {key} is {v}, it must be a finite number >= 0 (0: unset)"
+                    f"{source}: {named(field)} is {v}, it must be between 0 and 2^31 (0: unset)"
+                )
+        for field in ("rope_base", "rope_base_swa"):  # below 1 the angles grow past f32's range
+            if 0 < getattr(self, field) < 1:
+                raise ModelConfigError(
+                    f"{source}: {named(field)} is {getattr(self, field)}, a RoPE base must be >= 1"
                 )
         if math.isnan(self.sparse_threshold) or self.sparse_threshold == math.inf:
             raise ModelConfigError(

@@ -80,9 +80,12 @@ def bpe_vocab(text: str, n_merges: int = 64) -> dict:
 class RandomGGUF:
     """A ``gguf.GGUFWriter`` for ``arch`` whose matrices are random and written as ``dtype``
     ("f16" or "q8_0"); vectors (norms, biases, RoPE factors) are F32, as converters write them.
-    ``self.w`` takes the family's keys; :meth:`close` writes the file."""
+    ``self.w`` takes the family's keys; :meth:`close` writes the file. ``extra``: control tokens
+    appended to the vocabulary (llama.cpp's phi3 vocabulary needs ``<s>``, ``</s>``, ``<unk>``)."""
 
-    def __init__(self, path: Path, arch: str, dtype: str, seed: int, *, pre: str = "falcon"):
+    def __init__(
+        self, path: Path, arch: str, dtype: str, seed: int, *, pre: str = "falcon", extra=()
+    ):
         import gguf
 
         self.path, self.rng = path, np.random.default_rng(seed)
@@ -93,6 +96,8 @@ class RandomGGUF:
         self.w.add_name(f"tiny-{arch}-{dtype}")
         self.w.add_file_type(_FILE_TYPE[dtype])
         vocab = bpe_vocab(PROMPT)
+        vocab["tokens"] += list(extra)
+        vocab["types"] += [3] * len(extra)
         self.n_vocab = len(vocab["tokens"])
         self.w.add_tokenizer_model("gpt2")
         self.w.add_tokenizer_pre(pre)

@@ -86,8 +86,15 @@ class _TensorSource:
         return t
 
     def vector(self, name: str, n: int) -> torch.Tensor:
+        """A 1-D tensor (a norm, a bias, RoPE factors) as f32, checked finite (it is small)."""
         self.info(name, (n,))
-        return torch.from_numpy(np.array(self.gf.dequantize(name), dtype=np.float32))
+        v = torch.from_numpy(np.array(self.gf.dequantize(name), dtype=np.float32))
+        if not bool(torch.isfinite(v).all()):
+            raise FileFormatError(
+                f"{self.gf.path}: tensor {name!r} holds NaN or infinite values; the file is "
+                "corrupt: re-convert the model"
+            )
+        return v
 
     def matrix(self, name: str, shape: tuple[int, int]) -> Weight:
         t = self.info(name, shape)
@@ -244,7 +251,12 @@ def load_weights(
         ("rope_factors_short", Names.ROPE_FACTORS_SHORT),
     ):
         if name in gf.tensors:
-            factors[field] = src.vector(name, args.n_rot // 2)
+            factors[field] = v = src.vector(name, args.n_rot // 2)
+            if not bool((v > 0).all()):
+                raise ModelConfigError(
+                    f"{gf.path}: tensor {name!r} holds {v[v <= 0][:4].tolist()}; RoPE factors "
+                    "divide the angles and must be > 0: re-convert the model"
+                )
     return Weights(
         **factors,
         token_embd=token_embd,

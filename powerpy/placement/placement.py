@@ -302,6 +302,11 @@ class Placement:
             )
         _check_kv(n_ctx, kv_elem_bytes)
         args = ModelArgs.from_gguf(model)
+        if any(t.split and t.field == "ffn_up" for t in args.family.block):  # phi3
+            raise PlacementError(
+                f"{model.path}: a hybrid placement of {args.arch} models is not supported: their "
+                f"ffn_up fuses the gate and up rows; run without a VRAM budget (CPU-only)"
+            )
         return cls.from_tensors(
             ((t.name, t.nbytes) for t in model.tensors.values()),
             n_layer=args.n_layer,

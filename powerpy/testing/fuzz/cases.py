@@ -10,7 +10,8 @@ library bug and propagates (``run_case`` is both).
 
 The drafts and the raw writer are in ``files``, the model-file mutations in ``mutations``, the
 gpuidx/statistics mutations and the issue's seed cases in ``side_files``, the Falcon and OPT
-mutations (family "arch", on drafts of those families) and their seed cases in ``archs``. Used by
+mutations (family "arch", on drafts of those families) and their seed cases in ``archs``, Gemma's
+and Phi-3's in ``windowed``. Used by
 ``tests/test_fuzz_path.py`` (hypothesis), ``tests/test_cli_errors.py`` and ``tools/fuzz.py``
 (subprocesses).
 """
@@ -40,8 +41,10 @@ from powerpy.testing.fuzz.files import (
     write_draft,
 )  # fmt: skip
 from powerpy.testing.fuzz.side_files import SEED_CASES as SIDE_SEED_CASES
+from powerpy.testing.fuzz.windowed import WINDOWED_SEED_ARCHS, WINDOWED_SEED_CASES
 
-SEED_CASES = {**SIDE_SEED_CASES, **ARCH_SEED_CASES}  # name -> (family, fn)
+SEED_CASES = {**SIDE_SEED_CASES, **ARCH_SEED_CASES, **WINDOWED_SEED_CASES}  # name -> (family, fn)
+SEED_DRAFTS = {**SEED_ARCHS, **WINDOWED_SEED_ARCHS}  # name -> (arch, draft seed)
 
 
 class GeneratorError(Exception):
@@ -121,7 +124,7 @@ def prepare(name: str, seed: int, workdir: Path) -> Prepared:
 def prepare_seed_case(name: str, workdir: Path) -> Prepared:
     """Write the files of one of the issue's seed cases (``SEED_CASES``)."""
     family, fn = SEED_CASES[name]
-    arch = SEED_ARCHS.get(name)  # (arch, seed) of the "arch" family's cases
+    arch = SEED_DRAFTS.get(name)  # (arch, seed) of the "arch" family's cases
     d = base_draft(True) if arch is None else arch_draft(arch[0], True, seed=arch[1])
     fn(d)
     return finish(d, family, name, 0, name, workdir)
