@@ -166,9 +166,10 @@ class Family:
     position_offset: int = 0  # Rope.LEARNED: position p reads row p + offset (OPT: 2)
     embed_scale: bool = False  # the embeddings are scaled by sqrt(n_embd) (gemma)
     # which layers attend through the file's sliding window: 0 every layer; n: layer l iff
-    # l % n < n - 1 (gemma2: 2, gemma3: 6); None: none (the key is ignored, as llama.cpp
-    # does for phi3)
-    swa_pattern: int | None = 0
+    # l % n < n - 1 (gemma2: 2, gemma3: 6); None: none, the key is ignored. llama.cpp reads
+    # the window in gemma's graphs only (its llama, qwen2, qwen3, phi3 and falcon graphs
+    # attend over the whole context whatever the file says), so None is the default
+    swa_pattern: int | None = None
     # hyperparameters a family reads beyond the common ones: (key getter, n_layer) ->
     # ModelArgs fields (e.g. gemma's attention scale and local RoPE base)
     extra_args: Callable[[Callable[..., Any], int], dict] | None = None

@@ -1,7 +1,9 @@
 """LLaMA (GGUF arch ``llama``): RMSNorm before attention and FFN, RoPE in NORM mode, grouped
 query attention, a gated FFN (SwiGLU dense; ReGLU in PowerInfer's ReluLLaMA and ProSparse PWRI
-files), optionally tied output. Mistral-style files (``attention.sliding_window`` on every
-layer), llama-3's ``rope_freqs`` and SmolLM2 use it too."""
+files), optionally tied output. Mistral, llama-3 (``rope_freqs``) and SmolLM2 files use it
+too. A file's ``llama.attention.sliding_window`` is ignored, as llama.cpp ignores it: its
+llama graph attends over the whole context (and its converter never writes the key for llama
+files), so a Mistral GGUF runs in powerpy as it runs in llama.cpp."""
 
 from __future__ import annotations
 
