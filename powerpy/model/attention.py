@@ -35,12 +35,11 @@ def rope_tables(
     (one per token): θ_j = base^(-2j/n_rot) / factors[j] (``base`` defaults to the model's;
     ``factors`` (n_rot/2,) are llama-3's ``rope_freqs`` or phi3's), a the model's
     ``rope_attn_factor``. Computed as ggml computes them where the call keeps llama.cpp's
-    numerics and nothing rescales them, else in float64."""
+    numerics, else in float64."""
     base = args.rope_base if base is None else base
     c = ggml_numerics.library()
-    plain = scale == 1.0 and factors is None and args.rope_attn_factor == 1.0
-    if c is not None and plain:
-        return ggml_numerics.rope_table(c, args, positions, base)
+    if c is not None:
+        return ggml_numerics.rope_table(c, args, positions, base, scale=scale, factors=factors)
     inv = base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
     if factors is not None:
         inv = inv / factors.to(torch.float64)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -50,15 +51,27 @@ def swiglu_(c: ctypes.CDLL, g: Tensor, u: Tensor) -> Tensor:
 
 
 def rope_table(
-    c: ctypes.CDLL, args: ModelArgs, positions: Tensor, base: float | None = None
+    c: ctypes.CDLL,
+    args: ModelArgs,
+    positions: Tensor,
+    base: float | None = None,
+    *,
+    scale: float = 1.0,
+    factors: Tensor | None = None,
 ) -> Tensor:
     """ggml's RoPE rotations for positions (n,): (n, n_rot/2) complex64, the angles by ggml's
-    f32 recurrence θ ← θ·base^(-2/n_rot) (base: ``args.rope_base`` unless given) and
-    cosf/sinf."""
+    f32 recurrence θ ← θ·base^(-2/n_rot) (base: ``args.rope_base`` unless given), each divided
+    by its factor (``factors`` (n_rot/2,): llama-3's ``rope_freqs``, phi3's), times the f32
+    frequency scale 1/``scale``, then cosf/sinf times ``args.rope_attn_factor``."""
     pos = positions.to(torch.int64).contiguous()
     out = torch.empty(pos.numel(), args.n_rot // 2, 2, dtype=torch.float32)
     base = args.rope_base if base is None else base
-    c.pp_rope_table(pos.data_ptr(), pos.numel(), args.n_rot, base, out.data_ptr())
+    freq_scale = float(np.float32(1.0) / np.float32(scale))  # llama.cpp: 1.0f / factor
+    ff = None if factors is None else factors.to(torch.float32).contiguous()
+    c.pp_rope_table_ext(
+        pos.data_ptr(), pos.numel(), args.n_rot, base, freq_scale,
+        None if ff is None else ff.data_ptr(), args.rope_attn_factor, out.data_ptr(),
+    )  # fmt: skip
     return torch.view_as_complex(out)
 
 

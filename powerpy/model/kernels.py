@@ -108,6 +108,8 @@ _SIGNATURES = {
     ),
     # llama.cpp's float steps (called by powerpy.model.ggml_numerics)
     "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
+    # positions, n, n_rot, base, freq_scale, factors (or NULL), mscale, out
+    "pp_rope_table_ext": ([_p, _i64, _i64, _f, _f, _p, _f, _p], None),
     "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p], None),  # x, T, heads, head_dim, n_rot, rot
     # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, out, nthreads
     "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i32], _i32),

@@ -274,17 +274,26 @@ int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const fl
   return st;
 }
 
-// ggml's RoPE angles (NORM mode): for each position p = pos[i], theta = p and, pair by pair,
-// (cosf, sinf) of theta, then theta *= base^(-2 / n_rot), all in f32. out (n, n_rot / 2, 2).
-void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
+// ggml's RoPE angles (ggml_rope_cache_init without YaRN): for each position p = pos[i],
+// theta = p and, pair by pair, (cosf, sinf) of freq_scale * (theta / factors[j]) times mscale,
+// then theta *= base^(-2 / n_rot), all in f32. factors (n_rot / 2) may be NULL (all 1: llama-3's
+// rope_freqs, phi3's long/short factors otherwise). out (n, n_rot / 2, 2).
+void pp_rope_table_ext(const int64_t* pos, int64_t n, int64_t n_rot, float base, float freq_scale,
+                       const float* factors, float mscale, float* out) {
   const float theta_scale = powf(base, -2.0f / (float)n_rot);
   for (int64_t i = 0; i < n; ++i) {
     float theta = (float)pos[i];
     for (int64_t j = 0; j < n_rot / 2; ++j, theta *= theta_scale) {
-      out[(i * (n_rot / 2) + j) * 2] = cosf(theta);
-      out[(i * (n_rot / 2) + j) * 2 + 1] = sinf(theta);
+      const float t = freq_scale * (theta / (factors ? factors[j] : 1.0f));
+      out[(i * (n_rot / 2) + j) * 2] = cosf(t) * mscale;
+      out[(i * (n_rot / 2) + j) * 2 + 1] = sinf(t) * mscale;
     }
   }
+}
+
+// The plain table: no scaling, no factors.
+void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
+  pp_rope_table_ext(pos, n, n_rot, base, 1.0f, nullptr, 1.0f, out);
 }
 
 // RoPE in place: x (T, heads, hd) f32, the first n_rot dims of each head in adjacent pairs,
