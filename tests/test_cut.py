@@ -260,3 +260,22 @@ def test_the_cut_in_one_command_on_a_qwen2_model(tmp_path, capsys):
     assert shares == sorted(shares) and shares[0] > 0, rows
     assert main([*args, "-s", "1.5", "-o", str(tmp_path / "bad.powerinfer.gguf")]) == 1
     assert "cut share 1.5 must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_a_llama3_file_keeps_its_rope_freqs(tmp_path):
+    """llama-3's ``rope_freqs.weight`` survives the conversion to PWRI (``powerpy cut``,
+    ``convert``): the sparse file at cut 0 computes the dense file's logits."""
+    from powerpy.formats.constants import GGMLType, Names
+    from powerpy.formats.gguf_writer import write_gguf
+    from powerpy.pipeline.cut import write_cut_model
+    from powerpy.testing import tiny_kv, tiny_tensors
+
+    src, out = tmp_path / "l3.gguf", tmp_path / "l3.powerinfer.gguf"
+    t = tiny_tensors(SPEC, sparse=False, seed=5)
+    hd = SPEC.n_embd // SPEC.n_head
+    t[Names.ROPE_FREQS] = np.linspace(1.0, 8.0, hd // 2, dtype=np.float32)
+    write_gguf(src, tiny_kv(SPEC), [(n, a, GGMLType.F32) for n, a in t.items()])
+    write_cut_model(src, out, [0.1, 0.1], activation="silu")
+    dense, cut = load(src), load(out, cut_scale=0.0)
+    assert torch.equal(cut.model.weights.rope_freqs, torch.from_numpy(t[Names.ROPE_FREQS]))
+    torch.testing.assert_close(cut.logits(TOKENS), dense.logits(TOKENS), atol=1e-4, rtol=1e-4)
