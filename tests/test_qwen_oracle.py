@@ -5,7 +5,7 @@ attention, a byte-level BPE vocabulary.
 
 - ``qwen2-tied``, ``qwen2``: q/k/v biases, NeoX RoPE, the output tied to token_embd or not.
 - ``qwen3``: an RMSNorm over each q and k head, and a head size of its own (``key_length``
-  twice n_embd / n_head, as Qwen3-0.6B's 128 against 1024 / 16).
+  twice n_embd / n_head, as Qwen3-0.6B's 128 against 1024 / 16), n_embd 512.
 - ``llama-swa``: a Mistral-style ``llama.attention.sliding_window`` of 8 under a longer prompt.
   llama.cpp's llama graph never reads the key (its converter never writes it for llama files),
   so every position attends to all before it; powerpy's llama family ignores it too.
@@ -35,7 +35,7 @@ from powerpy.api import load
 
 pytestmark = pytest.mark.llama_cpp
 
-N_EMBD, N_FF, N_HEAD, N_HEAD_KV = 256, 512, 4, 2  # K-quant rows: multiples of 256
+N_EMBD, N_HEAD, N_HEAD_KV = 256, 4, 2  # K-quant rows: multiples of 256; n_ff 2·n_embd
 WINDOW = 8
 
 
@@ -59,10 +59,10 @@ def llama3_rope_factors(
 
 def write_model(
     path: Path, *, arch: str, n_layer: int, tied: bool, dtype: str, seed: int,
-    key_length: int = 0, window: int = 0, rope_freqs: bool = False,
+    key_length: int = 0, window: int = 0, rope_freqs: bool = False, n_embd: int = N_EMBD,
 ) -> Path:  # fmt: skip
     """A random dense llama/qwen2/qwen3 GGUF as llama.cpp's converters lay them out."""
-    d, ff = N_EMBD, N_FF
+    d, ff = n_embd, 2 * n_embd
     hd = key_length or d // N_HEAD
     pre = "qwen2" if arch.startswith("qwen") else "llama-bpe"
     f = TinyGGUF(path, arch, dtype, seed, bpe_vocab(PROMPT), pre=pre)
@@ -110,7 +110,7 @@ CASES = {
     # runs whose winner leads by at least 2% of the logit spread at every step.
     "qwen2-tied": ("qwen2", 2, True, 1, {}),
     "qwen2": ("qwen2", 3, False, 0, {}),
-    "qwen3": ("qwen3", 2, False, 0, {"key_length": 2 * N_EMBD // N_HEAD}),
+    "qwen3": ("qwen3", 2, False, 0, {"key_length": 256, "n_embd": 512}),
     "llama-swa": ("llama", 2, False, 0, {"window": WINDOW}),
     "llama3-rope": ("llama", 2, False, 0, {"rope_freqs": True}),
 }
