@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from powerpy.errors import ModelConfigError, shown
 from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, Rope, family
 from powerpy.formats.constants import GGUFValueType, Keys, Names
@@ -51,11 +53,31 @@ class ModelArgs:
     # powerpy.ffn_down_threshold: per layer, the cut t_l >= 0 on |h_j|·‖ffn_down_t[j]‖ below
     # which a computed neuron's down row is skipped in sparse mode; () or 0: no cut
     down_thresholds: tuple[float, ...] = ()
+    # a mixture of experts (docs/moe.md): experts per layer (0: a dense FFN), experts routed per
+    # token, each expert's FFN width, whether the k routing weights are renormalized to sum to 1
+    # and a factor on them (0 or 1: none)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_norm: bool = True
+    expert_scale: float = 0.0
 
     @property
     def family(self) -> Family:
         """What the model's family declares (its tensors, norm, RoPE, residual, FFN)."""
         return family(self.arch)
+
+    @property
+    def moe(self) -> bool:
+        """The FFN is a mixture of experts (``n_expert`` > 0)."""
+        return self.n_expert > 0
+
+    @property
+    def ffn_neurons(self) -> int:
+        """Neurons of one layer's FFN: ``n_ff``, or ``n_expert · n_ff_exp`` for a mixture of
+        experts, where neuron ``e · n_ff_exp + j`` is neuron j of expert e (statistics, GPU
+        indexes and placements count these)."""
+        return self.n_expert * self.n_ff_exp if self.moe else self.n_ff
 
     @property
     def head_dim(self) -> int:
@@ -128,8 +150,10 @@ class ModelArgs:
         dense_layers: tuple[int, ...] = ()
         if sparse and Keys.DENSE_LAYERS in kv:
             dense_layers = layer_list(kv[Keys.DENSE_LAYERS], Keys.DENSE_LAYERS, source)
+        n_expert = get(Keys.EXPERT_COUNT, 0)
+        moe = _moe_keys(fam, n_expert, sparse, get, source)
         cuts: tuple[float, ...] = ()
-        if sparse and Keys.FFN_DOWN_THRESHOLD in kv:
+        if (sparse or n_expert) and Keys.FFN_DOWN_THRESHOLD in kv:
             cuts = float_list(kv[Keys.FFN_DOWN_THRESHOLD], Keys.FFN_DOWN_THRESHOLD, source)
         variant = fam.ffn_variant(kv, sparse, source)
         args = cls(
@@ -149,6 +173,7 @@ class ModelArgs:
             sparse_threshold=thr,
             dense_layers=dense_layers,
             down_thresholds=cuts,
+            **moe,
         )
         args.validate(source, n_tokens=n_tokens)
         return args
@@ -211,7 +236,16 @@ class ModelArgs:
             kv[Keys.SPARSE_ACTIVATION] = (self.ffn_variant.activation, GGUFValueType.STRING)
         if self.sparse and self.dense_layers:
             kv[Keys.DENSE_LAYERS] = (list(self.dense_layers), GGUFValueType.ARRAY, u32)
-        if self.sparse and any(self.down_thresholds):
+        if self.moe:
+            kv[Keys.EXPERT_COUNT.format(arch=a)] = (self.n_expert, u32)
+            kv[Keys.EXPERT_USED_COUNT.format(arch=a)] = (self.n_expert_used, u32)
+            if self.family.expert_ff_key is not None:
+                kv[self.family.expert_ff_key.format(arch=a)] = (self.n_ff_exp, u32)
+            if not self.expert_norm:
+                kv[Keys.EXPERT_WEIGHTS_NORM.format(arch=a)] = (False, GGUFValueType.BOOL)
+            if self.expert_scale != 0.0:
+                kv[Keys.EXPERT_WEIGHTS_SCALE.format(arch=a)] = (self.expert_scale, f32)
+        if (self.sparse or self.moe) and any(self.down_thresholds):
             kv[Keys.FFN_DOWN_THRESHOLD] = (list(self.down_thresholds), GGUFValueType.ARRAY, f32)
         return kv
 
@@ -250,6 +284,8 @@ class ModelArgs:
                 f"{source}: {Keys.DENSE_LAYERS} lists layers {list(self.dense_layers)[:8]} "
                 f"beyond the model's {self.n_layer}; re-convert the model"
             )
+        if self.moe:
+            _check_moe(self, source)
         if self.down_thresholds:
             float_list(self.down_thresholds, Keys.FFN_DOWN_THRESHOLD, source, self.n_layer)
         if n_tokens is not None and self.n_vocab != n_tokens:
@@ -330,11 +366,82 @@ def float_list(value: Any, key: str, source: str, n: int | None = None) -> tuple
     return out
 
 
+def _moe_keys(fam: Family, n_expert: int, sparse: bool, get, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of ``ModelArgs`` from a file's keys (``get`` reads one
+    by template, with a default); {} for a dense FFN.
+
+    Raises:
+        ModelConfigError: experts in a family without them, none in a family that needs them,
+            or experts in a PWRI file.
+    """
+    key = Keys.EXPERT_COUNT.format(arch=fam.arch)
+    if n_expert and not fam.experts:
+        raise ModelConfigError(
+            f"{source}: {key} is {n_expert}, but {fam.arch} models have no experts; remove the "
+            "key or re-convert the model"
+        )
+    if fam.moe_required and n_expert <= 0:
+        raise ModelConfigError(
+            f"{source}: {fam.arch} is a mixture of experts, but {key} is {n_expert}: it must be "
+            "> 0; re-convert the model"
+        )
+    if n_expert == 0:
+        return {}
+    if sparse:
+        raise ModelConfigError(
+            f"{source}: a PowerInfer (PWRI) file with {n_expert} experts: powerpy runs "
+            "mixture-of-experts models from GGUF files (routing is their sparsity, the cut "
+            "their neuron sparsity); convert the model to GGUF"
+        )
+    n_used = get(Keys.EXPERT_USED_COUNT, 0)
+    if fam.expert_ff_key is None:
+        n_ff_exp = get(Keys.FEED_FORWARD_LENGTH)
+    else:  # llama.cpp: n_ff / n_expert_used without the key
+        n_ff_exp = get(fam.expert_ff_key, max(get(Keys.FEED_FORWARD_LENGTH) // max(n_used, 1), 0))
+    norm = get(Keys.EXPERT_WEIGHTS_NORM, True, bool)
+    return dict(
+        n_expert=n_expert,
+        n_expert_used=n_used,
+        n_ff_exp=n_ff_exp,
+        expert_norm=norm,
+        expert_scale=get(Keys.EXPERT_WEIGHTS_SCALE, 0.0, float),
+    )
+
+
+def _check_moe(a: ModelArgs, source: str) -> None:
+    """Raise ``ModelConfigError`` for expert counts or widths that make no mixture."""
+    keys = (Keys.EXPERT_COUNT, Keys.EXPERT_USED_COUNT)
+    count, used = (k.format(arch=a.arch) for k in keys)
+    if not 0 < a.n_expert_used <= a.n_expert:
+        raise ModelConfigError(
+            f"{source}: {used} is {a.n_expert_used}, it must be between 1 and {count} "
+            f"({a.n_expert}); the file's keys are corrupt: re-convert the model"
+        )
+    if a.n_ff_exp <= 0:
+        raise ModelConfigError(
+            f"{source}: the experts' FFN width is {a.n_ff_exp}, it must be > 0; re-convert the "
+            "model"
+        )
+    if not math.isfinite(a.expert_scale) or a.expert_scale < 0:
+        raise ModelConfigError(
+            f"{source}: expert_weights_scale is {a.expert_scale}, it must be a finite number "
+            ">= 0 (0: none)"
+        )
+
+
 def _scalar(v: Any, key: str, kind: type, source: str) -> Any:
-    """``v`` as one int (or finite-or-not float), refusing arrays, strings and bools by name."""
+    """``v`` as one int (or finite-or-not float, or a bool for ``kind`` bool), refusing
+    arrays, strings and bools where a number belongs, by name."""
     if isinstance(v, (list, tuple)) and len(v) == 1:
         v = v[0]
-    ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if kind is bool:
+        if isinstance(v, (bool, np.bool_)):
+            return bool(v)
+        raise ModelConfigError(
+            f"{source}: key {key!r} must be a BOOL, got {shown(v)} ({type(v).__name__}); the "
+            "file is corrupt: re-convert the model"
+        )
+    ok = isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
     if ok and kind is int:
         ok = float(v).is_integer() and abs(v) < 2**63
     if not ok:

@@ -97,9 +97,16 @@ class LayerTensor:
 
     field: str
     name: str
-    shape: tuple[str, ...]  # (rows, cols) of a matrix, (n,) of a vector
+    # (rows, cols) of a matrix, (n,) of a vector, (n_expert, rows, cols) of a stack of experts'
+    # matrices (numpy order)
+    shape: tuple[str, ...]
     optional: bool = False
     bias: str = "none"  # "none" | "optional" | "required"
+
+
+# The dense FFN's matrices (``Block`` fields) that a mixture of experts replaces, with the down
+# matrix; its ffn_norm stays.
+DENSE_FFN = ("ffn_gate", "ffn_up")
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,12 @@ class Family:
             name for errors) -> variant; ``ffn_acts`` the ``--ffn-act`` values a user may set
             (None: any).
         notes: what a user should know about the family (``powerpy dump``, errors).
+        experts: the tensors of a mixture-of-experts FFN (router, gate, up and down stacks;
+            docs/moe.md), which replace the dense FFN (``DENSE_FFN``) in a file whose
+            ``{arch}.expert_count`` is > 0; () for a family without experts.
+        moe_required: every file of the family has experts (qwen3moe); else experts are
+            optional (llama: Mixtral-style files).
+        expert_ff_key: the key of the experts' FFN width (None: ``feed_forward_length``).
     """
 
     arch: str
@@ -138,6 +151,9 @@ class Family:
     down_bias: str = "none"  # the down matrix's bias: "none", "optional", "required"
     output_norm_bias: bool = False  # output_norm.bias (LayerNorm families)
     position_offset: int = 0  # Rope.LEARNED: position p reads row p + offset (OPT: 2)
+    experts: tuple[LayerTensor, ...] = ()
+    moe_required: bool = False
+    expert_ff_key: str | None = None
 
     @property
     def llama_layout(self) -> bool:

@@ -27,6 +27,7 @@ from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
 from powerpy.model.matrices import Weight
+from powerpy.model.moe import Experts, moe_ffn
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
 
@@ -61,6 +62,8 @@ class Block:
     ffn_down_b: Tensor | None = None  # (n_embd,) the down matrix's bias (OPT)
     # the layout the native block kernels compute (``Family.llama_layout``, and no biases)
     native: bool = True
+    # a mixture of experts in place of the dense FFN (ffn_gate, ffn_up, ffn_down_t None)
+    moe: Experts | None = None
 
     def gates(self, opts: RunOptions) -> bool:
         """Whether the predictor gates this layer's FFN in a run with ``opts``."""
@@ -168,7 +171,10 @@ class Model:
 
     @property
     def can_gate(self) -> bool:
-        """The file has predictors for every layer (a PWRI model)."""
+        """Sparse runs differ from dense ones: the file has predictors for every layer (a PWRI
+        model), or it is a mixture of experts with a cut (``powerpy.ffn_down_threshold``)."""
+        if self.args.moe:
+            return any(b.moe is not None and b.moe.tau is not None for b in self.weights.blk)
         return self.args.sparse and all(b.fc1 is not None for b in self.weights.blk)
 
     def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
@@ -444,6 +450,8 @@ class Model:
         """The FFN of xn (T, n_embd) normed, pred_in its pre-norm value where the predictor
         reads it -> (T, n_embd). Sessions' tokens of one decode step run by ``ffn_mode``."""
         a, acc = self.args, self.accel
+        if blk.moe is not None:  # tokens are grouped by expert, whatever the mode
+            return moe_ffn(l, blk.moe, xn, opts, acc)
         if len(step.lengths) == 1 or not opts.sparse or ffn_mode == "batch":
             return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc)
         if ffn_mode == "union":
