@@ -30,7 +30,7 @@ from powerpy.model import ggml_numerics
 from powerpy.model.biased import row_slices
 from powerpy.model.device import HOST, Accelerator, move
 from powerpy.model.ffn import glu, glu_rows, scaled_cut
-from powerpy.model.matrices import Weight
+from powerpy.model.matrices import DenseWeight, Weight
 from powerpy.model.options import RunOptions
 from powerpy.model.timing import phase
 
@@ -150,16 +150,28 @@ def softmax(logits: Tensor) -> Tensor:
     """ggml's soft_max of each row: exp(x - max) with ggml's exp, the sum in double, then one
     f32 multiply by 1/sum. logits (T, n) f32 -> (T, n) f32."""
     c = ggml_numerics.library(logits)
-    if c is not None and hasattr(c, "pp_soft_max"):
+    if c is not None and logits.dim() == 2:
         return ggml_numerics.soft_max(c, logits)
     e = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
     return e * (1.0 / e.double().sum(dim=1, keepdim=True)).float()
 
 
+def router_logits(router: Weight, x: Tensor) -> Tensor:
+    """``router · x``: x (T, n_embd) -> (T, n_expert) f32. With llama.cpp's numerics an f32
+    router (llama.cpp's converters keep it f32) sums in the order of llama.cpp's f32 matmuls:
+    its logits decide the routing, so 1-ulp differences would move whole experts."""
+    c = ggml_numerics.library(x)
+    if c is not None and isinstance(router, DenseWeight) and router.w.dtype == torch.float32:
+        out = ggml_numerics.gemm_f32(c, router.w, x)
+        if out is not None:
+            return out
+    return router.linear(x)
+
+
 def route(ex: Experts, x: Tensor) -> tuple[Tensor, Tensor]:
     """The routed experts of each token: x (T, n_embd) -> ids (T, k) int64 (largest
     probability first, ties to the lower id) and weights (T, k) f32, on the router's device."""
-    p = softmax(ex.router.linear(x))  # (T, n_expert)
+    p = softmax(router_logits(ex.router, x))  # (T, n_expert)
     ids = torch.sort(p, dim=1, descending=True, stable=True).indices[:, : ex.n_used]
     w = p.gather(1, ids)
     if ex.norm:  # ggml_sum_rows sums in double
