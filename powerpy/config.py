@@ -14,6 +14,7 @@ import numpy as np
 
 from powerpy.errors import ModelConfigError, shown
 from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, Rope, family
+from powerpy.families.experts import check_experts, expert_args
 from powerpy.formats.constants import GGUFValueType, Keys, Names
 
 if TYPE_CHECKING:
@@ -61,6 +62,17 @@ class ModelArgs:
     n_ff_exp: int = 0
     expert_norm: bool = True
     expert_scale: float = 0.0
+    key_length: int = 0  # head size, when the file sets it (gemma); 0: n_embd / n_head
+    sliding_window: int = 0  # a query at p sees keys at p - window + 1 .. p; 0: all
+    swa_layers: tuple[int, ...] = ()  # the layers that use the window (the family's pattern)
+    rope_base_swa: float = 0.0  # the windowed layers' RoPE base (gemma3); 0: rope_base
+    rope_scale_swa: float = 0.0  # … and their linear scaling (gemma3: 1); 0: rope_scale
+    rope_scale: float = 1.0  # linear RoPE scaling: position p turns as p / rope_scale
+    rope_attn_factor: float = 1.0  # scales cos and sin (phi3's long-context factor)
+    rope_orig_ctx: int = 0  # the context the short RoPE factors are for (phi3)
+    attn_scale: float = 0.0  # the q·k scale; 0: 1 / sqrt(head size)
+    attn_softcap: float = 0.0  # attention scores -> cap·tanh(s / cap) (gemma2); 0: none
+    final_softcap: float = 0.0  # logits -> cap·tanh(l / cap) (gemma2); 0: none
 
     @property
     def family(self) -> Family:
@@ -81,16 +93,26 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.key_length or self.n_embd // self.n_head
+
+    @property
+    def n_embd_q(self) -> int:
+        """Rows of ``attn_q`` (columns of ``attn_output``): every head's q."""
+        return self.head_dim * self.n_head
 
     @property
     def n_embd_gqa(self) -> int:
         return self.head_dim * self.n_head_kv
 
     @property
+    def n_ff_gate_up(self) -> int:
+        """Rows of a fused ``ffn_up`` holding the gate, then the up rows (phi3)."""
+        return 2 * self.n_ff
+
+    @property
     def n_embd_qkv(self) -> int:
         """Rows of a fused ``attn_qkv``: q, then k, then v."""
-        return self.n_embd + 2 * self.n_embd_gqa
+        return self.n_embd_q + 2 * self.n_embd_gqa
 
     @property
     def default_n_ctx(self) -> int:
@@ -151,20 +173,37 @@ class ModelArgs:
         if sparse and Keys.DENSE_LAYERS in kv:
             dense_layers = layer_list(kv[Keys.DENSE_LAYERS], Keys.DENSE_LAYERS, source)
         n_expert = get(Keys.EXPERT_COUNT, 0)
-        moe = _moe_keys(fam, n_expert, sparse, get, source)
+        moe = expert_args(fam, n_expert, sparse, get, source)
         cuts: tuple[float, ...] = ()
         if (sparse or n_expert) and Keys.FFN_DOWN_THRESHOLD in kv:
             cuts = float_list(kv[Keys.FFN_DOWN_THRESHOLD], Keys.FFN_DOWN_THRESHOLD, source)
         variant = fam.ffn_variant(kv, sparse, source)
+        n_layer = get(Keys.BLOCK_COUNT)
+        key_length = get(Keys.KEY_LENGTH, 0)
+        head_dim = key_length or (n_embd // n_head if n_head > 0 else 0)
+        if get(Keys.VALUE_LENGTH, head_dim) != head_dim:
+            raise ModelConfigError(
+                f"{source}: {Keys.VALUE_LENGTH.format(arch=arch)} differs from the key length "
+                f"{head_dim}; powerpy runs heads whose keys and values have one size"
+            )
+        window = get(Keys.SLIDING_WINDOW, 0)
+        scaling = kv.get(Keys.ROPE_SCALING_TYPE.format(arch=arch), "none")
+        if scaling not in ("none", "linear"):
+            raise ModelConfigError(
+                f"{source}: {Keys.ROPE_SCALING_TYPE.format(arch=arch)} is {shown(scaling)}; "
+                'powerpy runs "none" and "linear" RoPE scaling'
+            )
+        extra = {} if fam.extra_args is None else fam.extra_args(get, n_layer)
+        pattern = fam.swa_pattern
         args = cls(
             arch=arch,
             n_vocab=get(Keys.VOCAB_SIZE, n_tokens or n_vocab or 0),
             n_embd=n_embd,
-            n_layer=get(Keys.BLOCK_COUNT),
+            n_layer=n_layer,
             n_ff=get(Keys.FEED_FORWARD_LENGTH),
             n_head=n_head,
             n_head_kv=get(Keys.HEAD_COUNT_KV, n_head),
-            n_rot=get(Keys.ROPE_DIMENSION_COUNT, n_embd // n_head if n_head > 0 else 0),
+            n_rot=get(Keys.ROPE_DIMENSION_COUNT, head_dim),
             rope_base=get(Keys.ROPE_FREQ_BASE, 10000.0, float),
             norm_eps=get(fam.norm.eps_key, 1e-5, float),
             n_ctx_train=min(get(Keys.CONTEXT_LENGTH, 2048), n_positions or 2**62),
@@ -173,8 +212,24 @@ class ModelArgs:
             sparse_threshold=thr,
             dense_layers=dense_layers,
             down_thresholds=cuts,
+            key_length=key_length,
+            sliding_window=window,
+            swa_layers=tuple(
+                l
+                for l in range(n_layer)
+                if window and pattern is not None and (not pattern or l % pattern < pattern - 1)
+            ),
+            rope_base_swa=get(Keys.ROPE_FREQ_BASE_SWA, 0.0, float),
+            rope_scale=get(Keys.ROPE_SCALING_FACTOR, 1.0, float) if scaling == "linear" else 1.0,
+            rope_attn_factor=get(Keys.ROPE_SCALING_ATTN_FACTOR, 1.0, float),
+            rope_orig_ctx=get(Keys.ROPE_SCALING_ORIG_CTX, 0),
+            attn_scale=get(Keys.ATTENTION_SCALE, 0.0, float),
+            attn_softcap=get(Keys.ATTN_SOFTCAP, 0.0, float),
+            final_softcap=get(Keys.FINAL_SOFTCAP, 0.0, float),
             **moe,
         )
+        if extra:
+            args = dataclasses.replace(args, **extra)
         args.validate(source, n_tokens=n_tokens)
         return args
 
@@ -230,6 +285,23 @@ class ModelArgs:
         })  # fmt: skip
         if vocab_size:
             kv[Keys.VOCAB_SIZE.format(arch=a)] = (self.n_vocab, u32)
+        optional = (  # written when set: (key, value, unset value, type)
+            (Keys.KEY_LENGTH, self.key_length, 0, u32),
+            (Keys.VALUE_LENGTH, self.key_length, 0, u32),
+            (Keys.SLIDING_WINDOW, self.sliding_window, 0, u32),
+            (Keys.ROPE_FREQ_BASE_SWA, self.rope_base_swa, 0.0, f32),
+            (Keys.ROPE_SCALING_FACTOR, self.rope_scale, 1.0, f32),
+            (Keys.ROPE_SCALING_ATTN_FACTOR, self.rope_attn_factor, 1.0, f32),
+            (Keys.ROPE_SCALING_ORIG_CTX, self.rope_orig_ctx, 0, u32),
+            (Keys.ATTENTION_SCALE, self.attn_scale, 0.0, f32),
+            (Keys.ATTN_SOFTCAP, self.attn_softcap, 0.0, f32),
+            (Keys.FINAL_SOFTCAP, self.final_softcap, 0.0, f32),
+        )
+        for key, value, unset, kind in optional:
+            if value != unset:
+                kv[key.format(arch=a)] = (value, kind)
+        if self.rope_scale != 1.0:
+            kv[Keys.ROPE_SCALING_TYPE.format(arch=a)] = ("linear", GGUFValueType.STRING)
         if self.sparse and self.sparse_threshold != 0.0:
             kv[Keys.SPARSE_THRESHOLD] = (self.sparse_threshold, f32)
         if self.sparse and self.ffn_variant in (FFNVariant.SWIGLU, FFNVariant.GELU):
@@ -261,7 +333,7 @@ class ModelArgs:
                     f"{source}: {key} is {getattr(self, key)}, it must be > 0; the file's "
                     "hyperparameter keys are corrupt: re-convert the model"
                 )
-        if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
+        if (not self.key_length and self.n_embd % self.n_head) or self.n_head % self.n_head_kv:
             raise ModelConfigError(
                 f"{source}: n_embd {self.n_embd}, head_count {self.n_head} and head_count_kv "
                 f"{self.n_head_kv} are inconsistent (n_embd and head_count must divide evenly)"
@@ -271,10 +343,18 @@ class ModelArgs:
                 f"{source}: rope dimension {self.n_rot} does not fit head {self.head_dim} "
                 "(it must be even and between 2 and the head size)"
             )
-        for key in ("rope_base", "norm_eps"):
+        for key in ("rope_base", "norm_eps", "rope_scale", "rope_attn_factor"):
             v = getattr(self, key)
             if not (math.isfinite(v) and v > 0):
                 raise ModelConfigError(f"{source}: {key} is {v}, it must be a finite number > 0")
+        unset_zero = ("key_length", "sliding_window", "rope_orig_ctx", "rope_base_swa",
+                      "rope_scale_swa", "attn_scale", "attn_softcap", "final_softcap")  # fmt: skip
+        for key in unset_zero:
+            v = getattr(self, key)
+            if not (math.isfinite(v) and 0 <= v < 2**31):
+                raise ModelConfigError(
+                    f"{source}: {key} is {v}, it must be a finite number >= 0 (0: unset)"
+                )
         if math.isnan(self.sparse_threshold) or self.sparse_threshold == math.inf:
             raise ModelConfigError(
                 f"{source}: sparse threshold {self.sparse_threshold} is not usable (NaN or +inf)"
@@ -285,7 +365,7 @@ class ModelArgs:
                 f"beyond the model's {self.n_layer}; re-convert the model"
             )
         if self.moe:
-            _check_moe(self, source)
+            check_experts(self, source)
         if self.down_thresholds:
             float_list(self.down_thresholds, Keys.FFN_DOWN_THRESHOLD, source, self.n_layer)
         if n_tokens is not None and self.n_vocab != n_tokens:
@@ -364,69 +444,6 @@ def float_list(value: Any, key: str, source: str, n: int | None = None) -> tuple
             f"{len(out)}: {list(out)[:4]}; fix the values or remove the key"
         )
     return out
-
-
-def _moe_keys(fam: Family, n_expert: int, sparse: bool, get, source: str) -> dict[str, Any]:
-    """The mixture-of-experts fields of ``ModelArgs`` from a file's keys (``get`` reads one
-    by template, with a default); {} for a dense FFN.
-
-    Raises:
-        ModelConfigError: experts in a family without them, none in a family that needs them,
-            or experts in a PWRI file.
-    """
-    key = Keys.EXPERT_COUNT.format(arch=fam.arch)
-    if n_expert and not fam.experts:
-        raise ModelConfigError(
-            f"{source}: {key} is {n_expert}, but {fam.arch} models have no experts; remove the "
-            "key or re-convert the model"
-        )
-    if fam.moe_required and n_expert <= 0:
-        raise ModelConfigError(
-            f"{source}: {fam.arch} is a mixture of experts, but {key} is {n_expert}: it must be "
-            "> 0; re-convert the model"
-        )
-    if n_expert == 0:
-        return {}
-    if sparse:
-        raise ModelConfigError(
-            f"{source}: a PowerInfer (PWRI) file with {n_expert} experts: powerpy runs "
-            "mixture-of-experts models from GGUF files (routing is their sparsity, the cut "
-            "their neuron sparsity); convert the model to GGUF"
-        )
-    n_used = get(Keys.EXPERT_USED_COUNT, 0)
-    if fam.expert_ff_key is None:
-        n_ff_exp = get(Keys.FEED_FORWARD_LENGTH)
-    else:  # llama.cpp: n_ff / n_expert_used without the key
-        n_ff_exp = get(fam.expert_ff_key, max(get(Keys.FEED_FORWARD_LENGTH) // max(n_used, 1), 0))
-    norm = get(Keys.EXPERT_WEIGHTS_NORM, True, bool)
-    return dict(
-        n_expert=n_expert,
-        n_expert_used=n_used,
-        n_ff_exp=n_ff_exp,
-        expert_norm=norm,
-        expert_scale=get(Keys.EXPERT_WEIGHTS_SCALE, 0.0, float),
-    )
-
-
-def _check_moe(a: ModelArgs, source: str) -> None:
-    """Raise ``ModelConfigError`` for expert counts or widths that make no mixture."""
-    keys = (Keys.EXPERT_COUNT, Keys.EXPERT_USED_COUNT)
-    count, used = (k.format(arch=a.arch) for k in keys)
-    if not 0 < a.n_expert_used <= a.n_expert:
-        raise ModelConfigError(
-            f"{source}: {used} is {a.n_expert_used}, it must be between 1 and {count} "
-            f"({a.n_expert}); the file's keys are corrupt: re-convert the model"
-        )
-    if a.n_ff_exp <= 0:
-        raise ModelConfigError(
-            f"{source}: the experts' FFN width is {a.n_ff_exp}, it must be > 0; re-convert the "
-            "model"
-        )
-    if not math.isfinite(a.expert_scale) or a.expert_scale < 0:
-        raise ModelConfigError(
-            f"{source}: expert_weights_scale is {a.expert_scale}, it must be a finite number "
-            ">= 0 (0: none)"
-        )
 
 
 def _scalar(v: Any, key: str, kind: type, source: str) -> Any:

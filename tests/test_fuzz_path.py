@@ -91,6 +91,46 @@ def test_seed_case_messages_say_what_is_wrong(tmp_path):
             assert part in p.errors[0], (name, p.errors[0])
 
 
+# Falcon and OPT: the tensor or key each refusal names, and what the family expects
+ARCH_MESSAGES = {
+    "falcon_ffn_gate": ("tensor 'blk.0.ffn_gate.weight'", "not part of a falcon model", "ffn_up"),
+    "falcon_qkv_rows": ("tensor 'blk.1.attn_qkv.weight'", "(40, 32)", "(48, 32)"),
+    "falcon_norm_bias_missing": ("tensor 'blk.0.attn_norm.bias' is missing",),
+    "falcon_norm_2_bias_missing": ("tensor 'blk.1.attn_norm_2.bias' is missing",),
+    "falcon_eps_string": ("'falcon.attention.layer_norm_epsilon'", "'1e-5' (str)"),
+    "opt_no_position_embd": ("tensor 'position_embd.weight' is missing",),
+    "opt_position_table_short": ("'position_embd.weight' holds 1 rows", "row p + 2"),
+    "opt_position_table_offset": ("'position_embd.weight' holds 2 rows", "row p + 2"),
+    "opt_bias_missing": ("tensor 'blk.0.attn_k.bias' is missing",),
+    "opt_down_bias_missing": ("tensor 'blk.1.ffn_down_t.bias' is missing",),
+    "opt_eps_array": ("'opt.attention.layer_norm_epsilon'", "must be one number"),
+}
+
+
+def test_arch_seed_cases_name_what_is_wrong(tmp_path):
+    """Every Falcon/OPT seed case is refused at load with one message naming the file and the
+    tensor or key (test_seed_case runs them too)."""
+    assert set(ARCH_MESSAGES) == {n for n, (f, _) in fz.SEED_CASES.items() if f == "arch"}
+    for name, parts in ARCH_MESSAGES.items():
+        p = fz.prepare_seed_case(name, tmp_path / name)
+        assert fz.run(p) == "PowerpyError", (name, p.errors)
+        assert len(p.errors) == 1 and str(p.model) in p.errors[0], (name, p.errors)
+        for part in parts:
+            assert part in p.errors[0], (name, p.errors[0])
+
+
+@pytest.mark.parametrize("arch", ["falcon", "opt"])
+def test_valid_arch_models_run(tmp_path, arch):
+    """The unmutated Falcon (multi-query and 40B-like) and OPT drafts run sparse, dense and
+    placed, so the "arch" family's refusals are the mutations'."""
+    for seed in (0, 1):
+        for sparse, load in ((True, {}), (False, {}), (True, {"vram_budget": fz.BUDGET_GIB})):
+            d = fz.arch_draft(arch, sparse, seed)
+            d.load = dict(load, device="cpu") if load else {}
+            p = fz.finish(d, "none", "base", seed, "base", tmp_path / f"{seed}{sparse}{bool(load)}")
+            assert fz.run(p) == "ok", (seed, sparse, load, p.errors)
+
+
 def test_valid_model_runs(tmp_path):
     """The unmutated base model (sparse and dense, and placed) runs: outcomes are not vacuous."""
     for sparse, load in ((True, {}), (False, {}), (True, {"vram_budget": fz.BUDGET_GIB})):

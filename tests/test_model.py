@@ -115,8 +115,9 @@ def test_ffn_act_overrides_what_the_file_implies(dense_path, sparse_path):
     llm = load(path, ffn_act="silu", dense=True)
     ref = reference_logits(t, SPEC, TOKENS, "swiglu")
     np.testing.assert_allclose(_logits(llm, TOKENS), ref, atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match=r"tiny-dense\.gguf: FFN activation 'gelu'"):
-        load(dense_path[0], ffn_act="gelu")
+    assert load(dense_path[0], ffn_act="gelu").model.args.ffn_variant == "geglu"
+    with pytest.raises(ValueError, match=r"tiny-dense\.gguf: FFN activation 'tanh'"):
+        load(dense_path[0], ffn_act="tanh")
 
 
 def test_mmap_or_read_into_memory_give_the_same_logits(sparse_path, tmp_path):

@@ -46,6 +46,16 @@ CASES = {  # name: (spec, matrix type, bit-identical)
         GGMLType.F16,
         False,
     ),
+    "qwen3moe-q8_0": (
+        TinySpec(arch="qwen3moe", n_layer=3, n_ff=256, n_ff_exp=64, n_expert=8, n_expert_used=3),
+        GGMLType.Q8_0,
+        True,
+    ),
+    "qwen3moe-f16": (
+        TinySpec(arch="qwen3moe", n_layer=2, n_ff=256, n_ff_exp=64, n_expert=8, n_expert_used=2),
+        GGMLType.F16,
+        False,
+    ),
     "mixtral-q4_k": (
         TinySpec(n_embd=256, n_layer=2, n_ff=256, n_expert=4, n_expert_used=2),
         GGMLType.Q4_K,

@@ -1,12 +1,17 @@
-"""Write a synthetic PowerInfer (PWRI) llama model with random weights and working predictors.
+"""Write a synthetic PowerInfer (PWRI) model (llama, falcon or opt) with random weights and
+working predictors.
 
 A thin command line over ``powerpy.testing.synthetic.write_synthetic_model``, which documents
-how the sparsity is made.
+how the sparsity is made. Shapes: llama tiny, 1b (TinyLlama), 7b (LLaMA-2); falcon tiny
+(multi-query), 1b (2048/8192, 24 layers, 32 heads, 4 kv heads, attn_norm_2); opt tiny, 1b
+(OPT-1.3B).
 
 Examples:
     python tools/make_synthetic_model.py --shape tiny --dtype f16 -o /tmp/tiny/model.powerinfer.gguf
     python tools/make_synthetic_model.py --shape 7b --dtype q4_0 --powerlaw --layers 2 \\
         -o /tmp/m.gguf
+    python tools/make_synthetic_model.py --arch falcon --shape 1b --dtype q4_0 --powerlaw \\
+        -o /tmp/falcon/model.powerinfer.gguf
 """
 
 from __future__ import annotations
@@ -14,12 +19,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from powerpy.testing.synthetic import DTYPES, SHAPES, write_synthetic_model
+from powerpy.testing.synthetic import ARCH_SHAPES, ARCHS, DTYPES, write_synthetic_model
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=list(SHAPES), default="tiny")
+    ap.add_argument("--arch", choices=ARCHS, default="llama", help="model family")
+    shapes = sorted({name for table in ARCH_SHAPES.values() for name in table})
+    ap.add_argument("--shape", choices=shapes, default="tiny", help="(per --arch)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="f16")
     ap.add_argument("--active", type=float, default=0.10, help="mean active fraction per token")
     ap.add_argument("--powerlaw", action="store_true", help="power-law hot neurons")
@@ -46,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 0.0 < args.active < 1.0:
         ap.error(f"--active must be in (0, 1), got {args.active}")
+    if args.shape not in ARCH_SHAPES[args.arch]:
+        ap.error(f"--arch {args.arch} has shapes {', '.join(ARCH_SHAPES[args.arch])}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     kw = {k: v for k, v in vars(args).items() if k not in ("output", "no_stats")}
     try:

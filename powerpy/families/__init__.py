@@ -6,11 +6,23 @@
 from __future__ import annotations
 
 from powerpy.errors import ModelConfigError, shown
-from powerpy.families import bamboo, falcon, llama, opt
+from powerpy.families import bamboo, falcon, gemma, llama, opt, phi3, qwen
 from powerpy.families.base import Family, FFNVariant, LayerTensor, Norm, Residual, Rope
 
 FAMILIES: dict[str, Family] = {
-    f.arch: f for f in (llama.FAMILY, bamboo.FAMILY, falcon.FAMILY, opt.FAMILY)
+    f.arch: f
+    for f in (
+        llama.FAMILY,
+        bamboo.FAMILY,
+        falcon.FAMILY,
+        opt.FAMILY,
+        qwen.QWEN2,
+        qwen.QWEN3,
+        qwen.QWEN3MOE,
+        gemma.GEMMA2,
+        gemma.GEMMA3,
+        phi3.FAMILY,
+    )
 }
 SUPPORTED_ARCHS = tuple(FAMILIES)
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from powerpy.errors import ModelConfigError, shown
 from powerpy.formats.constants import Keys
 
 
@@ -24,6 +25,7 @@ class FFNVariant(str, enum.Enum):
     SWIGLU = "swiglu"  # silu(g) * u        dense llama
     REGLU = "reglu"  # relu(g) * u          PWRI llama (ReluLLaMA, ProSparse)
     DRELU = "drelu"  # relu(g) * relu(u)    bamboo
+    GEGLU = "geglu"  # gelu_tanh(g) * u    gemma
     RELU = "relu"  # relu(u)                OPT, ReluFalcon
     GELU = "gelu"  # gelu(u) (erf form)     dense Falcon
 
@@ -37,7 +39,7 @@ class FFNVariant(str, enum.Enum):
         """The activation name HF configs and ``--ffn-act`` use: "silu", "relu" or "gelu"."""
         if self is FFNVariant.SWIGLU:
             return "silu"
-        return "gelu" if self is FFNVariant.GELU else "relu"
+        return "gelu" if self in (FFNVariant.GELU, FFNVariant.GEGLU) else "relu"
 
     @staticmethod
     def of(act: str, gated: bool) -> FFNVariant:
@@ -46,6 +48,7 @@ class FFNVariant(str, enum.Enum):
         table = {
             (True, "relu"): FFNVariant.REGLU,
             (True, "silu"): FFNVariant.SWIGLU,
+            (True, "gelu"): FFNVariant.GEGLU,
             (False, "relu"): FFNVariant.RELU,
             (False, "gelu"): FFNVariant.GELU,
         }
@@ -54,6 +57,25 @@ class FFNVariant(str, enum.Enum):
             ok = sorted(a for g, a in table if g == gated)
             raise ValueError(f"{kind} FFN does not run {act!r} (it runs {', '.join(ok)})")
         return table[gated, act]
+
+
+def gated_ffn(dense: FFNVariant) -> Callable[[Mapping[str, Any], bool, str], FFNVariant]:
+    """``Family.ffn_variant`` of a gated family: a dense file runs ``dense``; a PWRI file ReGLU
+    unless it carries ``powerpy.sparse_activation`` ("silu" or "gelu": that activation, gated).
+    """
+
+    def variant(kv: Mapping[str, Any], sparse: bool, source: str) -> FFNVariant:
+        if not sparse:
+            return dense
+        act = kv.get(Keys.SPARSE_ACTIVATION, "relu")
+        if act not in ("relu", "silu", "gelu"):
+            raise ModelConfigError(
+                f"{source}: key {Keys.SPARSE_ACTIVATION!r} is {shown(act)}; remove the key or "
+                'set it to "relu", "silu" or "gelu"'
+            )
+        return FFNVariant.of(act, gated=True)
+
+    return variant
 
 
 class Norm(str, enum.Enum):
@@ -102,6 +124,9 @@ class LayerTensor:
     shape: tuple[str, ...]
     optional: bool = False
     bias: str = "none"  # "none" | "optional" | "required"
+    # a fused matrix read as row views: (field, rows as a ModelArgs dimension) per part, in
+    # order (falcon's and phi3's attn_qkv -> attn_q, attn_k, attn_v; phi3's ffn_up -> gate, up)
+    split: tuple[tuple[str, str], ...] = ()
 
 
 # The dense FFN's matrices (``Block`` fields) that a mixture of experts replaces, with the down
@@ -126,6 +151,7 @@ class Family:
             as ``LayerTensor.bias``.
         output_norm_bias: ``output_norm.bias`` (LayerNorm families).
         position_offset: ``Rope.LEARNED`` families read position p at row p + offset.
+        embed_scale, swa_pattern, extra_args: see the fields' comments.
         ffn_variant: the FFN activation a file of this family runs: (key/values, sparse, file
             name for errors) -> variant; ``ffn_acts`` the ``--ffn-act`` values a user may set
             (None: any).
@@ -151,6 +177,14 @@ class Family:
     down_bias: str = "none"  # the down matrix's bias: "none", "optional", "required"
     output_norm_bias: bool = False  # output_norm.bias (LayerNorm families)
     position_offset: int = 0  # Rope.LEARNED: position p reads row p + offset (OPT: 2)
+    embed_scale: bool = False  # the embeddings are scaled by sqrt(n_embd) (gemma)
+    # which layers attend through the file's sliding window: 0 every layer; n: layer l iff
+    # l % n < n - 1 (gemma2: 2, gemma3: 6); None: none (the key is ignored, as llama.cpp
+    # does for phi3)
+    swa_pattern: int | None = 0
+    # hyperparameters a family reads beyond the common ones: (key getter, n_layer) ->
+    # ModelArgs fields (e.g. gemma's attention scale and local RoPE base)
+    extra_args: Callable[[Callable[..., Any], int], dict] | None = None
     experts: tuple[LayerTensor, ...] = ()
     moe_required: bool = False
     expert_ff_key: str | None = None

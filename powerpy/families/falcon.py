@@ -14,10 +14,13 @@ from powerpy.errors import ModelConfigError, shown
 from powerpy.families.base import Family, FFNVariant, LayerTensor, Norm, Residual, Rope
 from powerpy.formats.constants import Keys, Names
 
+QKV_SPLIT = (("attn_q", "n_embd_q"), ("attn_k", "n_embd_gqa"), ("attn_v", "n_embd_gqa"))
 BLOCK = (
     LayerTensor("attn_norm", Names.ATTN_NORM, ("n_embd",), bias="required"),
     LayerTensor("attn_norm_2", Names.ATTN_NORM_2, ("n_embd",), optional=True, bias="required"),
-    LayerTensor("attn_qkv", Names.ATTN_QKV, ("n_embd_qkv", "n_embd"), bias="optional"),
+    LayerTensor(
+        "attn_qkv", Names.ATTN_QKV, ("n_embd_qkv", "n_embd"), bias="optional", split=QKV_SPLIT
+    ),
     LayerTensor("attn_output", Names.ATTN_OUTPUT, ("n_embd", "n_embd"), bias="optional"),
     LayerTensor("ffn_up", Names.FFN_UP, ("n_ff", "n_embd"), bias="optional"),
 )

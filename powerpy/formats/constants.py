@@ -142,6 +142,17 @@ class Keys:
     RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"  # RMSNorm families (llama, bamboo)
     LAYERNORM_EPS = "{arch}.attention.layer_norm_epsilon"  # LayerNorm families (falcon, opt)
     TENSOR_DATA_LAYOUT = "{arch}.tensor_data_layout"  # falcon: "jploski" (q, then k, then v)
+    KEY_LENGTH = "{arch}.attention.key_length"  # head size when not n_embd / head_count
+    VALUE_LENGTH = "{arch}.attention.value_length"  # must equal key_length here
+    SLIDING_WINDOW = "{arch}.attention.sliding_window"  # keys older than this many are masked
+    ATTENTION_SCALE = "{arch}.attention.scale"  # the q·k scale, when not 1/sqrt(head size)
+    ATTN_SOFTCAP = "{arch}.attn_logit_softcapping"  # scores -> cap·tanh(scores / cap)
+    FINAL_SOFTCAP = "{arch}.final_logit_softcapping"  # logits -> cap·tanh(logits / cap)
+    ROPE_FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"  # windowed layers' RoPE base (gemma3)
+    ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"  # "none", "linear", …
+    ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"  # linear: positions / factor
+    ROPE_SCALING_ATTN_FACTOR = "{arch}.rope.scaling.attn_factor"  # scales cos and sin
+    ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
     VOCAB_SIZE = "{arch}.vocab_size"
     # mixture of experts (llama.cpp's keys): experts per layer, experts routed per token, the
     # experts' FFN width where it differs from feed_forward_length (qwen3moe), whether the k
@@ -203,11 +214,17 @@ class Names:
     POS_EMBD = "position_embd.weight"  # learned positions (opt): (n_positions, n_embd)
     OUTPUT_NORM = "output_norm.weight"
     OUTPUT = "output.weight"
-    ROPE_FREQS = "rope_freqs.weight"
+    ROPE_FREQS = "rope_freqs.weight"  # (n_rot/2,) divisors of the RoPE angles (llama-3)
+    ROPE_FACTORS_LONG = "rope_factors_long.weight"  # phi3: the same, beyond the original context
+    ROPE_FACTORS_SHORT = "rope_factors_short.weight"  # phi3: within it
 
     ATTN_NORM = "blk.{l}.attn_norm.weight"
     ATTN_NORM_2 = "blk.{l}.attn_norm_2.weight"  # falcon-40B: attention's own norm
-    ATTN_QKV = "blk.{l}.attn_qkv.weight"  # fused q, k, v rows (falcon)
+    ATTN_QKV = "blk.{l}.attn_qkv.weight"  # fused q, k, v rows (falcon, phi3)
+    ATTN_Q_NORM = "blk.{l}.attn_q_norm.weight"  # (head size,) RMSNorm of each q head
+    ATTN_K_NORM = "blk.{l}.attn_k_norm.weight"
+    POST_ATTN_NORM = "blk.{l}.post_attention_norm.weight"  # gemma: of attention's output
+    POST_FFW_NORM = "blk.{l}.post_ffw_norm.weight"  # gemma: of the FFN's output
     ATTN_Q = "blk.{l}.attn_q.weight"
     ATTN_K = "blk.{l}.attn_k.weight"
     ATTN_V = "blk.{l}.attn_v.weight"

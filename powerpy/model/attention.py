@@ -23,16 +23,51 @@ from powerpy.model.cache import KVCache
 from powerpy.model.kernels import KernelLibrary, Matrix
 
 
-def rope_tables(args: ModelArgs, positions: Tensor) -> Tensor:
-    """Rotations ``exp(i·pos·θ_j)`` (n, n_rot/2) complex64 for positions (n,) int64 (one per
-    token), ggml NORM mode (θ_j = base^(-2j/n_rot)): computed in float64, or as ggml computes
-    them where the call keeps llama.cpp's numerics."""
+def rope_tables(
+    args: ModelArgs,
+    positions: Tensor,
+    *,
+    base: float | None = None,
+    scale: float = 1.0,
+    factors: Tensor | None = None,
+) -> Tensor:
+    """Rotations ``a·exp(i·θ_j·pos/scale)`` (n, n_rot/2) complex64 for positions (n,) int64
+    (one per token): θ_j = base^(-2j/n_rot) / factors[j] (``base`` defaults to the model's;
+    ``factors`` (n_rot/2,) are llama-3's ``rope_freqs`` or phi3's), a the model's
+    ``rope_attn_factor``. Computed as ggml computes them where the call keeps llama.cpp's
+    numerics and nothing rescales them, else in float64."""
+    base = args.rope_base if base is None else base
     c = ggml_numerics.library()
-    if c is not None:
-        return ggml_numerics.rope_table(c, args, positions)
-    inv = args.rope_base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
-    ang = positions.to(torch.float64)[:, None] * inv[None]
-    return torch.polar(torch.ones_like(ang), ang).to(torch.complex64)
+    plain = scale == 1.0 and factors is None and args.rope_attn_factor == 1.0
+    if c is not None and plain:
+        return ggml_numerics.rope_table(c, args, positions, base)
+    inv = base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
+    if factors is not None:
+        inv = inv / factors.to(torch.float64)
+    ang = (positions.to(torch.float64) / scale)[:, None] * inv[None]
+    mag = torch.full_like(ang, args.rope_attn_factor)
+    return torch.polar(mag, ang).to(torch.complex64)
+
+
+def layer_rotations(args: ModelArgs, weights, pos: Tensor, n_ctx: int) -> list[Tensor | None]:
+    """Each layer's RoPE rotations for positions ``pos`` (T,) of a session of ``n_ctx``
+    positions (``rope_tables``): one table, or two where the windowed layers turn by their own
+    base and scale (gemma3); None for learned positions. ``weights`` holds the RoPE factors:
+    llama-3's ``rope_freqs``, or phi3's long ones beyond the original context, else short."""
+    if args.family.rope is Rope.LEARNED:
+        return [None] * args.n_layer
+    factors = weights.rope_freqs
+    if weights.rope_factors_short is not None:
+        long = args.rope_orig_ctx and n_ctx > args.rope_orig_ctx
+        factors = weights.rope_factors_long if long else weights.rope_factors_short
+    full = rope_tables(args, pos, scale=args.rope_scale, factors=factors)
+    if not args.swa_layers or not (args.rope_base_swa or args.rope_scale_swa):
+        return [full] * args.n_layer
+    base = args.rope_base_swa or args.rope_base
+    scale = args.rope_scale_swa or args.rope_scale
+    local = rope_tables(args, pos, base=base, scale=scale, factors=factors)
+    swa = set(args.swa_layers)
+    return [local if l in swa else full for l in range(args.n_layer)]
 
 
 def apply_rope(x: Tensor, rot: Tensor, n_rot: int, mode: Rope = Rope.NORM) -> Tensor:
@@ -52,22 +87,28 @@ def apply_rope(x: Tensor, rot: Tensor, n_rot: int, mode: Rope = Rope.NORM) -> Te
     return torch.cat((out, x[..., n_rot:]), dim=-1) if n_rot < x.shape[-1] else out
 
 
-def attend(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int) -> Tensor:
+def attend(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int, *, window: int = 0) -> Tensor:
     """Causal attention of q (T, n_head, head_dim) at positions p0.. over layer l of the cache
-    (filled up to p0 + T), on the cache's device -> (T, n_embd). An f16 host cache under
-    llama.cpp's numerics runs ggml's order (``ggml_numerics.attention``), else torch's."""
+    (filled up to p0 + T), on the cache's device -> (T, n_head·head_dim). ``window`` > 0: a
+    query at p sees keys at p - window + 1 .. p only. The model's ``attn_scale`` and
+    ``attn_softcap`` apply. An f16 host cache under llama.cpp's numerics runs ggml's order
+    (``ggml_numerics.attention``), else torch's."""
     n = q.shape[0]
+    plain = not window and not a.attn_softcap and not a.attn_scale
     c = ggml_numerics.library(q)
-    if c is not None and cache.k.dtype is torch.float16:
+    if plain and c is not None and cache.k.dtype is torch.float16:
         return ggml_numerics.attention(c, a, q, cache.k[l], cache.v[l], p0)
-    keys = cache.k[l, : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
-    vals = cache.v[l, : p0 + n].transpose(0, 1).float()
+    s0 = max(0, p0 - window + 1) if window else 0  # no query reads a key before s0
+    keys = cache.k[l, s0 : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
+    vals = cache.v[l, s0 : p0 + n].transpose(0, 1).float()
+    if not plain:
+        return _attend_explicit(a, q, keys, vals, p0 - s0, window)
     if n == 1:
         # one query: query head h reads key/value head h // group, as two bmm (torch's SDPA
         # with GQA costs ~10x more here)
         qg = q.reshape(a.n_head_kv, a.n_head // a.n_head_kv, a.head_dim)
         scores = torch.bmm(qg, keys.transpose(1, 2)) * a.head_dim**-0.5  # (n_kv, group, S)
-        return torch.bmm(scores.softmax(-1), vals).view(1, a.n_embd)
+        return torch.bmm(scores.softmax(-1), vals).view(1, a.n_embd_q)
     mask = keys.new_ones(n, p0 + n, dtype=torch.bool).tril(diagonal=p0)  # query i: keys ..p0+i
     # with a batch dimension torch picks its fused CPU kernel (3x the 3-D math path)
     out = F.scaled_dot_product_attention(
@@ -77,7 +118,28 @@ def attend(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int) -> Tensor:
         attn_mask=mask,
         enable_gqa=a.n_head != a.n_head_kv,
     )[0]  # (n_head, T, head_dim)
-    return out.transpose(0, 1).reshape(n, a.n_embd)
+    return out.transpose(0, 1).reshape(n, a.n_embd_q)
+
+
+def _attend_explicit(
+    a: ModelArgs, q: Tensor, keys: Tensor, vals: Tensor, p0: int, window: int
+) -> Tensor:
+    """Attention with the scores in hand (a window, a soft-cap or another scale): q (T,
+    n_head, hd) at key positions p0.., keys/vals (n_kv, S, hd) -> (T, n_head·hd)."""
+    n, group = q.shape[0], a.n_head // a.n_head_kv
+    scale = a.attn_scale or a.head_dim**-0.5
+    qg = q.transpose(0, 1).reshape(a.n_head_kv, group * n, a.head_dim)  # heads of a kv group
+    scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(scale)  # (n_kv, group·T, S)
+    if a.attn_softcap:
+        scores = scores.div_(a.attn_softcap).tanh_().mul_(a.attn_softcap)
+    qpos = torch.arange(p0, p0 + n, device=q.device)[:, None]  # (T, 1)
+    kpos = torch.arange(keys.shape[1], device=q.device)[None]  # (1, S)
+    seen = kpos <= qpos
+    if window:
+        seen &= qpos - kpos < window
+    scores = scores.view(a.n_head_kv, group, n, -1).masked_fill_(~seen, -torch.inf)
+    out = torch.matmul(scores.softmax(-1), vals[:, None])  # (n_kv, group, T, hd)
+    return out.reshape(a.n_head, n, a.head_dim).transpose(0, 1).reshape(n, a.n_embd_q)
 
 
 def attention_kernels(blk) -> tuple[KernelLibrary, list[Matrix]] | None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import FFNVariant
-from powerpy.model import ggml_numerics, gpu_kernels
+from powerpy.model import ggml_numerics, gpu_kernels, kernels
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.gpu_kernels import FusedWeight
 from powerpy.model.matrices import DenseWeight, TransposedWeight, Weight
@@ -35,6 +35,8 @@ def glu(g: Tensor | None, u: Tensor, variant: FFNVariant, *, inplace: bool = Fal
         return F.relu(u, inplace=inplace)
     if variant is FFNVariant.GELU:
         return F.gelu(u)  # erf form, as the models were trained (HF's nn.GELU)
+    if variant is FFNVariant.GEGLU:  # tanh form (gemma's gelu_pytorch_tanh, ggml's gelu)
+        return F.gelu(g, approximate="tanh").mul_(u)
     if variant not in (FFNVariant.SWIGLU, FFNVariant.REGLU, FFNVariant.DRELU):
         raise ValueError(f"unknown FFN variant {variant!r}")
     if not inplace:
@@ -121,7 +123,7 @@ def glu_rows(
         ValueError: unknown variant.
     """
     pair = _glu_kernels(gate, up)
-    if pair is not None:
+    if pair is not None and variant in kernels.VARIANTS:
         lib, gm, um = pair
         return lib.glu(gm, um, x, idx, variant)
     if idx.numel() == 0:
@@ -457,7 +459,8 @@ def _hot(
     tau: Tensor | None,
 ) -> Tensor:
     # x (T, n_embd), act (T, n_ff) bool, tau (k,), all on the device -> (T, n_embd) f32 there
-    if hot.gate_up is not None:  # the fused kernels: three ops, no host round trip
+    if hot.gate_up is not None and (hot.gate is None or variant in gpu_kernels.VARIANTS):
+        # the fused kernels: three ops, no host round trip
         gu = hot.gate_up.linear(x, act, hot.bucket)  # (T, 2k); 0 where the predictor is off
         if hot.gate is None:  # ungated: (T, k) up rows; act(0) = 0 keeps the mask
             return hot.down_t.rows_sum(cut(glu(None, gu, variant, inplace=True), tau))

@@ -71,12 +71,16 @@ def gemm_f32(c: ctypes.CDLL, w: Tensor, x: Tensor) -> Tensor | None:
     return None if st else out
 
 
-def rope_table(c: ctypes.CDLL, args: ModelArgs, positions: Tensor) -> Tensor:
+def rope_table(
+    c: ctypes.CDLL, args: ModelArgs, positions: Tensor, base: float | None = None
+) -> Tensor:
     """ggml's RoPE rotations for positions (n,): (n, n_rot/2) complex64, the angles by ggml's
-    f32 recurrence θ ← θ·base^(-2/n_rot) and cosf/sinf."""
+    f32 recurrence θ ← θ·base^(-2/n_rot) (base: ``args.rope_base`` unless given) and
+    cosf/sinf."""
     pos = positions.to(torch.int64).contiguous()
     out = torch.empty(pos.numel(), args.n_rot // 2, 2, dtype=torch.float32)
-    c.pp_rope_table(pos.data_ptr(), pos.numel(), args.n_rot, args.rope_base, out.data_ptr())
+    base = args.rope_base if base is None else base
+    c.pp_rope_table(pos.data_ptr(), pos.numel(), args.n_rot, base, out.data_ptr())
     return torch.view_as_complex(out)
 
 

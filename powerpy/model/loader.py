@@ -28,6 +28,7 @@ from powerpy.formats.gguf_reader import GGUFFile
 from powerpy.model.biased import BiasedWeight, row_slices
 from powerpy.model.ffn import cut_taus
 from powerpy.model.kernels import QUANT_TYPES
+from powerpy.model.kernels import VARIANTS as kernel_variants
 from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
 from powerpy.model.moe import Experts
 from powerpy.model.moe import cut_taus as expert_taus
@@ -212,13 +213,14 @@ def load_weights(
                 fields[t.field] = _with_bias(
                     src.matrix(name, shape), _bias(src, name, shape[0], t.bias)
                 )
-        if "attn_qkv" in fields:  # fused rows: q, then k, then v (views)
-            sizes = (d, args.n_embd_gqa, args.n_embd_gqa)
-            fields["attn_q"], fields["attn_k"], fields["attn_v"] = _split_rows(
-                fields.pop("attn_qkv"), sizes
-            )
+        for t in fam.block:  # fused matrices: row views of their parts
+            if t.split and t.field in fields:
+                sizes = tuple(getattr(args, dim) for _, dim in t.split)
+                parts = _split_rows(fields.pop(t.field), sizes)
+                fields.update(zip((f for f, _ in t.split), parts, strict=True))
         if args.moe:
-            blocks.append(_moe_block(src, args, l, fields))
+            native = fam.llama_layout and not _biased(fields) and _plain(args, l, fields)
+            blocks.append(_moe_block(src, args, l, fields, native))
             continue
         fc1 = fc2 = None
         if args.sparse:
@@ -237,10 +239,7 @@ def load_weights(
             down = Names.FFN_DOWN.format(l=l)
             down_t = src.transposed(down, (d, ff))
         down_b = _bias(src, down, d, fam.down_bias)
-        biased = down_b is not None or any(
-            isinstance(v, BiasedWeight) or (k.endswith("_b") and v is not None)
-            for k, v in fields.items()
-        )
+        biased = down_b is not None or _biased(fields)
         blocks.append(
             Block(
                 **fields,
@@ -250,11 +249,20 @@ def load_weights(
                 fc2=fc2,
                 gated=l not in args.dense_layers,
                 down_tau=cut_taus(down_t, cuts[l]) if cuts and cuts[l] > 0 else None,
-                native=fam.llama_layout and not biased,
+                native=fam.llama_layout and not biased and _plain(args, l, fields),
             )
         )
     out_b = _bias(src, Names.OUTPUT_NORM, d, "required" if fam.output_norm_bias else "none")
+    factors = {}
+    for field, name in (
+        ("rope_freqs", Names.ROPE_FREQS),
+        ("rope_factors_long", Names.ROPE_FACTORS_LONG),
+        ("rope_factors_short", Names.ROPE_FACTORS_SHORT),
+    ):
+        if name in gf.tensors:
+            factors[field] = src.vector(name, args.n_rot // 2)
     return Weights(
+        **factors,
         token_embd=token_embd,
         output_norm=src.vector(Names.OUTPUT_NORM, d),
         output=output,
@@ -264,9 +272,29 @@ def load_weights(
     )
 
 
-def _moe_block(src: _TensorSource, args: ModelArgs, l: int, fields: dict) -> Block:
+def _biased(fields: dict) -> bool:
+    """A layer's tensors have a bias (the native block kernels read none)."""
+    return any(
+        isinstance(v, BiasedWeight) or (k.endswith("_b") and v is not None)
+        for k, v in fields.items()
+    )
+
+
+def _plain(args: ModelArgs, l: int, fields: dict) -> bool:
+    """Layer l has no tensor or setting the native block kernels lack (q/k norms, post norms,
+    attention scales, a sliding window, an activation they do not compute)."""
+    return (
+        not any(fields.get(f) is not None for f in _NOT_NATIVE)
+        and (args.n_embd_q == args.n_embd and not args.attn_scale and not args.attn_softcap)
+        and args.ffn_variant in kernel_variants
+        and l not in args.swa_layers
+    )
+
+
+def _moe_block(src: _TensorSource, args: ModelArgs, l: int, fields: dict, native: bool) -> Block:
     """Layer l of a mixture of experts: the family's other tensors (``fields``) and its
-    ``experts`` stacks as ``moe.Experts`` over the file's bytes."""
+    ``experts`` stacks as ``moe.Experts`` over the file's bytes; ``native``: its attention
+    runs in the native block kernel."""
     mats = {}
     for t in args.family.experts:
         shape = tuple(getattr(args, dim) for dim in t.shape)
@@ -289,7 +317,6 @@ def _moe_block(src: _TensorSource, args: ModelArgs, l: int, fields: dict) -> Blo
     cuts = args.down_thresholds
     if cuts and cuts[l] > 0:
         ex.tau = expert_taus(ex, cuts[l])
-    native = args.family.llama_layout and not any(k.endswith("_b") for k in fields)
     return Block(**fields, ffn_up=None, ffn_down_t=None, moe=ex, native=native)
 
 
@@ -331,11 +358,15 @@ def _split_rows(w: Weight, sizes: tuple[int, ...]) -> list[Weight]:
     return row_slices(w, sizes)
 
 
+# Block fields the native block kernels do not compute (they keep a block on the per-op path)
+_NOT_NATIVE = ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
+
 # Per-layer tensors some family has (their GGUF base names): a file of a family that lacks one
 # of them is of another architecture, or corrupt. Other unknown tensors are ignored.
 _LAYOUT_BASES = {
     "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_norm_2", "ffn_gate", "ffn_norm", "ffn_up",
     "ffn_down", "ffn_down_t", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+    "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
 }  # fmt: skip
 _LAYER_TENSOR = re.compile(r"blk\.\d+\.([a-z_0-9]+)\.(weight|bias)")
 _EXPERT_BASES = {"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}

@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import ModelArgs
-from powerpy.errors import NonFiniteError
+from powerpy.errors import ModelConfigError, NonFiniteError
 from powerpy.families import Norm, Residual, Rope
+from powerpy.formats.constants import Names
 from powerpy.model import ggml_numerics, gpu_kernels, numerics, stack_decode
-from powerpy.model.attention import apply_rope, attend, attention_block, rope_tables
+from powerpy.model.attention import apply_rope, attend, attention_block, layer_rotations
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
@@ -60,6 +61,10 @@ class Block:
     attn_norm_2_b: Tensor | None = None
     ffn_norm_b: Tensor | None = None
     ffn_down_b: Tensor | None = None  # (n_embd,) the down matrix's bias (OPT)
+    attn_q_norm: Tensor | None = None  # (head_dim,) RMSNorm of each q head (qwen3, gemma3)
+    attn_k_norm: Tensor | None = None  # (head_dim,) … and of each k head
+    post_attention_norm: Tensor | None = None  # (n_embd,) of attention's output (gemma)
+    post_ffw_norm: Tensor | None = None  # (n_embd,) of the FFN's output (gemma)
     # the layout the native block kernels compute (``Family.llama_layout``, and no biases)
     native: bool = True
     # a mixture of experts in place of the dense FFN (ffn_gate, ffn_up, ffn_down_t None)
@@ -87,6 +92,9 @@ class Weights:
     blk: list[Block]
     output_norm_b: Tensor | None = None  # (n_embd,) LayerNorm bias
     position_embd: Weight | None = None  # (n_positions + offset, n_embd): learned positions
+    rope_freqs: Tensor | None = None  # (n_rot/2,) f32 divisors of the RoPE angles (llama-3)
+    rope_factors_long: Tensor | None = None  # (n_rot/2,) phi3: beyond the original context
+    rope_factors_short: Tensor | None = None  # (n_rot/2,) phi3: within it
 
 
 # ----------------------------------------------------------------------------------- maths
@@ -211,8 +219,8 @@ class Model:
         return rms_norm(x, w, self.args.norm_eps, fused=fused)
 
     def _check_room(self, cache: KVCache, n: int) -> None:
-        """Raise ValueError when n more tokens do not fit the cache (or a learned position
-        table)."""
+        """Raise ValueError when n more tokens do not fit the cache, ModelConfigError when
+        they do not fit the model's learned position table."""
         a = self.args
         if cache.pos + n > cache.n_ctx:
             raise ValueError(
@@ -220,9 +228,10 @@ class Model:
                 "(use a larger context: -c, n_ctx)"
             )
         if a.family.rope is Rope.LEARNED and cache.pos + n > a.n_ctx_train:
-            raise ValueError(
+            raise ModelConfigError(
                 f"context is full: {cache.pos} + {n} tokens exceed the {a.n_ctx_train} "
-                f"positions {a.arch} has learned"
+                f"positions {a.arch} has learned (the model's context_length, at most the rows "
+                f"of {Names.POS_EMBD} less {a.family.position_offset})"
             )
 
     def _options(self, opts: RunOptions) -> RunOptions:
@@ -318,11 +327,14 @@ class Model:
         fam, pos = a.family, step.positions()  # (T,)
         if w.position_embd is not None:  # learned positions
             x = x + w.position_embd.take_rows(pos + fam.position_offset).dequantize()
+        if fam.embed_scale:
+            x = x * a.n_embd**0.5
         if check:
             _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
-        rot = None  # (T, n_rot/2) complex rotations, per device
-        if fam.rope is not Rope.LEARNED:
-            rot = OnDevices(self.accel, rope_tables(a, pos))
+        tables = layer_rotations(a, w, pos, step.caches[0].n_ctx)  # per layer (T, n_rot/2)
+        moved = {id(t): OnDevices(self.accel, t) for t in tables if t is not None}  # one per table
+        rots = [None if t is None else moved[id(t)] for t in tables]
+        rot = rots[0]
         one = tokens.shape[0] == 1  # one token: native block calls where the block is on the host
         plan = None
         if one and not check and stack_decode.usable(step.caches[0], opts):
@@ -331,13 +343,15 @@ class Model:
             if plan is not None and l == plan.first:
                 x = plan.run(a, self._to(x, HOST), step.caches[0], rot(HOST)[0], thr, opts)
                 break
-            x = self._block(l, blk, x, step, rot, thr, opts, ffn_mode, check)
+            x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check)
         step.advance()
         if not all_logits:
             x = x[-1:]
         with phase(opts.timer, "output"):
             x = self.norm(self._to(x, w.output_norm.device), w.output_norm, w.output_norm_b)
             logits = self._to(w.output.linear(self._to(x, w.output.device)), HOST)
+            if a.final_softcap:
+                logits = logits.div_(a.final_softcap).tanh_().mul_(a.final_softcap)
         if check:
             _check_finite(logits, "output", "the output layer (output_norm, output)")
         return logits
@@ -366,7 +380,10 @@ class Model:
             h = attention_block(l, blk, x, step.caches[0], rot(HOST), a) if native else None
             if h is None:
                 xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
-                h = x + self._to(self.attention(l, blk, xn, step, rot), x.device)
+                att = self._to(self.attention(l, blk, xn, step, rot), x.device)
+                if blk.post_attention_norm is not None:
+                    att = self.norm(att, blk.post_attention_norm)
+                h = x + att
         if check:
             _check_finite(h, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
         with phase(opts.timer, "ffn"):
@@ -375,8 +392,11 @@ class Model:
             if y is None:
                 xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm, blk.ffn_norm_b)
                 pred_in = blk.predictor_input(inp, opts)
-                f = self._ffn(l, blk, xn, pred_in, step, thr, opts, ffn_mode)
-                y = h + self._down_bias(blk, self._to(f, h.device))
+                f = self._down_bias(blk, self._to(self._ffn(l, blk, xn, pred_in, step, thr, opts,
+                                                            ffn_mode), h.device))  # fmt: skip
+                if blk.post_ffw_norm is not None:
+                    f = self.norm(f, blk.post_ffw_norm)
+                y = h + f
         if check:
             _check_finite(y, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
         return y
@@ -420,19 +440,23 @@ class Model:
         its own cache). ``rot`` holds the rotations per device (moved once per forward)."""
         a, n = self.args, x.shape[0]
         x_on = OnDevices(self.accel, x)  # x moved once to each device that reads it
-        q = blk.attn_q.linear(x_on(blk.attn_q.device)).view(n, a.n_head, a.head_dim)
+        q = blk.attn_q.linear(x_on(blk.attn_q.device)).view(n, a.n_head, a.head_dim)  # n_q
         k = blk.attn_k.linear(x_on(blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
         v = blk.attn_v.linear(x_on(blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
+        if blk.attn_q_norm is not None:  # per head, before RoPE
+            q = rms_norm(q, blk.attn_q_norm, a.norm_eps)
+            k = rms_norm(k, blk.attn_k_norm, a.norm_eps)
         if rot is not None:
             mode = a.family.rope
             q = apply_rope(q, rot(q.device), a.n_rot, mode)
             k = apply_rope(k, rot(k.device), a.n_rot, mode)
+        window = a.sliding_window if l in a.swa_layers else 0
         outs = []
         for cache, s, m in step.segments():
             dev, p0 = cache.device, cache.pos  # attention runs where the cache is
             cache.k[l, p0 : p0 + m].copy_(self._to(k[s : s + m], dev))
             cache.v[l, p0 : p0 + m].copy_(self._to(v[s : s + m], dev))
-            out = attend(a, self._to(q[s : s + m], dev), cache, l, p0)  # (m, n_embd)
+            out = attend(a, self._to(q[s : s + m], dev), cache, l, p0, window=window)  # (m, n_q)
             outs.append(self._to(out, blk.attn_output.device))
         return blk.attn_output.linear(outs[0] if len(outs) == 1 else torch.cat(outs))
 

@@ -94,6 +94,8 @@ _LAYER_TENSORS: dict[str, tuple[str, int]] = {
     "ffn_up": (FFN, 13),
     "fc1": (PREDICTOR, 14),
     "fc2": (PREDICTOR, 15),
+    "post_attention_norm": (ATTN, 16),  # gemma
+    "post_ffw_norm": (FFN_NORM, 17),
 }
 _GLOBAL_TENSORS: dict[str, tuple[str, int]] = {
     "token_embd": (HOST, 0),

@@ -1,27 +1,45 @@
-"""Write a synthetic PowerInfer (PWRI) llama model with random weights and working predictors.
+"""Write a synthetic PowerInfer (PWRI) model with random weights and working predictors:
+LLaMA (the default), Falcon or OPT (``--arch``), in the layout ``powerpy.families`` declares.
 
-The file has the keys and tensors of ``docs/formats.md#powerinfer-model-file`` (llama arch, ReGLU
-FFN, ffn_down_t, fc1/fc2) plus a byte-level SPM vocabulary (<unk>, <s>, </s>, 256 byte tokens, then
-unused filler tokens up to the shape's vocabulary size), and ``activation/activation_{i}.pt`` beside
-it holding each neuron's expected activation frequency.
+The file has the keys and tensors of ``docs/formats.md#powerinfer-model-file`` (llama: ReGLU FFN;
+falcon and opt: ReLU FFN without a gate; ffn_down_t, fc1/fc2) plus a byte-level SPM vocabulary
+(<unk>, <s>, </s>, 256 byte tokens, then unused filler tokens up to the shape's vocabulary size),
+and ``activation/activation_{i}.pt`` beside it holding each neuron's expected activation
+frequency.
 
 How the sparsity is made (so that the predictor is meaningful, not just random):
 - Residual dimension 0 is a constant ``C``: every token embedding has ``C`` there, and no layer
-  writes to it (row 0 of attn_output and column 0 of ffn_down_t are zero).
+  writes to it (row 0 of attn_output and column 0 of ffn_down_t are zero, and so are the
+  matching entries of their biases).
 - fc1 row 0 is ``e_0 / C``, so hidden unit 0 is always 1 and fc2 column 0 acts as a bias. The
   other hidden units come in pairs ``relu(u_k·x)``, ``relu(-u_k·x)`` whose difference is the
   linear ``u_k·x``; so ``logit_j = b_j + a_j·(U x)`` exactly.
-- ffn_gate row j is ``(b_j / C) e_0 + a_j U`` (the same linear function, so ``logit_j >= 0``
-  iff ``gate_j·x_pred >= 0``: after the positive RMSNorm scaling, iff relu(gate) is active) plus
-  an independent part the predictor cannot see (``--predictor-noise``, relative std), so the
-  predictor's recall is realistic rather than perfect.
+- The row that decides whether neuron j fires (ffn_gate for llama, ffn_up for the ungated
+  families, where j is active iff ``up_j·norm(x) > 0``) is ``(b_j / C) e_0 + a_j U`` (the same
+  linear function, so ``logit_j >= 0`` iff ``row_j·x_pred >= 0``: after the norm's positive
+  scaling, iff the neuron is active) plus an independent part the predictor cannot see
+  (``--predictor-noise``, relative std), so the predictor's recall is realistic rather than
+  perfect.
+- LayerNorm (falcon, opt) also subtracts the mean of x, which would shift that row's value by
+  ``mean(x)·sum(row_j)``. So residual dimension 1 is a sink that stays 0, the row holds
+  ``-b_j / C`` there, and its other entries sum to zero: every such row sums to 0 and LayerNorm
+  scales its value by ``1/std(x) > 0`` like RMSNorm. The FFN's own norm (falcon's attn_norm,
+  opt's ffn_norm) is the identity (weight 1, bias 0), and ffn_up's bias (opt) is 0, for the
+  same reason; the other norms, biases and the position table are random.
 - The offsets ``b_j`` are calibrated layer by layer on real hidden states (a batch of
-  single-token sequences run through the layers generated so far) so that neuron j is active
-  with probability ``p_j``: with ``--powerlaw``, ``p_j ∝ rank^-alpha`` (capped, hot neurons at
-  random positions), otherwise ``p_j`` is spread mildly around ``--active``; the mean is
-  ``--active`` either way.
+  single-token sequences run through the layers generated so far; opt's at random positions)
+  so that neuron j is active with probability ``p_j``: with ``--powerlaw``, ``p_j ∝ rank^-alpha``
+  (capped, hot neurons at random positions), otherwise ``p_j`` is spread mildly around
+  ``--active``; the mean is ``--active`` either way.
 - Sublayer outputs are rescaled so each adds about ``0.5 / sqrt(n_layer)`` of the embedding
   RMS: the residual stream stays bounded.
+
+Family layouts: falcon is a parallel block with one fused attn_qkv (q heads, k heads, v heads)
+and NeoX RoPE; a shape with one kv head is Falcon-7B-like (one attn_norm for attention and MLP),
+one with several kv heads Falcon-40B-like (attention reads its own attn_norm_2). The predictor
+reads the block input. opt is pre-LN with biases everywhere, learned positions
+(``position_embd``, position p at row p + 2) and the output tied to token_embd; the predictor
+reads the residual before ffn_norm.
 
 The model is written layer by layer straight into the file (tensor infos first, then each
 tensor as it is generated), so memory stays at about one layer plus the embeddings; the file is
@@ -35,33 +53,47 @@ The command line is ``tools/make_synthetic_model.py``.
 from __future__ import annotations
 
 import logging
-import math
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names
+from powerpy.families import Rope, family
+from powerpy.formats.constants import GGMLType, GGUFValueType, Keys
 from powerpy.formats.gguf_types import tensor_nbytes
 from powerpy.formats.gguf_writer import GGUFStreamWriter
+from powerpy.testing.synthetic_layers import (
+    LN_EPS,
+    RMS_EPS,
+    SIGMA_E,
+    SIGMA_P,
+    TIED_OUTPUT,
+    C,
+    Neurons,
+    Plan,
+    Shape,
+    generate,
+    layer_norm,
+    layer_table,
+    neurons,
+    rms_norm,
+    scaled_to,
+    target_probs,
+    tensor_infos,
+)
 from powerpy.testing.tiny import TinySpec, encode_array, spec_args, vocab_kv
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class Shape:
-    n_embd: int
-    n_ff: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    n_ctx: int
-    n_vocab: int
-    hidden: int  # predictor H
+__all__ = [
+    "ARCH_SHAPES", "ARCHS", "C", "DTYPES", "FALCON_SHAPES", "FILE_TYPE", "LN_EPS", "Neurons",
+    "OPT_SHAPES", "Plan", "RMS_EPS", "SHAPES", "SIGMA_E", "SIGMA_P", "Shape", "TIED_OUTPUT",
+    "encode", "generate", "key_values", "layer_norm", "layer_table", "neurons", "plan_for",
+    "rms_norm", "scaled_to", "target_probs", "tensor_infos", "write_synthetic_model",
+]  # fmt: skip
 
 
 SHAPES = {
@@ -69,12 +101,21 @@ SHAPES = {
     "1b": Shape(2048, 5632, 22, 32, 4, 2048, 32000, 256),  # TinyLlama-1.1B dimensions
     "7b": Shape(4096, 11008, 32, 32, 32, 4096, 32000, 1024),  # LLaMA-2-7B dimensions
 }
+# Falcon: "tiny" is multi-query (one kv head, one norm per block: Falcon-7B's layout); "1b" has
+# 4 kv heads and so attn_norm_2, the layout of ReluFalcon-40B, the Falcon PowerInfer ships (8
+# kv heads for 128 q heads there; 4 for 32 keeps that grouping's KV share of the attention).
+FALCON_SHAPES = {
+    "tiny": Shape(256, 1024, 2, 4, 1, 512, 512, 64),
+    "1b": Shape(2048, 8192, 24, 32, 4, 2048, 65024, 256),  # n_ff = 4·n_embd, Falcon's vocab
+}
+OPT_SHAPES = {
+    "tiny": Shape(256, 1024, 2, 4, 4, 512, 512, 64),
+    "1b": Shape(2048, 8192, 24, 32, 32, 2048, 50272, 256),  # OPT-1.3B dimensions
+}
+ARCH_SHAPES = {"llama": SHAPES, "falcon": FALCON_SHAPES, "opt": OPT_SHAPES}
+ARCHS = tuple(ARCH_SHAPES)
 DTYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
 FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q8_0: 7}
-
-C = 4.0  # the constant residual dimension; the largest element of its Q4_0/Q8_0 block
-SIGMA_E = 1.0  # embedding std in the other dimensions
-RMS_EPS = 1e-5
 
 
 # ---- encoding ------------------------------------------------------------------------------------
@@ -85,76 +126,17 @@ def encode(w: torch.Tensor, ggml_type: GGMLType) -> np.ndarray:
     return encode_array(w.detach().float().contiguous().numpy(), ggml_type)
 
 
-# ---- model pieces --------------------------------------------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + RMS_EPS)
-    return y if w is None else y * w
-
-
-def target_probs(
-    n: int, active: float, powerlaw: bool, alpha: float, gen: torch.Generator
-) -> torch.Tensor:
-    """Per-neuron activation probabilities with mean ``active``: (n,) f64."""
-    p_max = 0.97
-    if powerlaw:
-        r = torch.arange(1, n + 1, dtype=torch.float64) ** -alpha
-        lo, hi = 0.0, active / float(r.mean()) * 10 + 1.0
-        for _ in range(100):  # bisection on the scale a: mean(min(p_max, a r)) = active
-            a = (lo + hi) / 2
-            lo, hi = (a, hi) if float((a * r).clamp(max=p_max).mean()) < active else (lo, a)
-        p = (a * r).clamp(max=p_max)
-        return p[torch.randperm(n, generator=gen)]  # hot neurons at random positions
-    p = torch.exp(0.3 * torch.randn(n, generator=gen, dtype=torch.float64))
-    return (p * active / p.mean()).clamp(1e-4, p_max)
-
-
-def scaled_to(y: torch.Tensor, target_rms: float) -> float:
-    """Factor that brings the RMS of y (dims 1..) to target_rms."""
-    rms = float(y[:, 1:].pow(2).mean().sqrt())
-    return target_rms / max(rms, 1e-12)
-
-
-@dataclass
-class Plan:
-    shape: Shape
-    wtype: GGMLType  # 2-D weights
-    ptype: GGMLType  # predictors
-    otype: GGMLType  # output
-
-
-def tensor_infos(plan: Plan) -> list[tuple[str, tuple[int, ...], GGMLType]]:
-    s = plan.shape
-    hd = s.n_embd // s.n_head
-    gqa = hd * s.n_head_kv
-    infos = [(Names.TOKEN_EMBD, (s.n_vocab, s.n_embd), plan.wtype)]
-    for l in range(s.n_layer):
-        infos += [
-            (Names.ATTN_NORM.format(l=l), (s.n_embd,), GGMLType.F32),
-            (Names.ATTN_Q.format(l=l), (s.n_embd, s.n_embd), plan.wtype),
-            (Names.ATTN_K.format(l=l), (gqa, s.n_embd), plan.wtype),
-            (Names.ATTN_V.format(l=l), (gqa, s.n_embd), plan.wtype),
-            (Names.ATTN_OUTPUT.format(l=l), (s.n_embd, s.n_embd), plan.wtype),
-            (Names.FFN_NORM.format(l=l), (s.n_embd,), GGMLType.F32),
-            (Names.FFN_GATE.format(l=l), (s.n_ff, s.n_embd), plan.wtype),
-            (Names.FFN_UP.format(l=l), (s.n_ff, s.n_embd), plan.wtype),
-            (Names.FFN_DOWN_T.format(l=l), (s.n_ff, s.n_embd), plan.wtype),
-            (Names.FC1.format(l=l), (s.hidden, s.n_embd), plan.ptype),
-            (Names.FC2.format(l=l), (s.n_ff, s.hidden), plan.ptype),
-        ]
-    infos += [
-        (Names.OUTPUT_NORM, (s.n_embd,), GGMLType.F32),
-        (Names.OUTPUT, (s.n_vocab, s.n_embd), plan.otype),
-    ]
-    return infos
-
-
 def key_values(plan: Plan, name: str, threshold: float | None) -> dict:
     """The file's key/values (``ModelArgs.to_gguf_kv``, the byte vocabulary, file type)."""
-    s = plan.shape
-    spec = TinySpec(s.n_embd, s.n_layer, s.n_ff, s.n_head, s.n_head_kv, s.hidden, n_ctx=s.n_ctx)
-    kv = spec_args(spec, s.n_vocab).to_gguf_kv(name=name)
+    s, fam = plan.shape, family(plan.arch)
+    spec = TinySpec(s.n_embd, s.n_layer, s.n_ff, s.n_head, s.n_head_kv, s.hidden, n_ctx=s.n_ctx,
+                    arch=plan.arch)  # fmt: skip
+    kv = spec_args(spec, s.n_vocab).to_gguf_kv(name=name)  # the family's sparse FFN
+    if fam.rope is Rope.LEARNED:  # no rotation: no RoPE keys
+        for key in (Keys.ROPE_DIMENSION_COUNT, Keys.ROPE_FREQ_BASE):
+            kv.pop(key.format(arch=plan.arch))
+    if plan.arch == "falcon":
+        kv[Keys.TENSOR_DATA_LAYOUT.format(arch="falcon")] = ("jploski", GGUFValueType.STRING)
     kv[Keys.FILE_TYPE] = (FILE_TYPE[plan.wtype], GGUFValueType.UINT32)
     if threshold is not None:
         kv[Keys.SPARSE_THRESHOLD] = (float(threshold), GGUFValueType.FLOAT32)
@@ -163,12 +145,38 @@ def key_values(plan: Plan, name: str, threshold: float | None) -> dict:
     return kv
 
 
-@torch.no_grad()
+def plan_for(
+    arch: str, shape: str | Shape, dtype: str, predictor_dtype: str | None = None
+) -> tuple[Plan, str]:
+    """The plan of an architecture, a shape (a name of ``ARCH_SHAPES[arch]`` or a ``Shape``)
+    and dtypes, and the shape's name.
+
+    Raises:
+        ValueError: an unknown architecture, shape or dtype.
+    """
+    if arch not in ARCH_SHAPES:
+        raise ValueError(f"arch {arch!r} is not one of {', '.join(ARCHS)}")
+    if isinstance(shape, Shape):
+        shape_, shape_name = shape, "custom"
+    elif shape in ARCH_SHAPES[arch]:
+        shape_, shape_name = ARCH_SHAPES[arch][shape], shape
+    else:
+        raise ValueError(f"{arch} has no shape {shape!r} (it has {', '.join(ARCH_SHAPES[arch])})")
+    for dt in (dtype, predictor_dtype):
+        if dt is not None and dt not in DTYPES:
+            raise ValueError(f"dtype {dt!r} is not one of {', '.join(DTYPES)}")
+    wtype = DTYPES[dtype]
+    ptype = DTYPES[predictor_dtype] if predictor_dtype else wtype
+    otype = GGMLType.Q8_0 if wtype == GGMLType.Q4_0 else wtype
+    return Plan(shape_, wtype, ptype, otype, arch), shape_name
+
+
 def write_synthetic_model(
     out: str | Path,
-    shape: str = "tiny",
+    shape: str | Shape = "tiny",
     dtype: str = "f16",
     *,
+    arch: str = "llama",
     active: float = 0.10,
     powerlaw: bool = False,
     alpha: float = 1.4,
@@ -185,11 +193,12 @@ def write_synthetic_model(
 
     Args:
         out: the model file (written atomically; statistics go to ``out.parent/activation``).
-        shape: "tiny", "1b" or "7b" (``SHAPES``); ``layers``/``hidden`` override its depth and
-            predictor size.
+        shape: a name of ``ARCH_SHAPES[arch]`` ("tiny", "1b"; llama also "7b") or a ``Shape``;
+            ``layers``/``hidden`` override its depth and predictor size.
         dtype: "f32", "f16", "q8_0" or "q4_0" for 2-D weights (``predictor_dtype`` for fc1/fc2).
+        arch: "llama", "falcon" or "opt".
         active: mean active fraction per token; ``powerlaw``/``alpha``: power-law hot neurons.
-        predictor_noise: relative std of the gate part the predictor cannot see.
+        predictor_noise: relative std of the deciding rows' part the predictor cannot see.
         threshold: write ``powerinfer.sparse_threshold``.
         calib_tokens, seed: calibration states and RNG seed.
         stats: write ``activation/activation_{i}.pt``.
@@ -199,19 +208,13 @@ def write_synthetic_model(
     """
     if not 0.0 < active < 1.0:
         raise ValueError(f"active must be in (0, 1), got {active}")
-    shape_name = shape
-    shape_ = SHAPES[shape]
+    plan, shape_name = plan_for(arch, shape, dtype, predictor_dtype)
     if layers is not None:
-        shape_ = replace(shape_, n_layer=layers)
+        plan.shape = replace(plan.shape, n_layer=layers)
     if hidden is not None:
-        shape_ = replace(shape_, hidden=hidden)
-    shape = shape_
-    wtype = DTYPES[dtype]
-    ptype = DTYPES[predictor_dtype] if predictor_dtype else wtype
-    otype = GGMLType.Q8_0 if wtype == GGMLType.Q4_0 else wtype
-    plan = Plan(shape, wtype, ptype, otype)
-    s = shape
-    if s.hidden < 3 or (ptype not in (GGMLType.F32, GGMLType.F16) and s.hidden % 32):
+        plan.shape = replace(plan.shape, hidden=hidden)
+    s = plan.shape
+    if s.hidden < 3 or (plan.ptype not in (GGMLType.F32, GGMLType.F16) and s.hidden % 32):
         raise ValueError(
             f"predictor hidden size {s.hidden} must be >= 3 (a multiple of 32 "
             "for quantized predictors)"
@@ -224,125 +227,28 @@ def write_synthetic_model(
     if total * 1.05 + (1 << 26) > free:
         raise ValueError(f"{out}: needs {total / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
     log.info(
-        "%s %s: %d layers, n_embd %d, n_ff %d, H %d, %.2f GiB -> %s",
-        shape_name, dtype, s.n_layer, s.n_embd, s.n_ff, s.hidden, total / 2**30, out,
+        "%s %s %s: %d layers, n_embd %d, n_ff %d, H %d, %.2f GiB -> %s",
+        arch, shape_name, dtype, s.n_layer, s.n_embd, s.n_ff, s.hidden, total / 2**30, out,
     )  # fmt: skip
 
-    gen = torch.Generator().manual_seed(seed)
-    d, hd = s.n_embd, s.n_embd // s.n_head
-    beta = 0.5 / math.sqrt(s.n_layer)  # each sublayer adds this much of the embedding RMS
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=gen)
-
-    name = f"powerpy-synthetic-{shape_name}-{dtype}"
+    prefix = "powerpy-synthetic" if arch == "llama" else f"powerpy-synthetic-{arch}"
+    name = f"{prefix}-{shape_name}-{dtype}"
     writer = GGUFStreamWriter(out, key_values(plan, name, threshold), infos, magic=b"PWRI")
     types = {n: t for n, _, t in infos}
-
-    def put(tensor_name: str, w: torch.Tensor) -> None:
-        writer.write(tensor_name, encode(w, types[tensor_name]))
-
     t0 = time.time()
     act_stats: list[torch.Tensor] = []
     try:
-        # token embeddings: dims 1.. N(0, SIGMA_E), dim 0 = C, the block's largest magnitude
-        emb = randn(s.n_vocab, d) * SIGMA_E
-        emb[:, 1:32].clamp_(-0.95 * C, 0.95 * C)
-        emb[:, 0] = C
-        put(Names.TOKEN_EMBD, emb)
-        # calibration states: the byte tokens and specials, as single-token sequences
-        n_cal = min(calib_tokens, s.n_vocab)
-        X = emb[torch.randperm(min(s.n_vocab, 259), generator=gen)[:n_cal]].clone()  # (M, d)
-        if n_cal > 259:
-            X = torch.cat([X, emb[259 : 259 + n_cal - X.shape[0]]])
-        del emb
-        r = (s.hidden - 1) // 2  # linear directions the predictor represents exactly
-        for l in range(s.n_layer):
-            f = {k: getattr(Names, k).format(l=l) for k in vars(Names) if k.isupper()}
-            # -- attention: for one-token sequences its output is W_o · expand(W_v · x)
-            attn_norm = 1.0 + 0.1 * randn(d)
-            wq = randn(d, d) / math.sqrt(d)
-            wk = randn(s.n_head_kv * hd, d) / math.sqrt(d)
-            wv = randn(s.n_head_kv * hd, d) / math.sqrt(d)
-            wo = randn(d, d) / math.sqrt(d)
-            wo[0] = 0.0  # never write the constant dimension
-            v = rms_norm(X, attn_norm) @ wv.T  # (M, n_kv * hd)
-            v = v.view(-1, s.n_head_kv, hd).repeat_interleave(s.n_head // s.n_head_kv, dim=1)
-            a = v.reshape(-1, d) @ wo.T  # (M, d)
-            k_o = scaled_to(a, beta * SIGMA_E)
-            wo *= k_o
-            X = X + a * k_o
-            for key, w in (
-                ("ATTN_NORM", attn_norm),
-                ("ATTN_Q", wq),
-                ("ATTN_K", wk),
-                ("ATTN_V", wv),
-                ("ATTN_OUTPUT", wo),
-            ):
-                put(f[key], w)
-            del wq, wk, wv, wo, v, a
-            # -- predictor and gate (x_pred = X, the pre-norm FFN input)
-            U = randn(r, d)
-            U[:, 0] = 0.0
-            U /= U.norm(dim=1, keepdim=True)
-            A = randn(s.n_ff, r) / math.sqrt(r)
-            lin = (X @ U.T) @ A.T  # (M, n_ff) the predictable part a_j·(U x)
-            mu, sd = lin.mean(0), lin.std(0).clamp_min(1e-6)
-            p = target_probs(s.n_ff, active, powerlaw, alpha, gen)
-            z = torch.distributions.Normal(0.0, 1.0).icdf(p).float()
-            b = -mu + sd * z  # logit offset: P(b + a_j·Ux >= 0) = p_j (Gaussian model)
-            gate = A @ U  # (n_ff, d)
-            gate[:, 0] = b / C
-            E = randn(s.n_ff, d)
-            E[:, 0] = 0.0
-            e_sd = (X @ E.T).std(0).clamp_min(1e-6)
-            E *= (predictor_noise * sd / e_sd)[:, None]
-            gate += E
-            del E
-            scale = 1.0 / gate.norm(dim=1)  # unit-norm rows; the same positive scale on fc2
-            gate *= scale[:, None]
-            fc1 = torch.zeros(s.hidden, d)
-            fc1[0, 0] = 1.0 / C
-            fc1[1 : 1 + r] = U
-            fc1[1 + r : 1 + 2 * r] = -U
-            fc2 = torch.zeros(s.n_ff, s.hidden)
-            fc2[:, 0] = b
-            fc2[:, 1 : 1 + r] = A
-            fc2[:, 1 + r : 1 + 2 * r] = -A
-            fc2 *= scale[:, None]
-            up = randn(s.n_ff, d) / math.sqrt(d)
-            # -- FFN on the calibration states (ReGLU, ffn_norm = 1)
-            xn = rms_norm(X)
-            g = xn @ gate.T  # (M, n_ff)
-            hmat = torch.relu(g) * (xn @ up.T)
-            logits = torch.relu(X @ fc1.T) @ fc2.T
-            pred, true = logits >= 0, g > 0
-            recall = float((pred & true).sum() / true.sum().clamp_min(1))
-            down_t = randn(s.n_ff, d)
-            down_t[:, 0] = 0.0
-            y = hmat @ down_t  # (M, d)
-            k_d = scaled_to(y, beta * SIGMA_E)
-            down_t *= k_d
-            X = X + y * k_d
-            for key, w in (
-                ("FFN_NORM", torch.ones(d)),
-                ("FFN_GATE", gate),
-                ("FFN_UP", up),
-                ("FFN_DOWN_T", down_t),
-                ("FC1", fc1),
-                ("FC2", fc2),
-            ):
-                put(f[key], w)
-            act_stats.append(p.float())
-            log.info(
-                "layer %3d: predicted active %.3f (target %.3f), true active %.3f, recall %.3f, "
-                "residual rms %.2f  [%.0f s]",
-                l, float(pred.float().mean()), active, float(true.float().mean()), recall,
-                float(X[:, 1:].pow(2).mean().sqrt()), time.time() - t0,
-            )  # fmt: skip
-            del gate, up, down_t, fc1, fc2, A, U, lin, g, hmat, logits, xn, y
-        put(Names.OUTPUT_NORM, 1.0 + 0.1 * randn(d))
-        put(Names.OUTPUT, randn(s.n_vocab, d) / math.sqrt(d))
+        for tensor_name, w in generate(
+            plan,
+            active=active,
+            powerlaw=powerlaw,
+            alpha=alpha,
+            predictor_noise=predictor_noise,
+            calib_tokens=calib_tokens,
+            seed=seed,
+            stats=act_stats,
+        ):
+            writer.write(tensor_name, encode(w, types[tensor_name]))
         writer.close()
     except BaseException:
         writer.abort()

@@ -9,7 +9,8 @@ the outcome: ``"ok"``, ``"PowerpyError"`` or ``"NonFiniteError"``. Any other exc
 library bug and propagates (``run_case`` is both).
 
 The drafts and the raw writer are in ``files``, the model-file mutations in ``mutations``, the
-gpuidx/statistics mutations and the issue's seed cases in ``side_files``. Used by
+gpuidx/statistics mutations and the issue's seed cases in ``side_files``, the Falcon and OPT
+mutations (family "arch", on drafts of those families) and their seed cases in ``archs``. Used by
 ``tests/test_fuzz_path.py`` (hypothesis), ``tests/test_cli_errors.py`` and ``tools/fuzz.py``
 (subprocesses).
 """
@@ -23,26 +24,30 @@ from typing import Any
 import numpy as np
 
 import powerpy.testing.fuzz.mutations  # noqa: F401 - registers the model-file mutations
+from powerpy.testing.fuzz.archs import ARCH_SEED_CASES, SEED_ARCHS
 from powerpy.testing.fuzz.files import (
     BUDGET_GIB,
     FAMILIES,
+    MODEL_FAMILIES,
     MUTATIONS,
     OUTCOMES,
     PROMPT,
     SPEC,
     Draft,
+    arch_draft,
     base_draft,
     pick,
     write_draft,
 )  # fmt: skip
-from powerpy.testing.fuzz.side_files import SEED_CASES
+from powerpy.testing.fuzz.side_files import SEED_CASES as SIDE_SEED_CASES
+
+SEED_CASES = {**SIDE_SEED_CASES, **ARCH_SEED_CASES}  # name -> (family, fn)
 
 
 class GeneratorError(Exception):
     """The generator itself failed to build a case (a bug here, not in the library)."""
 
 
-MODEL_FAMILIES = ("kv", "hparams", "tokenizer", "tensors", "alignment", "predictor")
 PROMPTS = (PROMPT, PROMPT, "<s> a</s>", "日本語 ok\n", "  ", "\udcff\x00x")
 
 
@@ -85,15 +90,21 @@ def prepare(name: str, seed: int, workdir: Path) -> Prepared:
     family, fn = MUTATIONS[name]
     rng = np.random.default_rng(seed)
     sparse = family in ("predictor", "gpuidx", "stats") or bool(rng.random() < 0.7)
-    d = base_draft(sparse, seed=seed % 4)
+    archs = getattr(fn, "archs", None)  # the "arch" family's: the families it mutates
+    if archs is None:
+        d = base_draft(sparse, seed=seed % 4)
+    else:
+        d = arch_draft(pick(rng, archs), sparse, seed=seed % 4)
     what = fn(d, rng)
-    if family in MODEL_FAMILIES and rng.random() < 0.2:  # a second mutation on top
+    if archs is not None:
+        what = f"{d.arch} {'PWRI' if d.sparse else 'GGUF'}: {what}"
+    if (family in MODEL_FAMILIES or archs is not None) and rng.random() < 0.2:  # one more
         other = pick(rng, [m for m, (f, _) in MUTATIONS.items() if f in MODEL_FAMILIES])
         try:
             what += f" + {other}: {MUTATIONS[other][1](d, rng)}"
         except (StopIteration, ValueError, KeyError, IndexError, TypeError, OverflowError):
             what += f" + {other} (not applicable)"  # e.g. predictor edits on a dense model
-    if family in ("tensors", "predictor", "alignment") and rng.random() < 0.3:
+    if family in ("tensors", "predictor", "alignment", "arch") and rng.random() < 0.3:
         d.load = {"vram_budget": BUDGET_GIB, "device": "cpu"}
         what += " (placed)"
     if "vram_budget" in d.load and rng.random() < 0.3:
@@ -110,7 +121,8 @@ def prepare(name: str, seed: int, workdir: Path) -> Prepared:
 def prepare_seed_case(name: str, workdir: Path) -> Prepared:
     """Write the files of one of the issue's seed cases (``SEED_CASES``)."""
     family, fn = SEED_CASES[name]
-    d = base_draft(True)
+    arch = SEED_ARCHS.get(name)  # (arch, seed) of the "arch" family's cases
+    d = base_draft(True) if arch is None else arch_draft(arch[0], True, seed=arch[1])
     fn(d)
     return finish(d, family, name, 0, name, workdir)
 
@@ -180,5 +192,6 @@ def families() -> dict[str, list[str]]:
 
 __all__ = [
     "BUDGET_GIB", "FAMILIES", "MUTATIONS", "OUTCOMES", "SEED_CASES", "GeneratorError", "Prepared",
-    "base_draft", "families", "finish", "prepare", "prepare_seed_case", "run", "run_case",
+    "arch_draft", "base_draft", "families", "finish", "prepare", "prepare_seed_case", "run",
+    "run_case",
 ]  # fmt: skip

@@ -13,15 +13,19 @@ from typing import Any
 
 import numpy as np
 
-from powerpy.formats.constants import GGMLType, Keys
+from powerpy.families import family
+from powerpy.formats.constants import GGMLType, Keys, Names, bias_name
 from powerpy.formats.constants import GGUFValueType as V
 from powerpy.formats.gguf_types import SCALAR_FORMATS, file_type_id
 from powerpy.formats.gguf_writer import write_gguf
-from powerpy.testing import TinySpec, tiny_kv, tiny_tensors
+from powerpy.testing import BYTE_VOCAB, TinySpec, tiny_kv, tiny_tensors
 
 FAMILIES = (
-    "kv", "hparams", "tokenizer", "tensors", "alignment", "predictor", "gpuidx", "stats",
+    "kv", "hparams", "tokenizer", "tensors", "alignment", "predictor", "gpuidx", "stats", "arch",
 )  # fmt: skip
+# the families that mutate the model file itself (a second mutation on top is drawn from these)
+MODEL_FAMILIES = ("kv", "hparams", "tokenizer", "tensors", "alignment", "predictor")
+ARCHS = ("falcon", "opt")  # the families of ``arch_draft``
 SPEC = TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_pred_hidden=16)
 PROMPT = "Hi!"
 BUDGET_GIB = 0.001  # the tiny model's dense part fits; the FFN rows are split
@@ -52,9 +56,14 @@ class Draft:
     gpuidx: Callable[[Path, Path], None] | None = None  # (model path, index path) -> writes
     stats: Callable[[Path], None] | None = None  # activation dir -> writes
     load: dict[str, Any] = field(default_factory=dict)
+    arch: str = "llama"  # the family the keys are written for
 
     def key(self, template: str) -> str:
-        return template.format(arch="llama")
+        """A per-architecture key of this draft; the RMS epsilon's template gives the norm
+        epsilon of the draft's family (LayerNorm's for falcon and opt)."""
+        if template == Keys.RMS_EPS:
+            template = family(self.arch).norm.eps_key
+        return template.format(arch=self.arch)
 
     def tensor(self, name: str) -> Tensor:
         return next(t for t in self.tensors if t.name == name)
@@ -82,6 +91,37 @@ def base_draft(sparse: bool = True, seed: int = 0) -> Draft:
         for n, a in tiny_tensors(SPEC, sparse=sparse, seed=seed).items()
     ]
     return Draft(sparse, kv, tensors)
+
+
+def arch_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
+    """The unmutated tiny model of family ``arch`` ("falcon" or "opt") in ``SPEC``'s
+    dimensions, built by ``powerpy.testing.synthetic`` (F32, working predictors). A falcon draft
+    is multi-query for an even seed and 40B-like (``SPEC.n_head_kv`` kv heads, attn_norm_2) for
+    an odd one. The dense (GGUF) draft has ``ffn_down`` (n_embd, n_ff) (and ``ffn_down.bias``)
+    for ``ffn_down_t`` and no predictors."""
+    from powerpy.testing import synthetic
+
+    n_kv = {"falcon": 1 if seed % 2 == 0 else SPEC.n_head_kv, "opt": SPEC.n_head}[arch]
+    shape = synthetic.Shape(SPEC.n_embd, SPEC.n_ff, SPEC.n_layer, SPEC.n_head, n_kv, SPEC.n_ctx,
+                            len(BYTE_VOCAB), SPEC.n_pred_hidden)  # fmt: skip
+    f32 = GGMLType.F32
+    plan = synthetic.Plan(shape, f32, f32, f32, arch)
+    kv = synthetic.key_values(plan, f"powerpy-fuzz-{arch}", 0.0 if sparse else None)
+    down_t, down = Names.FFN_DOWN_T, Names.FFN_DOWN
+    renamed = {}
+    for l in range(SPEC.n_layer):
+        renamed[down_t.format(l=l)] = down.format(l=l)
+        renamed[bias_name(down_t).format(l=l)] = bias_name(down).format(l=l)
+    tensors = []
+    for name, w in synthetic.generate(plan, seed=seed, calib_tokens=64):
+        a = w.numpy().copy()
+        if not sparse:
+            if ".fc" in name:
+                continue
+            if name in renamed:
+                a, name = np.ascontiguousarray(a.T), renamed[name]  # (n_embd, n_ff) for a matrix
+        tensors.append(Tensor(name, a, f32, a.shape))
+    return Draft(sparse, dict(kv), tensors, arch=arch)
 
 
 # --- raw writer ---------------------------------------------------------------------------------

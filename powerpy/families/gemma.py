@@ -1,0 +1,69 @@
+"""Gemma 2 and 3 (GGUF arch ``gemma2``, ``gemma3``): RMSNorm around attention and the FFN (pre
+and post norms; llama.cpp's converter stores Gemma's 1 + w in the norm weights), embeddings
+scaled by sqrt(n_embd), NeoX RoPE, GeGLU (tanh GELU), a head size of its own (``key_length``),
+sliding-window layers in a fixed pattern, and a tied output. Gemma 2 soft-caps the attention
+scores and the logits; Gemma 3 normalises each q and k head and turns its windowed layers by a
+local RoPE base (10000, unscaled) while the global ones keep the file's base and scaling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from powerpy.families.base import Family, FFNVariant, LayerTensor, Rope, gated_ffn
+from powerpy.formats.constants import Keys, Names
+
+_BLOCK = (
+    LayerTensor("attn_norm", Names.ATTN_NORM, ("n_embd",)),
+    LayerTensor("attn_q", Names.ATTN_Q, ("n_embd_q", "n_embd")),
+    LayerTensor("attn_k", Names.ATTN_K, ("n_embd_gqa", "n_embd")),
+    LayerTensor("attn_v", Names.ATTN_V, ("n_embd_gqa", "n_embd")),
+    LayerTensor("attn_output", Names.ATTN_OUTPUT, ("n_embd", "n_embd_q")),
+    LayerTensor("post_attention_norm", Names.POST_ATTN_NORM, ("n_embd",)),
+    LayerTensor("ffn_norm", Names.FFN_NORM, ("n_embd",)),
+    LayerTensor("ffn_gate", Names.FFN_GATE, ("n_ff", "n_embd")),
+    LayerTensor("ffn_up", Names.FFN_UP, ("n_ff", "n_embd")),
+    LayerTensor("post_ffw_norm", Names.POST_FFW_NORM, ("n_embd",)),
+)
+_QK_NORMS = (
+    LayerTensor("attn_q_norm", Names.ATTN_Q_NORM, ("head_dim",)),
+    LayerTensor("attn_k_norm", Names.ATTN_K_NORM, ("head_dim",)),
+)
+
+
+def _attn_scale(n_layer_27b: int, local_base: bool) -> Callable[[Callable[..., Any], int], dict]:
+    """Gemma's extra hyperparameters: the q·k scale is 1/sqrt(head size), except in the 27B
+    models (``n_layer_27b`` layers), which scale by 1/sqrt(n_embd / n_head) as llama.cpp does;
+    a file's ``attention.scale`` wins. Gemma 3's windowed layers turn by base 10000 unscaled."""
+
+    def extra(get: Callable[..., Any], n_layer: int) -> dict:
+        out: dict = {}
+        if n_layer == n_layer_27b and not get(Keys.ATTENTION_SCALE, 0.0, float):
+            out["attn_scale"] = (get(Keys.EMBEDDING_LENGTH) / get(Keys.HEAD_COUNT)) ** -0.5
+        if local_base:
+            out["rope_base_swa"] = get(Keys.ROPE_FREQ_BASE_SWA, 10000.0, float)
+            out["rope_scale_swa"] = 1.0
+        return out
+
+    return extra
+
+
+GEMMA2 = Family(
+    arch="gemma2",
+    block=_BLOCK,
+    ffn_variant=gated_ffn(FFNVariant.GEGLU),
+    rope=Rope.NEOX,
+    embed_scale=True,
+    swa_pattern=2,
+    extra_args=_attn_scale(46, local_base=False),
+)
+
+GEMMA3 = Family(
+    arch="gemma3",
+    block=_BLOCK + _QK_NORMS,
+    ffn_variant=gated_ffn(FFNVariant.GEGLU),
+    rope=Rope.NEOX,
+    embed_scale=True,
+    swa_pattern=6,
+    extra_args=_attn_scale(62, local_base=True),
+)
