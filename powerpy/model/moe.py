@@ -48,6 +48,7 @@ class ExpertHot:
         down_t: ``(k, n_embd)`` their columns of the down matrices as rows (float).
         bucket: ``(k,)`` int64 on the device: the neuron id of each row.
         cold: ``(n_expert · n_ff,)`` bool on the host, True where the neuron stays on the CPU.
+        per_expert: ``(n_expert,)`` int64 on the host, hot neurons of each expert.
         tau: ``(k,)`` f32 on the device, the cut of each hot neuron, or None.
     """
 
@@ -57,6 +58,7 @@ class ExpertHot:
     down_t: Weight
     bucket: Tensor
     cold: Tensor
+    per_expert: Tensor
     tau: Tensor | None = None
 
     @property
@@ -93,7 +95,8 @@ class Experts:
     scale: float = 0.0
     tau: Tensor | None = None
     hot: ExpertHot | None = None
-    _views: list = field(default_factory=list, repr=False)
+    _views: list = field(default_factory=list, repr=False)  # per expert (gate, up, down)
+    _ids: Tensor | None = field(default=None, repr=False)  # (n_expert, n_ff) neuron ids
 
     @property
     def n_expert(self) -> int:
@@ -123,6 +126,12 @@ class Experts:
             self._views.extend(zip(g, u, row_slices(self.down, (d,) * n), strict=True))
         return self._views[e]
 
+    def neurons(self, e: int) -> Tensor:
+        """Expert e's neuron ids among the layer's ``n_expert · n_ff``: (n_ff,) int64."""
+        if self._ids is None:
+            self._ids = torch.arange(self.n_neurons).view(self.n_expert, self.n_ff)
+        return self._ids[e]
+
     def rows(self, e: int) -> slice:
         """Expert e's neurons among the layer's ``n_expert · n_ff``."""
         return slice(e * self.n_ff, (e + 1) * self.n_ff)
@@ -131,11 +140,6 @@ class Experts:
         """‖down_e[:, j]‖ of every neuron: (n_expert · n_ff,) f32, one expert decoded at a time."""
         return torch.cat([self.expert(e)[2].dequantize().float().norm(dim=0)
                           for e in range(self.n_expert)])  # fmt: skip
-
-    def with_copies(self) -> Experts:
-        """A shallow copy (its own hot rows; the matrices are shared)."""
-        return Experts(self.router, self.gate, self.up, self.down, self.n_used, self.norm,
-                       self.scale, self.tau, self.hot, self._views)  # fmt: skip
 
 
 def cut_taus(ex: Experts, t: float) -> Tensor:
@@ -206,8 +210,9 @@ def moe_ffn(l: int, ex: Experts, x: Tensor, opts: RunOptions, accel: Accelerator
     cold = ex.hot.cold if y_hot is not None else None
     with phase(opts.timer if y_hot is not None else None, "ffn_cold"):
         y, kept = experts_host(l, ex, x_h, ids_h, w_h, tau, opts, cold)
-    if opts.stats is not None and (tau is not None or not plain):
-        opts.stats.record_counts(l, kept)
+    if opts.stats is not None:  # a hybrid adds its routed hot neurons (cut or not)
+        hot = 0 if y_hot is None else ex.hot.per_expert[ids_h].sum(1)
+        opts.stats.record_counts(l, kept + hot)
     if y_hot is None:
         return move(accel, y, x.device)
     accel.join(y_hot)
@@ -234,6 +239,8 @@ def experts_host(
     output is weighted, then the k outputs of a token are added in routing order. An observer
     sees, and an oracle chooses from, ``w_i · h`` of every neuron (0 where not routed)."""
     T, k = ids.shape
+    if T == 1 and cold is None and opts.observer is None and opts.oracle is None:
+        return _one_token(ex, x[0], ids[0], w[0], tau)
     parts = []  # (expert, tokens, slots, h (T_e, n_ff), weights (T_e,))
     for e in torch.unique(ids).tolist():
         mask = None if cold is None else cold[ex.rows(e)]  # (n_ff,) this expert's cold neurons
@@ -265,6 +272,25 @@ def experts_host(
     for i in range(1, k):
         y = y + outs[:, i]
     return y, kept
+
+
+def _one_token(
+    ex: Experts, x: Tensor, ids: Tensor, w: Tensor, tau: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """A decode step: x (n_embd,), ids and w (k,) -> ((1, n_embd), (1,) kept). The routed
+    experts' gate and up rows in one fused native call, then one down product per expert."""
+    es = ids.tolist()
+    idx = torch.cat([ex.neurons(e) for e in es])  # (k · n_ff,)
+    h = glu_rows(x, ex.gate, ex.up, idx, SWIGLU)  # (k · n_ff,)
+    ff = ex.n_ff
+    if tau is not None:
+        h.masked_fill_(h.abs() * w.repeat_interleave(ff) < tau[idx], 0.0)
+    y = None
+    for i, e in enumerate(es):
+        y_e = ex.expert(e)[2].linear(h[i * ff : (i + 1) * ff][None]).mul_(w[i])  # (1, n_embd)
+        y = y_e if y is None else y + y_e
+    kept = int((h != 0).sum()) if tau is not None else h.numel()
+    return y, torch.tensor([kept])
 
 
 def _activations(x: Tensor, gate: Weight, up: Weight, t: Tensor, mask: Tensor | None) -> Tensor:
