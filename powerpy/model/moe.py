@@ -29,7 +29,7 @@ from powerpy.config import FFNVariant
 from powerpy.model import ggml_numerics
 from powerpy.model.biased import row_slices
 from powerpy.model.device import HOST, Accelerator, move
-from powerpy.model.ffn import glu, glu_rows, scaled_cut
+from powerpy.model.ffn import glu, glu_rows, rows_sum, scaled_cut
 from powerpy.model.matrices import DenseWeight, Weight
 from powerpy.model.options import RunOptions
 from powerpy.model.timing import phase
@@ -206,7 +206,7 @@ def moe_ffn(l: int, ex: Experts, x: Tensor, opts: RunOptions, accel: Accelerator
     if ex.hot is not None and plain:
         y_hot = _hot(ex, x, ids, w, accel, scaled_cut(ex.hot.tau, opts), opts)
     with phase(opts.timer if accel is not None else None, "wait"):
-        x_h, ids_h, w_h = (move(accel, t, HOST) for t in (x, ids, w))
+        x_h, ids_h, w_h = _to_host(accel, [x, ids, w])  # one wait for the device's
     cold = ex.hot.cold if y_hot is not None else None
     with phase(opts.timer if y_hot is not None else None, "ffn_cold"):
         y, kept = experts_host(l, ex, x_h, ids_h, w_h, tau, opts, cold)
@@ -221,6 +221,16 @@ def moe_ffn(l: int, ex: Experts, x: Tensor, opts: RunOptions, accel: Accelerator
         if y_hot.device == x.device
         else (accel.move(y_hot, x.device) + y)
     )
+
+
+def _to_host(accel: Accelerator | None, ts: list[Tensor]) -> list[Tensor]:
+    """The tensors on the host, with one wait for those on the device."""
+    on_dev = [t for t in ts if t.device != HOST]
+    if not on_dev:
+        return ts
+    assert accel is not None
+    got = iter(accel.fetch(on_dev))
+    return [next(got) if t.device != HOST else t for t in ts]
 
 
 def experts_host(
@@ -328,4 +338,4 @@ def _hot(
         h = glu(hot.gate.linear(x_d), hot.up.linear(x_d), SWIGLU, inplace=True).mul_(scale)
         if tau is not None:
             h = h.masked_fill_(h.abs() < tau, 0.0)
-        return hot.down_t.rows_sum(h)
+        return rows_sum(h, hot.down_t)
