@@ -188,7 +188,7 @@ def route(ex: Experts, x: Tensor) -> tuple[Tensor, Tensor]:
 def spread(ex: Experts, ids: Tensor, w: Tensor) -> Tensor:
     """Each neuron's routing weight: ids, w (T, k) -> (T, n_expert · n_ff) f32, 0 for the
     neurons of experts a token does not route to (on the tensors' device, no host sync)."""
-    per_expert = torch.zeros(ids.shape[0], ex.n_expert, dtype=torch.float32, device=w.device)
+    per_expert = w.new_zeros(ids.shape[0], ex.n_expert)
     per_expert.scatter_(1, ids, w)
     return per_expert.repeat_interleave(ex.n_ff, dim=1)
 
