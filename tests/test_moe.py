@@ -371,3 +371,43 @@ def test_a_pwri_file_with_experts_and_a_placement_of_a_plain_gguf_are_refused(q8
     write_tiny_model(tmp_path / "d.gguf", TinySpec(), sparse=False)
     with read_gguf(tmp_path / "d.gguf") as f, pytest.raises(PlacementError, match="dense GGUF"):
         Placement.for_model(f, 1 << 30)
+
+
+# ------------------------------------------------------------------------------ fuzzing
+MOE_SEED_MESSAGES = {  # the load-path fuzzer's MoE seed cases (powerpy.testing.fuzz.experts)
+    "moe_used_over_count": ("llama.expert_used_count is 5", "llama.expert_count (4)"),
+    "moe_count_too_small": ("'blk.0.ffn_gate_inp.weight' has shape (4, 32)", "= (3, 32)"),
+    "moe_down_transposed": ("'blk.1.ffn_down_exps.weight' has shape (4, 64, 32)",
+                            "(n_expert, n_embd, n_ff_exp) = (4, 32, 64)"),
+    "moe_gate_missing": ("'blk.0.ffn_gate_exps.weight' is missing",
+                         "(n_expert, n_ff_exp, n_embd) = (4, 32, 32)"),
+    "moe_without_count": ("'blk.0.ffn_gate_inp.weight' belongs to a mixture of experts",),
+    "moe_norm_not_bool": ("'qwen3moe.expert_weights_norm' must be a BOOL",),
+}  # fmt: skip
+
+
+def test_fuzz_seed_cases_name_the_expert_tensor_or_key(tmp_path, one_thread):
+    from powerpy.testing import fuzz as fz
+
+    assert set(MOE_SEED_MESSAGES) == {n for n, (f, _) in fz.SEED_CASES.items() if f == "moe"}
+    for name, parts in MOE_SEED_MESSAGES.items():
+        p = fz.prepare_seed_case(name, tmp_path / name)
+        assert fz.run(p) == "PowerpyError", (name, p.errors)
+        assert len(p.errors) == 1 and str(p.model) in p.errors[0], (name, p.errors)
+        for part in parts:
+            assert part in p.errors[0], (name, p.errors[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_valid_moe_drafts_run_plain_and_placed(tmp_path, one_thread, arch):
+    """The fuzzer's unmutated MoE drafts run, F32 and Q8_0, CPU-only and placed, so the "moe"
+    family's refusals are its mutations'."""
+    from powerpy.testing import fuzz as fz
+    from powerpy.testing.fuzz.experts import moe_draft
+
+    for quantized in (False, True):
+        for load_kw in ({}, {"vram_budget": fz.BUDGET_GIB, "device": "cpu"}):
+            d = moe_draft(arch, quantized=quantized)
+            d.load = load_kw
+            p = fz.finish(d, "moe", "base", 0, "base", tmp_path / f"{quantized}{bool(load_kw)}")
+            assert fz.run(p) == "ok", (quantized, load_kw, p.errors)
