@@ -21,7 +21,7 @@ from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names
 from powerpy.formats.gguf_reader import read_gguf
 from powerpy.formats.gpuidx import GpuIndex
 from powerpy.formats.stats import save_activation_stats
-from powerpy.model import moe
+from powerpy.model import moe, transformer
 from powerpy.model.device import Accelerator
 from powerpy.model.matrices import QuantWeight
 from powerpy.model.numerics import Numerics
@@ -113,8 +113,9 @@ def test_the_routed_experts_match_a_float64_reference(tmp_path, norm, scale):
 
 def test_only_the_routed_experts_are_read(q8, monkeypatch):
     """Prefill: each expert some token routes to, once for its gate and up rows and once for
-    its down matrix; decode: one GLU call over exactly the routed experts' rows, then their
-    down matrices. No other expert of the stacks is touched."""
+    its down matrix; decode (one native call, or the per-op path with the same bits): one GLU
+    pass over exactly the routed experts' rows, then their down matrices. No other expert of
+    the stacks is touched."""
     llm = load(q8)
     layer_of = {id(b.moe): l for l, b in enumerate(llm.model.weights.blk)}
     routed, glus, touched = [], [], []
@@ -142,7 +143,16 @@ def test_only_the_routed_experts_are_read(q8, monkeypatch):
         want = sorted(torch.unique(routed[l]).tolist() * 2)
         assert sorted(e for k, e in touched if k == l) == want
     routed.clear(), glus.clear(), touched.clear()
-    llm.model.forward(TOKENS[6:7], cache)
+    native_cache = llm.model.new_cache(N_CTX)
+    llm.model.forward(TOKENS[:6], native_cache)
+    routed.clear(), glus.clear(), touched.clear()
+    stats = SparsityStats.empty(SPEC.n_layer, llm.model.args.ffn_neurons)
+    native = llm.model.forward(TOKENS[6:7], native_cache, RunOptions(stats=stats))  # one call
+    assert stats.active.tolist() == [2 * SPEC.n_ff] * SPEC.n_layer  # per layer: 2 experts' rows
+    assert not routed and not touched  # the native block ran
+    monkeypatch.setattr(transformer, "moe_decode", lambda *a: None)  # the per-op path
+    per_op = llm.model.forward(TOKENS[6:7], cache)
+    assert torch.equal(per_op, native)  # the same bits
     for l in range(SPEC.n_layer):
         ids = routed[l][0].tolist()
         rows = torch.cat([torch.arange(e * SPEC.n_ff, (e + 1) * SPEC.n_ff) for e in ids])

@@ -116,6 +116,8 @@ _SIGNATURES = {
     "pp_soft_max": ([_p, _i64, _i64, _p], None),  # x, rows, n, out (the MoE router)
     # W, ld, nrows, cols, x, T, out, nthreads: f32 rows in tinyBLAS's order (the MoE router)
     "pp_gemm_f32_gw": ([_p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
+    # mats (4 x 5), k, norm, scale, tau, resid, norm w, eps, out, ids, wts, act, nthreads
+    "pp_moe_decode": ([_p, _i64, _i32, _f, _p, _p, _p, _f, _p, _p, _p, _i32, _i32], _i64),
 }
 
 
@@ -395,6 +397,34 @@ class KernelLibrary:
         if k < 0:
             _raise(-k, "ffn_decode")
         return out, k
+
+    def moe_decode(
+        self,
+        mats: list[Matrix],
+        k: int,
+        x: Tensor,
+        norm: tuple[Tensor, float],
+        routing: tuple[bool, float],
+        tau: Tensor | None = None,
+    ) -> tuple[Tensor, int, Tensor, Tensor]:
+        """One token's mixture-of-experts FFN block in one call (csrc/moe.h): x (n_embd,) the
+        residual stream, ``mats`` = router, gate, up and down stacks, ``k`` experts routed,
+        ``norm`` = (ffn_norm, eps), ``routing`` = (renormalize, scale), ``tau`` the cut per
+        neuron or None. Returns (x + FFN (n_embd,), neurons added, ids (k,) int64, weights (k,))."""
+        x, w, tau = as_f32(x), as_f32(norm[0]), None if tau is None else as_f32(tau)
+        out, ids, wts = (
+            torch.empty(x.numel(), dtype=_F32),
+            torch.empty(k, dtype=_I64),
+            torch.empty(k),
+        )
+        n = self.cdll.pp_moe_decode(
+            Matrix.pack(mats), k, int(routing[0]), routing[1], 0 if tau is None else tau.data_ptr(),
+            x.data_ptr(), w.data_ptr(), norm[1], out.data_ptr(), ids.data_ptr(), wts.data_ptr(),
+            act_code(), _threads(),
+        )  # fmt: skip
+        if n < 0:
+            _raise(-n, "moe_decode")
+        return out, n, ids, wts
 
     def stream_read(self, buf: Tensor) -> float:
         """Read all of ``buf`` (contiguous CPU) on every thread, as the kernels read weights."""

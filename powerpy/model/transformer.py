@@ -28,7 +28,7 @@ from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
 from powerpy.model.matrices import Weight
-from powerpy.model.moe import Experts, moe_ffn
+from powerpy.model.moe import Experts, moe_decode, moe_ffn
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
 
@@ -388,7 +388,8 @@ class Model:
             _check_finite(h, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
         with phase(opts.timer, "ffn"):
             inp = OnDevices(self.accel, h)  # moved once: native block, norm, predictor
-            y = fused_decode(l, blk, inp, a.norm_eps, a.ffn_variant, thr, opts) if one else None
+            block = fused_decode if blk.moe is None else moe_decode  # one native call
+            y = block(l, blk, inp, a.norm_eps, a.ffn_variant, thr, opts) if one else None
             if y is None:
                 xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm, blk.ffn_norm_b)
                 pred_in = blk.predictor_input(inp, opts)

@@ -103,6 +103,8 @@ static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k,
   PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt, tau, kept)
 }
 
+#include "moe.h"  // mixtures of experts: the router in llama.cpp's order, the decode block
+
 extern "C" {
 
 // One token's attention block in one call (CPU-only decode): xn = rms_norm(x) * norm_w; q, k,
@@ -318,58 +320,6 @@ void pp_swiglu(const float* g, const float* u, int64_t n, float* out, int nthrea
     swiglu_range(g, u, a, b, out);
     return 0;
   });
-}
-
-// out[t * nrows + r] = dot(W[r], x[t]) for f32 W (nrows, cols; rows ld floats apart) and T
-// tokens x (T, cols), in the order of llama.cpp's f32 matmuls (tinyBLAS: one GW-lane FMA
-// accumulator per output over cols / GW steps, reduced by hsum_gw); cols % GW == 0. The MoE
-// router: its logits decide the routing, so they follow llama.cpp's bits.
-int pp_gemm_f32_gw(const float* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
-                   int64_t T, float* out, int nthreads) {
-  if (cols % GW || nrows < 1 || T < 1) return PP_ERR_ARG;
-  constexpr int LG = GW / VL;
-  const int nt = team_size(nthreads, nrows * cols * 4);
-  return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
-    for (int64_t r = a; r < b; ++r)
-      for (int64_t t = 0; t < T; ++t) {
-        const float *w = W + r * ld, *xt = x + t * cols;
-        vf acc[LG];
-        for (int u = 0; u < LG; ++u) acc[u] = v_zero();
-        for (int64_t i = 0; i < cols; i += GW)
-          for (int u = 0; u < LG; ++u)
-            acc[u] = v_fma(v_load(w + i + u * VL), v_load(xt + i + u * VL), acc[u]);
-        out[t * nrows + r] = lanes_hsum(acc);
-      }
-    return 0;
-  });
-}
-
-// ggml's soft_max of `rows` rows of n (the MoE router, ggml_vec_soft_max_f32): y = exp(x - max)
-// by ggml's vector exp in GW-lane chunks (each chunk's lanes summed by hsum_gw) and libm's expf
-// for the last n % GW, the chunk sums and the tail summed in double; then y *= (float)(1 / sum).
-void pp_soft_max(const float* x, int64_t rows, int64_t n, float* y) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float* yr = y + r * n;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) mx = xr[i] > mx ? xr[i] : mx;
-    double sum = 0.0;
-    int64_t i = 0;
-    for (; i + GW <= n; i += GW) {
-      float e[16] = {};
-      if (!exp16(xr + i, GW, mx, e))
-        for (int64_t l = 0; l < GW; ++l) e[l] = ggml_expf(xr[i + l] - mx);
-      for (int64_t l = 0; l < GW; ++l) yr[i + l] = e[l];
-      sum += (double)hsum_gw(e);
-    }
-    for (; i < n; ++i) {
-      const float v = expf(xr[i] - mx);
-      sum += (double)v;
-      yr[i] = v;
-    }
-    const float inv = (float)(1.0 / sum);
-    for (int64_t j = 0; j < n; ++j) yr[j] *= inv;
-  }
 }
 
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
