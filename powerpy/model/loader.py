@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from powerpy._fs import release_free_heap
 from powerpy.config import ModelArgs
 from powerpy.errors import FileFormatError, ModelConfigError
 from powerpy.families import Rope
@@ -252,6 +253,8 @@ def load_weights(
                 native=fam.llama_layout and not biased and _plain(args, l, fields),
             )
         )
+    if args.moe and any(args.down_thresholds):
+        release_free_heap()  # the experts' column norms were decoded chunk by chunk
     out_b = _bias(src, Names.OUTPUT_NORM, d, "required" if fam.output_norm_bias else "none")
     factors = {}
     for field, name in (

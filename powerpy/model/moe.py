@@ -136,10 +136,15 @@ class Experts:
         """Expert e's neurons among the layer's ``n_expert · n_ff``."""
         return slice(e * self.n_ff, (e + 1) * self.n_ff)
 
-    def down_norms(self) -> Tensor:
-        """‖down_e[:, j]‖ of every neuron: (n_expert · n_ff,) f32, one expert decoded at a time."""
-        return torch.cat([self.expert(e)[2].dequantize().float().norm(dim=0)
-                          for e in range(self.n_expert)])  # fmt: skip
+    def down_norms(self, chunk: int = 256) -> Tensor:
+        """‖down_e[:, j]‖ of every neuron: (n_expert · n_ff,) f32, ``chunk`` rows of one
+        expert decoded at a time (a whole expert in f32 can take hundreds of MB)."""
+        sq = torch.zeros(self.n_expert, self.n_ff, dtype=torch.float64)
+        for s in range(0, self.down.shape[0], chunk):
+            rows = torch.arange(s, min(s + chunk, self.down.shape[0]))
+            part = self.down.take_rows(rows).dequantize().double().square_()  # (n, n_ff)
+            sq.index_add_(0, rows // self.n_embd, part)
+        return sq.sqrt_().float().reshape(-1)
 
 
 def cut_taus(ex: Experts, t: float) -> Tensor:
