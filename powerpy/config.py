@@ -24,6 +24,7 @@ __all__ = ["SUPPORTED_ARCHS", "FFNVariant", "ModelArgs", "DEFAULT_CTX", "ACTIVAT
 
 
 DEFAULT_CTX = 4096  # positions of a KV cache when none is given (llama-server's default)
+MAX_LAYERS = 1 << 16  # a block_count above this is a corrupt file (the largest models have ~200)
 
 
 ACTIVATIONS = ("relu", "silu", "gelu")  # --ffn-act, config.json sparse_activation, hidden_act
@@ -179,6 +180,11 @@ class ModelArgs:
             cuts = float_list(kv[Keys.FFN_DOWN_THRESHOLD], Keys.FFN_DOWN_THRESHOLD, source)
         variant = fam.ffn_variant(kv, sparse, source)
         n_layer = get(Keys.BLOCK_COUNT)
+        if not 0 < n_layer <= MAX_LAYERS:
+            raise ModelConfigError(
+                f"{source}: {Keys.BLOCK_COUNT.format(arch=arch)} is {n_layer}, it must be "
+                f"between 1 and {MAX_LAYERS}; the file's keys are corrupt: re-convert the model"
+            )
         key_length = get(Keys.KEY_LENGTH, 0)
         head_dim = key_length or (n_embd // n_head if n_head > 0 else 0)
         if get(Keys.VALUE_LENGTH, head_dim) != head_dim:
@@ -188,7 +194,7 @@ class ModelArgs:
             )
         window = get(Keys.SLIDING_WINDOW, 0)
         scaling = kv.get(Keys.ROPE_SCALING_TYPE.format(arch=arch), "none")
-        if scaling not in ("none", "linear"):
+        if not isinstance(scaling, str) or scaling not in ("none", "linear"):
             raise ModelConfigError(
                 f"{source}: {Keys.ROPE_SCALING_TYPE.format(arch=arch)} is {shown(scaling)}; "
                 'powerpy runs "none" and "linear" RoPE scaling'

@@ -542,7 +542,7 @@ def test_logits_and_greedy_tokens_match_transformers(kind, act, tmp_path) -> Non
     assert len(want_tokens) == steps
 
     dense = convert(src, None, tmp_path / "m.gguf", outtype="f32")
-    llm = load(dense, weight_format="f32", ffn_act=act)
+    llm = load(dense, weight_format="f32", ffn_act=act, exact_activations=True)
     try:
         got = llm.logits(TOKENS, cache_dtype=torch.float32).numpy()
         spread = float(want.max() - want.min())

@@ -219,5 +219,7 @@ def test_falcon_matches_llama_cpp(pair):
     margin = ((top2[:, 1] - top2[:, 0]) / spread[len(ids) - 1 : -1]).min()
     print(f"{name}: max |dlogit|/spread {rel.max():.2e}, greedy margin {margin:.3f}")
     assert rel.max() <= 0.01, (name, rel.max(), int(rel.argmax()))
+    if name.endswith("q8_0"):  # Q8_0 matmuls, ggml's GELU: llama.cpp's numerics, all of them
+        assert rel.max() == 0, (name, rel.max())
     assert margin > 0.02, f"{name}: the fixture's greedy run has a near tie ({margin:.4f})"
     assert got_tokens == want_tokens, (name, got_tokens, want_tokens)

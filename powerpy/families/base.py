@@ -68,7 +68,7 @@ def gated_ffn(dense: FFNVariant) -> Callable[[Mapping[str, Any], bool, str], FFN
         if not sparse:
             return dense
         act = kv.get(Keys.SPARSE_ACTIVATION, "relu")
-        if act not in ("relu", "silu", "gelu"):
+        if not isinstance(act, str) or act not in ("relu", "silu", "gelu"):
             raise ModelConfigError(
                 f"{source}: key {Keys.SPARSE_ACTIVATION!r} is {shown(act)}; remove the key or "
                 'set it to "relu", "silu" or "gelu"'

@@ -36,7 +36,7 @@ def ffn_variant(kv: Mapping[str, Any], sparse: bool, source: str) -> FFNVariant:
     if not sparse:
         return FFNVariant.GELU
     act = kv.get(Keys.SPARSE_ACTIVATION, "relu")
-    if act not in ("relu", "gelu"):
+    if not isinstance(act, str) or act not in ("relu", "gelu"):
         raise ModelConfigError(
             f'{source}: key {Keys.SPARSE_ACTIVATION!r} is {shown(act)}; falcon runs "relu" '
             'or "gelu": fix or remove the key'

@@ -34,6 +34,8 @@ def glu(g: Tensor | None, u: Tensor, variant: FFNVariant, *, inplace: bool = Fal
     if variant is FFNVariant.RELU:
         return F.relu(u, inplace=inplace)
     if variant is FFNVariant.GELU:
+        if ggml_numerics.library(u) is not None:  # llama.cpp's numerics: ggml's GELU
+            return ggml_numerics.gelu(u)
         return F.gelu(u)  # erf form, as the models were trained (HF's nn.GELU)
     if variant is FFNVariant.GEGLU:  # tanh form (gemma's gelu_pytorch_tanh, ggml's gelu)
         return F.gelu(g, approximate="tanh").mul_(u)

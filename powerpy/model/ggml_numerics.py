@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import ModelArgs
@@ -108,3 +109,12 @@ def attention(c: ctypes.CDLL, args: ModelArgs, q: Tensor, k: Tensor, v: Tensor, 
     if st:
         raise ValueError(f"attention: invalid arguments (status {st})")
     return out
+
+
+def gelu(x: Tensor) -> Tensor:
+    """ggml's GELU of x (any shape) f32: the tanh form of each value rounded to f16, looked up
+    in a table of f16 results (llama.cpp's falcon FFN); x itself beyond ±10."""
+    x16 = x.half().float()
+    y = F.gelu(x16, approximate="tanh").half().float()
+    y = torch.where(x >= 10.0, x, y)
+    return torch.where(x <= -10.0, torch.zeros_like(x), y)
