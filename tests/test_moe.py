@@ -26,6 +26,7 @@ from powerpy.model.device import Accelerator
 from powerpy.model.matrices import QuantWeight
 from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions, SparsityStats
+from powerpy.model.timing import PhaseTimer
 from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
 from powerpy.testing import TinySpec, tiny_tensors, write_tiny_model
@@ -147,11 +148,13 @@ def test_only_the_routed_experts_are_read(q8, monkeypatch):
     llm.model.forward(TOKENS[:6], native_cache)
     routed.clear(), glus.clear(), touched.clear()
     stats = SparsityStats.empty(SPEC.n_layer, llm.model.args.ffn_neurons)
-    native = llm.model.forward(TOKENS[6:7], native_cache, RunOptions(stats=stats))  # one call
+    native = llm.model.forward(TOKENS[6:7], native_cache, RunOptions(stats=stats))  # one call:
+    # every layer's attention and experts in pp_decode_layers
     assert stats.active.tolist() == [2 * SPEC.n_ff] * SPEC.n_layer  # per layer: 2 experts' rows
     assert not routed and not touched  # the native block ran
-    monkeypatch.setattr(transformer, "moe_decode", lambda *a: None)  # the per-op path
-    per_op = llm.model.forward(TOKENS[6:7], cache)
+    monkeypatch.setattr(transformer, "moe_decode", lambda *a: None)  # the per-op path (a
+    timed = RunOptions(timer=PhaseTimer())  # timer keeps the per-layer loop)
+    per_op = llm.model.forward(TOKENS[6:7], cache, timed)
     assert torch.equal(per_op, native)  # the same bits
     for l in range(SPEC.n_layer):
         ids = routed[l][0].tolist()

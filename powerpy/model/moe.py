@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from powerpy.config import FFNVariant
-from powerpy.model import ggml_numerics, numerics
+from powerpy.model import ggml_numerics
 from powerpy.model.biased import row_slices
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import glu, glu_rows, rows_sum, scaled_cut
@@ -238,31 +238,38 @@ def _to_host(accel: Accelerator | None, ts: list[Tensor]) -> list[Tensor]:
     return [next(got) if t.device != HOST else t for t in ts]
 
 
+def moe_kernels(blk, opts: RunOptions):
+    """(library, [router, gate, up, down] matrices, tau) for the native MoE block of one decode
+    step (``pp_moe_decode``), or None where it does not apply: hot rows, profiling, an oracle,
+    f32 activations (the block computes llama.cpp's numerics), a norm or matrix the kernels
+    cannot read."""
+    ex: Experts | None = blk.moe
+    if ex is None or ex.hot is not None or opts.observer is not None or opts.oracle is not None:
+        return None
+    norm_b, post = blk.ffn_norm_b, getattr(blk, "post_ffw_norm", None)
+    if blk.ffn_norm is None or norm_b is not None or post is not None:
+        return None
+    if blk.ffn_norm.device.type != "cpu" or not opts.numerics.quantized_activations:
+        return None
+    kerns = [m.kernel() for m in (ex.router, ex.gate, ex.up, ex.down)]
+    if None in kerns or kerns[1][1].code != kerns[2][1].code:
+        return None
+    return kerns[0][0], [k[1] for k in kerns], scaled_cut(ex.tau, opts)
+
+
 def moe_decode(
     l: int, blk, x: OnDevices, norm_eps: float, variant, thr: float, opts: RunOptions
 ) -> Tensor | None:
     """A decode step's whole MoE block on the host (ffn_norm, router, routed experts, cut,
     residual) in one native call: x the residual stream -> x + FFN (1, n_embd) on the host;
-    None where it does not apply (hot rows, profiling, an oracle, f32 activations, a matrix
-    the kernels cannot read). The same bits as :func:`moe_ffn` under llama.cpp's numerics."""
-    ex: Experts | None = blk.moe
-    if ex is None or ex.hot is not None or opts.observer is not None or opts.oracle is not None:
+    None where it does not apply (:func:`moe_kernels`). The same bits as :func:`moe_ffn`."""
+    kern = moe_kernels(blk, opts)
+    if kern is None:
         return None
-    if (
-        blk.ffn_norm is None
-        or blk.ffn_norm_b is not None
-        or getattr(blk, "post_ffw_norm", None) is not None
-    ):
-        return None
-    if blk.ffn_norm.device.type != "cpu" or not numerics.current().quantized_activations:
-        return None
-    kerns = [m.kernel() for m in (ex.router, ex.gate, ex.up, ex.down)]
-    if None in kerns or kerns[1][1].code != kerns[2][1].code:
-        return None
-    lib = kerns[0][0]
-    tau = scaled_cut(ex.tau, opts)
-    y, kept, _, _ = lib.moe_decode([k[1] for k in kerns], ex.n_used, x(HOST)[0],
-                                   (blk.ffn_norm, norm_eps), (ex.norm, ex.scale), tau)  # fmt: skip
+    lib, mats, tau = kern
+    ex = blk.moe
+    y, kept, _, _ = lib.moe_decode(mats, ex.n_used, x(HOST)[0], (blk.ffn_norm, norm_eps),
+                                   (ex.norm, ex.scale), tau)  # fmt: skip
     if opts.stats is not None:
         opts.stats.record_count(l, kept)
     return y[None]

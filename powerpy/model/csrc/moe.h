@@ -80,8 +80,8 @@ void pp_soft_max(const float* x, int64_t rows, int64_t n, float* y) {
 // rows in one pass; with tau (n_expert * n_ff, or null) h_j = 0 where |h_j| * w_i < tau;
 // y_i = down_i · h_i; out = r + ((y_0 w_0 + y_1 w_1) + ...), llama.cpp's order. mats: router,
 // gate and up stacks (n_expert * n_ff, n_embd), down stack (n_expert * n_embd, n_ff), 4 x 5
-// int64. ids and wts (k) receive the routing. Returns the neurons whose down column was added
-// (their h nonzero), or -status.
+// int64. ids and wts (k, or null) receive the routing. Returns the neurons whose down column was
+// added (their h nonzero), or -status.
 int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, const float* tau,
                       const float* r, const float* norm_w, float eps, float* out, int64_t* ids,
                       float* wts, int act, int nthreads) {
@@ -91,11 +91,13 @@ int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, con
       down.nrows != E * d || gate.cols != d || down.cols != gate.nrows / E)
     return -PP_ERR_ARG;
   const int64_t ff = gate.nrows / E;
-  float* buf = (float*)std::malloc(sizeof(float) * (d + 2 * E + k * ff + 2 * d) +
-                                   sizeof(int64_t) * k * ff);
+  float* buf = (float*)std::malloc(sizeof(float) * (d + 2 * E + k * ff + 2 * d + k) +
+                                   sizeof(int64_t) * (k * ff + k));
   if (!buf) return -PP_ERR_ARG;
   float *x = buf, *logit = x + d, *p = logit + E, *h = p + E, *y = h + k * ff, *acc = y + d;
-  int64_t* idx = (int64_t*)(acc + d);
+  int64_t* idx = (int64_t*)(acc + d + k);
+  if (!ids) ids = idx + k * ff;  // the caller does not want the routing: kept here
+  if (!wts) wts = acc + d;
   rms_norm(r, norm_w, d, eps, x);
   int st = 0;
   if (router.dtype == 0 && act && d % GW == 0)
