@@ -398,34 +398,6 @@ class KernelLibrary:
             _raise(-k, "ffn_decode")
         return out, k
 
-    def moe_decode(
-        self,
-        mats: list[Matrix],
-        k: int,
-        x: Tensor,
-        norm: tuple[Tensor, float],
-        routing: tuple[bool, float],
-        tau: Tensor | None = None,
-    ) -> tuple[Tensor, int, Tensor, Tensor]:
-        """One token's mixture-of-experts FFN block in one call (csrc/moe.h): x (n_embd,) the
-        residual stream, ``mats`` = router, gate, up and down stacks, ``k`` experts routed,
-        ``norm`` = (ffn_norm, eps), ``routing`` = (renormalize, scale), ``tau`` the cut per
-        neuron or None. Returns (x + FFN (n_embd,), neurons added, ids (k,) int64, weights (k,))."""
-        x, w, tau = as_f32(x), as_f32(norm[0]), None if tau is None else as_f32(tau)
-        out, ids, wts = (
-            torch.empty(x.numel(), dtype=_F32),
-            torch.empty(k, dtype=_I64),
-            torch.empty(k),
-        )
-        n = self.cdll.pp_moe_decode(
-            Matrix.pack(mats), k, int(routing[0]), routing[1], 0 if tau is None else tau.data_ptr(),
-            x.data_ptr(), w.data_ptr(), norm[1], out.data_ptr(), ids.data_ptr(), wts.data_ptr(),
-            act_code(), _threads(),
-        )  # fmt: skip
-        if n < 0:
-            _raise(-n, "moe_decode")
-        return out, n, ids, wts
-
     def stream_read(self, buf: Tensor) -> float:
         """Read all of ``buf`` (contiguous CPU) on every thread, as the kernels read weights."""
         return self.cdll.pp_stream_read(buf.data_ptr(), buf.numel() * buf.itemsize, _threads())

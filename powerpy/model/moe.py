@@ -30,6 +30,7 @@ from powerpy.model import ggml_numerics
 from powerpy.model.biased import row_slices
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import glu, glu_rows, rows_sum, scaled_cut
+from powerpy.model.kernels import Matrix, act_code, as_f32
 from powerpy.model.matrices import DenseWeight, Weight
 from powerpy.model.options import RunOptions
 from powerpy.model.timing import phase
@@ -268,8 +269,16 @@ def moe_decode(
         return None
     lib, mats, tau = kern
     ex = blk.moe
-    y, kept, _, _ = lib.moe_decode(mats, ex.n_used, x(HOST)[0], (blk.ffn_norm, norm_eps),
-                                   (ex.norm, ex.scale), tau)  # fmt: skip
+    r, w = as_f32(x(HOST)[0]), as_f32(blk.ffn_norm)  # (n_embd,) the residual, the norm
+    tau = None if tau is None else as_f32(tau)
+    y = torch.empty(r.numel(), dtype=torch.float32)
+    kept = lib.cdll.pp_moe_decode(
+        Matrix.pack(mats), ex.n_used, int(ex.norm), ex.scale, 0 if tau is None else tau.data_ptr(),
+        r.data_ptr(), w.data_ptr(), norm_eps, y.data_ptr(), None, None, act_code(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if kept < 0:
+        raise ValueError(f"moe_decode: invalid arguments (status {-kept})")
     if opts.stats is not None:
         opts.stats.record_count(l, kept)
     return y[None]
