@@ -50,6 +50,29 @@ def swiglu_(c: ctypes.CDLL, g: Tensor, u: Tensor) -> Tensor:
     return g
 
 
+def soft_max(c: ctypes.CDLL, x: Tensor) -> Tensor:
+    """ggml's soft_max of each row of x (T, n) f32 (its exp, its sums): (T, n) f32."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    c.pp_soft_max(x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr())
+    return y
+
+
+def gemm_f32(c: ctypes.CDLL, w: Tensor, x: Tensor) -> Tensor | None:
+    """``x @ w.T`` for an f32 matrix w (rows, cols) and x (T, cols) in the order of llama.cpp's
+    f32 matmuls (tinyBLAS): (T, rows) f32; None where that order does not apply (cols not a
+    multiple of ggml's vector width, rows not contiguous)."""
+    if w.dtype is not torch.float32 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]:
+        return None
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    st = c.pp_gemm_f32_gw(
+        w.data_ptr(), w.stride(0), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0],
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return None if st else out
+
+
 def rope_table(
     c: ctypes.CDLL,
     args: ModelArgs,

@@ -1,18 +1,22 @@
-"""The down-row cut of any model in one step (``powerpy cut``): profile, per-layer cuts, PWRI file.
+"""The cut as one step for a user's own model: profile a text, set each layer's threshold at a
+quantile of ``|h_j| · ‖down_j‖``, and write a model file that carries the thresholds as
+``powerpy.ffn_down_threshold``.
 
-A GLU model whose neurons are not naturally sparse (SwiGLU, GeGLU) gains little from
-predictors: a predictor and a row gather cost about what the gate and up rows they skip cost.
-The cut (``powerpy.ffn_down_threshold``, docs/formats.md#keys-added-by-powerpy) computes every
-neuron's gate and up rows and skips the down rows of neurons whose contribution
-``|h_j| · ‖ffn_down_t[j]‖`` is below its layer's threshold ``t_l``. Here ``t_l`` is the
-``share`` quantile of that score over a calibration text, from a dense run (``down_cuts``), so
-about ``share`` of each layer's down rows are skipped on text like it.
-
-``write_cut_model`` writes the PWRI file through ``convert``: every layer ungated
-(``powerpy.dense_layers``), the cuts, the model's own activation (``powerpy.sparse_activation``),
-and placeholder predictors (all zeros, 32 hidden units) where the format needs them. They run
-nowhere in powerpy; a reader that ignores ``dense_layers`` and gates every layer finds all
-neurons active (logit 0 above the file's ``sparse_threshold`` of -1), so it runs dense.
+- ``write_cut`` (``powerpy profile --target-sparsity S --write-cut OUT``): a copy of a mixture
+  of experts or a PWRI file with the key. For a mixture of experts the score is taken over the
+  routed experts' neurons only, weighted by the routing weight (docs/moe.md#the-cut); the copy
+  stays a GGUF that llama.cpp reads too (it ignores the key). A PWRI file keeps its magic and
+  predictors.
+- ``down_cuts`` and ``write_cut_model`` (``powerpy cut``): a dense GGUF of any GLU model
+  (SwiGLU, GeGLU), whose neurons are not naturally sparse, becomes a PWRI file that computes
+  every neuron's gate and up rows and skips the down rows of neurons whose contribution is
+  below its layer's cut. ``down_cuts`` sets ``t_l`` at the ``share`` quantile of the score in a
+  dense run over a calibration text. ``write_cut_model`` writes the file through ``convert``:
+  every layer ungated (``powerpy.dense_layers``), the cuts, the model's own activation
+  (``powerpy.sparse_activation``), and placeholder predictors (all zeros, 32 hidden units) where
+  the format needs them. They run nowhere in powerpy; a reader that ignores ``dense_layers``
+  and gates every layer finds all neurons active (logit 0 above the file's
+  ``sparse_threshold`` of -1), so it runs dense.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import numpy.typing as npt
 import torch
 from tqdm.auto import tqdm
 
+from powerpy.formats.constants import GGUFValueType, Keys
 from powerpy.formats.gguf_reader import read_gguf
+from powerpy.formats.gguf_writer import write_gguf
 from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
 from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions
@@ -38,6 +44,7 @@ from powerpy.pipeline.predictors import PREDICTOR_FILE, save_predictor, write_co
 from powerpy.pipeline.profile import calibrate_thresholds, down_norms, magnitude_score
 
 log = logging.getLogger(__name__)
+
 
 PLACEHOLDER_HIDDEN = 32  # hidden units of the placeholder predictors (one Q8_0 block per row)
 PLACEHOLDER_THRESHOLD = -1.0  # below their logit 0: a reader that gates finds every neuron on
@@ -156,3 +163,46 @@ def write_cut_model(
         )
         return convert(src, d, out, outtype=outtype, activation=activation, name=name,
                        progress=progress)  # fmt: skip
+
+
+def check_cut_target(path: str | os.PathLike[str]) -> None:
+    """Raise ``ValueError`` when the file at ``path`` cannot carry a cut (before profiling)."""
+    with read_gguf(path) as gf:
+        arch = gf.kv.get(Keys.ARCHITECTURE)
+        experts = gf.kv.get(Keys.EXPERT_COUNT.format(arch=arch), 0)
+        if not gf.sparse and not experts:
+            raise ValueError(
+                f"{path}: a dense GGUF without experts has no sparse mode to carry a cut: "
+                "`powerpy cut` writes it as a PWRI file with every layer ungated and its cuts"
+            )
+
+
+def write_cut(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    thresholds: Sequence[float],
+) -> Path:
+    """A copy of model ``src`` at ``dst`` with ``powerpy.ffn_down_threshold`` = ``thresholds``
+    (one per layer, >= 0; replacing any the file had); tensors and other keys as they were.
+
+    Raises:
+        ValueError: see :func:`check_cut_target`; a threshold count that is not the layer
+            count, or a negative or non-finite threshold; ``dst`` is ``src``.
+    """
+    check_cut_target(src)
+    if Path(dst).resolve() == Path(src).resolve():
+        raise ValueError(f"{dst}: write the cut to a new file, not over the model itself")
+    with read_gguf(src) as gf:
+        arch = gf.kv.get(Keys.ARCHITECTURE)
+        n_layer = int(gf.kv[Keys.BLOCK_COUNT.format(arch=arch)])
+        cuts = [float(t) for t in thresholds]
+        if len(cuts) != n_layer or not all(0 <= t < float("inf") for t in cuts):
+            raise ValueError(
+                f"{len(cuts)} thresholds for a {n_layer}-layer model, or some negative or "
+                f"infinite: {cuts[:4]}"
+            )
+        kv = gf.typed_kv()
+        kv[Keys.FFN_DOWN_THRESHOLD] = (cuts, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+        out = write_gguf(dst, kv, gf.tensor_specs(), magic=gf.magic, alignment=gf.alignment)
+    log.info("wrote %s with per-layer cuts %s", dst, [round(t, 6) for t in cuts])
+    return out
