@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from powerpy.errors import ModelConfigError, shown
 from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, Rope, family
+from powerpy.families.experts import check_experts, expert_args
+from powerpy.families.values import float_list, layer_list, scalar, windowed_layers
 from powerpy.formats.constants import GGUFValueType, Keys, Names
 
 if TYPE_CHECKING:
@@ -63,6 +64,14 @@ class ModelArgs:
     # powerpy.ffn_down_threshold: per layer, the cut t_l >= 0 on |h_j|·‖ffn_down_t[j]‖ below
     # which a computed neuron's down row is skipped in sparse mode; () or 0: no cut
     down_thresholds: tuple[float, ...] = ()
+    # a mixture of experts (docs/moe.md): experts per layer (0: a dense FFN), experts routed per
+    # token, each expert's FFN width, whether the k routing weights are renormalized to sum to 1
+    # and a factor on them (0 or 1: none)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_norm: bool = True
+    expert_scale: float = 0.0
     key_length: int = 0  # head size, when the file sets it (gemma); 0: n_embd / n_head
     sliding_window: int = 0  # a query at p sees keys at p - window + 1 .. p; 0: all
     swa_layers: tuple[int, ...] = ()  # the layers that use the window (the family's pattern)
@@ -79,6 +88,18 @@ class ModelArgs:
     def family(self) -> Family:
         """What the model's family declares (its tensors, norm, RoPE, residual, FFN)."""
         return family(self.arch)
+
+    @property
+    def moe(self) -> bool:
+        """The FFN is a mixture of experts (``n_expert`` > 0)."""
+        return self.n_expert > 0
+
+    @property
+    def ffn_neurons(self) -> int:
+        """Neurons of one layer's FFN: ``n_ff``, or ``n_expert · n_ff_exp`` for a mixture of
+        experts, where neuron ``e · n_ff_exp + j`` is neuron j of expert e (statistics, GPU
+        indexes and placements count these)."""
+        return self.n_expert * self.n_ff_exp if self.moe else self.n_ff
 
     @property
     def head_dim(self) -> int:
@@ -152,7 +173,7 @@ class ModelArgs:
                 if default is None:
                     raise ModelConfigError(f"{source}: required key {name!r} is missing")
                 return default
-            return _scalar(kv[name], name, kind, source)
+            return scalar(kv[name], name, kind, source)
 
         tokens = kv.get(Keys.TOKENS)
         n_tokens = len(tokens) if isinstance(tokens, (list, tuple)) else None
@@ -164,12 +185,14 @@ class ModelArgs:
                 raise ModelConfigError(
                     f"{source}: key {Keys.SPARSE_THRESHOLD} must be FLOAT32, found {found!r}"
                 )
-            thr = _scalar(kv[Keys.SPARSE_THRESHOLD], Keys.SPARSE_THRESHOLD, float, source)
+            thr = scalar(kv[Keys.SPARSE_THRESHOLD], Keys.SPARSE_THRESHOLD, float, source)
         dense_layers: tuple[int, ...] = ()
         if sparse and Keys.DENSE_LAYERS in kv:
             dense_layers = layer_list(kv[Keys.DENSE_LAYERS], Keys.DENSE_LAYERS, source)
+        n_expert = get(Keys.EXPERT_COUNT, 0)
+        moe = expert_args(fam, n_expert, sparse, get, source)
         cuts: tuple[float, ...] = ()
-        if sparse and Keys.FFN_DOWN_THRESHOLD in kv:
+        if (sparse or n_expert) and Keys.FFN_DOWN_THRESHOLD in kv:
             cuts = float_list(kv[Keys.FFN_DOWN_THRESHOLD], Keys.FFN_DOWN_THRESHOLD, source)
         variant = fam.ffn_variant(kv, sparse, source)
         n_layer = get(Keys.BLOCK_COUNT)
@@ -225,6 +248,7 @@ class ModelArgs:
             attn_scale=get(Keys.ATTENTION_SCALE, 0.0, float),
             attn_softcap=get(Keys.ATTN_SOFTCAP, 0.0, float),
             final_softcap=get(Keys.FINAL_SOFTCAP, 0.0, float),
+            **moe,
         )
         if extra:
             args = dataclasses.replace(args, **extra)
@@ -312,7 +336,16 @@ class ModelArgs:
             kv[Keys.SPARSE_ACTIVATION] = (self.ffn_variant.activation, GGUFValueType.STRING)
         if self.sparse and self.dense_layers:
             kv[Keys.DENSE_LAYERS] = (list(self.dense_layers), GGUFValueType.ARRAY, u32)
-        if self.sparse and any(self.down_thresholds):
+        if self.moe:
+            kv[Keys.EXPERT_COUNT.format(arch=a)] = (self.n_expert, u32)
+            kv[Keys.EXPERT_USED_COUNT.format(arch=a)] = (self.n_expert_used, u32)
+            if self.family.expert_ff_key is not None:
+                kv[self.family.expert_ff_key.format(arch=a)] = (self.n_ff_exp, u32)
+            if not self.expert_norm:
+                kv[Keys.EXPERT_WEIGHTS_NORM.format(arch=a)] = (False, GGUFValueType.BOOL)
+            if self.expert_scale != 0.0:
+                kv[Keys.EXPERT_WEIGHTS_SCALE.format(arch=a)] = (self.expert_scale, f32)
+        if (self.sparse or self.moe) and any(self.down_thresholds):
             kv[Keys.FFN_DOWN_THRESHOLD] = (list(self.down_thresholds), GGUFValueType.ARRAY, f32)
         return kv
 
@@ -372,6 +405,8 @@ class ModelArgs:
                 f"{source}: {Keys.DENSE_LAYERS} lists layers {list(self.dense_layers)[:8]} "
                 f"beyond the model's {self.n_layer}; re-convert the model"
             )
+        if self.moe:
+            check_experts(self, source)
         if self.down_thresholds:
             float_list(self.down_thresholds, Keys.FFN_DOWN_THRESHOLD, source, self.n_layer)
         if n_tokens is not None and self.n_vocab != n_tokens:
@@ -408,92 +443,3 @@ class ModelArgs:
                 f"{source}: FFN activation {act!r} does not fit {self.arch}: {e}"
             ) from None
         return dataclasses.replace(self, ffn_variant=variant)
-
-
-def windowed_layers(
-    kv: Mapping[str, Any], fam: Family, n_layer: int, source: str
-) -> tuple[int, ...]:
-    """The layers of a file with a sliding window that use it, as llama.cpp picks them: the
-    file's ``attention.sliding_window_pattern``, a period n (layer l iff n is 0 or
-    l % n < n - 1) or a flag per layer (nonzero: windowed; layers beyond the flags are not),
-    else the family's period.
-
-    Raises:
-        ModelConfigError: a pattern that is neither; the message names the source and the key.
-    """
-    key = Keys.SLIDING_WINDOW_PATTERN.format(arch=fam.arch)
-    value = fam.swa_pattern
-    if key in kv and Keys.SLIDING_WINDOW_PATTERN not in fam.ignored_keys:
-        value = kv[key]
-    if hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping)):
-        flags = [f.item() if hasattr(f, "item") else f for f in value]  # numpy scalars
-        if not all(isinstance(f, numbers.Integral) for f in flags):
-            raise ModelConfigError(
-                f"{source}: {key} must be a period or one flag per layer (booleans or integers), "
-                f"got {shown(value)}; fix or remove the key"
-            )
-        return tuple(l for l, f in enumerate(flags[:n_layer]) if f)
-    n = _scalar(value, key, int, source)
-    if not 0 <= n < 2**32:
-        raise ModelConfigError(
-            f"{source}: {key} is {n}, it must be a period between 0 and 2^32 - 1 (0: every layer "
-            "is windowed); fix or remove the key"
-        )
-    return tuple(l for l in range(n_layer) if not n or l % n < n - 1)
-
-
-def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) -> tuple[int, ...]:
-    """A key's array of distinct layer numbers (below ``n_layer`` when given), sorted.
-
-    Raises:
-        ModelConfigError: anything else; the message names the source and the key.
-    """
-    seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
-    items = list(value) if seq else None  # a list, or the reader's numpy array
-    top = n_layer if n_layer is not None else float("inf")
-    ok = items is not None and all(
-        isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= v < top for v in items
-    )
-    if not ok or len(set(items)) != len(items):
-        below = f" below {n_layer}" if n_layer is not None else ""
-        raise ModelConfigError(
-            f"{source}: {key} must be an array of distinct layer numbers{below}, got {shown(value)}"
-        )
-    return tuple(sorted(int(v) for v in items))
-
-
-def float_list(value: Any, key: str, source: str, n: int | None = None) -> tuple[float, ...]:
-    """A key's array of numbers as floats; with ``n``, exactly n finite values >= 0 (one per
-    layer).
-
-    Raises:
-        ModelConfigError: anything else; the message names the source and the key.
-    """
-    seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
-    items = list(value) if seq else None  # a list, or the reader's numpy array
-    if items is None or not all(
-        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items
-    ):
-        raise ModelConfigError(f"{source}: {key} must be an array of numbers, got {shown(value)}")
-    out = tuple(float(v) for v in items)
-    if n is not None and (len(out) != n or not all(0 <= t < math.inf for t in out)):
-        raise ModelConfigError(
-            f"{source}: {key} must hold {n} finite values >= 0 (one per layer), found "
-            f"{len(out)}: {list(out)[:4]}; fix the values or remove the key"
-        )
-    return out
-
-
-def _scalar(v: Any, key: str, kind: type, source: str) -> Any:
-    """``v`` as one int (or finite-or-not float), refusing arrays, strings and bools by name."""
-    if isinstance(v, (list, tuple)) and len(v) == 1:
-        v = v[0]
-    ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
-    if ok and kind is int:
-        ok = float(v).is_integer() and abs(v) < 2**63
-    if not ok:
-        raise ModelConfigError(
-            f"{source}: key {key!r} must be one {'integer' if kind is int else 'number'}, got "
-            f"{shown(v)} ({type(v).__name__}); the file is corrupt: re-convert the model"
-        )
-    return kind(v)

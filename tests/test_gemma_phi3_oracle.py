@@ -33,16 +33,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from oracle_fixtures import DTYPES, RandomGGUF, compare
+from oracle_fixtures import PROMPT, TinyGGUF, bpe_vocab, check, compare
 
 from powerpy.api import load
 
 pytestmark = pytest.mark.llama_cpp
 
 D, FF, N_HEAD = 64, 128, 4
+DTYPES = ("f16", "q8_0")
 WINDOW = 8
 POST = 3.0  # gemma's post norms: sublayers outweigh the embedding, so runs do not repeat it
-SUCCESSOR = 3.0  # weight of the predecessor's embedding in phi3's output rows
 
 
 def write_gemma(
@@ -60,7 +60,7 @@ def write_gemma(
     """A random gemma2/gemma3 GGUF as llama.cpp's converter lays it out (separate q/k/v, four
     RMSNorms per block, gemma3's q/k norms, a tied output); ``keys``: gguf-py ``add_*``
     methods and values beyond the common keys (window, soft-caps, RoPE)."""
-    g = RandomGGUF(path, arch, dtype, seed)
+    g = TinyGGUF(path, arch, dtype, seed, bpe_vocab(PROMPT), "falcon")
     w = g.w
     w.add_context_length(8192)
     w.add_embedding_length(D)
@@ -80,21 +80,21 @@ def write_gemma(
     )
     for l in range(n_layer):
         b = f"blk.{l}"
-        g.norm(f"{b}.attn_norm", D)
+        g.vector(f"{b}.attn_norm.weight", D)
         g.matrix(f"{b}.attn_q.weight", N_HEAD * head, D)
         g.matrix(f"{b}.attn_k.weight", n_head_kv * head, D)
         g.matrix(f"{b}.attn_v.weight", n_head_kv * head, D)
         if arch == "gemma3":
-            g.norm(f"{b}.attn_q_norm", head)
-            g.norm(f"{b}.attn_k_norm", head)
+            g.vector(f"{b}.attn_q_norm.weight", head)
+            g.vector(f"{b}.attn_k_norm.weight", head)
         g.matrix(f"{b}.attn_output.weight", D, N_HEAD * head)
-        g.vector(f"{b}.post_attention_norm.weight", POST * (1 + 0.1 * g.rng.standard_normal(D)))
-        g.norm(f"{b}.ffn_norm", D)
+        g.vector(f"{b}.post_attention_norm.weight", D, mean=POST, std=0.1 * POST)
+        g.vector(f"{b}.ffn_norm.weight", D)
         g.matrix(f"{b}.ffn_gate.weight", FF, D)
         g.matrix(f"{b}.ffn_up.weight", FF, D)
         g.matrix(f"{b}.ffn_down.weight", D, FF)
-        g.vector(f"{b}.post_ffw_norm.weight", POST * (1 + 0.1 * g.rng.standard_normal(D)))
-    g.vector("output_norm.weight", out_norm * (1 + 0.1 * g.rng.standard_normal(D)))
+        g.vector(f"{b}.post_ffw_norm.weight", D, mean=POST, std=0.1 * POST)
+    g.vector("output_norm.weight", D, mean=out_norm, std=0.1 * out_norm)
     return g.close()
 
 
@@ -112,7 +112,10 @@ def write_phi3(
     """A random phi3 GGUF as llama.cpp's converter lays it out: fused attn_qkv (q, k, v rows)
     and ffn_up (gate rows, then up rows), an untied output; with ``long`` the long/short RoPE
     factors (n_rot/2 each)."""
-    g = RandomGGUF(path, "phi3", dtype, seed, extra=("<s>", "</s>", "<unk>"))
+    vocab = bpe_vocab(PROMPT)  # llama.cpp's phi3 vocabulary needs <s>, </s> and <unk>
+    vocab["tokens"] += ["<s>", "</s>", "<unk>"]
+    vocab["types"] += [3] * 3
+    g = TinyGGUF(path, "phi3", dtype, seed, vocab, "falcon")
     w, hd, kv = g.w, D // N_HEAD, 2
     n_rot = n_rot or hd
     w.add_context_length(n_ctx_train)
@@ -128,23 +131,19 @@ def write_phi3(
     emb = g.matrix("token_embd.weight", g.n_vocab, D, scale=np.sqrt(D))
     for l in range(n_layer):
         b = f"blk.{l}"
-        g.norm(f"{b}.attn_norm", D)
+        g.vector(f"{b}.attn_norm.weight", D)
         g.matrix(f"{b}.attn_qkv.weight", D + 2 * kv * hd, D)
         g.matrix(f"{b}.attn_output.weight", D, D)
-        g.norm(f"{b}.ffn_norm", D)
+        g.vector(f"{b}.ffn_norm.weight", D)
         g.matrix(f"{b}.ffn_up.weight", 2 * FF, D)
         g.matrix(f"{b}.ffn_down.weight", D, FF)
-    g.norm("output_norm", D)
-    # token v is also favoured after its predecessor: greedy runs walk a cycle of tokens, and
-    # the winner leads by more than the engines' numerics differ
-    succ = g.rng.permutation(g.n_vocab)
-    pred = np.empty_like(succ)
-    pred[succ] = np.arange(g.n_vocab)
-    g.matrix("output.weight", g.n_vocab, D, scale=2.0, add=SUCCESSOR * emb[pred] / np.sqrt(D))
+    g.vector("output_norm.weight", D)
+    g.output(emb)  # token v also follows its predecessor: greedy runs walk a cycle
     if long:  # divisors of the angles, >= 1 and growing with the pair, as LongRoPE's are
         half = n_rot // 2
-        g.vector("rope_factors_short.weight", 1 + 0.5 * np.linspace(0, 1, half) ** 2)
-        g.vector("rope_factors_long.weight", 1 + 8.0 * np.linspace(0, 1, half) ** 2)
+        ramp = np.linspace(0, 1, half, dtype=np.float32) ** 2
+        g.w.add_tensor("rope_factors_short.weight", 1 + 0.5 * ramp)
+        g.w.add_tensor("rope_factors_long.weight", 1 + 8.0 * ramp)
     return g.close()
 
 
@@ -221,13 +220,8 @@ def pair(request, llama_cpp, tmp_path_factory):
 
 def test_matches_llama_cpp(pair):
     name, ref, ours, n_ctx = pair
-    c = compare(ref, ours, n_ctx=n_ctx)
-    print(f"\n{name}: max |dlogit|/spread {c.rel:.2e}, greedy margin {c.margin:.3f}")
-    assert c.n_prompt > 2 * WINDOW  # the window slides
-    assert c.rel <= 0.01, (name, c.rel)
-    if name.endswith("q8_0"):  # Q8_0 matmuls and llama.cpp's float steps: bit for bit
-        assert c.rel == 0, (name, c.rel)
-    # the greedy runs' winners lead by far more than the engines differ (a tiny vocabulary of
-    # random rows leads by less than falcon's successor outputs do)
-    assert c.margin > max(0.01, 5 * c.rel), f"{name}: a near tie ({c.margin:.4f})"
-    assert c.got_tokens == c.want_tokens, (name, c.got_tokens, c.want_tokens)
+    a = compare(name, ref, ours, n_ctx=n_ctx)
+    assert len(ours.tokenize(PROMPT)) > 2 * WINDOW  # the window slides
+    # Q8_0 matmuls and llama.cpp's float steps: bit for bit. A tiny vocabulary of random rows
+    # (the tied gemma outputs) leads its runners-up by less than falcon's successor outputs do
+    check(name, a, exact=name.endswith("q8_0"), min_margin=0.01)

@@ -26,17 +26,10 @@ FAMILY = Family(
     ffn_variant=gated_ffn(FFNVariant.SWIGLU),
     rope=Rope.NEOX,
     scale_q=True,
-    swa_pattern=None,
-    # llama.cpp's phi3 loader disables the window (its converters wrote wrong ones) and reads
-    # neither soft-caps, an attention scale nor a local RoPE base
+    # llama.cpp's phi3 loader disables the window (its converters wrote wrong ones; the default
+    # swa_pattern None keeps it unapplied) and reads neither soft-caps, an attention scale nor
+    # a local RoPE base
     ignored_keys=frozenset(
-        {
-            Keys.SLIDING_WINDOW,
-            Keys.SLIDING_WINDOW_PATTERN,
-            Keys.ATTN_SOFTCAP,
-            Keys.FINAL_SOFTCAP,
-            Keys.ATTENTION_SCALE,
-            Keys.ROPE_FREQ_BASE_SWA,
-        }
-    ),  # fmt: skip
+        {Keys.ATTN_SOFTCAP, Keys.FINAL_SOFTCAP, Keys.ATTENTION_SCALE, Keys.ROPE_FREQ_BASE_SWA}
+    ),
 )

@@ -73,17 +73,17 @@ def layer_rotations(args: ModelArgs, weights, pos: Tensor, n_ctx: int) -> list[T
 def apply_rope(x: Tensor, rot: Tensor, n_rot: int, mode: Rope = Rope.NORM) -> Tensor:
     """Rotate pairs of the first n_rot dims: x (T, heads, head_dim) f32, rot (T, n_rot/2) from
     ``rope_tables``. NORM mode pairs (2i, 2i+1), NEOX mode (i, i + n_rot/2); pair i turns by
-    rotation i either way (ggml's angles)."""
+    rotation i either way (ggml's angles). Under llama.cpp's numerics both modes run ggml's
+    rounding (its fused multiply-adds): NEOX pairs are interleaved for the NORM kernel."""
     c = ggml_numerics.library(x)
-    if mode is Rope.NEOX and c is not None:  # ggml's rounding: pair (i, i + n_rot/2) adjacent
-        half = n_rot // 2
-        pairs = x[..., :n_rot].unflatten(-1, (2, half)).transpose(-1, -2).flatten(-2)
-        out = ggml_numerics.rope(c, pairs, rot, n_rot).unflatten(-1, (half, 2))
-        return torch.cat((out.transpose(-1, -2).flatten(-2), x[..., n_rot:]), dim=-1)
     if mode is Rope.NEOX:
         half = n_rot // 2
-        cos, sin = rot.real[:, None], rot.imag[:, None]  # (T, 1, n_rot/2)
         x1, x2 = x[..., :half], x[..., half:n_rot]
+        if c is not None:  # (i, i + half) -> adjacent pairs, rotated, and back
+            pairs = torch.stack((x1, x2), dim=-1).flatten(-2)
+            out = ggml_numerics.rope(c, pairs, rot, n_rot).unflatten(-1, (half, 2))
+            return torch.cat((out[..., 0], out[..., 1], x[..., n_rot:]), dim=-1)
+        cos, sin = rot.real[:, None], rot.imag[:, None]  # (T, 1, n_rot/2)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., n_rot:]), dim=-1)
     if c is not None:
         return ggml_numerics.rope(c, x, rot, n_rot)

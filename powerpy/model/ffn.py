@@ -375,7 +375,7 @@ def ffn_kernels(blk, opts: RunOptions):
     tau is the layer's cut (None: no cut)."""
     if opts.observer is not None or opts.oracle is not None or blk.hot is not None:
         return None
-    if not blk.native:
+    if not blk.native or blk.moe is not None:
         return None  # another layout (norm, residual, no gate, biases): the per-op path
     down = blk.ffn_down_t
     stored = isinstance(down, TransposedWeight)  # a dense file's ffn_down: (n_embd, n_ff)

@@ -108,7 +108,7 @@ _SIGNATURES = {
     ),
     # llama.cpp's float steps (called by powerpy.model.ggml_numerics)
     "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
-    # positions, n, n_rot, base, freq_scale, factors (or null), mscale, out
+    # positions, n, n_rot, base, freq_scale, factors (or NULL), mscale, out
     "pp_rope_table_ext": ([_p, _i64, _i64, _f, _f, _p, _f, _p], None),
     "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p], None),  # x, T, heads, head_dim, n_rot, rot
     # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, out, nthreads
@@ -118,6 +118,11 @@ _SIGNATURES = {
     "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p], None),  # x, w, T, n, eps, y
     "pp_softcap": ([_p, _i64, _f], None),  # x (in place), n, cap
     "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads
+    "pp_soft_max": ([_p, _i64, _i64, _p], None),  # x, rows, n, out (the MoE router)
+    # W, ld, nrows, cols, x, T, out, nthreads: f32 rows in tinyBLAS's order (the MoE router)
+    "pp_gemm_f32_gw": ([_p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
+    # mats (4 x 5), k, norm, scale, tau, resid, norm w, eps, out, ids, wts, act, nthreads
+    "pp_moe_decode": ([_p, _i64, _i32, _f, _p, _p, _p, _f, _p, _p, _p, _i32, _i32], _i64),
 }
 
 

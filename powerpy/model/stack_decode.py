@@ -10,7 +10,7 @@ in the same order, so the results are the same bits.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from powerpy.model.attention import attention_kernels
 from powerpy.model.cache import KVCache
 from powerpy.model.ffn import ffn_kernels
 from powerpy.model.kernels import CACHE_CODES, KernelLibrary, Matrix, as_f32
+from powerpy.model.moe import moe_kernels
 from powerpy.model.options import RunOptions
 
 _REC = kernels.LAYER_RECORD_LEN  # int64 per layer: 4 + 5 matrices of 5, 2 norms, down_stored, tau
@@ -35,8 +36,10 @@ class StackPlan:
         lib: the kernel library.
         records: (n_layer, 48) int64, the C records (pointers into ``keep``'s tensors).
         keep: the matrices and f32 norms the records point into (kept alive here).
-        gated: the layers with predictors or a cut (their counts go to the statistics).
+        gated: the layers with predictors, a cut or experts (their counts go to the statistics
+            in sparse runs; the experts' in every run, as their routing is never off).
         variant: the FFN activation's kernel code.
+        experts: the layers that are mixtures of experts.
     """
 
     lib: KernelLibrary
@@ -45,6 +48,7 @@ class StackPlan:
     gated: np.ndarray  # (k,) int64 layer ids
     variant: int
     first: int = 0  # the plan runs layers first.. (a hybrid's host-only layers)
+    experts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @staticmethod
     def build(blocks, variant, opts: RunOptions) -> StackPlan | None:
@@ -52,7 +56,15 @@ class StackPlan:
         cannot run in the native block kernels (then the caller keeps its per-layer path)."""
         recs, keep, lib = [], [], None
         for blk in blocks:
-            att, ffn = attention_kernels(blk), ffn_kernels(blk, opts)
+            att = attention_kernels(blk)
+            if blk.moe is not None:  # a mixture of experts: pp_moe_decode's record
+                rec = _moe_record(att, blk, opts, keep)
+                if rec is None:
+                    return None
+                lib = att[0]
+                recs.append(rec)
+                continue
+            ffn = ffn_kernels(blk, opts)
             if att is None or ffn is None or att[0] is not ffn[0]:
                 return None
             lib = att[0]
@@ -65,8 +77,12 @@ class StackPlan:
         if lib is None:
             return None
         records = np.ascontiguousarray(np.array(recs, dtype=np.int64).reshape(-1, _REC))
-        gated = np.flatnonzero([blk.fc1 is not None or blk.cut(opts) is not None for blk in blocks])
-        return StackPlan(lib, records, keep, gated, kernels.VARIANTS[FFNVariant(variant)])
+        gated = np.flatnonzero(
+            [b.fc1 is not None or b.cut(opts) is not None or b.moe is not None for b in blocks]
+        )
+        experts = np.flatnonzero([b.moe is not None for b in blocks])
+        code = kernels.VARIANTS[FFNVariant(variant)]
+        return StackPlan(lib, records, keep, gated, code, experts=experts)
 
     def run(
         self, args, x: Tensor, cache: KVCache, rot: Tensor, thr: float, opts: RunOptions
@@ -88,9 +104,27 @@ class StackPlan:
         )  # fmt: skip
         if st:
             raise ValueError(f"decode_layers: invalid arguments (status {st})")
-        if opts.sparse and opts.stats is not None:
-            opts.stats.record_step(self.gated + self.first, counts[self.gated])
+        rows = self.gated if opts.sparse else self.experts
+        if opts.stats is not None and rows.size:
+            opts.stats.record_step(rows + self.first, counts[rows])
         return out[None]
+
+
+def _moe_record(att, blk, opts: RunOptions, keep: list) -> list[int] | None:
+    """A mixture of experts' layer record (down_stored 2): attention, then the router, gate, up
+    and down stacks, then k, norm and the scale's bits where a fifth matrix would be; None when
+    the layer's attention or experts are not for the block kernels."""
+    kern = moe_kernels(blk, opts)
+    if att is None or kern is None or att[0] is not kern[0]:
+        return None
+    _, mats, tau = kern
+    ex = blk.moe
+    norms = [as_f32(blk.attn_norm), as_f32(blk.ffn_norm)]
+    tau = None if tau is None else as_f32(tau)
+    keep += att[1] + mats + norms + [tau]
+    scale = int(np.array([ex.scale], np.float32).view(np.int32)[0])
+    rec = list(Matrix.pack(att[1] + mats)) + [ex.n_used, int(ex.norm), scale, 0, 0]
+    return rec + [norms[0].data_ptr(), norms[1].data_ptr(), 2, 0 if tau is None else tau.data_ptr()]
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mode: plan}
@@ -101,7 +135,8 @@ def plan_for(model, opts: RunOptions) -> StackPlan | None:
     per-layer calls). It covers the layers from the first one after which every layer is on
     the host: all of a CPU-only model, the host part of a hybrid one (a placement fills the
     device from layer 0 on)."""
-    plans, key = _PLANS.setdefault(model, {}), (opts.sparse, opts.sparse and opts.cut_scale)
+    plans = _PLANS.setdefault(model, {})
+    key = (opts.sparse, opts.sparse and opts.cut_scale, opts.numerics.quantized_activations)
     if key not in plans:
         blocks = model.weights.blk
         first = len(blocks)
@@ -118,6 +153,8 @@ def plan_for(model, opts: RunOptions) -> StackPlan | None:
 
 def _native(blk, opts: RunOptions) -> bool:
     """The block runs in the native block kernels (every matrix and norm on the host)."""
+    if blk.moe is not None:
+        return attention_kernels(blk) is not None and moe_kernels(blk, opts) is not None
     return attention_kernels(blk) is not None and ffn_kernels(blk, opts) is not None
 
 

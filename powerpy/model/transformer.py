@@ -28,6 +28,7 @@ from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
 from powerpy.model.matrices import Weight
+from powerpy.model.moe import Experts, moe_decode, moe_ffn
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
 
@@ -66,6 +67,8 @@ class Block:
     post_ffw_norm: Tensor | None = None  # (n_embd,) of the FFN's output (gemma)
     # the layout the native block kernels compute (``Family.llama_layout``, and no biases)
     native: bool = True
+    # a mixture of experts in place of the dense FFN (ffn_gate, ffn_up, ffn_down_t None)
+    moe: Experts | None = None
 
     def gates(self, opts: RunOptions) -> bool:
         """Whether the predictor gates this layer's FFN in a run with ``opts``."""
@@ -176,7 +179,10 @@ class Model:
 
     @property
     def can_gate(self) -> bool:
-        """The file has predictors for every layer (a PWRI model)."""
+        """Sparse runs differ from dense ones: the file has predictors for every layer (a PWRI
+        model), or it is a mixture of experts with a cut (``powerpy.ffn_down_threshold``)."""
+        if self.args.moe:
+            return any(b.moe is not None and b.moe.tau is not None for b in self.weights.blk)
         return self.args.sparse and all(b.fc1 is not None for b in self.weights.blk)
 
     def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
@@ -382,7 +388,8 @@ class Model:
             _check_finite(h, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
         with phase(opts.timer, "ffn"):
             inp = OnDevices(self.accel, h)  # moved once: native block, norm, predictor
-            y = fused_decode(l, blk, inp, a.norm_eps, a.ffn_variant, thr, opts) if one else None
+            block = fused_decode if blk.moe is None else moe_decode  # one native call
+            y = block(l, blk, inp, a.norm_eps, a.ffn_variant, thr, opts) if one else None
             if y is None:
                 xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm, blk.ffn_norm_b)
                 pred_in = blk.predictor_input(inp, opts)
@@ -468,6 +475,8 @@ class Model:
         """The FFN of xn (T, n_embd) normed, pred_in its pre-norm value where the predictor
         reads it -> (T, n_embd). Sessions' tokens of one decode step run by ``ffn_mode``."""
         a, acc = self.args, self.accel
+        if blk.moe is not None:  # tokens are grouped by expert, whatever the mode
+            return moe_ffn(l, blk.moe, xn, opts, acc)
         if len(step.lengths) == 1 or not opts.sparse or ffn_mode == "batch":
             return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc)
         if ffn_mode == "union":

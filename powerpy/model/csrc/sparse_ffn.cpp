@@ -103,6 +103,8 @@ static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k,
   PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt, tau, kept)
 }
 
+#include "moe.h"  // mixtures of experts: the router in llama.cpp's order, the decode block
+
 extern "C" {
 
 // One token's attention block in one call (CPU-only decode): xn = rms_norm(x) * norm_w; q, k,
@@ -242,7 +244,9 @@ int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* tau, const fl
 // per layer the attention block (pp_attn_decode) then the FFN block (pp_ffn_decode), x (n_embd)
 // updated in place. layers: n_layer records of REC_LEN (49) int64 (common.h): attention mats q,
 // k, v, output (20), FFN mats fc1, fc2, gate, up, down (25; fc1 and fc2 zero: dense), then
-// attn_norm, ffn_norm, down_stored and the FFN's cut tau (zero: none). Layer l's keys and values are at
+// attn_norm, ffn_norm, down_stored and the FFN's cut tau (zero: none); down_stored 2 is a mixture
+// of experts (pp_moe_decode: FFN mats router, gate, up, down, then k, norm and the scale's bits).
+// Layer l's keys and values are at
 // kc/vc + l * layer_bytes; rot holds (cos, sin) per pair; counts[l] receives the number of
 // neurons whose down rows layer l added. Returns 0 or the first failing status.
 int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const float* rot,
@@ -264,9 +268,17 @@ int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const fl
                         n_head, n_kv, hd, (char*)kc + l * layer_bytes,
                         (char*)vc + l * layer_bytes, cdt, pos, y, act, nthreads);
     if (st) break;
-    const int64_t k = pp_ffn_decode(rec + REC_FFN, thr, (const float*)rec[REC_TAU], y,
-                                    (const float*)rec[REC_FFN_NORM], eps, variant,
-                                    (int)rec[REC_DOWN_STORED], x, act, nthreads);
+    const int64_t* f = rec + REC_FFN;
+    int64_t k;
+    if (rec[REC_DOWN_STORED] == 2) {  // a mixture of experts: router, gate, up, down stacks,
+      float scale;                    // then k, norm and the scale's bits in the fifth slot
+      std::memcpy(&scale, &f[22], sizeof(float));
+      k = pp_moe_decode(f, f[20], (int)f[21], scale, (const float*)rec[REC_TAU], y,
+                        (const float*)rec[REC_FFN_NORM], eps, x, nullptr, nullptr, act, nthreads);
+    } else {
+      k = pp_ffn_decode(f, thr, (const float*)rec[REC_TAU], y, (const float*)rec[REC_FFN_NORM],
+                        eps, variant, (int)rec[REC_DOWN_STORED], x, act, nthreads);
+    }
     if (k < 0) st = (int)-k;
     else counts[l] = k;
   }
@@ -274,10 +286,10 @@ int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const fl
   return st;
 }
 
-// ggml's RoPE angles (ggml_rope_cache_init, no YaRN ramp): for each position p = pos[i],
-// theta = p and, pair by pair, t = freq_scale * (theta / factors[j]) (factors null: 1) and
-// (cosf(t), sinf(t)) * mscale, then theta *= base^(-2 / n_rot), all in f32.
-// out (n, n_rot / 2, 2).
+// ggml's RoPE angles (ggml_rope_cache_init without YaRN): for each position p = pos[i],
+// theta = p and, pair by pair, (cosf, sinf) of freq_scale * (theta / factors[j]) times mscale,
+// then theta *= base^(-2 / n_rot), all in f32. factors (n_rot / 2) may be NULL (all 1: llama-3's
+// rope_freqs, phi3's long/short factors otherwise). out (n, n_rot / 2, 2).
 void pp_rope_table_ext(const int64_t* pos, int64_t n, int64_t n_rot, float base, float freq_scale,
                        const float* factors, float mscale, float* out) {
   const float theta_scale = powf(base, -2.0f / (float)n_rot);
@@ -291,7 +303,7 @@ void pp_rope_table_ext(const int64_t* pos, int64_t n, int64_t n_rot, float base,
   }
 }
 
-// pp_rope_table_ext unscaled: theta itself, (cosf, sinf).
+// The plain table: no scaling, no factors.
 void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
   pp_rope_table_ext(pos, n, n_rot, base, 1.0f, nullptr, 1.0f, out);
 }
