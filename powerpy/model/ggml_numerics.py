@@ -11,6 +11,7 @@ float64 and torch's attention, for research comparisons.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import torch
@@ -130,11 +131,25 @@ def attention(
     return out
 
 
+@functools.cache
+def _gelu_table(c: ctypes.CDLL) -> Tensor:
+    """ggml's table of GELU values (f32) for the 65536 f16 bit patterns (``pp_gelu_table``)."""
+    t = torch.empty(1 << 16, dtype=torch.int16)
+    c.pp_gelu_table(t.data_ptr())
+    return t.view(torch.float16).float()
+
+
 def gelu(x: Tensor) -> Tensor:
-    """ggml's GELU of x (any shape) f32: the tanh form of each value rounded to f16, looked up
-    in a table of f16 results (llama.cpp's falcon FFN); x itself beyond ±10."""
-    x16 = x.half().float()
-    y = F.gelu(x16, approximate="tanh").half().float()
+    """ggml's GELU of x (any shape) f32: each value rounded to f16 and looked up in ggml's table
+    of f16 tanh-form results (llama.cpp's falcon FFN, gemma's GeGLU); x itself beyond ±10.
+    Without the kernels the table's values come from torch's tanh form (they may differ in
+    the last f16 bit near a rounding midpoint)."""
+    c = library()
+    x16 = x.half()
+    if c is not None:
+        y = _gelu_table(c)[x16.view(torch.int16).long() & 0xFFFF]
+    else:
+        y = F.gelu(x16.float(), approximate="tanh").half().float()
     y = torch.where(x >= 10.0, x, y)
     return torch.where(x <= -10.0, torch.zeros_like(x), y)
 

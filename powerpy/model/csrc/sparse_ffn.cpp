@@ -337,6 +337,17 @@ int pp_attn_ext(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t 
                    softcap, window);
 }
 
+// ggml's GELU table (ggml_table_gelu_f16): for each f16 bit pattern i, the f16 of ggml_gelu_f32
+// of its value, the expression written as ggml writes it, so that the compiler fuses the same
+// multiply-add (1 + a·x·x); tanh-form values near an f16 rounding midpoint depend on it.
+void pp_gelu_table(uint16_t* out) {
+  const float a = 0.044715f, s = 0.79788456080286535587989211986876f;
+  for (int i = 0; i < 65536; ++i) {
+    const float x = half_to_float((uint16_t)i);
+    out[i] = float_to_half(0.5f * x * (1.0f + tanhf(s * x * (1.0f + a * x * x))));
+  }
+}
+
 // x[i] = tanhf(x[i] * (1 / cap)) * cap in place (llama.cpp's soft-cap: ggml_scale, ggml_tanh,
 // ggml_scale).
 void pp_softcap(float* x, int64_t n, float cap) {
