@@ -17,14 +17,12 @@ from torch._subclasses.fake_tensor import FakeTensor
 from powerpy.api import load
 from powerpy.errors import FileFormatError, ModelConfigError
 from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names, bias_name
-from powerpy.formats.gguf_writer import write_gguf
 from powerpy.formats.gpuidx import GpuIndex
 from powerpy.model.device import Accelerator
 from powerpy.model.options import RunOptions
 from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
 from powerpy.testing import TinySpec, tiny_tensors, write_tiny_model
-from powerpy.testing.tiny import encode_array, spec_args, vocab_kv
 
 SPECS = {
     "falcon-mqa": TinySpec(arch="falcon", n_embd=64, n_ff=256, n_head=4, n_head_kv=1),
@@ -38,12 +36,7 @@ F32 = dict(weight_format="f32")
 
 def _write(path, spec, tensors, *, sparse=True, dtype=GGMLType.F32, extra_kv=None):
     """Write ``tensors`` (f32 numpy, GGUF names) with the spec's keys; 2-D ones as ``dtype``."""
-    out = []
-    for name, arr in tensors.items():
-        t = dtype if arr.ndim == 2 else GGMLType.F32
-        out.append((name, encode_array(arr, t), t))
-    kv = vocab_kv() | spec_args(spec, sparse=sparse).to_gguf_kv(name="tiny") | (extra_kv or {})
-    write_gguf(path, kv, out, magic=b"PWRI" if sparse else b"GGUF")
+    write_tiny_model(path, spec, sparse=sparse, dtype=dtype, extra_kv=extra_kv, tensors=tensors)
     return path
 
 

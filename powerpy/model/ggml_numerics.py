@@ -132,11 +132,14 @@ def attention(
 
 
 @functools.cache
+@functools.cache
 def _gelu_table(c: ctypes.CDLL) -> Tensor:
-    """ggml's table of GELU values (f32) for the 65536 f16 bit patterns (``pp_gelu_table``)."""
-    t = torch.empty(1 << 16, dtype=torch.int16)
-    c.pp_gelu_table(t.data_ptr())
-    return t.view(torch.float16).float()
+    """ggml's table of GELU values (f32) for the 65536 f16 bit patterns (``pp_gelu_table``),
+    built once per library (every GELU call of a prompt's layers reads it)."""
+    with torch.inference_mode(False):  # a normal tensor: cached, read in and out of it
+        t = torch.empty(1 << 16, dtype=torch.int16)
+        c.pp_gelu_table(t.data_ptr())
+        return t.view(torch.float16).float()
 
 
 def gelu(x: Tensor) -> Tensor:

@@ -163,6 +163,7 @@ def write_tiny_model(
     threshold: float | None = None,
     dtype: GGMLType = GGMLType.F32,
     extra_kv: dict[str, tuple] | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a tiny random model; return its f32 tensors (numpy shapes) for reference checks.
 
@@ -174,10 +175,13 @@ def write_tiny_model(
         threshold: value of powerinfer.sparse_threshold, or None to leave the key out.
         dtype: F32, F16, Q8_0 or Q4_0 for 2-D tensors (1-D stay F32).
         extra_kv: more keys, ``{key: (value, GGUFValueType[, element type])}``.
+        tensors: write these f32 tensors (``tiny_tensors``' names and shapes, e.g. edited by a
+            test) instead of random ones.
     """
     from powerpy.formats.gguf_writer import write_gguf
 
-    tensors = tiny_tensors(spec, sparse=sparse, seed=seed)
+    if tensors is None:
+        tensors = tiny_tensors(spec, sparse=sparse, seed=seed)
     out = []
     if dtype not in (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0):
         raise ValueError(f"tiny models are written in F32, F16, Q8_0 or Q4_0, not {dtype.name}")
