@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import ModelArgs
@@ -29,6 +29,31 @@ def library(x: Tensor | None = None) -> ctypes.CDLL | None:
         return None
     lib = kernels.library()
     return None if lib is None else lib.cdll
+
+
+def score_scales(args: ModelArgs) -> tuple[bool, float]:
+    """(q scaled, scale): the q·k scale (``attn_scale``, else 1/sqrt(head_dim), as f32 computes
+    it) and whether it multiplies q before the product (llama.cpp's gemma graphs: ggml_scale of
+    q, a softmax scale of 1) rather than the scores in the softmax (every other family)."""
+    hd = np.float32(args.head_dim)
+    scale = np.float32(args.attn_scale) if args.attn_scale else np.float32(1) / np.sqrt(hd)
+    return args.arch in _Q_SCALED, float(scale)
+
+
+_Q_SCALED = frozenset({"gemma2", "gemma3"})
+
+
+def layer_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, b: Tensor | None, eps: float) -> Tensor:
+    """x (..., n) f32 -> (x - mean) / sqrt(var + eps) · w + b in ggml's order (ggml_norm: the mean
+    from a double sum, the variance from GW-lane squares, then mul, then add)."""
+    x, w = x.contiguous(), w.float().contiguous()
+    b = None if b is None else b.float().contiguous()
+    y = torch.empty_like(x)
+    c.pp_layer_norm(
+        x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
+        x.numel() // x.shape[-1], x.shape[-1], eps, y.data_ptr(),
+    )  # fmt: skip
+    return y
 
 
 def rms_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -62,26 +87,34 @@ def rope_table(
     return torch.view_as_complex(out)
 
 
-def rope(c: ctypes.CDLL, x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
-    """x (T, heads, head_dim) f32 rotated by rot (T, n_rot/2) complex64, as ggml rounds it."""
+def rope(c: ctypes.CDLL, x: Tensor, rot: Tensor, n_rot: int, neox: bool = False) -> Tensor:
+    """x (T, heads, head_dim) f32 rotated by rot (T, n_rot/2) complex64, as ggml rounds it:
+    adjacent pairs, or pairs (i, i + n_rot/2) with ``neox``."""
     x = x.contiguous().clone()
     r = torch.view_as_real(rot.contiguous())
     T, heads, hd = x.shape
-    c.pp_rope(x.data_ptr(), T, heads, hd, n_rot, r.data_ptr())
+    c.pp_rope(x.data_ptr(), T, heads, hd, n_rot, r.data_ptr(), int(neox))
     return x
 
 
-def attention(c: ctypes.CDLL, args: ModelArgs, q: Tensor, k: Tensor, v: Tensor, p0: int) -> Tensor:
+def attention(
+    c: ctypes.CDLL, args: ModelArgs, q: Tensor, k: Tensor, v: Tensor, p0: int, window: int = 0
+) -> Tensor:
     """Causal attention of T queries at positions p0.. as llama.cpp computes it without flash
     attention: q (T, n_head, head_dim) f32 after RoPE, k and v one layer's f16 cache (n_ctx,
     n_head_kv, head_dim) filled up to p0 + T -> (T, n_embd). q and the softmax weights are
-    rounded to f16; one token and batches follow ggml's two summation orders."""
+    rounded to f16; one token and batches follow ggml's two summation orders. The model's
+    scale (:func:`score_scales`) and soft-cap apply; ``window`` > 0: a query at p sees the keys
+    p - window + 1 .. p (the others are masked, as in llama.cpp's cache)."""
+    q_scaled, scale = score_scales(args)
     q = q.contiguous()
+    if q_scaled:
+        q, scale = q * scale, 1.0
     T = q.shape[0]
     out = torch.empty(T, args.n_head * args.head_dim, dtype=torch.float32)
     st = c.pp_attn(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), p0, T, args.n_head, args.n_head_kv,
-        args.head_dim, out.data_ptr(), torch.get_num_threads(),
+        args.head_dim, scale, args.attn_softcap, window, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if st:
         raise ValueError(f"attention: invalid arguments (status {st})")
@@ -89,9 +122,12 @@ def attention(c: ctypes.CDLL, args: ModelArgs, q: Tensor, k: Tensor, v: Tensor, 
 
 
 def gelu(x: Tensor) -> Tensor:
-    """ggml's GELU of x (any shape) f32: the tanh form of each value rounded to f16, looked up
-    in a table of f16 results (llama.cpp's falcon FFN); x itself beyond ±10."""
-    x16 = x.half().float()
-    y = F.gelu(x16, approximate="tanh").half().float()
-    y = torch.where(x >= 10.0, x, y)
-    return torch.where(x <= -10.0, torch.zeros_like(x), y)
+    """ggml's GELU of x (any shape) f32: each value rounded to f16 and looked up in ggml's table
+    of f16 results (the tanh form; llama.cpp's falcon FFN and gemma's GeGLU); 0 at or below
+    -10, x itself at or above 10. The kernels' own function, so the native blocks agree."""
+    c = kernels.built()
+    assert c is not None, "ggml's GELU needs the native kernels"
+    x = x.float().contiguous()
+    y = torch.empty_like(x)
+    c.cdll.pp_gelu(x.data_ptr(), x.numel(), y.data_ptr(), 1)
+    return y

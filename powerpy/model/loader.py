@@ -215,15 +215,9 @@ def load_weights(
             down = Names.FFN_DOWN.format(l=l)
             down_t = src.transposed(down, (d, ff))
         down_b = _bias(src, down, d, fam.down_bias)
-        plain = (
-            not any(fields.get(f) is not None for f in _NOT_NATIVE)
-            and (args.n_embd_q == d and not args.attn_scale and not args.attn_softcap)
-            and args.ffn_variant in kernel_variants
-        )
-        biased = down_b is not None or any(
-            isinstance(v, BiasedWeight) or (k.endswith("_b") and v is not None)
-            for k, v in fields.items()
-        )
+        native = args.ffn_variant in kernel_variants and all(
+            _kernel_readable(w) for w in (*fields.values(), down_t, fc1, fc2)
+        ) and not isinstance(fields.get("ffn_gate"), BiasedWeight)  # fmt: skip
         blocks.append(
             Block(
                 **fields,
@@ -233,7 +227,7 @@ def load_weights(
                 fc2=fc2,
                 gated=l not in args.dense_layers,
                 down_tau=cut_taus(down_t, cuts[l]) if cuts and cuts[l] > 0 else None,
-                native=fam.llama_layout and not biased and plain and l not in args.swa_layers,
+                native=native,
             )
         )
     out_b = _bias(src, Names.OUTPUT_NORM, d, "required" if fam.output_norm_bias else "none")
@@ -294,8 +288,18 @@ def _split_rows(w: Weight, sizes: tuple[int, ...]) -> list[Weight]:
     return row_slices(w, sizes)
 
 
-# Block fields the native block kernels do not compute (they keep a block on the per-op path)
-_NOT_NATIVE = ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
+def _kernel_readable(w) -> bool:
+    """A layer's field as the native block kernels read it: a vector, or a matrix (its rows
+    biased or not, a dense file's down matrix) of f32/f16/bf16 or a quantized type of
+    ``kernels.QUANT_TYPES``; every family's layout runs in them (``layer_record``)."""
+    if isinstance(w, TransposedWeight | BiasedWeight):
+        w = w.inner
+    if isinstance(w, QuantWeight):
+        return w.ggml_type in QUANT_TYPES
+    if isinstance(w, DenseWeight):
+        return w.w.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return w is None or isinstance(w, torch.Tensor)
+
 
 # Per-layer tensors some family has (their GGUF base names): a file of a family that lacks one
 # of them is of another architecture, or corrupt. Other unknown tensors are ignored.

@@ -64,7 +64,7 @@ class Block:
     attn_k_norm: Tensor | None = None  # (head_dim,) … and of each k head
     post_attention_norm: Tensor | None = None  # (n_embd,) of attention's output (gemma)
     post_ffw_norm: Tensor | None = None  # (n_embd,) of the FFN's output (gemma)
-    # the layout the native block kernels compute (``Family.llama_layout``, and no biases)
+    # the native block kernels compute this layer (every layout; ``layer_record``)
     native: bool = True
 
     def gates(self, opts: RunOptions) -> bool:
@@ -100,7 +100,10 @@ _HAS_RMS_NORM = hasattr(F, "rms_norm")
 
 def layer_norm(x: Tensor, w: Tensor, b: Tensor | None, eps: float) -> Tensor:
     """x (..., n) f32 -> (x - mean) / sqrt(var + eps) · w + b (biased variance, as ggml and
-    torch compute it)."""
+    torch compute it; in ggml's order under llama.cpp's numerics)."""
+    c = ggml_numerics.library(x)
+    if c is not None:
+        return ggml_numerics.layer_norm(c, x, w, b, eps)
     return F.layer_norm(x, w.shape, w, b, eps)
 
 
@@ -328,14 +331,14 @@ class Model:
         tables = layer_rotations(a, w, pos, step.caches[0].n_ctx)  # per layer (T, n_rot/2)
         moved = {id(t): OnDevices(self.accel, t) for t in tables if t is not None}  # one per table
         rots = [None if t is None else moved[id(t)] for t in tables]
-        rot = rots[0]
         one = tokens.shape[0] == 1  # one token: native block calls where the block is on the host
         plan = None
         if one and not check and stack_decode.usable(step.caches[0], opts):
             plan = stack_decode.plan_for(self, opts)
         for l, blk in enumerate(w.blk):
             if plan is not None and l == plan.first:
-                x = plan.run(a, self._to(x, HOST), step.caches[0], rot(HOST)[0], thr, opts)
+                host = [None if r is None else r(HOST) for r in rots]
+                x = plan.run(a, self._to(x, HOST), step.caches[0], host, thr, opts)
                 break
             x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check)
         step.advance()
@@ -370,8 +373,7 @@ class Model:
         a, one = self.args, x.shape[0] == 1
         x = self._to(x, blk.attn_norm.device)
         with phase(opts.timer, "attention"):
-            native = one and blk.native and rot is not None
-            h = attention_block(l, blk, x, step.caches[0], rot(HOST), a) if native else None
+            h = attention_block(l, blk, x, step.caches[0], rot, a) if one else None
             if h is None:
                 xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
                 att = self._to(self.attention(l, blk, xn, step, rot), x.device)
@@ -382,7 +384,7 @@ class Model:
             _check_finite(h, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
         with phase(opts.timer, "ffn"):
             inp = OnDevices(self.accel, h)  # moved once: native block, norm, predictor
-            y = fused_decode(l, blk, inp, a.norm_eps, a.ffn_variant, thr, opts) if one else None
+            y = fused_decode(l, blk, inp, a, thr, opts) if one else None
             if y is None:
                 xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm, blk.ffn_norm_b)
                 pred_in = blk.predictor_input(inp, opts)
@@ -409,17 +411,23 @@ class Model:
     ) -> Tensor:
         """x + attn(norm2(x)) + ffn(norm(x)): attn_norm feeds the FFN, and attention too
         unless the block has its own attn_norm_2; the predictor reads x (T, n_embd)."""
-        x = self._to(x, blk.attn_norm.device)
-        with phase(opts.timer, "attention"):
-            xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
-            xa = xn if blk.attn_norm_2 is None else self.norm(x, blk.attn_norm_2, blk.attn_norm_2_b)
-            att = self._to(self.attention(l, blk, xa, step, rot), x.device)
+        a, one, x = self.args, x.shape[0] == 1, self._to(x, blk.attn_norm.device)
+        with phase(opts.timer, "attention"):  # one token on the host: native blocks
+            h = attention_block(l, blk, x, step.caches[0], rot, a) if one else None  # x + att
+            if h is None:
+                xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
+                norm_2 = blk.attn_norm_2
+                xa = xn if norm_2 is None else self.norm(x, norm_2, blk.attn_norm_2_b)
+                h = x + self._to(self.attention(l, blk, xa, step, rot), x.device)
         if check:
-            _check_finite(att, f"blk.{l}", "attention (attn_norm(_2), attn_qkv/output)")
+            _check_finite(h, f"blk.{l}", "attention (attn_norm(_2), attn_qkv/output)")
         with phase(opts.timer, "ffn"):
-            pred_in = blk.predictor_input(OnDevices(self.accel, x), opts)
-            f = self._ffn(l, blk, xn, pred_in, step, thr, opts, ffn_mode)
-            y = x + att + self._down_bias(blk, self._to(f, x.device))
+            src = OnDevices(self.accel, x)
+            y = fused_decode(l, blk, OnDevices(self.accel, h), a, thr, opts, src) if one else None
+            if y is None:
+                xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
+                f = self._ffn(l, blk, xn, blk.predictor_input(src, opts), step, thr, opts, ffn_mode)
+                y = h + self._down_bias(blk, self._to(f, x.device))
         if check:
             _check_finite(y, f"blk.{l}", "the FFN (attn_norm, ffn_up/down, fc1/fc2)")
         return y

@@ -14,6 +14,37 @@ static void rms_norm(const float* x, const float* w, int64_t n, float eps, float
   for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * scale) * w[i];
 }
 
+// y = (x - mean) / sqrt(var + eps) * w + b in ggml's order (ggml_norm, then mul, then add; b
+// may be null): the mean from a double sum rounded to f32, the variance from squares summed GW
+// lanes at a time (hsum_gw, as ggml_vec_cvar_f32), the lane sums and the rest in double.
+static void layer_norm(const float* x, const float* w, const float* b, int64_t n, float eps,
+                       float* y) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += (double)x[i];
+  const float mean = (float)s / (float)n;
+  double v = 0.0;
+  int64_t i = 0;
+  if (GW == 8 || GW == 16)
+    for (; i + GW <= n; i += GW) {
+      float t[16];
+      for (int l = 0; l < GW; ++l) {
+        const float dv = x[i + l] - mean;
+        t[l] = dv * dv;
+      }
+      v += (double)hsum_gw(t);
+    }
+  for (; i < n; ++i) {
+    const float dv = x[i] - mean;
+    v += (double)(dv * dv);
+  }
+  const float var = (float)(v / (double)n);
+  const float scale = 1.0f / std::sqrt(var + eps);
+  for (int64_t j = 0; j < n; ++j) {
+    const float yw = no_contract(((x[j] - mean) * scale) * w[j]);
+    y[j] = b ? yw + b[j] : yw;
+  }
+}
+
 // dot(q, cache[at : at + n]) for an f32 (cdt 0) or f16 (cdt 1) cache.
 static inline float kv_dot(const float* q, const void* c, int cdt, int64_t at, int64_t n) {
   vf a = v_zero();
@@ -103,16 +134,24 @@ inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
   for (; t < S; ++t) p16[t] = float_to_half(s[t] * inv);
 }
 
+// How scores are made: scale (the softmax's), softcap (cap * tanh(s / cap) first; 0: none) and a
+// sliding window (a query at p sees keys p - window + 1 .. p; 0: every earlier key).
+struct AttnOpts {
+  float scale, softcap;
+  int64_t window;
+  int64_t first(int64_t p) const { return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0; }
+};
+
 // Attention of T query tokens at positions p0.. in ggml's numerics: q (T, n_head * hd) f32 after
 // RoPE; the f16 caches hold rows of n_kv * hd per position (0 .. p0 + T - 1 filled); query head h
 // reads kv head h / (n_head / n_kv); out (T, n_head * hd). One token follows llama.cpp's
 // one-token order (ggml_vec_dot_f16), a batch its tinyBLAS order where that kernel applies
 // (head_dim % GW == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v).
 static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
-                     int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads) {
+                     int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads,
+                     const AttnOpts& ao) {
   const bool one_kq = T == 1 || hd % GW, one_kqv = T == 1 || hd % 4;
   const int64_t nkv = n_kv * hd, group = n_head / n_kv, S = p0 + T;
-  const float scale = 1.0f / std::sqrt((float)hd);
   const int nt = team_size(nthreads, T * S * nkv * 8 * group);
   return run_partitioned(nt, T * n_head, [&](int64_t a, int64_t b) -> int {
     std::vector<float> s(S), acc(64 * hd);
@@ -121,9 +160,16 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
       const int64_t i = job / n_head, h = job % n_head, n = p0 + i + 1;  // cells seen
       const int64_t off = h / group * hd;
       for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(q[i * n_head * hd + h * hd + e]);
-      const int64_t t0 = kq_cells16(kc, nkv, off, hd, one_kq, q16.data(), n, s.data());
+      const int64_t c0 = ao.first(n - 1);  // the first cell in the window
+      const int64_t t0 = c0 + kq_cells16(kc + c0 * nkv, nkv, off, hd, one_kq, q16.data(), n - c0,
+                                         s.data() + c0);
       for (int64_t t = t0; t < n; ++t) s[t] = dot_f16(kc + t * nkv + off, q16.data(), hd, one_kq);
-      softmax_f16(s.data(), n, scale, p16.data());
+      for (int64_t t = 0; t < c0; ++t) s[t] = -INFINITY;  // masked: exp 0, weight 0
+      if (ao.softcap != 0.0f) {  // ggml_scale by 1 / cap, ggml_tanh, ggml_scale by cap
+        const float inv = 1.0f / ao.softcap;
+        for (int64_t t = c0; t < n; ++t) s[t] = tanhf(s[t] * inv) * ao.softcap;
+      }
+      softmax_f16(s.data(), n, ao.scale, p16.data());
       // out[d] = dot over cells of v[., d] and p16, cell t in lane (t / GW) % 4 (one token) or
       // 0, and t % GW; the padding cells of llama.cpp's cache add zeros, which change no sum.
       float* o = out + i * n_head * hd + h * hd;

@@ -183,12 +183,14 @@ int gemv_multi_impl(const uint8_t* const* W, const int64_t* ld, const int64_t* n
   });
 }
 
-inline float activate(int variant, float g, float u) {
+inline float activate(int variant, float g, float u, int act) {
   switch (variant) {
     case V_REGLU:
       return (g > 0.0f ? g : 0.0f) * u;
     case V_DRELU:
       return (g > 0.0f ? g : 0.0f) * (u > 0.0f ? u : 0.0f);
+    case V_GEGLU:
+      return geglu(g, u, act);
     default:  // V_SWIGLU
       return ggml_silu(g) * u;
   }
@@ -216,7 +218,7 @@ int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64
       const uint8_t* next[2] = {rn >= 0 ? G + rn * ldg : nullptr, rn >= 0 ? U + rn * ldu : nullptr};
       float g, u;
       Rows<DT>::dot_gu(rows, next, x, xa, cols, &g, &u);
-      out[j] = activate(variant, g, u);
+      out[j] = activate(variant, g, u, act);
     }
     return err;
   });
