@@ -122,8 +122,8 @@ def ffn_part(blk, a: ModelArgs, opts: RunOptions) -> Part | None:
     if opts.observer is not None or opts.oracle is not None or blk.hot is not None:
         return None
     lib = kernels.library()
-    if lib is None or not blk.native:
-        return None
+    if lib is None or not blk.native or blk.ffn_up is None:
+        return None  # (no up rows: another FFN, e.g. experts)
     p = Part(lib, flags=_layout_flags(a))
     down = blk.ffn_down_t
     stored = isinstance(down, TransposedWeight)  # a dense file's ffn_down: (n_embd, n_ff)
