@@ -18,6 +18,7 @@ from torch import Tensor
 
 from powerpy.model import kernels, layer_record
 from powerpy.model.cache import KVCache
+from powerpy.model.device import HOST
 from powerpy.model.kernels import CACHE_CODES, LAYER_RECORD_LEN, KernelLibrary, as_f32
 from powerpy.model.options import RunOptions
 
@@ -65,7 +66,8 @@ class StackPlan:
     ) -> Tensor:
         """x (1, n_embd) the residual stream before block ``first`` -> after the last block;
         writes those layers' cache rows at ``cache.pos`` (not advanced). rots: every layer's
-        rotations (1, n_rot/2) complex, or None (learned positions)."""
+        rotations (1, n_rot/2) complex (``OnDevices``: one object per distinct table), or None
+        (learned positions)."""
         k, v = cache.k[self.first :], cache.v[self.first :]  # (n, n_ctx, n_kv, head_dim), host
         out = as_f32(x[0]).clone()
         n_layer = self.records.shape[0]
@@ -73,7 +75,9 @@ class StackPlan:
         ptrs = np.zeros(n_layer, dtype=np.int64)
         for i, r in enumerate(rots[self.first :]):
             if r is not None:
-                t = tables.setdefault(id(r), layer_record.rotation(r))
+                t = tables.get(id(r))
+                if t is None:
+                    t = tables[id(r)] = layer_record.rotation(r(HOST))
                 ptrs[i] = t.data_ptr()
         counts = np.zeros(n_layer, dtype=np.int64)
         st = self.lib.cdll.pp_decode_layers(

@@ -337,8 +337,7 @@ class Model:
             plan = stack_decode.plan_for(self, opts)
         for l, blk in enumerate(w.blk):
             if plan is not None and l == plan.first:
-                host = [None if r is None else r(HOST) for r in rots]
-                x = plan.run(a, self._to(x, HOST), step.caches[0], host, thr, opts)
+                x = plan.run(a, self._to(x, HOST), step.caches[0], rots, thr, opts)
                 break
             x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check)
         step.advance()
