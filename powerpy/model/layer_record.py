@@ -136,6 +136,8 @@ def ffn_part(blk, a: ModelArgs, opts: RunOptions) -> Part | None:
     biases = [p.mat(S["ffn"] + 5 * i, w) for i, w in enumerate(mats)]
     if any(b is False for b in biases) or any(b is not None for b in (*biases[:3], biases[4])):
         return None  # a matrix the kernels cannot read; a bias other than up's (none has one)
+    if biases[3] is not None and blk.ffn_gate is not None:
+        return None  # an up bias in a gated FFN (no family has one; the fused GLU reads none)
     g, u = S["ffn"] + 10, S["ffn"] + 15  # the fused GLU reads gate and up rows alike
     if blk.ffn_gate is not None and any(p.slots[g + i] != p.slots[u + i] for i in (0, 3, 4)):
         return None

@@ -116,8 +116,8 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
     return PP_ERR_ARG;
   float* buf = (float*)std::malloc(sizeof(float) * (2 * nq + 2 * nkv + H.n_head * S + 2 * d));
   if (!buf) return PP_ERR_ARG;
-  float *q = buf, *k = q + nq, *v = k + nkv, *att = v + nkv, *sc = att + nq, *xn = sc + H.n_head * S;
-  float* y = xn + d;
+  float *q = buf, *k = q + nq, *v = k + nkv, *att = v + nkv, *sc = att + nq;
+  float *xn = sc + H.n_head * S, *y = xn + d;
   L.norm(x, L.attn_w, L.attn_b, d, H.eps, xn);
   int st;
   if (L.q.dtype == L.k.dtype && L.q.dtype == L.v.dtype) {
@@ -136,8 +136,10 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
   add_bias(q, L.bq, nq);
   add_bias(k, L.bk, nkv);
   add_bias(v, L.bv, nkv);
-  for (int64_t h = 0; L.q_norm && h < H.n_head; ++h) rms_norm(q + h * hd, L.q_norm, hd, H.eps, q + h * hd);
-  for (int64_t h = 0; L.k_norm && h < H.n_kv; ++h) rms_norm(k + h * hd, L.k_norm, hd, H.eps, k + h * hd);
+  for (int64_t h = 0; L.q_norm && h < H.n_head; ++h)  // per head, in place
+    rms_norm(q + h * hd, L.q_norm, hd, H.eps, q + h * hd);
+  for (int64_t h = 0; L.k_norm && h < H.n_kv; ++h)
+    rms_norm(k + h * hd, L.k_norm, hd, H.eps, k + h * hd);
   if (rope) {
     rope_heads(q, H.n_head, hd, H.n_rot, L.flags & LF_NEOX, rot);
     rope_heads(k, H.n_kv, hd, H.n_rot, L.flags & LF_NEOX, rot);
@@ -173,12 +175,12 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
 
 // One token's FFN block: r the residual stream it adds to, xs its source (r in a sequential
 // block; the block's input in a parallel one). With a predictor (fc1, fc2) the neurons j with
-// fc2·relu(fc1·xs) >= thr, else all of them; xn = the layer's FFN norm of xs; h_j = act(gate_j·xn,
-// up_j·xn) (gated), or act(up_j·xn + bias_j) (ungated: RELU, GELU); with tau, a computed neuron
-// with |h_j| < tau[j] is dropped before its down row is read; y = sum_j h_j down_t[j] (or, with
-// LF_DOWN_STORED, a dense file's ffn_down (n_embd, n_ff) times h: no predictor, no cut) plus the
-// down bias, post-normed; out = r + y (out may be xs). Returns the neurons whose down rows were
-// added, or -status.
+// fc2·relu(fc1·xs) >= thr, else all of them; xn = the layer's FFN norm of xs; h_j =
+// act(gate_j·xn, up_j·xn) (gated, no up bias), or act(up_j·xn + bias_j) (ungated: RELU, GELU);
+// with tau, a computed neuron with |h_j| < tau[j] is dropped before its down row is read; y =
+// sum_j h_j down_t[j] (or, with LF_DOWN_STORED, a dense file's ffn_down (n_embd, n_ff) times h:
+// no predictor, no cut) plus the down bias, post-normed; out = r + y (out may be xs). Returns
+// the neurons whose down rows were added, or -status.
 static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, const float* xs,
                          float* out, int act, int nthreads) {
   const bool gated = L.gate.w != nullptr, stored = L.flags & LF_DOWN_STORED;
@@ -186,7 +188,7 @@ static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, c
   const int64_t n_ff = up.nrows;
   const bool bad_variant = gated ? L.variant < V_REGLU || L.variant > V_GEGLU
                                  : L.variant != V_RELU && L.variant != V_GELU;
-  if (bad_variant || (gated && L.gate.nrows != n_ff) || !L.ffn_w ||
+  if (bad_variant || (gated && (L.gate.nrows != n_ff || L.bu)) || !L.ffn_w ||
       (stored ? down.cols != n_ff || fc1.w || L.tau : down.nrows != n_ff))
     return -PP_ERR_ARG;
   const int64_t H = fc1.w ? fc1.nrows : 0;
@@ -213,9 +215,10 @@ static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, c
   if (!st && k && gated) st = mat_glu(L.gate, up, x, sel, k, L.variant, h, act, nthreads);
   if (!st && k && !gated) {
     st = mat_gemv(up, x, sel, k, h, act, nthreads);
+    const uint16_t* gt = gelu_lut(act);
     for (int64_t j = 0; j < k && !st; ++j) {
       const float u = L.bu ? h[j] + L.bu[sel ? sel[j] : j] : h[j];
-      h[j] = L.variant == V_RELU ? (u > 0.0f ? u : 0.0f) : gelu(u, act);
+      h[j] = L.variant == V_RELU ? (u > 0.0f ? u : 0.0f) : gelu(u, gt);
     }
   }
   int64_t kept = k;  // with a cut: the rows the down pass really adds

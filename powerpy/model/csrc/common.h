@@ -199,21 +199,24 @@ inline const uint16_t* gelu_table() {
   return t.data();
 }
 
-// GELU of x: under llama.cpp's numerics (act) ggml's, x's f16 value looked up in the table (0 at
-// or below -10, x at or above 10); else the erf form (HF's nn.GELU).
-inline float gelu(float x, int act) {
-  if (!act) return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440084436210484f));
+// GELU of x: under llama.cpp's numerics ggml's, x's f16 value looked up in the table t (0 at or
+// below -10, x at or above 10); t null: the erf form (HF's nn.GELU). Callers fetch t once
+// (gelu_lut) outside their loops.
+inline const uint16_t* gelu_lut(int act) { return act ? gelu_table() : nullptr; }
+inline float gelu(float x, const uint16_t* t) {
+  if (!t) return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440084436210484f));
   if (x <= -10.0f) return 0.0f;
   if (x >= 10.0f) return x;
-  return half_to_float(gelu_table()[float_to_half(x)]);
+  return half_to_float(t[float_to_half(x)]);
 }
 
-// GEGLU's gate activation times u: ggml's table under llama.cpp's numerics, else the tanh form.
-inline float geglu(float g, float u, int act) {
-  if (!act) return gelu_tanh(g) * u;
+// GEGLU's gate activation times u: ggml's table t under llama.cpp's numerics, else (t null) the
+// tanh form.
+inline float geglu(float g, float u, const uint16_t* t) {
+  if (!t) return gelu_tanh(g) * u;
   if (g <= -10.0f) return 0.0f;
   if (g >= 10.0f) return g * u;
-  return half_to_float(gelu_table()[float_to_half(g)]) * u;
+  return half_to_float(t[float_to_half(g)]) * u;
 }
 
 // ---- prefetching --------------------------------------------------------------------------------

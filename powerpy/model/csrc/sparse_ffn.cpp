@@ -205,7 +205,8 @@ void pp_layer_norm(const float* x, const float* w, const float* b, int64_t T, in
 
 // y = GELU(x) for n values: ggml's (its f16 table) with act, else the erf form (y may be x).
 void pp_gelu(const float* x, int64_t n, float* y, int act) {
-  for (int64_t i = 0; i < n; ++i) y[i] = gelu(x[i], act);
+  const uint16_t* t = gelu_lut(act);
+  for (int64_t i = 0; i < n; ++i) y[i] = gelu(x[i], t);
 }
 
 // out = silu(g) * u elementwise (ggml's swiglu; out may alias g or u).
