@@ -420,7 +420,7 @@ def load(
     with numerics.using(num):  # without the native kernels, quantized matrices load as f16
         weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
     model = Model(args, weights, cache_dtype=CACHE_TYPES[cache_type])
-    stats = SparsityStats.empty(args.n_layer, args.n_ff)
+    stats = SparsityStats.empty(args.n_layer, args.ffn_neurons)
     threshold = resolve_threshold(threshold, args.sparse_threshold)
     opts = RunOptions(
         sparse=not dense,

@@ -97,6 +97,13 @@ def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> d
         out["norms"] += _nbytes(b.attn_norm, b.attn_norm_b, b.attn_norm_2, b.attn_norm_2_b,
                                 b.ffn_norm, b.ffn_norm_b, b.ffn_down_b)  # fmt: skip
         frac = 1.0 if active is None else float(active[l])
+        if b.moe is not None:  # the router and the routed experts' matrices, whole: a cut
+            ex = b.moe  # zeroes h, but the stored down columns are read row by row anyway
+            routed = ex.n_used / ex.n_expert
+            out["ffn"] += ex.router.nbytes + routed * (
+                ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes
+            )
+            continue
         if active is not None and b.down_tau is not None and not (b.gated and b.fc1 is not None):
             # an ungated layer with a cut reads every gate and up row, and the kept down rows
             out["ffn"] += _nbytes(b.ffn_gate, b.ffn_up) + frac * b.ffn_down_t.nbytes
@@ -164,7 +171,7 @@ def bench_mode(
     if n_gen > 0:
         best, best_active = float("inf"), None
         for _ in range(repetitions):
-            stats = SparsityStats.empty(model.args.n_layer, model.args.n_ff)
+            stats = SparsityStats.empty(model.args.n_layer, model.args.ffn_neurons)
             secs = run_tg(model, n_gen, dataclasses.replace(opts, stats=stats), first_token)
             if secs < best:
                 best, best_active = secs, stats.active_fraction() if sparse else None
@@ -207,7 +214,8 @@ def dispatch_overhead_ms(
     from powerpy.testing import TinySpec, write_tiny_model
 
     a = model.args
-    spec = TinySpec(n_embd=32, n_layer=a.n_layer, n_ff=64, n_head=2, n_head_kv=2, arch=a.arch)
+    spec = TinySpec(n_embd=32, n_layer=a.n_layer, n_ff=64, n_head=2, n_head_kv=2, arch=a.arch,
+                    n_expert=a.n_expert, n_expert_used=a.n_expert_used)  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "floor.gguf"
         write_tiny_model(path, spec, sparse=a.sparse)

@@ -17,6 +17,7 @@ COMMANDS = {
     "dump": "powerpy.commands.dump",
     "bench": "powerpy.commands.bench",
     "convert": "powerpy.commands.convert",
+    "cut": "powerpy.commands.cut",
     "profile": "powerpy.commands.profile",
     "train-predictors": "powerpy.commands.train_predictors",
     "perplexity": "powerpy.commands.perplexity",

@@ -10,8 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from powerpy.errors import ModelConfigError, shown
 from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, Rope, family
+from powerpy.families.experts import check_experts, expert_args
 from powerpy.formats.constants import GGUFValueType, Keys, Names
 
 if TYPE_CHECKING:
@@ -52,6 +55,14 @@ class ModelArgs:
     # powerpy.ffn_down_threshold: per layer, the cut t_l >= 0 on |h_j|·‖ffn_down_t[j]‖ below
     # which a computed neuron's down row is skipped in sparse mode; () or 0: no cut
     down_thresholds: tuple[float, ...] = ()
+    # a mixture of experts (docs/moe.md): experts per layer (0: a dense FFN), experts routed per
+    # token, each expert's FFN width, whether the k routing weights are renormalized to sum to 1
+    # and a factor on them (0 or 1: none)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_norm: bool = True
+    expert_scale: float = 0.0
     key_length: int = 0  # head size, when the file sets it (gemma); 0: n_embd / n_head
     sliding_window: int = 0  # a query at p sees keys at p - window + 1 .. p; 0: all
     swa_layers: tuple[int, ...] = ()  # the layers that use the window (the family's pattern)
@@ -68,6 +79,18 @@ class ModelArgs:
     def family(self) -> Family:
         """What the model's family declares (its tensors, norm, RoPE, residual, FFN)."""
         return family(self.arch)
+
+    @property
+    def moe(self) -> bool:
+        """The FFN is a mixture of experts (``n_expert`` > 0)."""
+        return self.n_expert > 0
+
+    @property
+    def ffn_neurons(self) -> int:
+        """Neurons of one layer's FFN: ``n_ff``, or ``n_expert · n_ff_exp`` for a mixture of
+        experts, where neuron ``e · n_ff_exp + j`` is neuron j of expert e (statistics, GPU
+        indexes and placements count these)."""
+        return self.n_expert * self.n_ff_exp if self.moe else self.n_ff
 
     @property
     def head_dim(self) -> int:
@@ -150,8 +173,10 @@ class ModelArgs:
         dense_layers: tuple[int, ...] = ()
         if sparse and Keys.DENSE_LAYERS in kv:
             dense_layers = layer_list(kv[Keys.DENSE_LAYERS], Keys.DENSE_LAYERS, source)
+        n_expert = get(Keys.EXPERT_COUNT, 0)
+        moe = expert_args(fam, n_expert, sparse, get, source)
         cuts: tuple[float, ...] = ()
-        if sparse and Keys.FFN_DOWN_THRESHOLD in kv:
+        if (sparse or n_expert) and Keys.FFN_DOWN_THRESHOLD in kv:
             cuts = float_list(kv[Keys.FFN_DOWN_THRESHOLD], Keys.FFN_DOWN_THRESHOLD, source)
         variant = fam.ffn_variant(kv, sparse, source)
         n_layer = get(Keys.BLOCK_COUNT)
@@ -207,6 +232,7 @@ class ModelArgs:
             attn_scale=get(Keys.ATTENTION_SCALE, 0.0, float),
             attn_softcap=get(Keys.ATTN_SOFTCAP, 0.0, float),
             final_softcap=get(Keys.FINAL_SOFTCAP, 0.0, float),
+            **moe,
         )
         if extra:
             args = dataclasses.replace(args, **extra)
@@ -288,7 +314,16 @@ class ModelArgs:
             kv[Keys.SPARSE_ACTIVATION] = (self.ffn_variant.activation, GGUFValueType.STRING)
         if self.sparse and self.dense_layers:
             kv[Keys.DENSE_LAYERS] = (list(self.dense_layers), GGUFValueType.ARRAY, u32)
-        if self.sparse and any(self.down_thresholds):
+        if self.moe:
+            kv[Keys.EXPERT_COUNT.format(arch=a)] = (self.n_expert, u32)
+            kv[Keys.EXPERT_USED_COUNT.format(arch=a)] = (self.n_expert_used, u32)
+            if self.family.expert_ff_key is not None:
+                kv[self.family.expert_ff_key.format(arch=a)] = (self.n_ff_exp, u32)
+            if not self.expert_norm:
+                kv[Keys.EXPERT_WEIGHTS_NORM.format(arch=a)] = (False, GGUFValueType.BOOL)
+            if self.expert_scale != 0.0:
+                kv[Keys.EXPERT_WEIGHTS_SCALE.format(arch=a)] = (self.expert_scale, f32)
+        if (self.sparse or self.moe) and any(self.down_thresholds):
             kv[Keys.FFN_DOWN_THRESHOLD] = (list(self.down_thresholds), GGUFValueType.ARRAY, f32)
         return kv
 
@@ -335,6 +370,8 @@ class ModelArgs:
                 f"{source}: {Keys.DENSE_LAYERS} lists layers {list(self.dense_layers)[:8]} "
                 f"beyond the model's {self.n_layer}; re-convert the model"
             )
+        if self.moe:
+            check_experts(self, source)
         if self.down_thresholds:
             float_list(self.down_thresholds, Keys.FFN_DOWN_THRESHOLD, source, self.n_layer)
         if n_tokens is not None and self.n_vocab != n_tokens:
@@ -416,10 +453,18 @@ def float_list(value: Any, key: str, source: str, n: int | None = None) -> tuple
 
 
 def _scalar(v: Any, key: str, kind: type, source: str) -> Any:
-    """``v`` as one int (or finite-or-not float), refusing arrays, strings and bools by name."""
+    """``v`` as one int (or finite-or-not float, or a bool for ``kind`` bool), refusing
+    arrays, strings and bools where a number belongs, by name."""
     if isinstance(v, (list, tuple)) and len(v) == 1:
         v = v[0]
-    ok = isinstance(v, numbers.Real) and not isinstance(v, bool)
+    if kind is bool:
+        if isinstance(v, (bool, np.bool_)):
+            return bool(v)
+        raise ModelConfigError(
+            f"{source}: key {key!r} must be a BOOL, got {shown(v)} ({type(v).__name__}); the "
+            "file is corrupt: re-convert the model"
+        )
+    ok = isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
     if ok and kind is int:
         ok = float(v).is_integer() and abs(v) < 2**63
     if not ok:

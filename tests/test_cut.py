@@ -225,3 +225,57 @@ def test_cut_scale_at_load_and_on_the_command_line(cut_model, capsys):
     assert main(["infer", *common, "-p", "a", "-n", "2", "--cut-scale=-1"]) == 1
     err = capsys.readouterr().err
     assert "--cut-scale: cut_scale -1.0 must be finite and >= 0" in err and "Traceback" not in err
+
+
+def test_the_cut_in_one_command_on_a_qwen2_model(tmp_path, capsys):
+    """`powerpy cut`: a dense qwen2 GGUF and a text -> a PWRI file, every layer ungated, with
+    its cuts at a share of the text's neurons; `perplexity --cut` shows the trade-off."""
+    from powerpy.cli import main
+    from powerpy.pipeline.corpus import kjv_text
+
+    spec = TinySpec(arch="qwen2", n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
+    src, out, text = tmp_path / "q.gguf", tmp_path / "q.powerinfer.gguf", tmp_path / "t.txt"
+    write_tiny_model(src, spec, sparse=False, seed=1)
+    text.write_text(kjv_text("train")[:3000], encoding="utf-8")
+    args = ["cut", "-m", str(src), "--text", str(text), "--tokens", "512", "--ctx", "64"]
+    assert main([*args, "-s", "0.4", "-o", str(out), "-t", "1"]) == 0
+    assert "2 layers ungated" in capsys.readouterr().err
+    gf = read_gguf(out)
+    assert gf.sparse and list(gf.kv[Keys.DENSE_LAYERS]) == [0, 1]
+    assert gf.kv[Keys.SPARSE_ACTIVATION] == "silu" and len(gf.kv[Keys.FFN_DOWN_THRESHOLD]) == 2
+    dense, cut = load(src), load(out)
+    assert cut.model.args.ffn_variant is dense.model.args.ffn_variant
+    assert all(not b.gated and b.down_tau is not None for b in cut.model.weights.blk)
+    ids = dense.tokenize(text.read_text(encoding="utf-8"), add_bos=False)[:256]
+    off = load(out, cut_scale=0.0)
+    torch.testing.assert_close(off.logits(ids), dense.logits(ids), atol=1e-4, rtol=1e-4)
+    cut.logits(ids)
+    skipped = 1 - cut.sparsity.active_fraction().mean()
+    assert 0.3 < skipped < 0.5, skipped  # the share asked for, on the calibration text
+    ppl = ["perplexity", "-m", str(out), "-f", str(text), "-c", "64", "--chunks", "4", "-t", "1"]
+    assert main([*ppl, "--cut", "0.75", "1", "1.25"]) == 0
+    rows = [l.split() for l in capsys.readouterr().out.splitlines() if l.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["0.75x", "1x", "1.25x"]
+    shares = [float(r[1].rstrip("%")) for r in rows]
+    assert shares == sorted(shares) and shares[0] > 0, rows
+    assert main([*args, "-s", "1.5", "-o", str(tmp_path / "bad.powerinfer.gguf")]) == 1
+    assert "cut share 1.5 must be in [0, 1)" in capsys.readouterr().err
+
+
+def test_a_llama3_file_keeps_its_rope_freqs(tmp_path):
+    """llama-3's ``rope_freqs.weight`` survives the conversion to PWRI (``powerpy cut``,
+    ``convert``): the sparse file at cut 0 computes the dense file's logits."""
+    from powerpy.formats.constants import GGMLType, Names
+    from powerpy.formats.gguf_writer import write_gguf
+    from powerpy.pipeline.cut import write_cut_model
+    from powerpy.testing import tiny_kv, tiny_tensors
+
+    src, out = tmp_path / "l3.gguf", tmp_path / "l3.powerinfer.gguf"
+    t = tiny_tensors(SPEC, sparse=False, seed=5)
+    hd = SPEC.n_embd // SPEC.n_head
+    t[Names.ROPE_FREQS] = np.linspace(1.0, 8.0, hd // 2, dtype=np.float32)
+    write_gguf(src, tiny_kv(SPEC), [(n, a, GGMLType.F32) for n, a in t.items()])
+    write_cut_model(src, out, [0.1, 0.1], activation="silu")
+    dense, cut = load(src), load(out, cut_scale=0.0)
+    assert torch.equal(cut.model.weights.rope_freqs, torch.from_numpy(t[Names.ROPE_FREQS]))
+    torch.testing.assert_close(cut.logits(TOKENS), dense.logits(TOKENS), atol=1e-4, rtol=1e-4)

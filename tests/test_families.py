@@ -256,3 +256,44 @@ def test_learned_positions_bound_the_context(tmp_path):
     llm.model.forward(torch.zeros(spec.n_ctx, dtype=torch.long), cache)
     with pytest.raises(ValueError, match=r"exceed the 256 positions opt has learned"):
         llm.model.forward(torch.zeros(1, dtype=torch.long), cache)
+
+
+# ------------------------------------------------------------------------------ pipeline
+@pytest.mark.parametrize("name", ["falcon-gqa", "opt"])
+def test_the_pipeline_makes_a_sparse_model_of_a_dense_relu_file(name, tmp_path):
+    """profile -> train-predictors -> convert -> sparse run and gen-gpuidx, on a dense GGUF.
+
+    The predictor reads the block input in a parallel (falcon) block and the residual before
+    ffn_norm in OPT's; profiling counts h != 0 of the ungated ReLU."""
+    from powerpy.formats.gpuidx import GpuIndex, default_gpuidx_path
+    from powerpy.formats.stats import load_activation_stats
+    from powerpy.pipeline.convert import convert
+    from powerpy.pipeline.profile import profile, write_profile
+    from powerpy.pipeline.train import TrainOptions, train_predictors
+    from powerpy.placement.lifecycle import resolve_placement
+
+    spec = SPECS[name]
+    dense = tmp_path / "dense.gguf"
+    write_tiny_model(dense, spec, sparse=False, seed=3)
+    llm = load(dense, ffn_act="relu", weight_format="f32")
+    ids = llm.tokenize("In the beginning God created the heaven and the earth. " * 12)
+    res = profile(llm.model, ids, ctx=32, max_tokens=128)
+    assert res.kind == "relu" and 0.2 < float(np.mean(res.active_fraction())) < 0.8
+    write_profile(res, tmp_path / "act")
+    counts = load_activation_stats(tmp_path / "act", spec.n_layer, spec.n_ff)
+    assert all(c.sum() > 0 for c in counts)
+    opts = TrainOptions(hidden=32, epochs=8, patience=3, batch=128, lr=3e-3)
+    report, _ = train_predictors(llm.model, ids, tmp_path / "pred", opts, ctx=32, tokens=None)
+    assert report.summary()["recall_mean"] > 0.7, report.layers
+    out = convert(dense, tmp_path / "pred", tmp_path / "m.powerinfer.gguf", outtype="f16")
+    sparse = load(out)
+    assert sparse.model.can_gate and sparse.model.args.ffn_variant == "relu"
+    sparse.logits(ids[:24])
+    assert 0 < float(sparse.sparsity.active_fraction().mean()) < 1
+    full = Placement.for_model(sparse.file, 1 << 40, n_ctx=N_CTX)
+    budget = full.used + 100 * full.layers[0].neuron_bytes  # the dense parts and 100 neurons
+    act = tmp_path / "act"
+    placement = resolve_placement(sparse.file, budget, n_ctx=N_CTX, activation_dir=act, batch=32)
+    assert placement.n_hot == 96  # whole groups of 32 neurons
+    index = GpuIndex.read(default_gpuidx_path(out), n_layer=spec.n_layer)  # beside the model
+    assert sum(len(b) for b in index.gpu_bucket) == placement.n_hot

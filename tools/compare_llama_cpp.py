@@ -7,8 +7,9 @@ Without ``--shape`` both engines run one file (default: SmolLM2-135M Q4_1), powe
 (it has no predictors). With ``--shape`` a synthetic PowerInfer model of that shape is written
 once into ``--work`` (power-law neurons, ~10% predicted active, ``tools/make_synthetic_model.py``)
 together with a dense GGUF of the same weights for llama.cpp; powerpy runs the PWRI file sparse
-and dense. (llama.cpp runs that file as SwiGLU, the synthetic model is ReGLU: the same bytes
-and operations, so speeds compare, outputs do not.)
+and dense; ``--arch falcon`` makes a Falcon-shaped one. (llama.cpp runs that file as SwiGLU, or
+GELU for falcon, where the synthetic model is ReLU: the same bytes and operations, so speeds
+compare, outputs do not.)
 
 The engines run in paired rounds (llama.cpp, then powerpy, back to back); the table gives the
 median of each and the median of the per-round ratios. llama.cpp runs in a process of its own
@@ -37,8 +38,9 @@ PROMPT = "In the beginning God created the heaven and the earth. And the earth w
 
 # ----------------------------------------------------------------------------- the files
 def dense_gguf_from_pwri(src: Path, out: Path) -> Path:
-    """The dense GGUF llama.cpp reads, from a PWRI file: predictors dropped, ``ffn_down_t``
-    (n_ff, n_embd) transposed back to ggml's ``ffn_down`` (n_embd, n_ff), same types."""
+    """The dense GGUF llama.cpp reads, from a PWRI file: predictors and powerpy's keys dropped,
+    ``ffn_down_t`` (n_ff, n_embd) transposed back to ggml's ``ffn_down`` (n_embd, n_ff), same
+    types (a quantized one rounds once more), its bias renamed ``ffn_down.bias``."""
     from powerpy.formats import quants
     from powerpy.formats.constants import Keys
     from powerpy.formats.gguf_reader import read_gguf
@@ -52,12 +54,10 @@ def dense_gguf_from_pwri(src: Path, out: Path) -> Path:
             shape = tuple(t.shape)
             if n.endswith(".ffn_down_t.weight"):
                 n, shape = n.replace(".ffn_down_t.", ".ffn_down."), shape[::-1]
-            table.append((n, shape, t.ggml_type))
-        kv = {
-            k: v
-            for k, v in gf.typed_kv().items()
-            if k not in (Keys.SPARSE_THRESHOLD, Keys.SPARSE_ACTIVATION)
-        }
+            table.append((n.replace(".ffn_down_t.bias", ".ffn_down.bias"), shape, t.ggml_type))
+        drop = (Keys.SPARSE_THRESHOLD, Keys.SPARSE_ACTIVATION, Keys.DENSE_LAYERS,
+                Keys.FFN_DOWN_THRESHOLD)  # fmt: skip
+        kv = {k: v for k, v in gf.typed_kv().items() if k not in drop}
         with GGUFStreamWriter(out, kv, table) as w:
             for src_name, (name, shape, ggml_type) in zip(names, table, strict=True):
                 if src_name.endswith(".ffn_down_t.weight"):
@@ -68,16 +68,17 @@ def dense_gguf_from_pwri(src: Path, out: Path) -> Path:
     return out
 
 
-def synthetic_pair(shape: str, dtype: str, work: Path) -> tuple[Path, Path]:
-    """(PWRI, dense GGUF) of a synthetic model, written once into ``work``."""
+def synthetic_pair(shape: str, dtype: str, work: Path, arch: str = "llama") -> tuple[Path, Path]:
+    """(PWRI, dense GGUF) of a synthetic model of ``arch``, written once into ``work``."""
     from powerpy.testing.synthetic import write_synthetic_model
 
     work.mkdir(parents=True, exist_ok=True)
-    pwri = work / f"synthetic-{shape}-{dtype}.powerinfer.gguf"
-    dense = work / f"synthetic-{shape}-{dtype}.dense.gguf"
+    name = f"synthetic-{shape}-{dtype}" if arch == "llama" else f"synthetic-{arch}-{shape}-{dtype}"
+    pwri = work / f"{name}.powerinfer.gguf"
+    dense = work / f"{name}.dense.gguf"
     if not pwri.is_file():
         print(f"writing {pwri} ...", flush=True)
-        write_synthetic_model(pwri, shape, dtype, active=0.10, powerlaw=True)
+        write_synthetic_model(pwri, shape, dtype, arch=arch, active=0.10, powerlaw=True)
     if not dense.is_file():
         print(f"writing {dense} ...", flush=True)
         dense_gguf_from_pwri(pwri, dense)
@@ -215,6 +216,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="one GGUF for both (default SmolLM2)")
     ap.add_argument("--shape", choices=("tiny", "1b", "7b"), help="synthetic model shape")
+    ap.add_argument(
+        "--arch", choices=("llama", "falcon"), default="llama", help="synthetic model family"
+    )
     ap.add_argument("--dtype", choices=("f16", "q8_0", "q4_0"), default="f16")
     ap.add_argument("--work", type=Path, default=Path("/tmp/powerpy-compare"))
     ap.add_argument("-n", type=int, default=64, help="decoded tokens (0: no tg test)")
@@ -236,7 +240,7 @@ def main() -> None:
     check_peer_build()
     torch.set_num_threads(args.threads)
     if args.shape:
-        ours_path, ref_path = synthetic_pair(args.shape, args.dtype, args.work)
+        ours_path, ref_path = synthetic_pair(args.shape, args.dtype, args.work, args.arch)
     else:
         ours_path = ref_path = Path(args.model or smollm2_path())
     llm = powerpy.load(ours_path, use_mmap=args.one_at_a_time)  # mapped: ids and modes only

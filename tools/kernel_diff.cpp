@@ -241,7 +241,7 @@ int main(int argc, char** argv) {
   }
   // ---- fused decode blocks, one layer record per layout (csrc/common.h LayerRecord)
   enum { R_ATTN_NORM = 45, R_FFN_NORM = 47, R_POST = 49, R_QK = 51, R_BIAS = 53, R_TAU = 59,
-         R_FLAGS = 60, R_VARIANT = 61, R_WINDOW = 62, R_SCALE = 63, R_SOFTCAP = 64, R_LEN = 65 };
+         R_FLAGS = 60, R_VARIANT = 61, R_WINDOW = 62, R_SCALE = 63, R_SOFTCAP = 64, R_LEN = 68 };
   enum { F_LN = 1, F_ROPE = 2, F_NEOX = 4, F_PAR = 8, F_DS = 16, F_QS = 32 };
   auto bits = [](float f) { uint32_t u; memcpy(&u, &f, 4); return (int64_t)u; };
   auto P = [](const void* p) { return (int64_t)(intptr_t)p; };

@@ -18,6 +18,7 @@ FAMILIES: dict[str, Family] = {
         opt.FAMILY,
         qwen.QWEN2,
         qwen.QWEN3,
+        qwen.QWEN3MOE,
         gemma.GEMMA2,
         gemma.GEMMA3,
         phi3.FAMILY,

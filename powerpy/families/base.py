@@ -119,12 +119,19 @@ class LayerTensor:
 
     field: str
     name: str
-    shape: tuple[str, ...]  # (rows, cols) of a matrix, (n,) of a vector
+    # (rows, cols) of a matrix, (n,) of a vector, (n_expert, rows, cols) of a stack of experts'
+    # matrices (numpy order)
+    shape: tuple[str, ...]
     optional: bool = False
     bias: str = "none"  # "none" | "optional" | "required"
     # a fused matrix read as row views: (field, rows as a ModelArgs dimension) per part, in
     # order (falcon's and phi3's attn_qkv -> attn_q, attn_k, attn_v; phi3's ffn_up -> gate, up)
     split: tuple[tuple[str, str], ...] = ()
+
+
+# The dense FFN's matrices (``Block`` fields) that a mixture of experts replaces, with the down
+# matrix; its ffn_norm stays.
+DENSE_FFN = ("ffn_gate", "ffn_up")
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,12 @@ class Family:
             name for errors) -> variant; ``ffn_acts`` the ``--ffn-act`` values a user may set
             (None: any).
         notes: what a user should know about the family (``powerpy dump``, errors).
+        experts: the tensors of a mixture-of-experts FFN (router, gate, up and down stacks;
+            docs/moe.md), which replace the dense FFN (``DENSE_FFN``) in a file whose
+            ``{arch}.expert_count`` is > 0; () for a family without experts.
+        moe_required: every file of the family has experts (qwen3moe); else experts are
+            optional (llama: Mixtral-style files).
+        expert_ff_key: the key of the experts' FFN width (None: ``feed_forward_length``).
     """
 
     arch: str
@@ -166,12 +179,16 @@ class Family:
     position_offset: int = 0  # Rope.LEARNED: position p reads row p + offset (OPT: 2)
     embed_scale: bool = False  # the embeddings are scaled by sqrt(n_embd) (gemma)
     # which layers attend through the file's sliding window: 0 every layer; n: layer l iff
-    # l % n < n - 1 (gemma2: 2, gemma3: 6); None: none (the key is ignored, as llama.cpp
-    # does for phi3)
-    swa_pattern: int | None = 0
+    # l % n < n - 1 (gemma2: 2, gemma3: 6); None: none, the key is ignored. llama.cpp reads
+    # the window in gemma's graphs only (its llama, qwen2, qwen3, phi3 and falcon graphs
+    # attend over the whole context whatever the file says), so None is the default
+    swa_pattern: int | None = None
     # hyperparameters a family reads beyond the common ones: (key getter, n_layer) ->
     # ModelArgs fields (e.g. gemma's attention scale and local RoPE base)
     extra_args: Callable[[Callable[..., Any], int], dict] | None = None
+    experts: tuple[LayerTensor, ...] = ()
+    moe_required: bool = False
+    expert_ff_key: str | None = None
 
     @property
     def llama_layout(self) -> bool:

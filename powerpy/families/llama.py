@@ -1,11 +1,15 @@
 """LLaMA (GGUF arch ``llama``): RMSNorm before attention and FFN, RoPE in NORM mode, grouped
 query attention, a gated FFN (SwiGLU dense; ReGLU in PowerInfer's ReluLLaMA and ProSparse PWRI
-files), optionally tied output. Mistral-style files (``attention.sliding_window`` on every
-layer), llama-3's ``rope_freqs`` and SmolLM2 use it too."""
+files), optionally tied output. Mistral, llama-3 (``rope_freqs``) and SmolLM2 files use it
+too, and Mixtral: a file with ``llama.expert_count`` > 0 has a mixture of SwiGLU experts in
+place of the dense FFN. A file's ``llama.attention.sliding_window`` is ignored, as llama.cpp
+ignores it: its llama graph attends over the whole context (and its converter never writes the
+key for llama files), so a Mistral GGUF runs in powerpy as it runs in llama.cpp."""
 
 from __future__ import annotations
 
 from powerpy.families.base import Family, FFNVariant, LayerTensor, gated_ffn
+from powerpy.families.experts import EXPERTS
 from powerpy.formats.constants import Names
 
 BLOCK = (
@@ -19,6 +23,7 @@ BLOCK = (
     LayerTensor("ffn_up", Names.FFN_UP, ("n_ff", "n_embd")),
 )
 
-
 # a dense file runs SwiGLU, a PWRI file ReGLU (ReluLLaMA, ProSparse) unless it says "silu"
-FAMILY = Family(arch="llama", block=BLOCK, ffn_variant=gated_ffn(FFNVariant.SWIGLU))
+FAMILY = Family(
+    arch="llama", block=BLOCK, ffn_variant=gated_ffn(FFNVariant.SWIGLU), experts=EXPERTS
+)

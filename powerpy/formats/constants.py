@@ -154,6 +154,14 @@ class Keys:
     ROPE_SCALING_ATTN_FACTOR = "{arch}.rope.scaling.attn_factor"  # scales cos and sin
     ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
     VOCAB_SIZE = "{arch}.vocab_size"
+    # mixture of experts (llama.cpp's keys): experts per layer, experts routed per token, the
+    # experts' FFN width where it differs from feed_forward_length (qwen3moe), whether the k
+    # routing weights are renormalized to sum to 1, and a factor on them (0 or 1: none)
+    EXPERT_COUNT = "{arch}.expert_count"
+    EXPERT_USED_COUNT = "{arch}.expert_used_count"
+    EXPERT_FEED_FORWARD_LENGTH = "{arch}.expert_feed_forward_length"
+    EXPERT_WEIGHTS_NORM = "{arch}.expert_weights_norm"
+    EXPERT_WEIGHTS_SCALE = "{arch}.expert_weights_scale"
 
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"  # FLOAT32, PWRI only, no arch prefix
     # powerpy's marker for a SiLU (SwiGLU) model sparsified by magnitude labels (CATS/TEAL-style)
@@ -228,6 +236,12 @@ class Names:
     FFN_DOWN_T = "blk.{l}.ffn_down_t.weight"  # PWRI files: (n_ff, n_embd) numpy shape
     FC1 = "blk.{l}.fc1.weight"  # predictor (H, n_embd)
     FC2 = "blk.{l}.fc2.weight"  # predictor (n_ff, H)
+    # mixture of experts, numpy shapes: the router (n_expert, n_embd); gate and up (n_expert,
+    # n_ff_exp, n_embd); down (n_expert, n_embd, n_ff_exp) as llama.cpp stores it
+    FFN_GATE_INP = "blk.{l}.ffn_gate_inp.weight"
+    FFN_GATE_EXPS = "blk.{l}.ffn_gate_exps.weight"
+    FFN_UP_EXPS = "blk.{l}.ffn_up_exps.weight"
+    FFN_DOWN_EXPS = "blk.{l}.ffn_down_exps.weight"
 
     # A tensor's bias is its name with ".bias" for ".weight" (:func:`bias_name`).
 

@@ -36,12 +36,11 @@ def rope_tables(
     (one per token): θ_j = base^(-2j/n_rot) / factors[j] (``base`` defaults to the model's;
     ``factors`` (n_rot/2,) are llama-3's ``rope_freqs`` or phi3's), a the model's
     ``rope_attn_factor``. Computed as ggml computes them where the call keeps llama.cpp's
-    numerics and nothing rescales them, else in float64."""
+    numerics, else in float64."""
     base = args.rope_base if base is None else base
     c = ggml_numerics.library()
-    plain = scale == 1.0 and factors is None and args.rope_attn_factor == 1.0
-    if c is not None and plain:
-        return ggml_numerics.rope_table(c, args, positions, base)
+    if c is not None:
+        return ggml_numerics.rope_table(c, args, positions, base, scale=scale, factors=factors)
     inv = base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
     if factors is not None:
         inv = inv / factors.to(torch.float64)
@@ -74,14 +73,15 @@ def layer_rotations(args: ModelArgs, weights, pos: Tensor, n_ctx: int) -> list[T
 def apply_rope(x: Tensor, rot: Tensor, n_rot: int, mode: Rope = Rope.NORM) -> Tensor:
     """Rotate pairs of the first n_rot dims: x (T, heads, head_dim) f32, rot (T, n_rot/2) from
     ``rope_tables``. NORM mode pairs (2i, 2i+1), NEOX mode (i, i + n_rot/2); pair i turns by
-    rotation i either way (ggml's angles)."""
+    rotation i either way (ggml's angles). Under llama.cpp's numerics both modes run ggml's
+    rounding (its fused multiply-adds, ``pp_rope``)."""
     c = ggml_numerics.library(x)
     if c is not None:
         return ggml_numerics.rope(c, x, rot, n_rot, neox=mode is Rope.NEOX)
     if mode is Rope.NEOX:
         half = n_rot // 2
-        cos, sin = rot.real[:, None], rot.imag[:, None]  # (T, 1, n_rot/2)
         x1, x2 = x[..., :half], x[..., half:n_rot]
+        cos, sin = rot.real[:, None], rot.imag[:, None]  # (T, 1, n_rot/2)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., n_rot:]), dim=-1)
     z = torch.view_as_complex(x[..., :n_rot].reshape(*x.shape[:-1], n_rot // 2, 2))
     out = torch.view_as_real(z * rot[:, None]).flatten(-2)  # (T, heads, n_rot)

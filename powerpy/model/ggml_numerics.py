@@ -74,16 +74,51 @@ def swiglu_(c: ctypes.CDLL, g: Tensor, u: Tensor) -> Tensor:
     return g
 
 
+def soft_max(c: ctypes.CDLL, x: Tensor) -> Tensor:
+    """ggml's soft_max of each row of x (T, n) f32 (its exp, its sums): (T, n) f32."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    c.pp_soft_max(x.data_ptr(), x.shape[0], x.shape[1], y.data_ptr())
+    return y
+
+
+def gemm_f32(c: ctypes.CDLL, w: Tensor, x: Tensor) -> Tensor | None:
+    """``x @ w.T`` for an f32 matrix w (rows, cols) and x (T, cols) in the order of llama.cpp's
+    f32 matmuls (tinyBLAS): (T, rows) f32; None where that order does not apply (cols not a
+    multiple of ggml's vector width, rows not contiguous)."""
+    if w.dtype is not torch.float32 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]:
+        return None
+    x = x.float().contiguous()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    st = c.pp_gemm_f32_gw(
+        w.data_ptr(), w.stride(0), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0],
+        out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return None if st else out
+
+
 def rope_table(
-    c: ctypes.CDLL, args: ModelArgs, positions: Tensor, base: float | None = None
+    c: ctypes.CDLL,
+    args: ModelArgs,
+    positions: Tensor,
+    base: float | None = None,
+    *,
+    scale: float = 1.0,
+    factors: Tensor | None = None,
 ) -> Tensor:
     """ggml's RoPE rotations for positions (n,): (n, n_rot/2) complex64, the angles by ggml's
-    f32 recurrence θ ← θ·base^(-2/n_rot) (base: ``args.rope_base`` unless given) and
-    cosf/sinf."""
+    f32 recurrence θ ← θ·base^(-2/n_rot) (base: ``args.rope_base`` unless given), each divided
+    by its factor (``factors`` (n_rot/2,): llama-3's ``rope_freqs``, phi3's), times the f32
+    frequency scale 1/``scale``, then cosf/sinf times ``args.rope_attn_factor``."""
     pos = positions.to(torch.int64).contiguous()
     out = torch.empty(pos.numel(), args.n_rot // 2, 2, dtype=torch.float32)
     base = args.rope_base if base is None else base
-    c.pp_rope_table(pos.data_ptr(), pos.numel(), args.n_rot, base, out.data_ptr())
+    freq_scale = float(np.float32(1.0) / np.float32(scale))  # llama.cpp: 1.0f / factor
+    ff = None if factors is None else factors.to(torch.float32).contiguous()
+    c.pp_rope_table_ext(
+        pos.data_ptr(), pos.numel(), args.n_rot, base, freq_scale,
+        None if ff is None else ff.data_ptr(), args.rope_attn_factor, out.data_ptr(),
+    )  # fmt: skip
     return torch.view_as_complex(out)
 
 

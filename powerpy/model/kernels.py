@@ -74,10 +74,11 @@ SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
 RECORD_SLOTS = {
     "attn": 0, "ffn": 20, "attn_norm": 45, "ffn_norm": 47, "post_norm": 49, "qk_norm": 51,
     "bias": 53, "tau": 59, "flags": 60, "variant": 61, "window": 62, "scale": 63, "softcap": 64,
+    "moe": 65,
 }  # fmt: skip
-LAYER_RECORD_LEN = 65  # int64 per record; checked at load
+LAYER_RECORD_LEN = 68  # int64 per record; checked at load
 RECORD_FLAGS = {"layer_norm": 1, "rope": 2, "neox": 4, "parallel": 8, "down_stored": 16,
-                "q_scaled": 32}  # fmt: skip
+                "q_scaled": 32, "moe": 64}  # fmt: skip
 RECORD_LAYOUT = (*RECORD_SLOTS.values(), LAYER_RECORD_LEN, *RECORD_FLAGS.values(), 3, 4, 5, 6)
 _ERR_INDEX = 1
 
@@ -121,6 +122,8 @@ _SIGNATURES = {
     "pp_layer_record_layout": ([_p], None),
     # llama.cpp's float steps (called by powerpy.model.ggml_numerics)
     "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
+    # positions, n, n_rot, base, freq_scale, factors (or NULL), mscale, out
+    "pp_rope_table_ext": ([_p, _i64, _i64, _f, _f, _p, _f, _p], None),
     # x, T, heads, head_dim, n_rot, rot, neox
     "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p, _i32], None),
     # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, scale, softcap, window, out, nthreads
@@ -129,6 +132,11 @@ _SIGNATURES = {
     "pp_gelu": ([_p, _i64, _p, _i32], None),  # x, n, y, act
     "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p], None),  # x, w, T, n, eps, y
     "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads
+    "pp_soft_max": ([_p, _i64, _i64, _p], None),  # x, rows, n, out (the MoE router)
+    # W, ld, nrows, cols, x, T, out, nthreads: f32 rows in tinyBLAS's order (the MoE router)
+    "pp_gemm_f32_gw": ([_p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
+    # mats (4 x 5), k, norm, scale, tau, resid, norm w, eps, out, ids, wts, act, nthreads
+    "pp_moe_decode": ([_p, _i64, _i32, _f, _p, _p, _p, _f, _p, _p, _p, _i32, _i32], _i64),
 }
 
 

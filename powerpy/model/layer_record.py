@@ -4,7 +4,8 @@ The attention block and the FFN block of a one-token step run in C (``csrc/block
 family's layout; what differs between layouts is data, packed here per layer: the matrices (5
 int64 each: ``kernels.Matrix``), pointers to the f32 norms, biases and cut, and the layout's
 flags (LayerNorm or RMSNorm, RoPE in adjacent or NEOX pairs or none, a parallel residual, a
-dense file's down matrix, q scaled before q·k), the FFN variant, the sliding window, the q·k
+dense file's down matrix, q scaled before q·k, a mixture of experts: ``moe.moe_part``), the FFN
+variant, the sliding window, the q·k
 scale and the score soft-cap. The per-layer calls (``attention.attention_block``,
 ``ffn.fused_decode``) and the stack plan (``stack_decode``) build their records here, so the
 three paths run the same kernels on the same data.
@@ -52,11 +53,14 @@ class Part:
         k = w.kernel()
         if k is None or k[0] is not self.lib:
             return False
-        m = k[1]
+        self.matrix(slot, k[1])
+        return bias
+
+    def matrix(self, slot: int, m: kernels.Matrix) -> None:
+        """Put a kernels' matrix (5 int64) at ``slot``."""
         self.keep.append(m)
         for i, v in enumerate(m.args):
             self.slots[slot + i] = v
-        return bias
 
     def vec(self, slot: int, t: Tensor | None) -> bool:
         """Put an f32 host vector's pointer at ``slot`` (None: 0); False when ``t`` is not on
@@ -75,7 +79,8 @@ class Part:
         self.slots[slot] = int(np.float32(v).view(np.uint32))
 
 
-def _layout_flags(a: ModelArgs) -> int:
+def layout_flags(a: ModelArgs) -> int:
+    """The record flags of the family's layout (norm, RoPE, residual)."""
     fam = a.family
     flags = F["layer_norm"] if fam.norm is Norm.LAYER else 0
     if fam.rope is not Rope.LEARNED:
@@ -90,7 +95,7 @@ def attention_part(blk, a: ModelArgs, l: int) -> Part | None:
     lib = kernels.library()
     if lib is None or not blk.native:
         return None
-    p = Part(lib, flags=_layout_flags(a))
+    p = Part(lib, flags=layout_flags(a))
     parallel = a.family.residual is Residual.PARALLEL
     own = parallel and blk.attn_norm_2 is not None  # falcon-40B: attention's own norm
     norm = (blk.attn_norm_2, blk.attn_norm_2_b) if own else (blk.attn_norm, blk.attn_norm_b)
@@ -122,9 +127,9 @@ def ffn_part(blk, a: ModelArgs, opts: RunOptions) -> Part | None:
     if opts.observer is not None or opts.oracle is not None or blk.hot is not None:
         return None
     lib = kernels.library()
-    if lib is None or not blk.native or blk.ffn_up is None:
-        return None  # (no up rows: another FFN, e.g. experts)
-    p = Part(lib, flags=_layout_flags(a))
+    if lib is None or not blk.native or blk.moe is not None or blk.ffn_up is None:
+        return None  # (experts: moe.moe_part)
+    p = Part(lib, flags=layout_flags(a))
     down = blk.ffn_down_t
     stored = isinstance(down, TransposedWeight)  # a dense file's ffn_down: (n_embd, n_ff)
     if stored:

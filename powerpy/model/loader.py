@@ -18,9 +18,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from powerpy._fs import release_free_heap
 from powerpy.config import ModelArgs
 from powerpy.errors import FileFormatError, ModelConfigError
 from powerpy.families import Rope
+from powerpy.families.base import DENSE_FFN
 from powerpy.formats import quants
 from powerpy.formats.constants import GGMLType, Keys, Names, bias_name
 from powerpy.formats.gguf_reader import GGUFFile
@@ -29,6 +31,8 @@ from powerpy.model.ffn import cut_taus
 from powerpy.model.kernels import QUANT_TYPES
 from powerpy.model.kernels import VARIANTS as kernel_variants
 from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
+from powerpy.model.moe import Experts
+from powerpy.model.moe import cut_taus as expert_taus
 from powerpy.model.transformer import Block, Weights
 
 log = logging.getLogger(__name__)
@@ -65,17 +69,18 @@ class _TensorSource:
         self.keep_raw = weight_format == "raw" or (weight_format == "auto" and raw_supported())
         self.f32 = weight_format == "f32"
 
-    def info(self, name: str, shape: tuple[int, ...]):
+    def info(self, name: str, shape: tuple[int, ...], dims: tuple[str, ...] | None = None):
         t = self.gf.tensors.get(name)
+        want = shape if dims is None else f"({', '.join(dims)}) = {shape}"
         if t is None:
             raise FileFormatError(
                 f"{self.gf.path}: tensor {name!r} is missing; the file is incomplete or its "
-                "block_count is wrong: re-convert the model"
+                f"block_count is wrong (it needs shape {want}): re-convert the model"
             )
         if tuple(t.shape) != tuple(shape):
             raise ModelConfigError(
                 f"{self.gf.path}: tensor {name!r} has shape {tuple(t.shape)}, but the "
-                f"hyperparameters need {shape}; the file's keys and tensors disagree: "
+                f"hyperparameters need {want}; the file's keys and tensors disagree: "
                 "re-convert the model"
             )
         if t.ggml_type not in quants.SUPPORTED_TYPES:
@@ -99,6 +104,20 @@ class _TensorSource:
         if t.ggml_type in QUANT_TYPES and self.keep_raw:
             return QuantWeight(_torch_view(self.gf.raw(name)), t.ggml_type, shape[1])
         return DenseWeight(self._dequantized(name))
+
+    def stack(self, name: str, shape: tuple[int, int, int], dims: tuple[str, ...]) -> Weight:
+        """A 3-D stack of matrices (experts) as one ``(shape[0] · shape[1], shape[2])`` matrix
+        over the file's bytes (a view; quantized blocks raw when the kernels run)."""
+        t = self.info(name, shape, dims)
+        rows = (shape[0] * shape[1], shape[2])
+        if t.ggml_type in _FLOAT_TYPES and not self.f32:
+            if t.ggml_type == GGMLType.BF16:
+                raw = self.gf.raw(name).view(np.int16).reshape(rows)
+                return DenseWeight(_torch_view(raw).view(torch.bfloat16))
+            return DenseWeight(_torch_view(self.gf.array(name).reshape(rows)))
+        if t.ggml_type in QUANT_TYPES and self.keep_raw:
+            return QuantWeight(_torch_view(self.gf.raw(name)), t.ggml_type, shape[2])
+        return DenseWeight(self._dequantized(name).reshape(rows))
 
     def transposed(self, name: str, shape: tuple[int, int]) -> Weight:
         """A matrix stored as ``shape``, seen transposed (dense files' ffn_down), not copied."""
@@ -160,7 +179,7 @@ def load_weights(
     src = _TensorSource(gf, weight_format)
     check_tensor_sizes(gf)
     fam, d, ff = args.family, args.n_embd, args.n_ff
-    _check_foreign(gf, fam)
+    _check_foreign(gf, fam, args.moe)
     token_embd = src.matrix(Names.TOKEN_EMBD, (args.n_vocab, d))
     output = token_embd
     if Names.OUTPUT in gf.tensors or not fam.tied_output:
@@ -181,6 +200,8 @@ def load_weights(
         fields: dict = {"ffn_gate": None, "ffn_norm": None}
         for t in fam.block:
             name = t.name.format(l=l)
+            if args.moe and t.field in DENSE_FFN:
+                continue  # the experts replace them
             if t.optional and name not in gf.tensors:
                 continue
             shape = tuple(getattr(args, dim) for dim in t.shape)
@@ -198,6 +219,9 @@ def load_weights(
                 sizes = tuple(getattr(args, dim) for _, dim in t.split)
                 parts = _split_rows(fields.pop(t.field), sizes)
                 fields.update(zip((f for f, _ in t.split), parts, strict=True))
+        if args.moe:
+            blocks.append(_moe_block(src, args, l, fields, _native(args, fields)))
+            continue
         fc1 = fc2 = None
         if args.sparse:
             n1, n2 = Names.FC1.format(l=l), Names.FC2.format(l=l)
@@ -215,9 +239,7 @@ def load_weights(
             down = Names.FFN_DOWN.format(l=l)
             down_t = src.transposed(down, (d, ff))
         down_b = _bias(src, down, d, fam.down_bias)
-        native = args.ffn_variant in kernel_variants and all(
-            _kernel_readable(w) for w in (*fields.values(), down_t, fc1, fc2)
-        ) and not isinstance(fields.get("ffn_gate"), BiasedWeight)  # fmt: skip
+        native = _native(args, fields, down_t, fc1, fc2)
         blocks.append(
             Block(
                 **fields,
@@ -230,6 +252,8 @@ def load_weights(
                 native=native,
             )
         )
+    if args.moe and any(args.down_thresholds):
+        release_free_heap()  # the experts' column norms were decoded chunk by chunk
     out_b = _bias(src, Names.OUTPUT_NORM, d, "required" if fam.output_norm_bias else "none")
     factors = {}
     for field, name in (
@@ -248,6 +272,46 @@ def load_weights(
         output_norm_b=out_b,
         position_embd=position_embd,
     )
+
+
+def _native(args: ModelArgs, fields: dict, *mats) -> bool:
+    """Whether the native block kernels compute a layer of these fields and matrices: every
+    layout runs in them (``layer_record``) where they read each matrix (``_kernel_readable``),
+    the FFN variant is theirs and the gate has no bias."""
+    return (
+        args.ffn_variant in kernel_variants
+        and not isinstance(fields.get("ffn_gate"), BiasedWeight)
+        and all(_kernel_readable(w) for w in (*fields.values(), *mats))
+    )
+
+
+def _moe_block(src: _TensorSource, args: ModelArgs, l: int, fields: dict, native: bool) -> Block:
+    """Layer l of a mixture of experts: the family's other tensors (``fields``) and its
+    ``experts`` stacks as ``moe.Experts`` over the file's bytes; ``native``: its attention
+    runs in the native block kernel."""
+    mats = {}
+    for t in args.family.experts:
+        shape = tuple(getattr(args, dim) for dim in t.shape)
+        name = t.name.format(l=l)
+        if len(shape) == 2:
+            src.info(name, shape, t.shape)
+            mats[t.field] = src.matrix(name, shape)  # type: ignore[arg-type]
+        else:
+            mats[t.field] = src.stack(name, shape, t.shape)  # type: ignore[arg-type]
+        _bias(src, name, shape[-2], "none")
+    ex = Experts(
+        mats["ffn_gate_inp"],
+        mats["ffn_gate_exps"],
+        mats["ffn_up_exps"],
+        mats["ffn_down_exps"],
+        args.n_expert_used,
+        args.expert_norm,
+        args.expert_scale,
+    )
+    cuts = args.down_thresholds
+    if cuts and cuts[l] > 0:
+        ex.tau = expert_taus(ex, cuts[l])
+    return Block(**fields, ffn_up=None, ffn_down_t=None, moe=ex, native=native)
 
 
 def _bias(src: _TensorSource, weight: str, n: int, rule: str) -> torch.Tensor | None:
@@ -305,26 +369,39 @@ def _kernel_readable(w) -> bool:
 # of them is of another architecture, or corrupt. Other unknown tensors are ignored.
 _LAYOUT_BASES = {
     "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_norm_2", "ffn_gate", "ffn_norm", "ffn_up",
+    "ffn_down", "ffn_down_t", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
     "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
 }  # fmt: skip
 _LAYER_TENSOR = re.compile(r"blk\.\d+\.([a-z_0-9]+)\.(weight|bias)")
+_EXPERT_BASES = {"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
 
 
-def _check_foreign(gf: GGUFFile, fam) -> None:
+def _check_foreign(gf: GGUFFile, fam, moe: bool = False) -> None:
     """Refuse a per-layer tensor of another layout (``_LAYOUT_BASES``) that ``fam`` does not
-    declare, and learned positions in a family without them.
+    declare (a mixture of experts: its experts instead of a dense FFN), and learned positions
+    in a family without them.
 
     Raises:
         ModelConfigError: naming the file, the tensor and what the family expects.
     """
-    own = {t.name.split(".")[2] for t in fam.block}
+    own = {t.name.split(".")[2] for t in fam.block} | {"ffn_down", "ffn_down_t"}
+    if moe:
+        own = (own - set(DENSE_FFN) - {"ffn_down", "ffn_down_t"}) | _EXPERT_BASES
     for name in gf.tensors:
         m = _LAYER_TENSOR.fullmatch(name)
+        if m and m.group(1) in _EXPERT_BASES and not moe and fam.experts:
+            key = Keys.EXPERT_COUNT.format(arch=fam.arch)
+            raise ModelConfigError(
+                f"{gf.path}: tensor {name!r} belongs to a mixture of experts, but the file's "
+                f"{key} is missing or 0; set it (and {key.replace('count', 'used_count')}) or "
+                "re-convert the model"
+            )
         if m and m.group(1) in _LAYOUT_BASES and m.group(1) not in own:
             raise ModelConfigError(
                 f"{gf.path}: tensor {name!r} is not part of a {fam.arch} model, whose layers "
-                f"hold {', '.join(sorted(own))}, the down matrix and predictors; the file is of "
-                "another architecture or corrupt: re-convert the model"
+                f"hold {', '.join(sorted(own - {'ffn_down', 'ffn_down_t'}))}"
+                f"{'' if moe else ', the down matrix and predictors'}; the file is of another "
+                "architecture or corrupt: re-convert the model"
             )
     if Names.POS_EMBD in gf.tensors and fam.rope is not Rope.LEARNED:
         raise ModelConfigError(

@@ -10,7 +10,7 @@ in the same order, so the results are the same bits.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from powerpy.model import kernels, layer_record
 from powerpy.model.cache import KVCache
 from powerpy.model.device import HOST
 from powerpy.model.kernels import CACHE_CODES, LAYER_RECORD_LEN, KernelLibrary, as_f32
+from powerpy.model.moe import moe_part
 from powerpy.model.options import RunOptions
 
 
@@ -32,7 +33,9 @@ class StackPlan:
         lib: the kernel library.
         records: (n_layer, LAYER_RECORD_LEN) int64, the C records (pointers into ``keep``).
         keep: the matrices and f32 vectors the records point into (kept alive here).
-        gated: the layers with predictors or a cut (their counts go to the statistics).
+        gated: the layers with predictors, a cut or experts (their counts go to the statistics
+            in sparse runs; the experts' in every run, as their routing is never off).
+        experts: the layers that are mixtures of experts.
     """
 
     lib: KernelLibrary
@@ -40,6 +43,7 @@ class StackPlan:
     keep: list
     gated: np.ndarray  # (k,) int64 layer ids
     first: int = 0  # the plan runs layers first.. (a hybrid's host-only layers)
+    experts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @staticmethod
     def build(blocks, args, opts: RunOptions, first: int = 0) -> StackPlan | None:
@@ -49,7 +53,7 @@ class StackPlan:
         recs, keep, lib = [], [], None
         for l, blk in enumerate(blocks, start=first):
             att = layer_record.attention_part(blk, args, l)
-            ffn = layer_record.ffn_part(blk, args, opts)
+            ffn = _ffn_part(blk, args, opts)
             if att is None or ffn is None or att.lib is not ffn.lib:
                 return None
             lib = att.lib
@@ -58,8 +62,11 @@ class StackPlan:
         if lib is None:
             return None
         records = np.ascontiguousarray(np.array(recs, dtype=np.int64).reshape(-1, LAYER_RECORD_LEN))
-        gated = np.flatnonzero([layer_record.counted(blk, opts) for blk in blocks])
-        return StackPlan(lib, records, keep, gated, first)
+        moe = [b.moe is not None for b in blocks]
+        gated = np.flatnonzero(
+            [layer_record.counted(b, opts) or e for b, e in zip(blocks, moe, strict=True)]
+        )
+        return StackPlan(lib, records, keep, gated, first, experts=np.flatnonzero(moe))
 
     def run(
         self, args, x: Tensor, cache: KVCache, rots: list, thr: float, opts: RunOptions
@@ -88,8 +95,9 @@ class StackPlan:
         )  # fmt: skip
         if st:
             raise ValueError(f"decode_layers: invalid arguments (status {st})")
-        if opts.sparse and opts.stats is not None:
-            opts.stats.record_step(self.gated + self.first, counts[self.gated])
+        rows = self.gated if opts.sparse else self.experts
+        if opts.stats is not None and rows.size:
+            opts.stats.record_step(rows + self.first, counts[rows])
         return out[None]
 
 
@@ -101,7 +109,8 @@ def plan_for(model, opts: RunOptions) -> StackPlan | None:
     per-layer calls). It covers the layers from the first one after which every layer is on
     the host: all of a CPU-only model, the host part of a hybrid one (a placement fills the
     device from layer 0 on)."""
-    plans, key = _PLANS.setdefault(model, {}), (opts.sparse, opts.sparse and opts.cut_scale)
+    plans = _PLANS.setdefault(model, {})
+    key = (opts.sparse, opts.sparse and opts.cut_scale, opts.numerics.quantized_activations)
     if key not in plans:
         blocks = model.weights.blk
         first = len(blocks)
@@ -114,11 +123,18 @@ def plan_for(model, opts: RunOptions) -> StackPlan | None:
     return plans[key]
 
 
+def _ffn_part(blk, args, opts: RunOptions) -> layer_record.Part | None:
+    """The FFN half of a layer's record: a mixture of experts' or a dense FFN's."""
+    if blk.moe is not None:
+        return moe_part(blk, args, opts)
+    return layer_record.ffn_part(blk, args, opts)
+
+
 def _native(blk, args, l: int, opts: RunOptions) -> bool:
     """The block runs in the native block kernels (every matrix and vector on the host)."""
     return (
         layer_record.attention_part(blk, args, l) is not None
-        and layer_record.ffn_part(blk, args, opts) is not None
+        and _ffn_part(blk, args, opts) is not None
     )
 
 

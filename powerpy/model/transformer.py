@@ -15,19 +15,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.errors import ModelConfigError, NonFiniteError
 from powerpy.families import Norm, Residual, Rope
 from powerpy.formats.constants import Names
-from powerpy.model import ggml_numerics, gpu_kernels, numerics, stack_decode
+from powerpy.model import numerics, stack_decode
 from powerpy.model.attention import apply_rope, attend, attention_block, layer_rotations
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
 from powerpy.model.matrices import Weight
+from powerpy.model.moe import Experts, moe_decode, moe_ffn
+from powerpy.model.norms import layer_norm, rms_norm
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
 
@@ -66,6 +67,8 @@ class Block:
     post_ffw_norm: Tensor | None = None  # (n_embd,) of the FFN's output (gemma)
     # the native block kernels compute this layer (every layout; ``layer_record``)
     native: bool = True
+    # a mixture of experts in place of the dense FFN (ffn_gate, ffn_up, ffn_down_t None)
+    moe: Experts | None = None
 
     def gates(self, opts: RunOptions) -> bool:
         """Whether the predictor gates this layer's FFN in a run with ``opts``."""
@@ -92,32 +95,6 @@ class Weights:
     rope_freqs: Tensor | None = None  # (n_rot/2,) f32 divisors of the RoPE angles (llama-3)
     rope_factors_long: Tensor | None = None  # (n_rot/2,) phi3: beyond the original context
     rope_factors_short: Tensor | None = None  # (n_rot/2,) phi3: within it
-
-
-# ----------------------------------------------------------------------------------- maths
-_HAS_RMS_NORM = hasattr(F, "rms_norm")
-
-
-def layer_norm(x: Tensor, w: Tensor, b: Tensor | None, eps: float) -> Tensor:
-    """x (..., n) f32 -> (x - mean) / sqrt(var + eps) · w + b (biased variance, as ggml and
-    torch compute it; in ggml's order under llama.cpp's numerics)."""
-    c = ggml_numerics.library(x)
-    if c is not None:
-        return ggml_numerics.layer_norm(c, x, w, b, eps)
-    return F.layer_norm(x, w.shape, w, b, eps)
-
-
-def rms_norm(x: Tensor, w: Tensor, eps: float, *, fused: bool = False) -> Tensor:
-    """x (..., n) f32 -> x / sqrt(mean(x²) + eps) · w; ``fused``: in one launch on a device
-    (``gpu_kernels``)."""
-    if fused and x.device.type != "cpu" and x.dtype == w.dtype == torch.float32:
-        return gpu_kernels.rms_norm_op(x, w, eps)
-    c = ggml_numerics.library(x)
-    if c is not None:
-        return ggml_numerics.rms_norm(c, x, w, eps)
-    if _HAS_RMS_NORM and x.dtype == w.dtype:
-        return F.rms_norm(x, w.shape, w, eps)  # one fused op (torch >= 2.4)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 # ----------------------------------------------------------------------------------- model
@@ -179,7 +156,10 @@ class Model:
 
     @property
     def can_gate(self) -> bool:
-        """The file has predictors for every layer (a PWRI model)."""
+        """Sparse runs differ from dense ones: the file has predictors for every layer (a PWRI
+        model), or it is a mixture of experts with a cut (``powerpy.ffn_down_threshold``)."""
+        if self.args.moe:
+            return any(b.moe is not None and b.moe.tau is not None for b in self.weights.blk)
         return self.args.sparse and all(b.fc1 is not None for b in self.weights.blk)
 
     def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
@@ -383,7 +363,8 @@ class Model:
             _check_finite(h, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
         with phase(opts.timer, "ffn"):
             inp = OnDevices(self.accel, h)  # moved once: native block, norm, predictor
-            y = fused_decode(l, blk, inp, a, thr, opts) if one else None
+            block = fused_decode if blk.moe is None else moe_decode  # one native call
+            y = block(l, blk, inp, a, thr, opts) if one else None
             if y is None:
                 xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm, blk.ffn_norm_b)
                 pred_in = blk.predictor_input(inp, opts)
@@ -475,6 +456,8 @@ class Model:
         """The FFN of xn (T, n_embd) normed, pred_in its pre-norm value where the predictor
         reads it -> (T, n_embd). Sessions' tokens of one decode step run by ``ffn_mode``."""
         a, acc = self.args, self.accel
+        if blk.moe is not None:  # tokens are grouped by expert, whatever the mode
+            return moe_ffn(l, blk.moe, xn, opts, acc)
         if len(step.lengths) == 1 or not opts.sparse or ffn_mode == "batch":
             return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc)
         if ffn_mode == "union":

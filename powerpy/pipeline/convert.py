@@ -387,7 +387,7 @@ def _convert_gguf(
 
 
 def _gguf_tensors(gf: GGUFFile, outtype: str) -> Iterator[_Tensor]:
-    drop = re.compile(r"blk\.\d+\.fc[12]\.weight|" + re.escape(Names.ROPE_FREQS))
+    drop = re.compile(r"blk\.\d+\.fc[12]\.weight")  # a PWRI source's predictors: replaced
     for tname, info in gf.tensors.items():
         if drop.fullmatch(tname):
             continue

@@ -126,7 +126,7 @@ def perplexity(
             f"context {ctx} exceeds the model's training context {model.args.n_ctx_train}"
         )
     sparse = (opts.sparse and model.can_gate) or opts.oracle is not None  # FFN gated
-    stats = SparsityStats.empty(model.args.n_layer, model.args.n_ff)
+    stats = SparsityStats.empty(model.args.n_layer, model.args.ffn_neurons)
     opts = dataclasses.replace(opts, sparse=sparse, stats=stats)
     total, count = 0.0, 0
     bar = tqdm(range(n), desc=desc, unit="chunk", disable=not progress)

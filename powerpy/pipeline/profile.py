@@ -60,8 +60,12 @@ def activation_kind(model: Model) -> str:
 
 
 def down_norms(model: Model) -> list[torch.Tensor]:
-    """Per layer, the L2 norm of each neuron's output row ``‖ffn_down_t[j]‖``: (n_ff,) f32."""
-    return [row_norms(blk.ffn_down_t) for blk in model.weights.blk]
+    """Per layer, the L2 norm of each neuron's output row ``‖ffn_down_t[j]‖``: (n_ff,) f32
+    (a mixture of experts: (n_expert · n_ff_exp,), each expert's down columns)."""
+    return [
+        row_norms(blk.ffn_down_t) if blk.moe is None else blk.moe.down_norms()
+        for blk in model.weights.blk
+    ]
 
 
 def magnitude_score(h: torch.Tensor, down_norm: torch.Tensor) -> torch.Tensor:
@@ -236,6 +240,8 @@ def _calibrate_run(
 
     def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
         v = magnitude_score(h, dn[l]).flatten()
+        if model.args.moe:
+            v = v[v > 0]  # the routed experts' neurons: the others are not computed at all
         if v.numel() > per_window:
             v = v[torch.randint(v.numel(), (per_window,), generator=gen)]
         values[l].append(v)
@@ -307,13 +313,14 @@ def profile(
             raise ValueError("dump_samples needs a dump directory")
         n = min(dump_samples, n_total)
         picks = np.sort(np.random.default_rng(seed).choice(n_total, n, replace=False))
-        writer = _SampleWriter(Path(dump_dir) / SAMPLES_DIR, a.n_layer, a.n_embd, a.n_ff, picks)
+        writer = _SampleWriter(Path(dump_dir) / SAMPLES_DIR, a.n_layer, a.n_embd, a.ffn_neurons,
+                               picks)  # fmt: skip
 
     dn = down_norms(model)
     if kind == KIND_SILU and thr is None:
         assert target_sparsity is not None
         thr = _calibrate_run(model, arr, starts, ctx, dn, target_sparsity, numerics)
-    counts = [torch.zeros(a.n_ff, dtype=torch.int64) for _ in range(a.n_layer)]
+    counts = [torch.zeros(a.ffn_neurons, dtype=torch.int64) for _ in range(a.n_layer)]
     state = {"pos": 0}
 
     def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:

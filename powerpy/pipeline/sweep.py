@@ -257,7 +257,10 @@ def cut_sweep(
     Raises:
         ValueError: a model without cuts, no scales, or bad perplexity settings.
     """
-    if not any(b.down_tau is not None for b in model.weights.blk):
+    if not any(
+        b.down_tau is not None or (b.moe is not None and b.moe.tau is not None)
+        for b in model.weights.blk
+    ):
         raise ValueError("the model has no cuts (powerpy.ffn_down_threshold): nothing to sweep")
     for s in scales:
         RunOptions(cut_scale=s)  # its check, before any run

@@ -30,30 +30,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ATTN",
-    "CAPACITY_MODES",
-    "CATEGORY_ORDER",
-    "DENSE_LEVELS",
-    "FFN",
-    "FFN_NORM",
-    "GIB",
-    "HOST",
-    "KV_K",
-    "KV_V",
-    "OUTPUT",
-    "PREDICTOR",
-    "CapacityMode",
-    "FfnLayout",
-    "OffloadEntry",
-    "OffloadPlan",
-    "budget_bytes",
-    "capacity_exact",
-    "capacity_upstream",
-    "classify_tensor",
-    "hot_capacity",
-    "kv_cache_bytes",
-    "plan_offload",
-]
+    "ATTN", "CAPACITY_MODES", "CATEGORY_ORDER", "DENSE_LEVELS", "FFN", "FFN_NORM", "GIB", "HOST",
+    "KV_K", "KV_V", "OUTPUT", "PREDICTOR", "CapacityMode", "FfnLayout", "OffloadEntry",
+    "OffloadPlan", "budget_bytes", "capacity_exact", "capacity_upstream", "classify_tensor",
+    "hot_capacity", "kv_cache_bytes", "plan_offload",
+]  # fmt: skip
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -61,7 +42,7 @@ VRAM_RESERVE_BYTES = 256 * MIB  # --vram-budget < 0: free VRAM minus this
 
 # --- categories, in offload order (docs/architecture.md#dense-offload-order) ---------------------
 ATTN = "attn"  # attn_norm(_2), q, k, v, qkv, attn_output, rot_embd, q/k norms (+ biases)
-PREDICTOR = "predictor"  # fc1, fc2
+PREDICTOR = "predictor"  # fc1, fc2; a mixture of experts' router (ffn_gate_inp)
 FFN_NORM = "ffn_norm"
 OUTPUT = "output"  # output_norm, output
 KV_V = "kv_v"
@@ -71,7 +52,7 @@ HOT_FFN = "hot_ffn"  # compact hot rows of gate/up/down_t
 DENSE_LEVELS = (ATTN, PREDICTOR, FFN_NORM, OUTPUT)
 CATEGORY_ORDER = (*DENSE_LEVELS, KV_V, KV_K)
 # not part of the dense pass
-FFN = "ffn"  # gate/up/down_t (+ biases): rows go to the GPU through the hot-neuron split
+FFN = "ffn"  # gate/up/down_t (+ biases), the experts: rows go to the GPU through the split
 HOST = "host"  # token_embd, token_embd_norm, position_embd, rope_freqs, unknown names
 
 # Per-layer creation order in llama.cpp's llm_load_sparse_model_tensors; within a level the
@@ -96,6 +77,10 @@ _LAYER_TENSORS: dict[str, tuple[str, int]] = {
     "fc2": (PREDICTOR, 15),
     "post_attention_norm": (ATTN, 16),  # gemma
     "post_ffw_norm": (FFN_NORM, 17),
+    "ffn_gate_inp": (PREDICTOR, 18),  # the router decides which experts run, as a predictor
+    "ffn_gate_exps": (FFN, 19),
+    "ffn_down_exps": (FFN, 20),
+    "ffn_up_exps": (FFN, 21),
 }
 _GLOBAL_TENSORS: dict[str, tuple[str, int]] = {
     "token_embd": (HOST, 0),

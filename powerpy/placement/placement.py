@@ -44,6 +44,7 @@ from powerpy.placement.budget import (
     OffloadPlan,
     plan_offload,
 )
+from powerpy.placement.experts import expert_layout
 from powerpy.placement.split import check_stats, fit_buckets, mass_coverage
 
 if TYPE_CHECKING:
@@ -289,30 +290,35 @@ class Placement:
         kv_elem_bytes: int = 2,
         stats: Sequence[npt.ArrayLike] | None = None,
     ) -> Placement:
-        """:meth:`from_tensors` for an open PowerInfer model (its header only).
+        """:meth:`from_tensors` for an open PowerInfer model or mixture of experts (its header
+        only; an expert neuron is counted as ``placement.experts`` says).
 
         Raises:
-            ValueError: a dense (GGUF-magic) model, a header without the keys or FFN tensors a
-                split needs, or see :meth:`from_tensors`.
+            ValueError: a dense (GGUF-magic) model without experts, a header without the keys
+                or FFN tensors a split needs, or see :meth:`from_tensors`.
         """
-        if not model.sparse:
+        args = ModelArgs.from_gguf(model)
+        if not model.sparse and not args.moe:
             raise PlacementError(
                 f"{model.path} is a dense GGUF (magic {model.magic!r}); a hybrid placement and "
-                f"its GPU index are for PowerInfer (PWRI) models"
+                f"its GPU index are for PowerInfer (PWRI) models and mixtures of experts"
             )
         _check_kv(n_ctx, kv_elem_bytes)
-        args = ModelArgs.from_gguf(model)
+        if args.moe:
+            ffn = expert_layout(model, args)
+        else:
+            ffn = FfnLayout.from_gguf(model, args)
         return cls.from_tensors(
             ((t.name, t.nbytes) for t in model.tensors.values()),
             n_layer=args.n_layer,
-            n_ff=args.n_ff,
+            n_ff=args.ffn_neurons,
             n_embd_gqa=args.n_embd_gqa,
             budget=budget,
             index=index,
             n_ctx=n_ctx,
             kv_elem_bytes=kv_elem_bytes,
             stats=stats,
-            ffn=FfnLayout.from_gguf(model, args),
+            ffn=ffn,
         )
 
     # --- views

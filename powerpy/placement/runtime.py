@@ -41,8 +41,10 @@ from powerpy.model.device import Accelerator
 from powerpy.model.ffn import HotRows
 from powerpy.model.gpu_kernels import FusedWeight
 from powerpy.model.matrices import DenseWeight, QuantWeight, Weight
+from powerpy.model.moe import ExpertHot, Experts
 from powerpy.model.transformer import Block, Model, Weights
 from powerpy.placement.budget import budget_bytes
+from powerpy.placement.experts import down_element_bytes
 from powerpy.placement.lifecycle import resolve_placement
 from powerpy.placement.placement import Placement
 from powerpy.placement.reserve import DeviceReserve, device_budget
@@ -142,6 +144,8 @@ def _slots(weights: Weights) -> dict[str, list[tuple[Any, str]]]:
                 slots[bias_name(name)] = []
             elif getattr(blk, attr + "_b", None) is not None:
                 slots[bias_name(name)] = [(blk, attr + "_b")]
+        if blk.moe is not None:  # the router; the experts' stacks go by hot rows
+            slots[Names.FFN_GATE_INP.format(l=layer)] = [(blk.moe, "router")]
         qkv = Names.ATTN_QKV.format(l=layer)
         slots[qkv] = [(blk, "attn_q"), (blk, "attn_k"), (blk, "attn_v")]
         slots[bias_name(qkv)] = []
@@ -200,6 +204,37 @@ def _hot_rows(accel: Accelerator, gate: Weight | None, up: Weight, down_t: Weigh
         g, u = (FusedWeight(gate_up.raw.narrow(0, s, k), kind, gate_up.cols) for s in (0, k))
         return g, u, _to_device(accel, rows[2]), gate_up
     return (*(_to_device(accel, m) for m in rows), None)
+
+
+def _ggml_type(w: Weight) -> GGMLType:
+    """The file type of a loaded matrix (its float dtype's, or its blocks')."""
+    if isinstance(w, QuantWeight):
+        return w.ggml_type
+    return {torch.float32: GGMLType.F32, torch.bfloat16: GGMLType.BF16}.get(
+        w.storage.dtype, GGMLType.F16
+    )
+
+
+def _expert_hot(accel: Accelerator, ex: Experts, bucket: Tensor) -> ExpertHot:
+    """A mixture's hot neurons ``bucket`` (k,) on the device: their gate and up rows (raw), and
+    their down columns as rows (f16, or the stack's float type; placement.experts)."""
+    gate, up = (_to_device(accel, m.take_rows(bucket)) for m in (ex.gate, ex.up))
+    dtype = {4: torch.float32, 2: torch.float16}[down_element_bytes(_ggml_type(ex.down))]
+    if _ggml_type(ex.down) == GGMLType.BF16:
+        dtype = torch.bfloat16
+    rows = torch.empty(bucket.numel(), ex.n_embd, dtype=dtype)
+    experts = bucket // ex.n_ff
+    for e in torch.unique(experts).tolist():
+        sel = (experts == e).nonzero().squeeze(1)
+        cols = ex.expert(e)[2].dequantize()  # (n_embd, n_ff) f32, one expert at a time
+        rows[sel] = cols[:, bucket[sel] - e * ex.n_ff].t().to(dtype)
+    cold = torch.ones(ex.n_neurons, dtype=torch.bool)
+    cold[bucket] = False
+    per_expert = torch.bincount(experts, minlength=ex.n_expert)
+    tau = None if ex.tau is None else accel.to_device(ex.tau[bucket])
+    down_t = _to_device(accel, DenseWeight(rows))
+    return ExpertHot(bucket.numel(), gate, up, down_t, accel.to_device(bucket), cold,
+                     per_expert, tau)  # fmt: skip
 
 
 _warned: set[GGMLType] = set()
@@ -270,14 +305,15 @@ def build_hybrid(
         assert accel is not None
     if model.accel is not None:
         raise ValueError("the model is already hybrid; apply placements to a CPU-only model")
-    if (placement.n_layer, placement.n_ff) != (a.n_layer, a.n_ff):
+    if (placement.n_layer, placement.n_ff) != (a.n_layer, a.ffn_neurons):
         raise PlacementError(
             f"the placement is for {placement.n_layer} layers of {placement.n_ff} neurons, the "
-            f"model has {a.n_layer} layers of {a.n_ff}"
+            f"model has {a.n_layer} layers of {a.ffn_neurons}"
         )
     # Shallow copies: the new model's slots are replaced, the old model keeps its own.
     w = model.weights
-    weights = dataclasses.replace(w, blk=[dataclasses.replace(b) for b in w.blk])
+    blocks = [dataclasses.replace(b, moe=b.moe and dataclasses.replace(b.moe)) for b in w.blk]
+    weights = dataclasses.replace(w, blk=blocks)
     slots = _slots(weights)
     file_bytes = {e.name: e.nbytes for e in placement.plan.entries}
 
@@ -303,6 +339,10 @@ def build_hybrid(
     for layer, (lp, blk) in enumerate(zip(placement.layers, weights.blk, strict=True)):
         mats = [m for m in (blk.ffn_gate, blk.ffn_up, blk.ffn_down_t) if m is not None]
         nb = sum(m.nbytes // a.n_ff for m in mats) * lp.k
+        if blk.moe is not None:  # gate and up rows as loaded, down columns as placed
+            ex = blk.moe
+            down = down_element_bytes(_ggml_type(ex.down)) * ex.n_embd
+            nb = ((ex.gate.nbytes + ex.up.nbytes) // ex.n_neurons + down) * lp.k
         if nb > lp.hot_bytes:
             raise PlacementError(
                 f"layer {layer}: {lp.k} hot rows take {nb} bytes as loaded but the budget charged "
@@ -328,6 +368,14 @@ def build_hybrid(
         if not lp.k:
             continue
         bucket = torch.from_numpy(lp.gpu_bucket.astype(np.int64))  # (k,)
+        if blk.moe is not None:
+            blk.moe.hot = _expert_hot(accel, blk.moe, bucket)
+            hot_bytes += blk.moe.hot.device_bytes
+            index_bytes += blk.moe.hot.index_bytes
+            if accel.emulated:
+                extra_host += [m.storage for m in (blk.moe.hot.gate, blk.moe.hot.up,
+                                                   blk.moe.hot.down_t)]  # fmt: skip
+            continue
         cold = torch.ones(a.n_ff, dtype=torch.bool)
         cold[bucket] = False
         # the accelerator moves the rows ("cpu": kept as copied)

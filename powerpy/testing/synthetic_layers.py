@@ -105,7 +105,8 @@ def layer_table(plan: Plan, l: int) -> list[tuple[str, str, tuple[int, ...], GGM
     fc2) with ".bias" added for a bias. Required biases are written, optional ones are not."""
     fam, s = family(plan.arch), plan.shape
     gqa = s.n_embd // s.n_head * s.n_head_kv
-    dims = {"n_embd": s.n_embd, "n_ff": s.n_ff, "n_embd_gqa": gqa, "n_embd_qkv": s.n_embd + 2 * gqa}
+    dims = {"n_embd": s.n_embd, "n_ff": s.n_ff, "n_embd_gqa": gqa, "n_embd_q": s.n_embd,
+            "n_embd_qkv": s.n_embd + 2 * gqa}  # fmt: skip
     out: list[tuple[str, str, tuple[int, ...], GGMLType]] = []
 
     def add(key: str, template: str, shape: tuple[int, ...], ggml_type: GGMLType, bias: str):

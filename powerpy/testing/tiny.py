@@ -10,6 +10,7 @@ import numpy as np
 
 from powerpy.config import ModelArgs
 from powerpy.families import Rope, family
+from powerpy.families.base import DENSE_FFN
 from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names, TokenType, bias_name
 
 BYTE_VOCAB = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -28,6 +29,11 @@ class TinySpec:
     norm_eps: float = 1e-5
     n_ctx: int = 256
     tied: bool = False  # no output.weight: the logits read token_embd
+    # a mixture of experts (the family's ``experts`` replace its dense FFN): experts per layer,
+    # experts per token, each expert's FFN width (0: n_ff)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
 
 def tiny_tensors(spec: TinySpec, *, sparse: bool, seed: int = 0) -> dict[str, np.ndarray]:
@@ -54,10 +60,17 @@ def tiny_tensors(spec: TinySpec, *, sparse: bool, seed: int = 0) -> dict[str, np
         t[Names.POS_EMBD] = mat(spec.n_ctx + fam.position_offset, d)
     for l in range(spec.n_layer):
         for lt in fam.block:
+            if args.moe and lt.field in DENSE_FFN:
+                continue
             name, shape = lt.name.format(l=l), tuple(getattr(args, x) for x in lt.shape)
             t[name] = norm(*shape) if len(shape) == 1 else mat(*shape)
             if lt.bias == "required":  # optional biases are left out, as most files do
                 t[bias_name(name)] = bias(shape[0])
+        if args.moe:  # the router and the experts' stacks, in place of the dense FFN
+            for lt in fam.experts:
+                shape = tuple(getattr(args, x) for x in lt.shape)
+                t[lt.name.format(l=l)] = mat(int(np.prod(shape[:-1])), shape[-1]).reshape(shape)
+            continue
         down = mat(d, ff)  # HF down_proj (n_embd, n_ff)
         name = (Names.FFN_DOWN_T if sparse else Names.FFN_DOWN).format(l=l)
         t[name] = np.ascontiguousarray(down.T) if sparse else down
@@ -110,6 +123,9 @@ def spec_args(spec: TinySpec, n_vocab: int = len(BYTE_VOCAB), *, sparse: bool = 
         sparse=sparse,
         ffn_variant=family(spec.arch).ffn_variant({}, True, "tiny"),  # the family's sparse one
         sparse_threshold=0.0,
+        n_expert=spec.n_expert,
+        n_expert_used=spec.n_expert_used,
+        n_ff_exp=(spec.n_ff_exp or spec.n_ff) if spec.n_expert else 0,
     )
 
 
@@ -163,9 +179,9 @@ def write_tiny_model(
     if dtype not in (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0):
         raise ValueError(f"tiny models are written in F32, F16, Q8_0 or Q4_0, not {dtype.name}")
     for name, arr in tensors.items():
-        if arr.ndim == 2 and dtype != GGMLType.F32:
-            out.append((name, encode_array(arr, dtype), dtype))
-        else:
+        if arr.ndim >= 2 and dtype != GGMLType.F32 and Names.FFN_GATE_INP[7:] not in name:
+            out.append((name, encode_array(arr, dtype), dtype, arr.shape))
+        else:  # vectors and a router stay F32, as llama.cpp's converters write them
             out.append((name, arr, GGMLType.F32))
     write_gguf(
         path,

@@ -6,8 +6,8 @@
 // learned positions), the q·k scale, score soft-cap and sliding window, post norms of both
 // outputs (gemma), a gated or ungated FFN, and a sequential or parallel residual. Each step is
 // the one the per-op path (powerpy.model.transformer) takes, in its order, with the same
-// functions, so the two paths give the same bits where their numerics agree. Included by
-// sparse_ffn.cpp after the Mat helpers.
+// functions, so the two paths give the same bits where their numerics agree. A mixture of
+// experts' FFN runs moe.h's block. Included by sparse_ffn.cpp after the Mat helpers and moe.h.
 
 namespace {
 
@@ -22,6 +22,7 @@ inline float rec_f32(int64_t v) {  // an f32 bit pattern in the low 32 bits
 
 // One layer's record, decoded.
 struct Layer {
+  const int64_t* rec;  // the record itself
   Mat q, k, v, o, fc1, fc2, gate, up, down;
   const float *attn_w, *attn_b, *ffn_w, *ffn_b, *post_attn, *post_ffn, *q_norm, *k_norm;
   const float *bq, *bk, *bv, *bo, *bu, *bd, *tau;
@@ -29,7 +30,7 @@ struct Layer {
   int64_t window;
   float scale, softcap;
   explicit Layer(const int64_t* r)
-      : q(r + REC_ATTN), k(r + REC_ATTN + 5), v(r + REC_ATTN + 10), o(r + REC_ATTN + 15),
+      : rec(r), q(r + REC_ATTN), k(r + REC_ATTN + 5), v(r + REC_ATTN + 10), o(r + REC_ATTN + 15),
         fc1(r + REC_FFN), fc2(r + REC_FFN + 5), gate(r + REC_FFN + 10), up(r + REC_FFN + 15),
         down(r + REC_FFN + 20), attn_w(rec_ptr(r[REC_ATTN_NORM])),
         attn_b(rec_ptr(r[REC_ATTN_NORM + 1])), ffn_w(rec_ptr(r[REC_FFN_NORM])),
@@ -173,6 +174,23 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
   return st;
 }
 
+// A mixture of experts' FFN block (moe.h pp_moe_decode, llama.cpp's build_moe_ffn) from a record:
+// RMSNorm, a sequential block, no biases or post norm.
+static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, int act,
+                         int nthreads) {
+  if (L.flags & (LF_LAYER_NORM | LF_PARALLEL) || L.ffn_b || L.post_ffn || L.bu || L.bd || !L.ffn_w)
+    return -PP_ERR_ARG;
+  int64_t mats[20];
+  for (int i = 0; i < 5; ++i) {
+    mats[i] = L.rec[REC_FFN + i];           // the router
+    mats[5 + i] = L.rec[REC_FFN + 10 + i];  // the gate, up and down stacks
+    mats[10 + i] = L.rec[REC_FFN + 15 + i];
+    mats[15 + i] = L.rec[REC_FFN + 20 + i];
+  }
+  return pp_moe_decode(mats, L.rec[REC_MOE], (int)L.rec[REC_MOE + 1], rec_f32(L.rec[REC_MOE + 2]),
+                       L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act, nthreads);
+}
+
 // One token's FFN block: r the residual stream it adds to, xs its source (r in a sequential
 // block; the block's input in a parallel one). With a predictor (fc1, fc2) the neurons j with
 // fc2·relu(fc1·xs) >= thr, else all of them; xn = the layer's FFN norm of xs; h_j =
@@ -183,6 +201,7 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
 // the neurons whose down rows were added, or -status.
 static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, const float* xs,
                          float* out, int act, int nthreads) {
+  if (L.flags & LF_MOE) return moe_block(L, eps, r, out, act, nthreads);
   const bool gated = L.gate.w != nullptr, stored = L.flags & LF_DOWN_STORED;
   const Mat &fc1 = L.fc1, &fc2 = L.fc2, &up = L.up, &down = L.down;
   const int64_t n_ff = up.nrows;

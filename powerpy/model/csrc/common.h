@@ -45,18 +45,21 @@ enum Status { PP_OK = 0, PP_ERR_INDEX = 1, PP_ERR_ARG = 2 };
 // norm the FFN reads (weight, bias each), the post norms of attention's and the FFN's outputs,
 // the per-head q and k RMSNorm weights, the row biases of q, k, v, output, up and down, and the
 // FFN's cut tau; then the layout as data: LF_* flags, the FFN variant, the sliding window (0:
-// every key), the q·k scale and the score soft-cap (f32 bit patterns; a cap of 0: none).
+// every key), the q·k scale and the score soft-cap (f32 bit patterns; a cap of 0: none); then a
+// mixture of experts' routing (LF_MOE): experts per token, renormalised weights, the weights'
+// scale (f32 bits). An MoE layer's FFN matrices are the router (fc1's slot), the gate, up and
+// down stacks (moe.h pp_moe_decode).
 enum LayerRecord {
   REC_ATTN = 0, REC_FFN = 20, REC_ATTN_NORM = 45, REC_FFN_NORM = 47, REC_POST_NORM = 49,
   REC_QK_NORM = 51, REC_BIAS = 53, REC_TAU = 59, REC_FLAGS = 60, REC_VARIANT = 61,
-  REC_WINDOW = 62, REC_SCALE = 63, REC_SOFTCAP = 64, REC_LEN = 65
+  REC_WINDOW = 62, REC_SCALE = 63, REC_SOFTCAP = 64, REC_MOE = 65, REC_LEN = 68
 };
 // REC_FLAGS: LayerNorm (else RMSNorm); RoPE, in NEOX pairs (i, i + n_rot / 2) or adjacent ones;
 // a parallel block (the FFN reads the block's input); the down matrix as a dense file stores it
-// (n_embd, n_ff); q scaled before q·k (else the scores, in the softmax).
+// (n_embd, n_ff); q scaled before q·k (else the scores, in the softmax); a mixture of experts.
 enum LayerFlags {
   LF_LAYER_NORM = 1, LF_ROPE = 2, LF_NEOX = 4, LF_PARALLEL = 8, LF_DOWN_STORED = 16,
-  LF_Q_SCALED = 32
+  LF_Q_SCALED = 32, LF_MOE = 64
 };
 
 int64_t g_prefetch_bytes = 8192;  // how far ahead (at least) the next-row prefetch reaches

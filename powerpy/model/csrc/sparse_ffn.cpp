@@ -104,7 +104,8 @@ static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k,
   PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt, tau, kept)
 }
 
-#include "blocks.h"  // the decode blocks of every family's layout
+#include "moe.h"  // mixtures of experts: the router in llama.cpp's order, the decode block
+#include "blocks.h"  // the decode blocks of every family's layout (MoE layers: moe.h's)
 
 extern "C" {
 
@@ -159,17 +160,26 @@ int pp_decode_layers(int64_t n_layer, const int64_t* layers, const int64_t* rots
   return st;
 }
 
-// ggml's RoPE angles (NORM mode): for each position p = pos[i], theta = p and, pair by pair,
-// (cosf, sinf) of theta, then theta *= base^(-2 / n_rot), all in f32. out (n, n_rot / 2, 2).
-void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
+// ggml's RoPE angles (ggml_rope_cache_init without YaRN): for each position p = pos[i],
+// theta = p and, pair by pair, (cosf, sinf) of freq_scale * (theta / factors[j]) times mscale,
+// then theta *= base^(-2 / n_rot), all in f32. factors (n_rot / 2) may be NULL (all 1: llama-3's
+// rope_freqs, phi3's long/short factors otherwise). out (n, n_rot / 2, 2).
+void pp_rope_table_ext(const int64_t* pos, int64_t n, int64_t n_rot, float base, float freq_scale,
+                       const float* factors, float mscale, float* out) {
   const float theta_scale = powf(base, -2.0f / (float)n_rot);
   for (int64_t i = 0; i < n; ++i) {
     float theta = (float)pos[i];
     for (int64_t j = 0; j < n_rot / 2; ++j, theta *= theta_scale) {
-      out[(i * (n_rot / 2) + j) * 2] = cosf(theta);
-      out[(i * (n_rot / 2) + j) * 2 + 1] = sinf(theta);
+      const float t = freq_scale * (theta / (factors ? factors[j] : 1.0f));
+      out[(i * (n_rot / 2) + j) * 2] = cosf(t) * mscale;
+      out[(i * (n_rot / 2) + j) * 2 + 1] = sinf(t) * mscale;
     }
   }
+}
+
+// The plain table: no scaling, no factors.
+void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
+  pp_rope_table_ext(pos, n, n_rot, base, 1.0f, nullptr, 1.0f, out);
 }
 
 // RoPE in place: x (T, heads, hd) f32, the first n_rot dims of each head in adjacent pairs
@@ -225,12 +235,13 @@ int pp_abi_version(void) { return PP_ABI_VERSION; }
 int pp_layer_record_len(void) { return REC_LEN; }
 
 // The record's layout, for kernels.py to check against its own (RECORD_LAYOUT): the slots of
-// LayerRecord, the LF_* flags, then the variant codes, 24 int64 in all.
+// LayerRecord, the LF_* flags, then the variant codes, 26 int64 in all.
 void pp_layer_record_layout(int64_t* out) {
   const int64_t v[] = {REC_ATTN, REC_FFN, REC_ATTN_NORM, REC_FFN_NORM, REC_POST_NORM,
                        REC_QK_NORM, REC_BIAS, REC_TAU, REC_FLAGS, REC_VARIANT, REC_WINDOW,
-                       REC_SCALE, REC_SOFTCAP, REC_LEN, LF_LAYER_NORM, LF_ROPE, LF_NEOX,
-                       LF_PARALLEL, LF_DOWN_STORED, LF_Q_SCALED, V_GEGLU, V_RELU, V_GELU, V_COUNT};
+                       REC_SCALE, REC_SOFTCAP, REC_MOE, REC_LEN, LF_LAYER_NORM, LF_ROPE,
+                       LF_NEOX, LF_PARALLEL, LF_DOWN_STORED, LF_Q_SCALED, LF_MOE, V_GEGLU,
+                       V_RELU, V_GELU, V_COUNT};
   for (size_t i = 0; i < sizeof v / sizeof v[0]; ++i) out[i] = v[i];
 }
 

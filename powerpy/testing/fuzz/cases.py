@@ -10,7 +10,8 @@ library bug and propagates (``run_case`` is both).
 
 The drafts and the raw writer are in ``files``, the model-file mutations in ``mutations``, the
 gpuidx/statistics mutations and the issue's seed cases in ``side_files``, the Falcon and OPT
-mutations (family "arch", on drafts of those families) and their seed cases in ``archs``. Used by
+mutations (family "arch", on drafts of those families) and their seed cases in ``archs``, the
+mixtures of experts' (family "moe") in ``experts``. Used by
 ``tests/test_fuzz_path.py`` (hypothesis), ``tests/test_cli_errors.py`` and ``tools/fuzz.py``
 (subprocesses).
 """
@@ -25,6 +26,7 @@ import numpy as np
 
 import powerpy.testing.fuzz.mutations  # noqa: F401 - registers the model-file mutations
 from powerpy.testing.fuzz.archs import ARCH_SEED_CASES, SEED_ARCHS
+from powerpy.testing.fuzz.experts import MOE_SEED_CASES, SEED_MOE_ARCHS, moe_draft
 from powerpy.testing.fuzz.files import (
     BUDGET_GIB,
     FAMILIES,
@@ -41,7 +43,7 @@ from powerpy.testing.fuzz.files import (
 )  # fmt: skip
 from powerpy.testing.fuzz.side_files import SEED_CASES as SIDE_SEED_CASES
 
-SEED_CASES = {**SIDE_SEED_CASES, **ARCH_SEED_CASES}  # name -> (family, fn)
+SEED_CASES = {**SIDE_SEED_CASES, **ARCH_SEED_CASES, **MOE_SEED_CASES}  # name -> (family, fn)
 
 
 class GeneratorError(Exception):
@@ -91,7 +93,11 @@ def prepare(name: str, seed: int, workdir: Path) -> Prepared:
     rng = np.random.default_rng(seed)
     sparse = family in ("predictor", "gpuidx", "stats") or bool(rng.random() < 0.7)
     archs = getattr(fn, "archs", None)  # the "arch" family's: the families it mutates
-    if archs is None:
+    experts = getattr(fn, "moe_archs", None)  # the "moe" family's
+    if experts is not None:
+        d = moe_draft(pick(rng, experts), seed=seed % 4, quantized=bool(rng.random() < 0.3))
+        archs = experts
+    elif archs is None:
         d = base_draft(sparse, seed=seed % 4)
     else:
         d = arch_draft(pick(rng, archs), sparse, seed=seed % 4)
@@ -123,6 +129,8 @@ def prepare_seed_case(name: str, workdir: Path) -> Prepared:
     family, fn = SEED_CASES[name]
     arch = SEED_ARCHS.get(name)  # (arch, seed) of the "arch" family's cases
     d = base_draft(True) if arch is None else arch_draft(arch[0], True, seed=arch[1])
+    if name in SEED_MOE_ARCHS:
+        d = moe_draft(SEED_MOE_ARCHS[name])
     fn(d)
     return finish(d, family, name, 0, name, workdir)
 

@@ -22,6 +22,7 @@ from powerpy.testing import BYTE_VOCAB, TinySpec, tiny_kv, tiny_tensors
 
 FAMILIES = (
     "kv", "hparams", "tokenizer", "tensors", "alignment", "predictor", "gpuidx", "stats", "arch",
+    "moe",
 )  # fmt: skip
 # the families that mutate the model file itself (a second mutation on top is drawn from these)
 MODEL_FAMILIES = ("kv", "hparams", "tokenizer", "tensors", "alignment", "predictor")

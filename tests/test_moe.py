@@ -1,0 +1,426 @@
+"""Mixtures of experts on every runtime path (docs/moe.md): the experts as views of the file,
+only the routed experts computed, the routing against a reference, the cut inside routed
+experts and its one-command calibration, hybrid placements (emulated and fake CUDA), and the
+refusals of files whose experts do not fit their keys.
+
+The logits against llama.cpp are in ``test_moe_oracle.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fake_cuda import FakeCuda, FakeCudaOps
+from moe_files import write_gguf_py
+
+from powerpy.api import load
+from powerpy.cli import main
+from powerpy.errors import FileFormatError, ModelConfigError, PlacementError
+from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names
+from powerpy.formats.gguf_reader import read_gguf
+from powerpy.formats.gpuidx import GpuIndex
+from powerpy.formats.stats import save_activation_stats
+from powerpy.model import moe, transformer
+from powerpy.model.device import Accelerator
+from powerpy.model.matrices import QuantWeight
+from powerpy.model.numerics import Numerics
+from powerpy.model.options import RunOptions, SparsityStats
+from powerpy.model.timing import PhaseTimer
+from powerpy.placement.placement import Placement
+from powerpy.placement.runtime import build_hybrid
+from powerpy.testing import TinySpec, tiny_tensors, write_tiny_model
+
+SPEC = TinySpec(n_layer=2, n_ff=128, n_expert=8, n_expert_used=2)
+QWEN = TinySpec(arch="qwen3moe", n_layer=2, n_ff=256, n_ff_exp=64, n_expert=8, n_expert_used=3)
+TOKENS = torch.tensor([1, 72, 101, 108, 108, 111, 44, 32, 119, 111])
+N_CTX = 32
+EXACT = Numerics(quantized_activations=False)  # f32 activations: paths comparable to 1e-5
+
+
+def _run(model, opts=None, n_prefill=6) -> torch.Tensor:
+    """Logits of TOKENS: a prefill of the first n_prefill, then one token at a time (f32 KV)."""
+    opts = opts or RunOptions()
+    cache = model.new_cache(N_CTX, dtype=torch.float32)
+    out = [model.forward(TOKENS[:n_prefill], cache, opts, all_logits=True)]
+    out += [model.forward(TOKENS[i : i + 1], cache, opts) for i in range(n_prefill, len(TOKENS))]
+    return torch.cat(out)
+
+
+@pytest.fixture(scope="module")
+def q8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe") / "mixtral-q8_0.gguf"
+    write_gguf_py(path, SPEC, GGMLType.Q8_0, seed=2)
+    return path
+
+
+def _cut_kv(t: float, n_layer: int = SPEC.n_layer) -> dict:
+    return {Keys.FFN_DOWN_THRESHOLD: ([t] * n_layer, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)}
+
+
+# ------------------------------------------------------------------------------ the experts
+def test_the_experts_are_views_of_the_file(q8):
+    llm = load(q8)
+    a, blk = llm.model.args, llm.model.weights.blk[1]
+    assert (a.n_expert, a.n_expert_used, a.n_ff_exp, a.ffn_neurons) == (8, 2, 128, 1024)
+    assert blk.ffn_gate is None and blk.ffn_up is None and blk.ffn_down_t is None
+    ex = blk.moe
+    assert isinstance(ex.gate, QuantWeight) and ex.gate.shape == (8 * 128, 64)
+    assert ex.down.shape == (8 * 64, 128) and ex.router.shape == (8, 64)
+    raw = llm.file.raw(Names.FFN_GATE_EXPS.format(l=1))
+    assert ex.gate.raw.data_ptr() == raw.ctypes.data  # no copy
+    gate3, _, down3 = ex.expert(3)
+    assert gate3.raw.data_ptr() == raw.ctypes.data + 3 * 128 * raw.shape[1]
+    assert down3.shape == (64, 128)
+
+
+def _reference(t: dict, l: int, x: np.ndarray, k: int, norm=True, scale=0.0) -> np.ndarray:
+    """HF's Mixtral / Qwen3-MoE block in float64 from the f32 tensors: x (T, n_embd)."""
+    r = t[Names.FFN_GATE_INP.format(l=l)].astype(np.float64)
+    g, u = (t[n.format(l=l)].astype(np.float64) for n in (Names.FFN_GATE_EXPS, Names.FFN_UP_EXPS))
+    down = t[Names.FFN_DOWN_EXPS.format(l=l)].astype(np.float64)
+    logits = x @ r.T
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    out = np.zeros_like(x)
+    for i in range(len(x)):
+        top = np.argsort(-p[i], kind="stable")[:k]
+        w = p[i, top] / (p[i, top].sum() if norm else 1.0) * (scale or 1.0)
+        for e, we in zip(top, w, strict=True):
+            gx, ux = g[e] @ x[i], u[e] @ x[i]
+            out[i] += we * (down[e] @ (gx / (1 + np.exp(-gx)) * ux))
+    return out
+
+
+@pytest.mark.parametrize("norm, scale", [(True, 0.0), (False, 2.5)])
+def test_the_routed_experts_match_a_float64_reference(tmp_path, norm, scale):
+    extra = {} if norm else {"qwen3moe.expert_weights_norm": (False, GGUFValueType.BOOL)}
+    extra |= {"qwen3moe.expert_weights_scale": (scale, GGUFValueType.FLOAT32)} if scale else {}
+    t = write_gguf_py(tmp_path / "q.gguf", QWEN, GGMLType.F32, seed=4, extra_kv=extra)
+    llm = load(tmp_path / "q.gguf")
+    ex = llm.model.weights.blk[1].moe
+    assert (ex.norm, ex.scale) == (norm, scale)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    opts = RunOptions(numerics=EXACT)
+    from powerpy.model import numerics
+
+    with numerics.using(EXACT):
+        got = moe.moe_ffn(1, ex, x, opts, None)
+        one = torch.cat([moe.moe_ffn(1, ex, x[i : i + 1], opts, None) for i in range(5)])
+    want = _reference(t, 1, x.double().numpy(), 3, norm, scale)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(one.numpy(), want, rtol=0, atol=2e-5)  # the decode path
+
+
+def test_only_the_routed_experts_are_read(q8, monkeypatch):
+    """Prefill: each expert some token routes to, once for its gate and up rows and once for
+    its down matrix; decode (one native call, or the per-op path with the same bits): one GLU
+    pass over exactly the routed experts' rows, then their down matrices. No other expert of
+    the stacks is touched."""
+    llm = load(q8)
+    layer_of = {id(b.moe): l for l, b in enumerate(llm.model.weights.blk)}
+    routed, glus, touched = [], [], []
+    route, glu, expert = moe.route, moe.glu_rows, moe.Experts.expert
+
+    def spy_route(ex, x):
+        routed.append(route(ex, x)[0])
+        return route(ex, x)
+
+    def spy_glu(x, gate, up, idx, variant):
+        glus.append(idx)
+        return glu(x, gate, up, idx, variant)
+
+    def spy_expert(self, e):
+        touched.append((layer_of[id(self)], e))
+        return expert(self, e)
+
+    monkeypatch.setattr(moe, "route", spy_route)
+    monkeypatch.setattr(moe, "glu_rows", spy_glu)
+    monkeypatch.setattr(moe.Experts, "expert", spy_expert)
+    cache = llm.model.new_cache(N_CTX)
+    llm.model.forward(TOKENS[:6], cache)
+    for l in range(SPEC.n_layer):
+        assert routed[l].shape == (6, 2)
+        want = sorted(torch.unique(routed[l]).tolist() * 2)
+        assert sorted(e for k, e in touched if k == l) == want
+    routed.clear(), glus.clear(), touched.clear()
+    native_cache = llm.model.new_cache(N_CTX)
+    llm.model.forward(TOKENS[:6], native_cache)
+    routed.clear(), glus.clear(), touched.clear()
+    stats = SparsityStats.empty(SPEC.n_layer, llm.model.args.ffn_neurons)
+    native = llm.model.forward(TOKENS[6:7], native_cache, RunOptions(stats=stats))  # one call:
+    # every layer's attention and experts in pp_decode_layers
+    assert stats.active.tolist() == [2 * SPEC.n_ff] * SPEC.n_layer  # per layer: 2 experts' rows
+    assert not routed and not touched  # the native block ran
+    monkeypatch.setattr(transformer, "moe_decode", lambda *a: None)  # the per-op path (a
+    timed = RunOptions(timer=PhaseTimer())  # timer keeps the per-layer loop)
+    per_op = llm.model.forward(TOKENS[6:7], cache, timed)
+    assert torch.equal(per_op, native)  # the same bits
+    for l in range(SPEC.n_layer):
+        ids = routed[l][0].tolist()
+        rows = torch.cat([torch.arange(e * SPEC.n_ff, (e + 1) * SPEC.n_ff) for e in ids])
+        assert torch.equal(glus[l], rows)  # 2 of 8 experts' gate and up rows, one call
+        assert sorted(e for k, e in touched if k == l) == sorted(ids)  # their down matrices
+
+
+def test_decode_equals_prefill_and_stats_count_the_routed_share(tmp_path):
+    write_gguf_py(tmp_path / "f32.gguf", SPEC, GGMLType.F32, seed=3)
+    llm = load(tmp_path / "f32.gguf")
+    cache = llm.model.new_cache(N_CTX, dtype=torch.float32)
+    whole = llm.model.forward(TOKENS, cache, all_logits=True)
+    torch.testing.assert_close(_run(llm.model, n_prefill=1), whole, rtol=0, atol=2e-5)
+    stats = SparsityStats.empty(SPEC.n_layer, llm.model.args.ffn_neurons)
+    _run(llm.model, RunOptions(stats=stats))
+    np.testing.assert_allclose(stats.active_fraction(), 2 / 8)
+
+
+# ------------------------------------------------------------------------------ the cut
+def test_the_cut_drops_small_contributions_inside_routed_experts(tmp_path):
+    t = tiny_tensors(SPEC, sparse=False, seed=3)
+    write_gguf_py(tmp_path / "ref.gguf", SPEC, GGMLType.F32, tensors=t)
+    ref = load(tmp_path / "ref.gguf")
+    write_gguf_py(tmp_path / "cut.gguf", SPEC, GGMLType.F32, tensors=t, extra_kv=_cut_kv(0.02))
+    llm = load(tmp_path / "cut.gguf")
+    assert llm.model.can_gate and not ref.model.can_gate
+    base = _run(ref.model)
+    torch.testing.assert_close(_run(llm.model, RunOptions(cut_scale=0.0)), base, rtol=0, atol=1e-5)
+    torch.testing.assert_close(_run(llm.model, RunOptions(sparse=False)), base, rtol=0, atol=1e-5)
+    stats = SparsityStats.empty(SPEC.n_layer, llm.model.args.ffn_neurons)
+    on = _run(llm.model, RunOptions(stats=stats))
+    frac = float(stats.active_fraction().mean())
+    assert 0.02 < frac < 0.24, frac  # some of the 2/8 routed neurons are cut
+    assert 0 < float((on - base).abs().max()) < 0.5 * float(base.max() - base.min())
+    cache = llm.model.new_cache(N_CTX, dtype=torch.float32)  # decode = prefill with the cut
+    whole = llm.model.forward(TOKENS, cache, all_logits=True)
+    torch.testing.assert_close(_run(llm.model, n_prefill=1), whole, rtol=0, atol=2e-5)
+
+
+def test_profile_writes_a_models_cut_in_one_command(q8, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 40)
+    out = tmp_path / "cut.gguf"
+    argv = ["profile", "-m", str(q8), "--text", str(text), "--ctx", "64", "-t", "1",
+            "--target-sparsity", "0.4", "-o", str(tmp_path / "prof"),
+            "--write-cut", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    llm = load(out)
+    cuts = llm.model.args.down_thresholds
+    assert len(cuts) == 2 and all(c > 0 for c in cuts)
+    with read_gguf(q8) as a, read_gguf(out) as b:  # the same tensors, one key more
+        assert all(np.array_equal(a.raw(n), b.raw(n)) for n in a.tensors)
+        assert set(b.kv) - set(a.kv) == {Keys.FFN_DOWN_THRESHOLD}
+    stats = SparsityStats.empty(2, llm.model.args.ffn_neurons)
+    ids = torch.tensor(llm.tokenize(text.read_text()[:100]))
+    llm.model.forward(ids, llm.model.new_cache(256), RunOptions(stats=stats))
+    assert 0.6 * 2 / 8 * 0.8 < float(stats.active_fraction().mean()) < 2 / 8
+    counts = torch.load(tmp_path / "prof" / "activation_0.pt")
+    assert counts.shape == (8 * 128,)  # statistics over the experts' neurons: gen-gpuidx input
+    dense = tmp_path / "dense.gguf"
+    write_tiny_model(dense, TinySpec(), sparse=False)
+    argv[2], argv[-1] = str(dense), str(tmp_path / "x.gguf")
+    assert main(argv) == 1
+    assert "a dense GGUF without experts has no sparse mode" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ placement
+def _index(hot=300, seed=1) -> GpuIndex:
+    rng = np.random.default_rng(seed)
+    n = SPEC.n_expert * SPEC.n_ff
+    buckets = [np.sort(rng.choice(n, hot, replace=False)) for _ in range(SPEC.n_layer)]
+    return GpuIndex.from_buckets(buckets, n, vram_capacity=0)
+
+
+@pytest.mark.parametrize("dtype", [GGMLType.F16, GGMLType.Q8_0])
+@pytest.mark.parametrize("cut", [0.0, 0.02])
+def test_hybrid_equals_cpu_only(tmp_path, dtype, cut):
+    """The emulated accelerator: router and attention placed, 300 hot expert neurons per
+    layer; f32 activations (llama.cpp's rounding differs between the paths by design)."""
+    path = tmp_path / "m.gguf"
+    write_gguf_py(path, SPEC, dtype, seed=2, extra_kv=_cut_kv(cut) if cut else None)
+    llm = load(path)
+    opts = RunOptions(numerics=EXACT)
+    ref = _run(llm.model, opts)
+    placement = Placement.for_model(llm.file, 1 << 30, _index(), n_ctx=N_CTX, kv_elem_bytes=4)
+    assert Names.FFN_GATE_INP.format(l=1) in placement.gpu_tensors
+    rt = build_hybrid(llm.model, placement, Accelerator("cpu"), file=llm.file)
+    assert rt.placement.n_hot == 600 and rt.device_bytes <= placement.budget
+    hot = rt.model.weights.blk[0].moe.hot
+    assert hot.k == 300 and llm.model.weights.blk[0].moe.hot is None  # the original untouched
+    row = 64 * (2 if dtype == GGMLType.F16 else 34 / 32)
+    assert placement.layers[0].neuron_bytes == 2 * row + 2 * 64  # gate, up rows; f16 column
+    atol = 1e-4 if dtype == GGMLType.F16 else 2e-3  # a Q8_0 down column placed as f16
+    if cut and dtype != GGMLType.F16:  # a neuron at its cut may fall on either side when the
+        atol = 1e-2  # device sums its gate and up rows in another order
+    torch.testing.assert_close(_run(rt.model, opts), ref, rtol=0, atol=atol)
+    stats = SparsityStats.empty(2, 1024)
+    _run(rt.model, RunOptions(stats=stats, numerics=EXACT))
+    if not cut:
+        np.testing.assert_allclose(stats.active_fraction(), 2 / 8)  # hot and cold counted
+
+
+def test_gen_gpuidx_places_the_hottest_experts(q8, tmp_path, capsys):
+    counts = [np.repeat(np.arange(8)[::-1] * 100, 128) for _ in range(2)]  # expert 0 hottest
+    save_activation_stats(tmp_path / "activation", [torch.from_numpy(c) for c in counts])
+    with read_gguf(q8) as f:
+        base = Placement.for_model(f, 1 << 40, n_ctx=64)
+        fixed, neuron = base.plan.used, base.layers[0].neuron_bytes
+    budget = fixed + 2 * 256 * neuron + 10  # two groups of 256 neurons: experts 0 and 1
+    out = tmp_path / "m.gpuidx"
+    argv = ["gen-gpuidx", "-m", str(q8), "--vram-budget", repr(budget / 2**30), "--ctx", "64",
+            "--activation", str(tmp_path / "activation"), "-o", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    idx = GpuIndex.read(out, n_layer=2, n_ff=1024)
+    hot = np.concatenate(idx.gpu_bucket)
+    assert set(hot.tolist()) <= set(range(256)) and len(hot) == 512  # experts 0 and 1, whole
+    llm = load(q8, vram_budget=budget / 2**30, device="cpu", n_ctx=64,
+               activation_dir=tmp_path / "activation")  # fmt: skip
+    assert llm.runtime is not None and llm.runtime.placement.n_hot == 512
+    assert llm.runtime.device_bytes <= budget
+
+
+@pytest.mark.parametrize("what", ["everything", "dense-only"])
+def test_fake_cuda_runs_without_host_syncs_within_the_budget(tmp_path, what):
+    """Device tensors are fake CUDA tensors: a host sync or a cross-device op raises."""
+    path = tmp_path / "m.gguf"
+    write_gguf_py(path, SPEC, GGMLType.F16, seed=2, extra_kv=_cut_kv(0.01))
+    llm = load(path)
+    full = Placement.for_model(llm.file, 1 << 40, n_ctx=N_CTX)
+    neuron = full.layers[0].neuron_bytes
+    budget = full.used + 2 * 300 * neuron if what == "everything" else full.plan.used
+    placement = Placement.for_model(llm.file, budget, _index(), n_ctx=N_CTX, kv_elem_bytes=2)
+    rt = build_hybrid(llm.model, placement, FakeCuda(), file=llm.file)
+    assert rt.dense_bytes + rt.hot_bytes + placement.kv_bytes <= budget
+    assert (rt.model.weights.blk[0].moe.hot is not None) == (what == "everything")
+    cache = rt.model.new_cache(N_CTX)
+    with FakeCudaOps():
+        logits = rt.model.forward(TOKENS[:6], cache, llm.options)
+        for tok in TOKENS[6:9]:
+            logits = rt.model.forward(tok[None], cache, llm.options)
+    assert logits.shape == (1, rt.model.args.n_vocab) and logits.device.type == "cpu"
+
+
+# ------------------------------------------------------------------------------ refusals
+def _refused(tmp_path, spec, err, match, *, drop=(), edit=None, extra_kv=None):
+    t = tiny_tensors(spec, sparse=False, seed=1)
+    for name in drop:
+        del t[name]
+    if edit is not None:
+        edit(t)
+    path = tmp_path / "bad.gguf"
+    write_gguf_py(path, spec, GGMLType.F32, tensors=t, extra_kv=extra_kv)
+    with pytest.raises(err, match=match):
+        load(path)
+
+
+def test_a_missing_or_misshapen_expert_stack_is_named_with_its_shape(tmp_path):
+    name = Names.FFN_DOWN_EXPS.format(l=1)
+    _refused(tmp_path, SPEC, FileFormatError,
+             r"tensor 'blk\.1\.ffn_down_exps\.weight' is missing; .* \(it needs shape "
+             r"\(n_expert, n_embd, n_ff_exp\) = \(8, 64, 128\)\)", drop=[name])  # fmt: skip
+
+    def swap(t):
+        t[name] = np.ascontiguousarray(t[name].transpose(0, 2, 1))  # (8, 128, 64)
+
+    _refused(tmp_path, SPEC, ModelConfigError,
+             r"'blk\.1\.ffn_down_exps\.weight' has shape \(8, 128, 64\), but the hyperparameters "
+             r"need \(n_expert, n_embd, n_ff_exp\) = \(8, 64, 128\)", edit=swap)  # fmt: skip
+    router = Names.FFN_GATE_INP.format(l=0)
+    _refused(tmp_path, SPEC, ModelConfigError,
+             r"'blk\.0\.ffn_gate_inp\.weight' has shape \(7, 64\), but the hyperparameters need "
+             r"\(n_expert, n_embd\) = \(8, 64\)",
+             edit=lambda t: t.__setitem__(router, t[router][:7]))  # fmt: skip
+    up = Names.FFN_UP_EXPS.format(l=0)
+    _refused(tmp_path, QWEN, ModelConfigError,
+             r"'blk\.0\.ffn_up_exps\.weight' has shape \(8, 32, 64\), but the hyperparameters "
+             r"need \(n_expert, n_ff_exp, n_embd\) = \(8, 64, 64\)",
+             edit=lambda t: t.__setitem__(up, np.ascontiguousarray(t[up][:, :32])))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kv, match",
+    [
+        ({"llama.expert_used_count": (9, GGUFValueType.UINT32)},
+         r"llama\.expert_used_count is 9, it must be between 1 and llama\.expert_count \(8\)"),
+        ({"llama.expert_used_count": (0, GGUFValueType.UINT32)}, r"expert_used_count is 0"),
+        ({"llama.expert_weights_norm": (1, GGUFValueType.UINT32)},
+         r"'llama\.expert_weights_norm' must be a BOOL"),
+        ({"llama.expert_weights_scale": (-1.0, GGUFValueType.FLOAT32)},
+         r"expert_weights_scale is -1\.0"),
+        ({"llama.expert_count": (4, GGUFValueType.UINT32)},
+         r"ffn_gate_inp\.weight' has shape \(8, 64\), but the hyperparameters need "
+         r"\(n_expert, n_embd\) = \(4, 64\)"),
+    ],
+)  # fmt: skip
+def test_expert_keys_that_make_no_mixture_are_refused(tmp_path, kv, match):
+    _refused(tmp_path, SPEC, ModelConfigError, match, extra_kv=kv)
+
+
+def test_expert_tensors_without_a_count_and_experts_where_none_belong(tmp_path):
+    t = tiny_tensors(SPEC, sparse=False, seed=1)
+    plain = TinySpec(n_layer=2, n_ff=128)
+    t |= {k: v for k, v in tiny_tensors(plain, sparse=False).items() if "ffn" in k}
+    write_gguf_py(tmp_path / "a.gguf", plain, GGMLType.F32, tensors=t)
+    msg = (
+        r"tensor 'blk\.0\.ffn_gate_inp\.weight' belongs to a mixture of experts, but the file's "
+        r"llama\.expert_count is missing"
+    )
+    with pytest.raises(ModelConfigError, match=msg):
+        load(tmp_path / "a.gguf")
+    dense = {k: v for k, v in tiny_tensors(plain, sparse=False).items() if "blk.0.ffn_up" in k}
+    _refused(tmp_path, SPEC, ModelConfigError,
+             r"tensor 'blk\.0\.ffn_up\.weight' is not part of a llama model, whose layers hold "
+             r".*ffn_down_exps", edit=lambda t: t.update(dense))  # fmt: skip
+    no_experts = TinySpec(arch="qwen3moe", n_layer=2, n_ff=128)
+    write_gguf_py(tmp_path / "q.gguf", no_experts, GGMLType.F32)
+    with pytest.raises(ModelConfigError, match=r"qwen3moe is a mixture of experts, but "
+                       r"qwen3moe\.expert_count is 0"):  # fmt: skip
+        load(tmp_path / "q.gguf")
+
+
+def test_a_pwri_file_with_experts_and_a_placement_of_a_plain_gguf_are_refused(q8, tmp_path):
+    write_tiny_model(tmp_path / "m.powerinfer.gguf", SPEC, sparse=True)
+    with pytest.raises(ModelConfigError, match=r"a PowerInfer \(PWRI\) file with 8 experts"):
+        load(tmp_path / "m.powerinfer.gguf")
+    write_tiny_model(tmp_path / "d.gguf", TinySpec(), sparse=False)
+    with read_gguf(tmp_path / "d.gguf") as f, pytest.raises(PlacementError, match="dense GGUF"):
+        Placement.for_model(f, 1 << 30)
+
+
+# ------------------------------------------------------------------------------ fuzzing
+MOE_SEED_MESSAGES = {  # the load-path fuzzer's MoE seed cases (powerpy.testing.fuzz.experts)
+    "moe_used_over_count": ("llama.expert_used_count is 5", "llama.expert_count (4)"),
+    "moe_count_too_small": ("'blk.0.ffn_gate_inp.weight' has shape (4, 32)", "= (3, 32)"),
+    "moe_down_transposed": ("'blk.1.ffn_down_exps.weight' has shape (4, 64, 32)",
+                            "(n_expert, n_embd, n_ff_exp) = (4, 32, 64)"),
+    "moe_gate_missing": ("'blk.0.ffn_gate_exps.weight' is missing",
+                         "(n_expert, n_ff_exp, n_embd) = (4, 32, 32)"),
+    "moe_without_count": ("'blk.0.ffn_gate_inp.weight' belongs to a mixture of experts",),
+    "moe_norm_not_bool": ("'qwen3moe.expert_weights_norm' must be a BOOL",),
+}  # fmt: skip
+
+
+def test_fuzz_seed_cases_name_the_expert_tensor_or_key(tmp_path, one_thread):
+    from powerpy.testing import fuzz as fz
+
+    assert set(MOE_SEED_MESSAGES) == {n for n, (f, _) in fz.SEED_CASES.items() if f == "moe"}
+    for name, parts in MOE_SEED_MESSAGES.items():
+        p = fz.prepare_seed_case(name, tmp_path / name)
+        assert fz.run(p) == "PowerpyError", (name, p.errors)
+        assert len(p.errors) == 1 and str(p.model) in p.errors[0], (name, p.errors)
+        for part in parts:
+            assert part in p.errors[0], (name, p.errors[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_valid_moe_drafts_run_plain_and_placed(tmp_path, one_thread, arch):
+    """The fuzzer's unmutated MoE drafts run, F32 and Q8_0, CPU-only and placed, so the "moe"
+    family's refusals are its mutations'."""
+    from powerpy.testing import fuzz as fz
+    from powerpy.testing.fuzz.experts import moe_draft
+
+    for quantized in (False, True):
+        for load_kw in ({}, {"vram_budget": fz.BUDGET_GIB, "device": "cpu"}):
+            d = moe_draft(arch, quantized=quantized)
+            d.load = load_kw
+            p = fz.finish(d, "moe", "base", 0, "base", tmp_path / f"{quantized}{bool(load_kw)}")
+            assert fz.run(p) == "ok", (quantized, load_kw, p.errors)
