@@ -77,15 +77,18 @@ class StackPlan:
         (learned positions)."""
         k, v = cache.k[self.first :], cache.v[self.first :]  # (n, n_ctx, n_kv, head_dim), host
         out = as_f32(x[0]).clone()
-        n_layer = self.records.shape[0]
+        n_layer, rs = self.records.shape[0], rots[self.first :]
         tables: dict[int, Tensor] = {}  # each distinct table once (one, or gemma3's two)
-        ptrs = np.zeros(n_layer, dtype=np.int64)
-        for i, r in enumerate(rots[self.first :]):
-            if r is not None:
-                t = tables.get(id(r))
-                if t is None:
-                    t = tables[id(r)] = layer_record.rotation(r(HOST))
-                ptrs[i] = t.data_ptr()
+
+        def table(r) -> int:  # (1, n_rot/2) complex: the kernels read its (cos, sin) pairs
+            if id(r) not in tables:
+                tables[id(r)] = r(HOST).contiguous()
+            return tables[id(r)].data_ptr()
+
+        if all(r is rs[0] for r in rs):  # one table (or none: learned positions)
+            ptrs = np.full(n_layer, 0 if rs[0] is None else table(rs[0]), dtype=np.int64)
+        else:
+            ptrs = np.array([0 if r is None else table(r) for r in rs], dtype=np.int64)
         counts = np.zeros(n_layer, dtype=np.int64)
         st = self.lib.cdll.pp_decode_layers(
             n_layer, self.records.ctypes.data, ptrs.ctypes.data, *layer_record.heads(args),
