@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from powerpy.errors import ModelConfigError, shown
 from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, Rope, family
 from powerpy.families.experts import check_experts, expert_args
+from powerpy.families.values import float_list, layer_list, scalar, windowed_layers
 from powerpy.formats.constants import GGUFValueType, Keys, Names
 
 if TYPE_CHECKING:
@@ -28,6 +26,17 @@ MAX_LAYERS = 1 << 16  # a block_count above this is a corrupt file (the largest 
 
 
 ACTIVATIONS = ("relu", "silu", "gelu")  # --ffn-act, config.json sparse_activation, hidden_act
+
+
+# the key each hyperparameter is read from (named by the refusals of ``ModelArgs.validate``)
+_FIELD_KEYS = {
+    "rope_base": Keys.ROPE_FREQ_BASE, "rope_scale": Keys.ROPE_SCALING_FACTOR,
+    "rope_attn_factor": Keys.ROPE_SCALING_ATTN_FACTOR, "key_length": Keys.KEY_LENGTH,
+    "sliding_window": Keys.SLIDING_WINDOW, "rope_orig_ctx": Keys.ROPE_SCALING_ORIG_CTX,
+    "rope_base_swa": Keys.ROPE_FREQ_BASE_SWA, "attn_scale": Keys.ATTENTION_SCALE,
+    "attn_softcap": Keys.ATTN_SOFTCAP, "final_softcap": Keys.FINAL_SOFTCAP,
+    "n_rot": Keys.ROPE_DIMENSION_COUNT,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -151,13 +160,20 @@ class ModelArgs:
         fam = family(kv.get(Keys.ARCHITECTURE), source)
         arch = fam.arch
 
+        defaults = dict(fam.key_defaults)
+
         def get(key: str, default: Any = None, kind: type = int) -> Any:
+            """The key's value checked as one ``kind``; an optional key (``default`` given)
+            the family ignores, or absent, is the family's default for it, else ``default``."""
             name = key.format(arch=arch)
+            if default is not None and key in fam.ignored_keys:
+                return default
             if name not in kv:
+                default = defaults.get(key, default)
                 if default is None:
                     raise ModelConfigError(f"{source}: required key {name!r} is missing")
                 return default
-            return _scalar(kv[name], name, kind, source)
+            return scalar(kv[name], name, kind, source)
 
         tokens = kv.get(Keys.TOKENS)
         n_tokens = len(tokens) if isinstance(tokens, (list, tuple)) else None
@@ -169,7 +185,7 @@ class ModelArgs:
                 raise ModelConfigError(
                     f"{source}: key {Keys.SPARSE_THRESHOLD} must be FLOAT32, found {found!r}"
                 )
-            thr = _scalar(kv[Keys.SPARSE_THRESHOLD], Keys.SPARSE_THRESHOLD, float, source)
+            thr = scalar(kv[Keys.SPARSE_THRESHOLD], Keys.SPARSE_THRESHOLD, float, source)
         dense_layers: tuple[int, ...] = ()
         if sparse and Keys.DENSE_LAYERS in kv:
             dense_layers = layer_list(kv[Keys.DENSE_LAYERS], Keys.DENSE_LAYERS, source)
@@ -193,14 +209,18 @@ class ModelArgs:
                 f"{head_dim}; powerpy runs heads whose keys and values have one size"
             )
         window = get(Keys.SLIDING_WINDOW, 0)
-        scaling = kv.get(Keys.ROPE_SCALING_TYPE.format(arch=arch), "none")
+        # llama.cpp: no type is "linear", a factor of 0 is none
+        scaling = kv.get(Keys.ROPE_SCALING_TYPE.format(arch=arch), "linear")
         if not isinstance(scaling, str) or scaling not in ("none", "linear"):
             raise ModelConfigError(
                 f"{source}: {Keys.ROPE_SCALING_TYPE.format(arch=arch)} is {shown(scaling)}; "
                 'powerpy runs "none" and "linear" RoPE scaling'
             )
+        factor = get(Keys.ROPE_SCALING_FACTOR, 0.0, float) if scaling == "linear" else 0.0
         extra = {} if fam.extra_args is None else fam.extra_args(get, n_layer)
-        pattern = fam.swa_pattern
+        swa_layers: tuple[int, ...] = ()
+        if window and fam.swa_pattern is not None:
+            swa_layers = windowed_layers(kv, fam, n_layer, source)
         args = cls(
             arch=arch,
             n_vocab=get(Keys.VOCAB_SIZE, n_tokens or n_vocab or 0),
@@ -220,13 +240,9 @@ class ModelArgs:
             down_thresholds=cuts,
             key_length=key_length,
             sliding_window=window,
-            swa_layers=tuple(
-                l
-                for l in range(n_layer)
-                if window and pattern is not None and (not pattern or l % pattern < pattern - 1)
-            ),
+            swa_layers=swa_layers,
             rope_base_swa=get(Keys.ROPE_FREQ_BASE_SWA, 0.0, float),
-            rope_scale=get(Keys.ROPE_SCALING_FACTOR, 1.0, float) if scaling == "linear" else 1.0,
+            rope_scale=factor or 1.0,
             rope_attn_factor=get(Keys.ROPE_SCALING_ATTN_FACTOR, 1.0, float),
             rope_orig_ctx=get(Keys.ROPE_SCALING_ORIG_CTX, 0),
             attn_scale=get(Keys.ATTENTION_SCALE, 0.0, float),
@@ -306,6 +322,12 @@ class ModelArgs:
         for key, value, unset, kind in optional:
             if value != unset:
                 kv[key.format(arch=a)] = (value, kind)
+        fam = self.family
+        if self.sliding_window and fam.swa_pattern is not None:
+            if self.swa_layers != windowed_layers({}, fam, self.n_layer, "model"):
+                flags = [l in self.swa_layers for l in range(self.n_layer)]
+                key = Keys.SLIDING_WINDOW_PATTERN.format(arch=a)
+                kv[key] = (flags, GGUFValueType.ARRAY, GGUFValueType.BOOL)
         if self.rope_scale != 1.0:
             kv[Keys.ROPE_SCALING_TYPE.format(arch=a)] = ("linear", GGUFValueType.STRING)
         if self.sparse and self.sparse_threshold != 0.0:
@@ -333,6 +355,12 @@ class ModelArgs:
         Raises:
             ModelConfigError: the first value that makes no model, with what to do.
         """
+        keys = dict(_FIELD_KEYS, norm_eps=self.family.norm.eps_key)
+
+        def named(field: str) -> str:  # the field and the key it is read from
+            key = keys.get(field)
+            return field if key is None else f"{key.format(arch=self.arch)} ({field})"
+
         for key in ("n_vocab", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "n_ctx_train"):
             if getattr(self, key) <= 0:
                 raise ModelConfigError(
@@ -346,20 +374,27 @@ class ModelArgs:
             )
         if not 0 < self.n_rot <= self.head_dim or self.n_rot % 2:
             raise ModelConfigError(
-                f"{source}: rope dimension {self.n_rot} does not fit head {self.head_dim} "
-                "(it must be even and between 2 and the head size)"
+                f"{source}: {named('n_rot')} is {self.n_rot}, which does not fit head "
+                f"{self.head_dim} (it must be even and between 2 and the head size)"
             )
-        for key in ("rope_base", "norm_eps", "rope_scale", "rope_attn_factor"):
-            v = getattr(self, key)
+        for field in ("rope_base", "norm_eps", "rope_scale", "rope_attn_factor"):
+            v = getattr(self, field)
             if not (math.isfinite(v) and v > 0):
-                raise ModelConfigError(f"{source}: {key} is {v}, it must be a finite number > 0")
+                raise ModelConfigError(
+                    f"{source}: {named(field)} is {v}, it must be a finite number > 0"
+                )
         unset_zero = ("key_length", "sliding_window", "rope_orig_ctx", "rope_base_swa",
                       "rope_scale_swa", "attn_scale", "attn_softcap", "final_softcap")  # fmt: skip
-        for key in unset_zero:
-            v = getattr(self, key)
+        for field in unset_zero:
+            v = getattr(self, field)
             if not (math.isfinite(v) and 0 <= v < 2**31):
                 raise ModelConfigError(
-                    f"{source}: {key} is {v}, it must be a finite number >= 0 (0: unset)"
+                    f"{source}: {named(field)} is {v}, it must be between 0 and 2^31 (0: unset)"
+                )
+        for field in ("rope_base", "rope_base_swa"):  # below 1 the angles grow past f32's range
+            if 0 < getattr(self, field) < 1:
+                raise ModelConfigError(
+                    f"{source}: {named(field)} is {getattr(self, field)}, a RoPE base must be >= 1"
                 )
         if math.isnan(self.sparse_threshold) or self.sparse_threshold == math.inf:
             raise ModelConfigError(
@@ -408,68 +443,3 @@ class ModelArgs:
                 f"{source}: FFN activation {act!r} does not fit {self.arch}: {e}"
             ) from None
         return dataclasses.replace(self, ffn_variant=variant)
-
-
-def layer_list(value: Any, key: str, source: str, n_layer: int | None = None) -> tuple[int, ...]:
-    """A key's array of distinct layer numbers (below ``n_layer`` when given), sorted.
-
-    Raises:
-        ModelConfigError: anything else; the message names the source and the key.
-    """
-    seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
-    items = list(value) if seq else None  # a list, or the reader's numpy array
-    top = n_layer if n_layer is not None else float("inf")
-    ok = items is not None and all(
-        isinstance(v, numbers.Integral) and not isinstance(v, bool) and 0 <= v < top for v in items
-    )
-    if not ok or len(set(items)) != len(items):
-        below = f" below {n_layer}" if n_layer is not None else ""
-        raise ModelConfigError(
-            f"{source}: {key} must be an array of distinct layer numbers{below}, got {shown(value)}"
-        )
-    return tuple(sorted(int(v) for v in items))
-
-
-def float_list(value: Any, key: str, source: str, n: int | None = None) -> tuple[float, ...]:
-    """A key's array of numbers as floats; with ``n``, exactly n finite values >= 0 (one per
-    layer).
-
-    Raises:
-        ModelConfigError: anything else; the message names the source and the key.
-    """
-    seq = hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
-    items = list(value) if seq else None  # a list, or the reader's numpy array
-    if items is None or not all(
-        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in items
-    ):
-        raise ModelConfigError(f"{source}: {key} must be an array of numbers, got {shown(value)}")
-    out = tuple(float(v) for v in items)
-    if n is not None and (len(out) != n or not all(0 <= t < math.inf for t in out)):
-        raise ModelConfigError(
-            f"{source}: {key} must hold {n} finite values >= 0 (one per layer), found "
-            f"{len(out)}: {list(out)[:4]}; fix the values or remove the key"
-        )
-    return out
-
-
-def _scalar(v: Any, key: str, kind: type, source: str) -> Any:
-    """``v`` as one int (or finite-or-not float, or a bool for ``kind`` bool), refusing
-    arrays, strings and bools where a number belongs, by name."""
-    if isinstance(v, (list, tuple)) and len(v) == 1:
-        v = v[0]
-    if kind is bool:
-        if isinstance(v, (bool, np.bool_)):
-            return bool(v)
-        raise ModelConfigError(
-            f"{source}: key {key!r} must be a BOOL, got {shown(v)} ({type(v).__name__}); the "
-            "file is corrupt: re-convert the model"
-        )
-    ok = isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
-    if ok and kind is int:
-        ok = float(v).is_integer() and abs(v) < 2**63
-    if not ok:
-        raise ModelConfigError(
-            f"{source}: key {key!r} must be one {'integer' if kind is int else 'number'}, got "
-            f"{shown(v)} ({type(v).__name__}); the file is corrupt: re-convert the model"
-        )
-    return kind(v)

@@ -207,6 +207,35 @@ def test_the_sliding_window_applies_where_llama_cpp_applies_it(arch, layers) -> 
     over the whole context whatever the key says."""
     a = dataclasses.replace(BASE, arch=arch, sliding_window=8)
     kv, types = _plain(a.to_gguf_kv())
+    kv.pop(f"{arch}.attention.sliding_window_pattern", None)  # a file with the window key only
     got = ModelArgs.from_gguf_kv(kv, sparse=False, n_vocab=a.n_vocab, kv_types=types)
     assert got.sliding_window == 8
     assert got.swa_layers == layers
+
+
+@pytest.mark.parametrize(
+    "arch, keys, want",
+    [
+        # gemma2 without the optional keys: llama.cpp's window 4096 and soft-caps 50 and 30
+        ("gemma2", {}, dict(sliding_window=4096, attn_softcap=50.0, final_softcap=30.0)),
+        # gemma3 and phi3 never read the keys llama.cpp's loaders do not
+        ("gemma3", {"attn_logit_softcapping": 5.0, "attention.scale": 0.5},
+         dict(attn_softcap=0.0, attn_scale=0.0)),
+        ("phi3", {"final_logit_softcapping": 5.0, "attention.scale": 0.5},
+         dict(final_softcap=0.0, attn_scale=0.0)),
+        # a scaling factor without a type is linear scaling; a factor of 0 is none
+        ("llama", {"rope.scaling.factor": 4.0}, dict(rope_scale=4.0)),
+        ("llama", {"rope.scaling.factor": 0.0}, dict(rope_scale=1.0)),
+        # the window pattern: a period, or flags (past them: global)
+        ("gemma2", {"attention.sliding_window": 8, "attention.sliding_window_pattern": 3},
+         dict(swa_layers=(0, 1))),
+        ("gemma3", {"attention.sliding_window": 8, "attention.sliding_window_pattern": [0, 1]},
+         dict(swa_layers=(1,))),
+    ],
+)  # fmt: skip
+def test_family_keys_as_llama_cpp_reads_them(arch, keys, want) -> None:
+    a = dataclasses.replace(BASE, arch=arch)
+    kv, _ = _plain(a.to_gguf_kv())
+    kv.update({f"{arch}.{k}": v for k, v in keys.items()})
+    got = ModelArgs.from_gguf_kv(kv, sparse=False, n_vocab=a.n_vocab)
+    assert {k: getattr(got, k) for k in want} == want

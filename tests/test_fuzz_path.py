@@ -107,11 +107,27 @@ ARCH_MESSAGES = {
 }
 
 
+# Gemma and Phi-3: their fused tensors, norms, output, soft-caps, window pattern, head size, RoPE
+WINDOWED_MESSAGES = {
+    "phi3_ffn_up_rows": ("tensor 'blk.0.ffn_up.weight' has shape (64, 32)", "(128, 32)"),
+    "phi3_qkv_rows": ("tensor 'blk.1.attn_qkv.weight' has shape (96, 32)", "(64, 32)"),
+    "phi3_rope_factors_zero": ("tensor 'rope_factors_long.weight'", "must be > 0"),
+    "gemma2_no_post_ffw_norm": ("tensor 'blk.1.post_ffw_norm.weight' is missing",),
+    "gemma2_output": ("tensor 'output.weight' is not part of a gemma2 model", "token_embd"),
+    "gemma2_softcap_nan": ("gemma2.attn_logit_softcapping", "is nan"),
+    "gemma2_pattern_string": ("'gemma2.attention.sliding_window_pattern'", "'2' (str)"),
+    "gemma3_q_norm_size": ("tensor 'blk.0.attn_q_norm.weight' has shape (32,)", "(16,)"),
+    "gemma3_key_length_mismatch": ("gemma3.attention.value_length", "key length 16"),
+    "gemma3_rope_yarn": ("gemma3.rope.scaling.type", "'yarn'"),
+}
+
+
 def test_arch_seed_cases_name_what_is_wrong(tmp_path):
-    """Every Falcon/OPT seed case is refused at load with one message naming the file and the
-    tensor or key (test_seed_case runs them too)."""
-    assert set(ARCH_MESSAGES) == {n for n, (f, _) in fz.SEED_CASES.items() if f == "arch"}
-    for name, parts in ARCH_MESSAGES.items():
+    """Every Falcon/OPT/Gemma/Phi-3 seed case is refused at load with one message naming the
+    file and the tensor or key (test_seed_case runs them too)."""
+    expected = ARCH_MESSAGES | WINDOWED_MESSAGES
+    assert set(expected) == {n for n, (f, _) in fz.SEED_CASES.items() if f == "arch"}
+    for name, parts in expected.items():
         p = fz.prepare_seed_case(name, tmp_path / name)
         assert fz.run(p) == "PowerpyError", (name, p.errors)
         assert len(p.errors) == 1 and str(p.model) in p.errors[0], (name, p.errors)
@@ -119,15 +135,19 @@ def test_arch_seed_cases_name_what_is_wrong(tmp_path):
             assert part in p.errors[0], (name, p.errors[0])
 
 
-@pytest.mark.parametrize("arch", ["falcon", "opt"])
+@pytest.mark.parametrize("arch", ["falcon", "opt", "gemma2", "gemma3", "phi3"])
 def test_valid_arch_models_run(tmp_path, arch):
-    """The unmutated Falcon (multi-query and 40B-like) and OPT drafts run sparse, dense and
-    placed, so the "arch" family's refusals are the mutations'."""
+    """The unmutated Falcon (multi-query and 40B-like), OPT, Gemma and Phi-3 drafts run sparse,
+    dense and placed (phi3's fused gate+up is refused a placement by name), so the "arch"
+    family's refusals are the mutations'."""
     for seed in (0, 1):
         for sparse, load in ((True, {}), (False, {}), (True, {"vram_budget": fz.BUDGET_GIB})):
             d = fz.arch_draft(arch, sparse, seed)
             d.load = dict(load, device="cpu") if load else {}
             p = fz.finish(d, "none", "base", seed, "base", tmp_path / f"{seed}{sparse}{bool(load)}")
+            if arch == "phi3" and load:
+                assert fz.run(p) == "PowerpyError" and "fuses the gate and up" in p.errors[0]
+                continue
             assert fz.run(p) == "ok", (seed, sparse, load, p.errors)
 
 

@@ -47,20 +47,23 @@ CASES = {
             "key_length": 32,
             "n_rot": 32,
             "sliding_window": 4,
+            "swa_layers": (0,),
             "attn_softcap": 2.0,
             "final_softcap": 30.0,
         },
         None,
-    ),  # fmt: skip
-    "gemma2-scale": (
-        TinySpec(arch="gemma2", **BASE),
-        {"attn_scale": 0.3, "sliding_window": 5},
-        None,
     ),
+    "llama-scale": (TinySpec(**BASE), {"attn_scale": 0.3}, None),  # attention.scale
     # six layers: five windowed with the local RoPE base, one global with the file's
     "gemma3": (
         TinySpec(arch="gemma3", **{**BASE, "n_layer": 6}, rope_base=1e6),
-        {"key_length": 32, "n_rot": 32, "sliding_window": 3, "rope_base_swa": 1e4},
+        {
+            "key_length": 32,
+            "n_rot": 32,
+            "sliding_window": 3,
+            "swa_layers": (0, 1, 2, 3, 4),
+            "rope_base_swa": 1e4,
+        },
         None,
     ),
     "falcon-7b": (TinySpec(arch="falcon", **{**BASE, "n_head_kv": 1}), {}, "no_norm_2"),
@@ -242,3 +245,5 @@ def test_the_layouts_are_what_the_cases_claim(files):
     )
     q = load(files("qwen2-partial-rope", sparse=False)).model.args
     assert q.n_rot == 8 < q.head_dim
+    assert load(files("llama-scale", sparse=False)).model.args.attn_scale == pytest.approx(0.3)
+    assert load(files("phi3", sparse=False)).model.args.family.scale_q  # q scaled before q·k

@@ -27,7 +27,10 @@ typedef int64_t (*ffn_dec_t)(const int64_t*, float, float, const float*, const f
 typedef int (*layers_t)(int64_t, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float, void*, void*, int64_t, int, int64_t, float, float*, int64_t*, int, int);
 typedef void (*ropet_t)(const int64_t*, int64_t, int64_t, float, float*);
 typedef void (*rope_t)(float*, int64_t, int64_t, int64_t, int64_t, const float*, int);
-typedef int (*attn_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, float, int64_t, float*, int);
+typedef int (*attn_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, int);
+typedef int (*attn_ext_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, float, int64_t, float*, int);
+typedef void (*gelut_t)(uint16_t*);
+typedef void (*softcap_t)(float*, int64_t, float);
 typedef void (*rms_t)(const float*, const float*, int64_t, int64_t, float, float*);
 typedef void (*lnorm_t)(const float*, const float*, const float*, int64_t, int64_t, float, float*);
 typedef void (*gelu_t)(const float*, int64_t, float*, int);
@@ -40,7 +43,8 @@ struct Lib {
   void* h;
   gemv_t gemv; axpy_t axpy; glu_t glu; gemm_t gemm; deq_t deq; attn_dec_t attn_dec; ffn_dec_t ffn_dec;
   layers_t layers; ropet_t ropet; rope_t rope; attn_t attn; rms_t rms; swiglu_t swiglu; tune_t tune;
-  stream_t stream; simd_t simd; lnorm_t lnorm; gelu_t gelu;
+  stream_t stream; simd_t simd; lnorm_t lnorm; gelu_t gelu; attn_ext_t attn_ext; gelut_t gelut;
+  softcap_t softcap;
   explicit Lib(const char* path) {
     h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h) { fprintf(stderr, "%s\n", dlerror()); exit(2); }
@@ -49,7 +53,8 @@ struct Lib {
     S(deq, "pp_dequant_rows") S(attn_dec, "pp_attn_decode") S(ffn_dec, "pp_ffn_decode")
     S(layers, "pp_decode_layers") S(ropet, "pp_rope_table") S(rope, "pp_rope") S(attn, "pp_attn")
     S(rms, "pp_rms_norm") S(swiglu, "pp_swiglu") S(tune, "pp_set_tuning") S(stream, "pp_stream_read")
-    S(simd, "pp_simd_level") S(lnorm, "pp_layer_norm") S(gelu, "pp_gelu")
+    S(simd, "pp_simd_level") S(lnorm, "pp_layer_norm") S(gelu, "pp_gelu") S(attn_ext, "pp_attn_ext")
+    S(gelut, "pp_gelu_table") S(softcap, "pp_softcap")
   }
 };
 
@@ -186,14 +191,20 @@ int main(int argc, char** argv) {
         for (auto& v : kc) v = half_of(randn(0.5f));
         for (auto& v : vc) v = half_of(randn(0.5f));
         for (int nt : thr_opts)
-          for (int o = 0; o < 3; ++o) {  // plain; soft-capped and windowed; another scale
-            const float scale = o == 2 ? 0.3f : 1.0f / std::sqrt((float)hd), cap = o == 1 ? 3.0f : 0.0f;
-            const int64_t window = o == 1 ? 6 : 0;
+          for (int o = 0; o < 5; ++o) {  // plain; ext: default, soft-cap and window, q scaled, a scale
+            const float scale = o == 4 ? 0.3f : 0.0f, cap = o == 2 ? 3.0f : 0.0f;
+            const int64_t window = o == 2 ? 6 : 0;
             std::vector<float> oa(T * n_head * hd, 7.0f), ob(T * n_head * hd, 7.0f);
-            int sa = A.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, cap, window, oa.data(), nt);
-            int sb = B.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, cap, window, ob.data(), nt);
+            int sa, sb;
+            if (o == 0) {
+              sa = A.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, oa.data(), nt);
+              sb = B.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, ob.data(), nt);
+            } else {
+              sa = A.attn_ext(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, o == 3, cap, window, oa.data(), nt);
+              sb = B.attn_ext(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, o == 3, cap, window, ob.data(), nt);
+            }
             char tag[96]; snprintf(tag, sizeof tag, "hd=%ld T=%ld p0=%ld nt=%d o=%d", (long)hd, (long)T, (long)p0, nt, o);
-            check("attn", sa == sb && same(oa.data(), ob.data(), 4 * oa.size()), tag);
+            check("attn", sa == 0 && sa == sb && same(oa.data(), ob.data(), 4 * oa.size()), tag);
           }
       }
     }
@@ -222,6 +233,10 @@ int main(int argc, char** argv) {
       B.gelu(g.data(), n, ob.data(), act);
       check("gelu", same(oa.data(), ob.data(), 4 * n), std::to_string(n));
     }
+    std::vector<float> ca = g, cb = g;
+    A.softcap(ca.data(), n, 3.0f);
+    B.softcap(cb.data(), n, 3.0f);
+    check("softcap", same(ca.data(), cb.data(), 4 * n), std::to_string(n));
   }
   {
     std::vector<int64_t> pos = {0, 1, 7, 100, 5000};
@@ -235,6 +250,10 @@ int main(int argc, char** argv) {
       B.rope(y.data(), 5, 4, 80, 64, ta.data(), neox);
       check("rope", same(x.data(), y.data(), 4 * x.size()), "");
     }
+    std::vector<uint16_t> ga(65536), gb(65536);
+    A.gelut(ga.data());
+    B.gelut(gb.data());
+    check("gelu_table", ga == gb, "");
     std::vector<float> buf = vecn(1 << 16);
     double a = A.stream(buf.data(), 4 << 16, 2), b = B.stream(buf.data(), 4 << 16, 2);
     check("stream_read", a == b, "");

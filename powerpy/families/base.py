@@ -145,13 +145,15 @@ class Family:
             the predictors are in the dense layout (``ffn_down`` (n_embd, n_ff)) or PowerInfer's
             PWRI layout (``ffn_down_t`` (n_ff, n_embd), ``fc1``, ``fc2``), which the loader
             reads for every family (docs/formats.md#powerinfer-model-file).
-        tied_output: a file without ``output.weight`` reads its logits from ``token_embd``.
+        tied_output: a file without ``output.weight`` reads its logits from ``token_embd``;
+            ``output_tensor``: see the field's comment.
         gated: the FFN has ``ffn_gate``.
         down_bias: the down matrix's bias (``ffn_down.bias`` dense, ``ffn_down_t.bias`` PWRI),
             as ``LayerTensor.bias``.
         output_norm_bias: ``output_norm.bias`` (LayerNorm families).
         position_offset: ``Rope.LEARNED`` families read position p at row p + offset.
-        embed_scale, swa_pattern, extra_args: see the fields' comments.
+        embed_scale, scale_q, swa_pattern, key_defaults, ignored_keys, extra_args: see the fields'
+            comments.
         ffn_variant: the FFN activation a file of this family runs: (key/values, sparse, file
             name for errors) -> variant; ``ffn_acts`` the ``--ffn-act`` values a user may set
             (None: any).
@@ -172,17 +174,32 @@ class Family:
     rope: Rope = Rope.NORM
     residual: Residual = Residual.SEQUENTIAL
     tied_output: bool = True
+    # the file may hold output.weight; False: the logits always read token_embd and llama.cpp
+    # refuses a file with one (gemma2)
+    output_tensor: bool = True
     notes: str = ""
     gated: bool = True  # the FFN has ffn_gate
     down_bias: str = "none"  # the down matrix's bias: "none", "optional", "required"
     output_norm_bias: bool = False  # output_norm.bias (LayerNorm families)
     position_offset: int = 0  # Rope.LEARNED: position p reads row p + offset (OPT: 2)
     embed_scale: bool = False  # the embeddings are scaled by sqrt(n_embd) (gemma)
+    # llama.cpp's graph scales q (then rounded to f16 for the cache's dot products), not the
+    # scores in the softmax (gemma, phi3): the two round differently
+    scale_q: bool = False
     # which layers attend through the file's sliding window: 0 every layer; n: layer l iff
-    # l % n < n - 1 (gemma2: 2, gemma3: 6); None: none, the key is ignored. llama.cpp reads
-    # the window in gemma's graphs only (its llama, qwen2, qwen3, phi3 and falcon graphs
-    # attend over the whole context whatever the file says), so None is the default
+    # l % n < n - 1 (gemma2: 2, gemma3: 6), unless the file's attention.sliding_window_pattern
+    # (a period, or one flag per layer) says otherwise; None: none, the key is ignored.
+    # llama.cpp reads the window in gemma's graphs only (its llama, qwen2, qwen3, phi3 and
+    # falcon graphs attend over the whole context whatever the file says), so None is the
+    # default
     swa_pattern: int | None = None
+    # (key, value): the value of an optional key (``Keys``, {arch} unformatted) in a file
+    # without it, as llama.cpp's loader sets it for this family (gemma2: a 4096 window,
+    # soft-caps 50 and 30)
+    key_defaults: tuple[tuple[str, Any], ...] = ()
+    # optional keys llama.cpp never reads for this family: a file's value is not applied
+    # (gemma's attention.scale, gemma3's attention soft-cap, phi3's window and soft-caps)
+    ignored_keys: frozenset[str] = frozenset()
     # hyperparameters a family reads beyond the common ones: (key getter, n_layer) ->
     # ModelArgs fields (e.g. gemma's attention scale and local RoPE base)
     extra_args: Callable[[Callable[..., Any], int], dict] | None = None

@@ -31,15 +31,16 @@ _QK_NORMS = (
 )
 
 
-def _attn_scale(n_layer_27b: int, local_base: bool) -> Callable[[Callable[..., Any], int], dict]:
-    """Gemma's extra hyperparameters: the q·k scale is 1/sqrt(head size), except in the 27B
-    models (``n_layer_27b`` layers), which scale by 1/sqrt(n_embd / n_head) as llama.cpp does;
-    a file's ``attention.scale`` wins. Gemma 3's windowed layers turn by base 10000 unscaled."""
+def _extra(n_layer_27b: int, local_base: bool) -> Callable[[Callable[..., Any], int], dict]:
+    """Gemma's extra hyperparameters, as llama.cpp sets them: the q·k scale is 1/sqrt(head
+    size), except in the 27B models (``n_layer_27b`` layers), which scale by
+    1/sqrt(n_embd / n_head) (integer division); no file key sets it. Gemma 3's windowed
+    layers turn by ``rope.freq_base_swa`` (10000 without it), unscaled."""
 
     def extra(get: Callable[..., Any], n_layer: int) -> dict:
         out: dict = {}
-        if n_layer == n_layer_27b and not get(Keys.ATTENTION_SCALE, 0.0, float):
-            out["attn_scale"] = (get(Keys.EMBEDDING_LENGTH) / get(Keys.HEAD_COUNT)) ** -0.5
+        if n_layer == n_layer_27b:
+            out["attn_scale"] = (get(Keys.EMBEDDING_LENGTH) // get(Keys.HEAD_COUNT)) ** -0.5
         if local_base:
             out["rope_base_swa"] = get(Keys.ROPE_FREQ_BASE_SWA, 10000.0, float)
             out["rope_scale_swa"] = 1.0
@@ -54,8 +55,17 @@ GEMMA2 = Family(
     ffn_variant=gated_ffn(FFNVariant.GEGLU),
     rope=Rope.NEOX,
     embed_scale=True,
+    scale_q=True,
     swa_pattern=2,
-    extra_args=_attn_scale(46, local_base=False),
+    output_tensor=False,
+    # llama.cpp's defaults for a file without the keys (llama_hparams, gemma2's loader)
+    key_defaults=(
+        (Keys.SLIDING_WINDOW, 4096),
+        (Keys.ATTN_SOFTCAP, 50.0),
+        (Keys.FINAL_SOFTCAP, 30.0),
+    ),  # fmt: skip
+    ignored_keys=frozenset({Keys.ATTENTION_SCALE}),
+    extra_args=_extra(46, local_base=False),
 )
 
 GEMMA3 = Family(
@@ -64,6 +74,9 @@ GEMMA3 = Family(
     ffn_variant=gated_ffn(FFNVariant.GEGLU),
     rope=Rope.NEOX,
     embed_scale=True,
+    scale_q=True,
     swa_pattern=6,
-    extra_args=_attn_scale(62, local_base=True),
+    # gemma3's attention scores are not capped; its logits only where the file says so
+    ignored_keys=frozenset({Keys.ATTENTION_SCALE, Keys.ATTN_SOFTCAP}),
+    extra_args=_extra(62, local_base=True),
 )

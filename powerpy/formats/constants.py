@@ -145,11 +145,13 @@ class Keys:
     KEY_LENGTH = "{arch}.attention.key_length"  # head size when not n_embd / head_count
     VALUE_LENGTH = "{arch}.attention.value_length"  # must equal key_length here
     SLIDING_WINDOW = "{arch}.attention.sliding_window"  # keys older than this many are masked
+    # which layers are windowed: a period n (layer l iff l % n < n - 1), or a flag per layer
+    SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"
     ATTENTION_SCALE = "{arch}.attention.scale"  # the q·k scale, when not 1/sqrt(head size)
     ATTN_SOFTCAP = "{arch}.attn_logit_softcapping"  # scores -> cap·tanh(scores / cap)
     FINAL_SOFTCAP = "{arch}.final_logit_softcapping"  # logits -> cap·tanh(logits / cap)
     ROPE_FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"  # windowed layers' RoPE base (gemma3)
-    ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"  # "none", "linear", …
+    ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"  # "none", "linear" (when absent), …
     ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"  # linear: positions / factor
     ROPE_SCALING_ATTN_FACTOR = "{arch}.rope.scaling.attn_factor"  # scales cos and sin
     ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"

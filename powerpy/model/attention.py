@@ -53,12 +53,13 @@ def layer_rotations(args: ModelArgs, weights, pos: Tensor, n_ctx: int) -> list[T
     """Each layer's RoPE rotations for positions ``pos`` (T,) of a session of ``n_ctx``
     positions (``rope_tables``): one table, or two where the windowed layers turn by their own
     base and scale (gemma3); None for learned positions. ``weights`` holds the RoPE factors:
-    llama-3's ``rope_freqs``, or phi3's long ones beyond the original context, else short."""
+    llama-3's ``rope_freqs``, or phi3's long ones where the session is longer than the original
+    context (the training context without the key, as llama.cpp has it), else short."""
     if args.family.rope is Rope.LEARNED:
         return [None] * args.n_layer
     factors = weights.rope_freqs
-    if weights.rope_factors_short is not None:
-        long = args.rope_orig_ctx and n_ctx > args.rope_orig_ctx
+    if factors is None and weights.rope_factors_short is not None:
+        long = n_ctx > (args.rope_orig_ctx or args.n_ctx_train)
         factors = weights.rope_factors_long if long else weights.rope_factors_short
     full = rope_tables(args, pos, scale=args.rope_scale, factors=factors)
     if not args.swa_layers or not (args.rope_base_swa or args.rope_scale_swa):

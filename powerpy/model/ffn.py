@@ -38,7 +38,7 @@ def glu(g: Tensor | None, u: Tensor, variant: FFNVariant, *, inplace: bool = Fal
             return ggml_numerics.gelu(u)
         return F.gelu(u)  # erf form, as the models were trained (HF's nn.GELU)
     if variant is FFNVariant.GEGLU:  # tanh form (gemma's gelu_pytorch_tanh, ggml's gelu)
-        if ggml_numerics.library(g) is not None:  # llama.cpp's numerics: ggml's table
+        if ggml_numerics.library(g) is not None:  # llama.cpp's numerics: ggml's f16 table
             return ggml_numerics.gelu(g).mul_(u)
         return F.gelu(g, approximate="tanh").mul_(u)
     if variant not in (FFNVariant.SWIGLU, FFNVariant.REGLU, FFNVariant.DRELU):

@@ -11,9 +11,11 @@ float64 and torch's attention, for research comparisons.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import ModelArgs
@@ -29,18 +31,6 @@ def library(x: Tensor | None = None) -> ctypes.CDLL | None:
         return None
     lib = kernels.library()
     return None if lib is None else lib.cdll
-
-
-def score_scales(args: ModelArgs) -> tuple[bool, float]:
-    """(q scaled, scale): the q·k scale (``attn_scale``, else 1/sqrt(head_dim), as f32 computes
-    it) and whether it multiplies q before the product (llama.cpp's gemma graphs: ggml_scale of
-    q, a softmax scale of 1) rather than the scores in the softmax (every other family)."""
-    hd = np.float32(args.head_dim)
-    scale = np.float32(args.attn_scale) if args.attn_scale else np.float32(1) / np.sqrt(hd)
-    return args.arch in _Q_SCALED, float(scale)
-
-
-_Q_SCALED = frozenset({"gemma2", "gemma3"})
 
 
 def layer_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, b: Tensor | None, eps: float) -> Tensor:
@@ -139,30 +129,50 @@ def attention(
     attention: q (T, n_head, head_dim) f32 after RoPE, k and v one layer's f16 cache (n_ctx,
     n_head_kv, head_dim) filled up to p0 + T -> (T, n_embd). q and the softmax weights are
     rounded to f16; one token and batches follow ggml's two summation orders. The model's
-    scale (:func:`score_scales`) and soft-cap apply; ``window`` > 0: a query at p sees the keys
-    p - window + 1 .. p (the others are masked, as in llama.cpp's cache)."""
-    q_scaled, scale = score_scales(args)
+    ``attn_scale`` scales q before its rounding where the family's graph does
+    (``Family.scale_q``), else the scores; its ``attn_softcap`` caps them; ``window`` > 0: a
+    query at p sees keys at p - window + 1 .. p."""
     q = q.contiguous()
-    if q_scaled:
-        q, scale = q * scale, 1.0
     T = q.shape[0]
     out = torch.empty(T, args.n_head * args.head_dim, dtype=torch.float32)
-    st = c.pp_attn(
+    st = c.pp_attn_ext(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), p0, T, args.n_head, args.n_head_kv,
-        args.head_dim, scale, args.attn_softcap, window, out.data_ptr(), torch.get_num_threads(),
+        args.head_dim, args.attn_scale, int(args.family.scale_q), args.attn_softcap, window,
+        out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if st:
         raise ValueError(f"attention: invalid arguments (status {st})")
     return out
 
 
+@functools.cache
+def _gelu_table(c: ctypes.CDLL) -> Tensor:
+    """ggml's table of GELU values (f32) for the 65536 f16 bit patterns (``pp_gelu_table``)."""
+    t = torch.empty(1 << 16, dtype=torch.int16)
+    c.pp_gelu_table(t.data_ptr())
+    return t.view(torch.float16).float()
+
+
 def gelu(x: Tensor) -> Tensor:
     """ggml's GELU of x (any shape) f32: each value rounded to f16 and looked up in ggml's table
-    of f16 results (the tanh form; llama.cpp's falcon FFN and gemma's GeGLU); 0 at or below
-    -10, x itself at or above 10. The kernels' own function, so the native blocks agree."""
-    c = kernels.built()
-    assert c is not None, "ggml's GELU needs the native kernels"
-    x = x.float().contiguous()
-    y = torch.empty_like(x)
-    c.cdll.pp_gelu(x.data_ptr(), x.numel(), y.data_ptr(), 1)
-    return y
+    of f16 tanh-form results (llama.cpp's falcon FFN, gemma's GeGLU); x itself beyond ±10.
+    Without the kernels the table's values come from torch's tanh form (they may differ in
+    the last f16 bit near a rounding midpoint)."""
+    c = library()
+    x16 = x.half()
+    if c is not None:
+        y = _gelu_table(c)[x16.view(torch.int16).long() & 0xFFFF]
+    else:
+        y = F.gelu(x16.float(), approximate="tanh").half().float()
+    y = torch.where(x >= 10.0, x, y)
+    return torch.where(x <= -10.0, torch.zeros_like(x), y)
+
+
+def softcap_(x: Tensor, cap: float) -> Tensor:
+    """x ← cap·tanh(x / cap) in place (x f32, contiguous): under llama.cpp's numerics as ggml
+    computes it (x·(1/cap) in f32, tanhf, ·cap), else in torch."""
+    c = library(x)
+    if c is not None and x.is_contiguous():
+        c.pp_softcap(x.data_ptr(), x.numel(), cap)
+        return x
+    return x.div_(cap).tanh_().mul_(cap)

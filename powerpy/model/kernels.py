@@ -126,11 +126,15 @@ _SIGNATURES = {
     "pp_rope_table_ext": ([_p, _i64, _i64, _f, _f, _p, _f, _p], None),
     # x, T, heads, head_dim, n_rot, rot, neox
     "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p, _i32], None),
-    # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, scale, softcap, window, out, nthreads
-    "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _f, _f, _i64, _p, _i32], _i32),
+    # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, out, nthreads
+    "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i32], _i32),
+    # … , scale, scale_q, softcap, window, out, nthreads
+    "pp_attn_ext": ([_p, _p, _p, *[_i64] * 5, _f, _i32, _f, _i64, _p, _i32], _i32),
     "pp_layer_norm": ([_p, _p, _p, _i64, _i64, _f, _p], None),  # x, w, b, T, n, eps, y
     "pp_gelu": ([_p, _i64, _p, _i32], None),  # x, n, y, act
     "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p], None),  # x, w, T, n, eps, y
+    "pp_softcap": ([_p, _i64, _f], None),  # x (in place), n, cap
+    "pp_gelu_table": ([_p], None),  # out (65536 f16 bit patterns)
     "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads
     "pp_soft_max": ([_p, _i64, _i64, _p], None),  # x, rows, n, out (the MoE router)
     # W, ld, nrows, cols, x, T, out, nthreads: f32 rows in tinyBLAS's order (the MoE router)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.families import Norm, Residual, Rope
-from powerpy.model import ggml_numerics, kernels
+from powerpy.model import kernels
 from powerpy.model.biased import BiasedWeight
 from powerpy.model.kernels import LAYER_RECORD_LEN, RECORD_FLAGS, RECORD_SLOTS, KernelLibrary
 from powerpy.model.matrices import TransposedWeight
@@ -88,6 +88,13 @@ def layout_flags(a: ModelArgs) -> int:
     return flags | (F["parallel"] if fam.residual is Residual.PARALLEL else 0)
 
 
+def score_scale(a: ModelArgs) -> float:
+    """The q·k scale as the kernels compute it: ``attn_scale``, else 1/sqrt(head_dim) in f32."""
+    if a.attn_scale:
+        return float(np.float32(a.attn_scale))
+    return float(np.float32(1) / np.sqrt(np.float32(a.head_dim)))
+
+
 def attention_part(blk, a: ModelArgs, l: int) -> Part | None:
     """The attention block's half of layer ``l``'s record, or None when the block is not for
     the native kernels (``Block.native`` off, a matrix they cannot read, a norm off the host, or
@@ -111,11 +118,10 @@ def attention_part(blk, a: ModelArgs, l: int) -> Part | None:
     ]  # fmt: skip
     if not all(p.vec(s, t) for s, t in vecs):
         return None
-    q_scaled, scale = ggml_numerics.score_scales(a)
-    if q_scaled:
+    if a.family.scale_q:  # ggml_scale of q before q·k (gemma's, phi3's graphs)
         p.flags |= F["q_scaled"]
     p.slots[S["window"]] = a.sliding_window if l in a.swa_layers else 0
-    p.f32(S["scale"], scale)
+    p.f32(S["scale"], score_scale(a))
     p.f32(S["softcap"], a.attn_softcap)
     return p
 

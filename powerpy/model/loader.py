@@ -91,8 +91,15 @@ class _TensorSource:
         return t
 
     def vector(self, name: str, n: int) -> torch.Tensor:
+        """A 1-D tensor (a norm, a bias, RoPE factors) as f32, checked finite (it is small)."""
         self.info(name, (n,))
-        return torch.from_numpy(np.array(self.gf.dequantize(name), dtype=np.float32))
+        v = torch.from_numpy(np.array(self.gf.dequantize(name), dtype=np.float32))
+        if not bool(torch.isfinite(v).all()):
+            raise FileFormatError(
+                f"{self.gf.path}: tensor {name!r} holds NaN or infinite values; the file is "
+                "corrupt: re-convert the model"
+            )
+        return v
 
     def matrix(self, name: str, shape: tuple[int, int]) -> Weight:
         t = self.info(name, shape)
@@ -262,7 +269,12 @@ def load_weights(
         ("rope_factors_short", Names.ROPE_FACTORS_SHORT),
     ):
         if name in gf.tensors:
-            factors[field] = src.vector(name, args.n_rot // 2)
+            factors[field] = v = src.vector(name, args.n_rot // 2)
+            if not bool((v > 0).all()):
+                raise ModelConfigError(
+                    f"{gf.path}: tensor {name!r} holds {v[v <= 0][:4].tolist()}; RoPE factors "
+                    "divide the angles and must be > 0: re-convert the model"
+                )
     return Weights(
         **factors,
         token_embd=token_embd,
@@ -378,8 +390,8 @@ _EXPERT_BASES = {"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"
 
 def _check_foreign(gf: GGUFFile, fam, moe: bool = False) -> None:
     """Refuse a per-layer tensor of another layout (``_LAYOUT_BASES``) that ``fam`` does not
-    declare (a mixture of experts: its experts instead of a dense FFN), and learned positions
-    in a family without them.
+    declare (a mixture of experts: its experts instead of a dense FFN), an output matrix where
+    the family has none, and learned positions in a family without them.
 
     Raises:
         ModelConfigError: naming the file, the tensor and what the family expects.
@@ -403,6 +415,11 @@ def _check_foreign(gf: GGUFFile, fam, moe: bool = False) -> None:
                 f"{'' if moe else ', the down matrix and predictors'}; the file is of another "
                 "architecture or corrupt: re-convert the model"
             )
+    if Names.OUTPUT in gf.tensors and not fam.output_tensor:
+        raise ModelConfigError(
+            f"{gf.path}: tensor {Names.OUTPUT!r} is not part of a {fam.arch} model, whose logits "
+            f"read {Names.TOKEN_EMBD!r} (llama.cpp refuses the file too): re-convert the model"
+        )
     if Names.POS_EMBD in gf.tensors and fam.rope is not Rope.LEARNED:
         raise ModelConfigError(
             f"{gf.path}: tensor {Names.POS_EMBD!r} (learned positions) is not part of a "

@@ -21,7 +21,7 @@ from powerpy.config import ModelArgs
 from powerpy.errors import ModelConfigError, NonFiniteError
 from powerpy.families import Norm, Residual, Rope
 from powerpy.formats.constants import Names
-from powerpy.model import numerics, stack_decode
+from powerpy.model import ggml_numerics, numerics, stack_decode
 from powerpy.model.attention import apply_rope, attend, attention_block, layer_rotations
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
@@ -327,7 +327,7 @@ class Model:
             x = self.norm(self._to(x, w.output_norm.device), w.output_norm, w.output_norm_b)
             logits = self._to(w.output.linear(self._to(x, w.output.device)), HOST)
             if a.final_softcap:
-                logits = logits.div_(a.final_softcap).tanh_().mul_(a.final_softcap)
+                logits = ggml_numerics.softcap_(logits, a.final_softcap)
         if check:
             _check_finite(logits, "output", "the output layer (output_norm, output)")
         return logits

@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from powerpy.config import ModelArgs, _scalar
+from powerpy.config import ModelArgs
 from powerpy.errors import ModelConfigError, shown
 from powerpy.families import FFNVariant
+from powerpy.families.values import scalar as _scalar
 from powerpy.formats.constants import GGUFValueType, Keys, Names, bias_name
 
 Transform = Callable[[np.ndarray, ModelArgs], np.ndarray]  # values -> same shape

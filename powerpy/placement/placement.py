@@ -304,6 +304,11 @@ class Placement:
                 f"its GPU index are for PowerInfer (PWRI) models and mixtures of experts"
             )
         _check_kv(n_ctx, kv_elem_bytes)
+        if any(t.split and t.field == "ffn_up" for t in args.family.block):  # phi3
+            raise PlacementError(
+                f"{model.path}: a hybrid placement of {args.arch} models is not supported: their "
+                f"ffn_up fuses the gate and up rows; run without a VRAM budget (CPU-only)"
+            )
         if args.moe:
             ffn = expert_layout(model, args)
         else:

@@ -36,13 +36,16 @@ class TinySpec:
     n_ff_exp: int = 0
 
 
-def tiny_tensors(spec: TinySpec, *, sparse: bool, seed: int = 0) -> dict[str, np.ndarray]:
+def tiny_tensors(
+    spec: TinySpec, *, sparse: bool, seed: int = 0, args: ModelArgs | None = None
+) -> dict[str, np.ndarray]:
     """Random f32 weights with GGUF names and numpy shapes (PWRI layout when ``sparse``): the
     tensors the spec's family declares (``Family.block``), with their biases, learned
-    positions where the family has them, the down matrix and predictors."""
+    positions where the family has them, the down matrix and predictors. ``args`` (of the
+    spec's dimensions) gives the shapes where they are not the spec's own (a head size)."""
     rng = np.random.default_rng(seed)
     fam = family(spec.arch)
-    args = spec_args(spec, sparse=sparse)
+    args = args or spec_args(spec, sparse=sparse)
     d, ff = spec.n_embd, spec.n_ff
     n_vocab = len(BYTE_VOCAB)
 
@@ -82,7 +85,7 @@ def tiny_tensors(spec: TinySpec, *, sparse: bool, seed: int = 0) -> dict[str, np
     t[Names.OUTPUT_NORM] = norm()
     if fam.output_norm_bias:
         t[bias_name(Names.OUTPUT_NORM)] = bias(d)
-    if not spec.tied:
+    if not spec.tied and fam.output_tensor:
         t[Names.OUTPUT] = mat(n_vocab, d)
     return t
 

@@ -71,6 +71,14 @@ inline void rope_heads(float* y, int64_t heads, int64_t hd, int64_t n_rot, bool 
       rope_at(y + h * hd + (neox ? i : 2 * i), neox ? half : 1, rot[2 * i], rot[2 * i + 1]);
 }
 
+// How scores are made: scale (the softmax's), softcap (cap * tanh(s / cap) first; 0: none) and a
+// sliding window (a query at p sees keys p - window + 1 .. p; 0: every earlier key).
+struct AttnOpts {
+  float scale, softcap;
+  int64_t window;
+  int64_t first(int64_t p) const { return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0; }
+};
+
 // The attention of one query at position pos over an f32 (cdt 0) or f16 (cdt 1) cache with f32
 // activations: per head, scores over the window's cells (scaled, soft-capped), softmax, weighted
 // values. sc: n_head * (pos + 1) floats of scratch.
@@ -145,11 +153,6 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
     rope_heads(q, H.n_head, hd, H.n_rot, L.flags & LF_NEOX, rot);
     rope_heads(k, H.n_kv, hd, H.n_rot, L.flags & LF_NEOX, rot);
   }
-  AttnOpts ao{L.scale, L.softcap, L.window};
-  if (L.flags & LF_Q_SCALED) {  // ggml_scale of q; the softmax then scales by 1
-    for (int64_t i = 0; i < nq; ++i) q[i] *= L.scale;
-    ao.scale = 1.0f;
-  }
   for (int64_t i = 0; i < nkv; ++i) {  // the cache row of this position
     if (cdt == 0) {
       ((float*)kc)[pos * nkv + i] = k[i];
@@ -159,11 +162,15 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
       ((uint16_t*)vc)[pos * nkv + i] = float_to_half(v[i]);
     }
   }
-  if (cdt == 1 && act)  // llama.cpp's numerics (see attn_ggml)
+  const bool q_scaled = L.flags & LF_Q_SCALED;  // ggml_scale of q; the softmax scales by 1
+  if (cdt == 1 && act) {  // llama.cpp's numerics (see attn_ggml)
     st = attn_ggml(q, (const uint16_t*)kc, (const uint16_t*)vc, pos, 1, H.n_head, H.n_kv, hd, att,
-                   nthreads, ao);
-  else
+                   nthreads, L.scale, q_scaled, L.softcap, L.window);
+  } else {
+    for (int64_t i = 0; q_scaled && i < nq; ++i) q[i] *= L.scale;
+    const AttnOpts ao{q_scaled ? 1.0f : L.scale, L.softcap, L.window};
     st = attn_f32(q, kc, vc, cdt, pos, H, ao, sc, att, nthreads);
+  }
   if (!st) st = mat_gemv(L.o, att, nullptr, d, y, act, nthreads);
   if (!st) {
     add_bias(y, L.bo, d);

@@ -187,9 +187,11 @@ inline float no_contract(float v) {
   return v;
 }
 
-// ggml_gelu_f32: GELU's tanh form in f32.
+// ggml_gelu_f32: GELU's tanh form in f32, written as ggml writes it (the compiler fuses the same
+// multiply-add, 1 + a·x·x).
 inline float gelu_tanh(float x) {
-  return 0.5f * x * (1.0f + tanhf(0.79788456080286535587989211986876f * x * (1.0f + 0.044715f * x * x)));
+  const float a = 0.044715f, s = 0.79788456080286535587989211986876f;
+  return 0.5f * x * (1.0f + tanhf(s * x * (1.0f + a * x * x)));
 }
 
 // ggml's GELU table (GGML_GELU_FP16): gelu_tanh of every f16 value, rounded to f16; built once.

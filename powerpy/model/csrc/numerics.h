@@ -134,24 +134,22 @@ inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
   for (; t < S; ++t) p16[t] = float_to_half(s[t] * inv);
 }
 
-// How scores are made: scale (the softmax's), softcap (cap * tanh(s / cap) first; 0: none) and a
-// sliding window (a query at p sees keys p - window + 1 .. p; 0: every earlier key).
-struct AttnOpts {
-  float scale, softcap;
-  int64_t window;
-  int64_t first(int64_t p) const { return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0; }
-};
-
 // Attention of T query tokens at positions p0.. in ggml's numerics: q (T, n_head * hd) f32 after
 // RoPE; the f16 caches hold rows of n_kv * hd per position (0 .. p0 + T - 1 filled); query head h
 // reads kv head h / (n_head / n_kv); out (T, n_head * hd). One token follows llama.cpp's
 // one-token order (ggml_vec_dot_f16), a batch its tinyBLAS order where that kernel applies
-// (head_dim % GW == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v).
+// (head_dim % GW == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v). The scores'
+// scale (0: 1/sqrt(hd)) applies in the softmax, or to q before its f16 rounding (scale_q: the
+// graphs that ggml_scale q, gemma's and phi3's); softcap > 0 caps the scores at
+// softcap·tanh(s/softcap); window > 0 masks the keys more than window - 1 positions back.
 static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
                      int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads,
-                     const AttnOpts& ao) {
+                     float qk_scale = 0.0f, bool scale_q = false, float softcap = 0.0f,
+                     int64_t window = 0) {
   const bool one_kq = T == 1 || hd % GW, one_kqv = T == 1 || hd % 4;
   const int64_t nkv = n_kv * hd, group = n_head / n_kv, S = p0 + T;
+  const float qs = qk_scale > 0.0f ? qk_scale : 1.0f / std::sqrt((float)hd);
+  const float scale = scale_q ? 1.0f : qs, cap_inv = softcap > 0.0f ? 1.0f / softcap : 0.0f;
   const int nt = team_size(nthreads, T * S * nkv * 8 * group);
   return run_partitioned(nt, T * n_head, [&](int64_t a, int64_t b) -> int {
     std::vector<float> s(S), acc(64 * hd);
@@ -159,17 +157,16 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
     for (int64_t job = a; job < b; ++job) {
       const int64_t i = job / n_head, h = job % n_head, n = p0 + i + 1;  // cells seen
       const int64_t off = h / group * hd;
-      for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(q[i * n_head * hd + h * hd + e]);
-      const int64_t c0 = ao.first(n - 1);  // the first cell in the window
+      const float* qi = q + i * n_head * hd + h * hd;
+      for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(scale_q ? qi[e] * qs : qi[e]);
+      const int64_t c0 = window > 0 && n > window ? n - window : 0;  // the window's first cell
       const int64_t t0 = c0 + kq_cells16(kc + c0 * nkv, nkv, off, hd, one_kq, q16.data(), n - c0,
                                          s.data() + c0);
       for (int64_t t = t0; t < n; ++t) s[t] = dot_f16(kc + t * nkv + off, q16.data(), hd, one_kq);
-      for (int64_t t = 0; t < c0; ++t) s[t] = -INFINITY;  // masked: exp 0, weight 0
-      if (ao.softcap != 0.0f) {  // ggml_scale by 1 / cap, ggml_tanh, ggml_scale by cap
-        const float inv = 1.0f / ao.softcap;
-        for (int64_t t = c0; t < n; ++t) s[t] = tanhf(s[t] * inv) * ao.softcap;
-      }
-      softmax_f16(s.data(), n, ao.scale, p16.data());
+      if (softcap > 0.0f)  // ggml_scale, ggml_tanh, ggml_scale
+        for (int64_t t = c0; t < n; ++t) s[t] = tanhf(s[t] * cap_inv) * softcap;
+      for (int64_t t = 0; t < c0; ++t) s[t] = -INFINITY;  // the mask: exp 0, weight 0
+      softmax_f16(s.data(), n, scale, p16.data());
       // out[d] = dot over cells of v[., d] and p16, cell t in lane (t / GW) % 4 (one token) or
       // 0, and t % GW; the padding cells of llama.cpp's cache add zeros, which change no sum.
       float* o = out + i * n_head * hd + h * hd;

@@ -192,13 +192,34 @@ void pp_rope(float* x, int64_t T, int64_t heads, int64_t hd, int64_t n_rot, cons
 
 // Causal attention of T tokens at positions p0.. over f16 caches in llama.cpp's numerics
 // (attn_ggml): q (T, n_head * hd) after RoPE, caches (n_ctx, n_kv * hd) filled up to p0 + T,
-// scores soft-capped by softcap (0: not), scaled by scale in the softmax, a query at p seeing the
-// keys p - window + 1 .. p (window 0: all), out (T, n_head * hd). Returns 0 or a status.
+// out (T, n_head * hd). Returns 0 or a status.
 int pp_attn(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
-            int64_t n_head, int64_t n_kv, int64_t hd, float scale, float softcap, int64_t window,
-            float* out, int nthreads) {
+            int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads) {
+  if (T < 1 || n_kv < 1 || n_head % n_kv) return PP_ERR_ARG;
+  return attn_ggml(q, kc, vc, p0, T, n_head, n_kv, hd, out, nthreads);
+}
+
+// pp_attn with a scale of the scores (0: 1/sqrt(hd)) applied to q (scale_q) or in the softmax,
+// a soft-cap (0: none) and a sliding window (0: none), as attn_ggml takes them.
+int pp_attn_ext(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
+                int64_t n_head, int64_t n_kv, int64_t hd, float scale, int scale_q, float softcap,
+                int64_t window, float* out, int nthreads) {
   if (T < 1 || n_kv < 1 || n_head % n_kv || window < 0) return PP_ERR_ARG;
-  return attn_ggml(q, kc, vc, p0, T, n_head, n_kv, hd, out, nthreads, {scale, softcap, window});
+  return attn_ggml(q, kc, vc, p0, T, n_head, n_kv, hd, out, nthreads, scale, scale_q != 0,
+                   softcap, window);
+}
+
+// ggml's GELU table (ggml_table_gelu_f16): for each f16 bit pattern i, the f16 of ggml_gelu_f32
+// of its value (common.h gelu_table: the expression written as ggml writes it, so that the
+// compiler fuses the same multiply-add (1 + a·x·x); tanh-form values near an f16 rounding
+// midpoint depend on it). The native blocks read the same table.
+void pp_gelu_table(uint16_t* out) { std::memcpy(out, gelu_table(), sizeof(uint16_t) * 65536); }
+
+// x[i] = tanhf(x[i] * (1 / cap)) * cap in place (llama.cpp's soft-cap: ggml_scale, ggml_tanh,
+// ggml_scale).
+void pp_softcap(float* x, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t i = 0; i < n; ++i) x[i] = tanhf(x[i] * inv) * cap;
 }
 
 // y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for T rows of n (ggml's rms_norm, then mul).

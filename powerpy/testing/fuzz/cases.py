@@ -10,8 +10,8 @@ library bug and propagates (``run_case`` is both).
 
 The drafts and the raw writer are in ``files``, the model-file mutations in ``mutations``, the
 gpuidx/statistics mutations and the issue's seed cases in ``side_files``, the Falcon and OPT
-mutations (family "arch", on drafts of those families) and their seed cases in ``archs``, the
-mixtures of experts' (family "moe") in ``experts``. Used by
+mutations (family "arch", on drafts of those families) and their seed cases in ``archs``, Gemma's
+and Phi-3's in ``windowed``, the mixtures of experts' (family "moe") in ``experts``. Used by
 ``tests/test_fuzz_path.py`` (hypothesis), ``tests/test_cli_errors.py`` and ``tools/fuzz.py``
 (subprocesses).
 """
@@ -42,8 +42,10 @@ from powerpy.testing.fuzz.files import (
     write_draft,
 )  # fmt: skip
 from powerpy.testing.fuzz.side_files import SEED_CASES as SIDE_SEED_CASES
+from powerpy.testing.fuzz.windowed import WINDOWED_SEED_ARCHS, WINDOWED_SEED_CASES
 
-SEED_CASES = {**SIDE_SEED_CASES, **ARCH_SEED_CASES, **MOE_SEED_CASES}  # name -> (family, fn)
+SEED_CASES = {**SIDE_SEED_CASES, **ARCH_SEED_CASES, **WINDOWED_SEED_CASES, **MOE_SEED_CASES}
+SEED_DRAFTS = {**SEED_ARCHS, **WINDOWED_SEED_ARCHS}  # name -> (arch, draft seed)
 
 
 class GeneratorError(Exception):
@@ -127,7 +129,7 @@ def prepare(name: str, seed: int, workdir: Path) -> Prepared:
 def prepare_seed_case(name: str, workdir: Path) -> Prepared:
     """Write the files of one of the issue's seed cases (``SEED_CASES``)."""
     family, fn = SEED_CASES[name]
-    arch = SEED_ARCHS.get(name)  # (arch, seed) of the "arch" family's cases
+    arch = SEED_DRAFTS.get(name)  # (arch, seed) of the "arch" family's cases
     d = base_draft(True) if arch is None else arch_draft(arch[0], True, seed=arch[1])
     if name in SEED_MOE_ARCHS:
         d = moe_draft(SEED_MOE_ARCHS[name])

@@ -26,7 +26,10 @@ FAMILIES = (
 )  # fmt: skip
 # the families that mutate the model file itself (a second mutation on top is drawn from these)
 MODEL_FAMILIES = ("kv", "hparams", "tokenizer", "tensors", "alignment", "predictor")
-ARCHS = ("falcon", "opt")  # the families of ``arch_draft``
+ARCHS = ("falcon", "opt")  # the families of ``arch_draft`` built by ``synthetic``
+WINDOWED_ARCHS = ("gemma2", "gemma3", "phi3")  # … and by ``windowed.windowed_draft``
+# arch -> (arch, sparse, seed) -> Draft: the builders of other modules (``windowed``)
+DRAFTS: dict[str, Callable[[str, bool, int], Draft]] = {}
 SPEC = TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_pred_hidden=16)
 PROMPT = "Hi!"
 BUDGET_GIB = 0.001  # the tiny model's dense part fits; the FFN rows are split
@@ -95,11 +98,13 @@ def base_draft(sparse: bool = True, seed: int = 0) -> Draft:
 
 
 def arch_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
-    """The unmutated tiny model of family ``arch`` ("falcon" or "opt") in ``SPEC``'s
+    """The unmutated tiny model of family ``arch`` (``ARCHS``, ``WINDOWED_ARCHS``) in ``SPEC``'s
     dimensions, built by ``powerpy.testing.synthetic`` (F32, working predictors). A falcon draft
     is multi-query for an even seed and 40B-like (``SPEC.n_head_kv`` kv heads, attn_norm_2) for
     an odd one. The dense (GGUF) draft has ``ffn_down`` (n_embd, n_ff) (and ``ffn_down.bias``)
-    for ``ffn_down_t`` and no predictors."""
+    for ``ffn_down_t`` and no predictors. Gemma and Phi-3 drafts: ``DRAFTS`` (``windowed``)."""
+    if arch in DRAFTS:
+        return DRAFTS[arch](arch, sparse, seed)
     from powerpy.testing import synthetic
 
     n_kv = {"falcon": 1 if seed % 2 == 0 else SPEC.n_head_kv, "opt": SPEC.n_head}[arch]
