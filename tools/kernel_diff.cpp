@@ -1,7 +1,9 @@
 // Two builds of the native kernels compared bit for bit: every export of library A and of
 // library B gets the same random inputs (all dtypes, shapes with and without tails, gathered and
 // bad indices, f32 and quantized activations, 1 and 3 threads, token counts that reach every GEMM
-// tile, both KV cache types), and each output, status and cache write must be the same bytes.
+// tile, both KV cache types, every layout of the decode blocks' layer record), and each output,
+// status and cache write must be the same bytes (the decode blocks, given valid records, must
+// also succeed).
 // Driven by tools/kernel_diff.sh; by hand: g++ -O1 -std=c++17 tools/kernel_diff.cpp -ldl, then
 // ./a.out A.so B.so [quick]. Exit status 0 when everything matched.
 #include <dlfcn.h>
@@ -20,13 +22,18 @@ typedef int (*axpy_t)(int, const void*, int64_t, int64_t, int64_t, const float*,
 typedef int (*glu_t)(int, const void*, int64_t, const void*, int64_t, int64_t, int64_t, const float*, const int64_t*, int64_t, int, float*, int, int);
 typedef int (*gemm_t)(int, const void*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float*, int64_t, const uint8_t*, int, int);
 typedef int (*deq_t)(int, const void*, int64_t, int64_t, int64_t, const int64_t*, int64_t, float*, int);
-typedef int (*attn_dec_t)(const int64_t*, const float*, const float*, float, const float*, int64_t, int64_t, int64_t, int64_t, void*, void*, int, int64_t, float*, int, int);
-typedef int64_t (*ffn_dec_t)(const int64_t*, float, const float*, const float*, const float*, float, int, int, float*, int, int);
-typedef int (*layers_t)(int64_t, const int64_t*, float, const float*, int64_t, int64_t, int64_t, int64_t, void*, void*, int64_t, int, int64_t, float, int, float*, int64_t*, int, int);
+typedef int (*attn_dec_t)(const int64_t*, int64_t, int64_t, int64_t, int64_t, float, const float*, const float*, void*, void*, int, int64_t, float*, int, int);
+typedef int64_t (*ffn_dec_t)(const int64_t*, float, float, const float*, const float*, float*, int, int);
+typedef int (*layers_t)(int64_t, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float, void*, void*, int64_t, int, int64_t, float, float*, int64_t*, int, int);
 typedef void (*ropet_t)(const int64_t*, int64_t, int64_t, float, float*);
-typedef void (*rope_t)(float*, int64_t, int64_t, int64_t, int64_t, const float*);
+typedef void (*rope_t)(float*, int64_t, int64_t, int64_t, int64_t, const float*, int);
 typedef int (*attn_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, int);
+typedef int (*attn_ext_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, float, int64_t, float*, int);
+typedef void (*gelut_t)(uint16_t*);
+typedef void (*softcap_t)(float*, int64_t, float);
 typedef void (*rms_t)(const float*, const float*, int64_t, int64_t, float, float*);
+typedef void (*lnorm_t)(const float*, const float*, const float*, int64_t, int64_t, float, float*);
+typedef void (*gelu_t)(const float*, int64_t, float*, int);
 typedef void (*swiglu_t)(const float*, const float*, int64_t, float*, int);
 typedef void (*tune_t)(int64_t, int64_t);
 typedef double (*stream_t)(const void*, int64_t, int);
@@ -36,7 +43,8 @@ struct Lib {
   void* h;
   gemv_t gemv; axpy_t axpy; glu_t glu; gemm_t gemm; deq_t deq; attn_dec_t attn_dec; ffn_dec_t ffn_dec;
   layers_t layers; ropet_t ropet; rope_t rope; attn_t attn; rms_t rms; swiglu_t swiglu; tune_t tune;
-  stream_t stream; simd_t simd;
+  stream_t stream; simd_t simd; lnorm_t lnorm; gelu_t gelu; attn_ext_t attn_ext; gelut_t gelut;
+  softcap_t softcap;
   explicit Lib(const char* path) {
     h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h) { fprintf(stderr, "%s\n", dlerror()); exit(2); }
@@ -45,7 +53,8 @@ struct Lib {
     S(deq, "pp_dequant_rows") S(attn_dec, "pp_attn_decode") S(ffn_dec, "pp_ffn_decode")
     S(layers, "pp_decode_layers") S(ropet, "pp_rope_table") S(rope, "pp_rope") S(attn, "pp_attn")
     S(rms, "pp_rms_norm") S(swiglu, "pp_swiglu") S(tune, "pp_set_tuning") S(stream, "pp_stream_read")
-    S(simd, "pp_simd_level")
+    S(simd, "pp_simd_level") S(lnorm, "pp_layer_norm") S(gelu, "pp_gelu") S(attn_ext, "pp_attn_ext")
+    S(gelut, "pp_gelu_table") S(softcap, "pp_softcap")
   }
 };
 
@@ -131,7 +140,7 @@ int main(int argc, char** argv) {
               int sb = B.gemv(dt, m.buf.data(), m.ld, nrows, cols, x.data(), mode ? idx.data() : nullptr, k, ob.data(), act, nt);
               check("gemv", sa == sb && same(oa.data(), ob.data(), 4 * k), tag);
               // glu
-              for (int v = 0; v < 3; ++v) {
+              for (int v = 0; v < 4; ++v) {
                 std::vector<float> ga(k, 7.0f), gb(k, 7.0f);
                 sa = A.glu(dt, m.buf.data(), m.ld, m2.buf.data(), m2.ld, nrows, cols, x.data(), mode ? idx.data() : nullptr, k, v, ga.data(), act, nt);
                 sb = B.glu(dt, m.buf.data(), m.ld, m2.buf.data(), m2.ld, nrows, cols, x.data(), mode ? idx.data() : nullptr, k, v, gb.data(), act, nt);
@@ -181,13 +190,22 @@ int main(int argc, char** argv) {
         std::vector<uint16_t> kc(S * n_kv * hd), vc(S * n_kv * hd);
         for (auto& v : kc) v = half_of(randn(0.5f));
         for (auto& v : vc) v = half_of(randn(0.5f));
-        for (int nt : thr_opts) {
-          std::vector<float> oa(T * n_head * hd, 7.0f), ob(T * n_head * hd, 7.0f);
-          int sa = A.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, oa.data(), nt);
-          int sb = B.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, ob.data(), nt);
-          char tag[96]; snprintf(tag, sizeof tag, "hd=%ld T=%ld p0=%ld nt=%d", (long)hd, (long)T, (long)p0, nt);
-          check("attn", sa == sb && same(oa.data(), ob.data(), 4 * oa.size()), tag);
-        }
+        for (int nt : thr_opts)
+          for (int o = 0; o < 5; ++o) {  // plain; ext: default, soft-cap and window, q scaled, a scale
+            const float scale = o == 4 ? 0.3f : 0.0f, cap = o == 2 ? 3.0f : 0.0f;
+            const int64_t window = o == 2 ? 6 : 0;
+            std::vector<float> oa(T * n_head * hd, 7.0f), ob(T * n_head * hd, 7.0f);
+            int sa, sb;
+            if (o == 0) {
+              sa = A.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, oa.data(), nt);
+              sb = B.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, ob.data(), nt);
+            } else {
+              sa = A.attn_ext(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, o == 3, cap, window, oa.data(), nt);
+              sb = B.attn_ext(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, o == 3, cap, window, ob.data(), nt);
+            }
+            char tag[96]; snprintf(tag, sizeof tag, "hd=%ld T=%ld p0=%ld nt=%d o=%d", (long)hd, (long)T, (long)p0, nt, o);
+            check("attn", sa == 0 && sa == sb && same(oa.data(), ob.data(), 4 * oa.size()), tag);
+          }
       }
     }
   }
@@ -204,6 +222,21 @@ int main(int argc, char** argv) {
     A.rms(xx.data(), w.data(), 3, n, 1e-5f, ra.data());
     B.rms(xx.data(), w.data(), 3, n, 1e-5f, rb.data());
     check("rms_norm", same(ra.data(), rb.data(), 4 * 3 * n), std::to_string(n));
+    auto bias = vecn(n, 0.1f);
+    for (int wb = 0; wb < 2; ++wb) {
+      A.lnorm(xx.data(), w.data(), wb ? bias.data() : nullptr, 3, n, 1e-5f, ra.data());
+      B.lnorm(xx.data(), w.data(), wb ? bias.data() : nullptr, 3, n, 1e-5f, rb.data());
+      check("layer_norm", same(ra.data(), rb.data(), 4 * 3 * n), std::to_string(n));
+    }
+    for (int act = 0; act < 2; ++act) {
+      A.gelu(g.data(), n, oa.data(), act);
+      B.gelu(g.data(), n, ob.data(), act);
+      check("gelu", same(oa.data(), ob.data(), 4 * n), std::to_string(n));
+    }
+    std::vector<float> ca = g, cb = g;
+    A.softcap(ca.data(), n, 3.0f);
+    B.softcap(cb.data(), n, 3.0f);
+    check("softcap", same(ca.data(), cb.data(), 4 * n), std::to_string(n));
   }
   {
     std::vector<int64_t> pos = {0, 1, 7, 100, 5000};
@@ -212,72 +245,110 @@ int main(int argc, char** argv) {
     B.ropet(pos.data(), 5, 64, 10000.0f, tb.data());
     check("rope_table", same(ta.data(), tb.data(), 4 * ta.size()), "");
     auto x = vecn(5 * 4 * 80), y = x;
-    A.rope(x.data(), 5, 4, 80, 64, ta.data());
-    B.rope(y.data(), 5, 4, 80, 64, ta.data());
-    check("rope", same(x.data(), y.data(), 4 * x.size()), "");
+    for (int neox = 0; neox < 2; ++neox) {
+      A.rope(x.data(), 5, 4, 80, 64, ta.data(), neox);
+      B.rope(y.data(), 5, 4, 80, 64, ta.data(), neox);
+      check("rope", same(x.data(), y.data(), 4 * x.size()), "");
+    }
+    std::vector<uint16_t> ga(65536), gb(65536);
+    A.gelut(ga.data());
+    B.gelut(gb.data());
+    check("gelu_table", ga == gb, "");
     std::vector<float> buf = vecn(1 << 16);
     double a = A.stream(buf.data(), 4 << 16, 2), b = B.stream(buf.data(), 4 << 16, 2);
     check("stream_read", a == b, "");
   }
-  // ---- fused decode blocks
+  // ---- fused decode blocks, one layer record per layout (csrc/common.h LayerRecord)
+  enum { R_ATTN_NORM = 45, R_FFN_NORM = 47, R_POST = 49, R_QK = 51, R_BIAS = 53, R_TAU = 59,
+         R_FLAGS = 60, R_VARIANT = 61, R_WINDOW = 62, R_SCALE = 63, R_SOFTCAP = 64, R_LEN = 68 };
+  enum { F_LN = 1, F_ROPE = 2, F_NEOX = 4, F_PAR = 8, F_DS = 16, F_QS = 32 };
+  auto bits = [](float f) { uint32_t u; memcpy(&u, &f, 4); return (int64_t)u; };
+  auto P = [](const void* p) { return (int64_t)(intptr_t)p; };
   const int dts[] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
   for (int dt : dts) {
-    const int64_t d = QK[dt] == 256 ? 256 : 128, n_head = 4, n_kv = 2, hd = 32, n_ff = QK[dt] == 256 ? 512 : 96, H = 32;
+    const bool kq = QK[dt] == 256;  // K-quants: every row a multiple of 256 (W_o's too)
+    const int64_t d = kq ? 256 : 128, n_head = 4, n_kv = 2, hd = kq ? 64 : 32, n_ff = kq ? 512 : 96, H = 32;
     Matx wq = make(dt, n_head * hd, d), wk = make(dt, n_kv * hd, d), wv = make(dt, n_kv * hd, d), wo = make(dt, d, n_head * hd);
     Matx fc1 = make(0, H, d), fc2 = make(0, n_ff, H), gate = make(dt, n_ff, d), up = make(dt, n_ff, d), down = make(dt, n_ff, d);
     Matx downs = make(dt, d, n_ff);
-    auto pk = [](std::vector<int64_t>& v, const Matx* m) {
-      if (!m) { for (int i = 0; i < 5; ++i) v.push_back(0); return; }
-      v.push_back(m->dt); v.push_back((int64_t)(intptr_t)m->buf.data()); v.push_back(m->ld); v.push_back(m->nrows); v.push_back(m->cols);
+    auto pk = [](int64_t* v, const Matx* m) {
+      if (!m) return;
+      v[0] = m->dt; v[1] = (int64_t)(intptr_t)m->buf.data(); v[2] = m->ld; v[3] = m->nrows; v[4] = m->cols;
     };
-    auto norm1 = vecn(d, 0.5f), norm2 = vecn(d, 0.5f), tau = vecn(n_ff, 0.01f);
+    auto norm1 = vecn(d, 0.5f), norm2 = vecn(d, 0.5f), tau = vecn(n_ff, 0.01f), b1 = vecn(d, 0.1f);
+    auto b2 = vecn(d, 0.1f), post1 = vecn(d, 0.5f), post2 = vecn(d, 0.5f), qn = vecn(hd, 0.5f), kn = vecn(hd, 0.5f);
+    auto bq = vecn(n_head * hd, 0.1f), bk = vecn(n_kv * hd, 0.1f), bv = vecn(n_kv * hd, 0.1f), bu = vecn(n_ff, 0.1f);
     for (auto& t : tau) t = std::fabs(t);
     std::vector<float> rot(hd);
     for (int64_t i = 0; i < hd / 2; ++i) { rot[2 * i] = std::cos(0.3f * i); rot[2 * i + 1] = std::sin(0.3f * i); }
-    for (int act = 0; act < 2; ++act)
-      for (int cdt = 0; cdt < 2; ++cdt)
-        for (int64_t pos : {0, 9, 40})
-          for (int nt : thr_opts) {
-            char tag[96]; snprintf(tag, sizeof tag, "dt=%d act=%d cdt=%d pos=%ld nt=%d", dt, act, cdt, (long)pos, nt);
-            std::vector<int64_t> am; pk(am, &wq); pk(am, &wk); pk(am, &wv); pk(am, &wo);
-            const size_t es = cdt ? 2 : 4;
-            std::vector<uint8_t> kca((pos + 1) * n_kv * hd * es), vca(kca.size());
-            for (auto& b : kca) b = (uint8_t)(rng() & 0x3b); for (auto& b : vca) b = (uint8_t)(rng() & 0x3b);
-            auto kcb = kca, vcb = vca;
-            auto x = vecn(d);
-            std::vector<float> oa(d), ob(d);
-            int sa = A.attn_dec(am.data(), x.data(), norm1.data(), 1e-5f, rot.data(), hd, n_head, n_kv, hd, kca.data(), vca.data(), cdt, pos, oa.data(), act, nt);
-            int sb = B.attn_dec(am.data(), x.data(), norm1.data(), 1e-5f, rot.data(), hd, n_head, n_kv, hd, kcb.data(), vcb.data(), cdt, pos, ob.data(), act, nt);
-            check("attn_decode", sa == sb && same(oa.data(), ob.data(), 4 * d) && kca == kcb && vca == vcb, tag);
-            for (int pred = 0; pred < 2; ++pred)
-              for (int withtau = 0; withtau < 2; ++withtau)
-                for (int ds = 0; ds < 2; ++ds)
-                  for (int v = 0; v < 3; ++v) {
-                    if (ds && (pred || withtau)) continue;
-                    std::vector<int64_t> fm; pk(fm, pred ? &fc1 : nullptr); pk(fm, pred ? &fc2 : nullptr); pk(fm, &gate); pk(fm, &up); pk(fm, ds ? &downs : &down);
-                    std::vector<float> fa(d), fb(d);
-                    int64_t ka = A.ffn_dec(fm.data(), 0.0f, withtau ? tau.data() : nullptr, x.data(), norm2.data(), 1e-5f, v, ds, fa.data(), act, nt);
-                    int64_t kb = B.ffn_dec(fm.data(), 0.0f, withtau ? tau.data() : nullptr, x.data(), norm2.data(), 1e-5f, v, ds, fb.data(), act, nt);
-                    check("ffn_decode", ka == kb && same(fa.data(), fb.data(), 4 * d), tag);
-                  }
-            // two layers
-            std::vector<int64_t> recs;
-            for (int l = 0; l < 2; ++l) {
-              pk(recs, &wq); pk(recs, &wk); pk(recs, &wv); pk(recs, &wo);
-              pk(recs, l ? &fc1 : nullptr); pk(recs, l ? &fc2 : nullptr); pk(recs, &gate); pk(recs, &up); pk(recs, &down);
-              recs.push_back((int64_t)(intptr_t)norm1.data()); recs.push_back((int64_t)(intptr_t)norm2.data()); recs.push_back(0);
-              recs.push_back(l ? (int64_t)(intptr_t)tau.data() : 0);
+    // layouts: 0 llama, 1 falcon (LayerNorm, NEOX, parallel, biases, ungated), 2 gemma (post and
+    // q/k norms, q scaled, soft-cap, window, GeGLU), 3 opt (LayerNorm, no RoPE, biases, ReLU)
+    for (int lay = 0; lay < 4; ++lay) {
+      auto record = [&](bool pred, bool withtau, bool ds, int v, int64_t* r) {
+        for (int i = 0; i < R_LEN; ++i) r[i] = 0;
+        pk(r, &wq); pk(r + 5, &wk); pk(r + 10, &wv); pk(r + 15, &wo);
+        pk(r + 20, pred ? &fc1 : nullptr); pk(r + 25, pred ? &fc2 : nullptr);
+        pk(r + 30, lay == 0 || lay == 2 ? &gate : nullptr); pk(r + 35, &up); pk(r + 40, ds ? &downs : &down);
+        r[R_ATTN_NORM] = P(norm1.data()); r[R_FFN_NORM] = P(norm2.data()); r[R_TAU] = withtau ? P(tau.data()) : 0;
+        r[R_VARIANT] = v; r[R_SCALE] = bits(1.0f / std::sqrt((float)hd));
+        r[R_FLAGS] = (lay == 3 ? 0 : F_ROPE) | (ds ? F_DS : 0);
+        if (lay == 1 || lay == 3) {
+          r[R_FLAGS] |= F_LN | (lay == 1 ? F_NEOX | F_PAR : 0);
+          r[R_ATTN_NORM + 1] = P(b1.data()); r[R_FFN_NORM + 1] = P(b2.data());
+          r[R_BIAS] = P(bq.data()); r[R_BIAS + 1] = P(bk.data()); r[R_BIAS + 2] = P(bv.data());
+          r[R_BIAS + 3] = P(b1.data()); r[R_BIAS + 4] = P(bu.data()); r[R_BIAS + 5] = P(b2.data());
+        }
+        if (lay == 2) {
+          r[R_FLAGS] |= F_NEOX | F_QS;
+          r[R_POST] = P(post1.data()); r[R_POST + 1] = P(post2.data()); r[R_QK] = P(qn.data()); r[R_QK + 1] = P(kn.data());
+          r[R_WINDOW] = 7; r[R_SOFTCAP] = bits(3.0f);
+        }
+      };
+      const std::vector<int> variants = lay == 0 ? std::vector<int>{0, 1, 2} : lay == 2 ? std::vector<int>{3} : std::vector<int>{4, 5};
+      const float* rp = lay == 3 ? nullptr : rot.data();
+      for (int act = 0; act < 2; ++act)
+        for (int cdt = 0; cdt < 2; ++cdt)
+          for (int64_t pos : {0, 9, 40})
+            for (int nt : thr_opts) {
+              char tag[128]; snprintf(tag, sizeof tag, "dt=%d layout=%d act=%d cdt=%d pos=%ld nt=%d", dt, lay, act, cdt, (long)pos, nt);
+              std::vector<int64_t> am(R_LEN);
+              record(false, false, false, variants[0], am.data());
+              const size_t es = cdt ? 2 : 4;
+              std::vector<uint8_t> kca((pos + 1) * n_kv * hd * es), vca(kca.size());
+              for (auto& b : kca) b = (uint8_t)(rng() & 0x3b); for (auto& b : vca) b = (uint8_t)(rng() & 0x3b);
+              auto kcb = kca, vcb = vca;
+              auto x = vecn(d), xs = vecn(d);
+              std::vector<float> oa(d), ob(d);
+              int sa = A.attn_dec(am.data(), n_head, n_kv, hd, hd, 1e-5f, rp, x.data(), kca.data(), vca.data(), cdt, pos, oa.data(), act, nt);
+              int sb = B.attn_dec(am.data(), n_head, n_kv, hd, hd, 1e-5f, rp, x.data(), kcb.data(), vcb.data(), cdt, pos, ob.data(), act, nt);
+              check("attn_decode", sa == 0 && sa == sb && same(oa.data(), ob.data(), 4 * d) && kca == kcb && vca == vcb, tag);
+              for (int pred = 0; pred < 2; ++pred)
+                for (int withtau = 0; withtau < 2; ++withtau)
+                  for (int ds = 0; ds < 2; ++ds)
+                    for (int v : variants) {
+                      if (ds && (pred || withtau)) continue;
+                      std::vector<int64_t> fm(R_LEN);
+                      record(pred, withtau, ds, v, fm.data());
+                      std::vector<float> fa(d), fb(d);
+                      const float* src = lay == 1 ? xs.data() : x.data();
+                      int64_t ka = A.ffn_dec(fm.data(), 1e-5f, 0.0f, x.data(), src, fa.data(), act, nt);
+                      int64_t kb = B.ffn_dec(fm.data(), 1e-5f, 0.0f, x.data(), src, fb.data(), act, nt);
+                      check("ffn_decode", ka >= 0 && ka == kb && same(fa.data(), fb.data(), 4 * d), tag);
+                    }
+              // two layers
+              std::vector<int64_t> recs(2 * R_LEN), rots = {P(rp), P(rp)};
+              for (int l = 0; l < 2; ++l) record(l == 1, l == 1, false, variants.back(), recs.data() + l * R_LEN);
+              const int64_t lb = (pos + 1) * n_kv * hd * es;
+              std::vector<uint8_t> KA(2 * lb), VA(2 * lb);
+              for (auto& b : KA) b = (uint8_t)(rng() & 0x3b); for (auto& b : VA) b = (uint8_t)(rng() & 0x3b);
+              auto KB = KA, VB = VA;
+              auto xa = vecn(d), xb = xa;
+              std::vector<int64_t> ca(2, -1), cb(2, -1);
+              sa = A.layers(2, recs.data(), rots.data(), n_head, n_kv, hd, hd, 1e-5f, KA.data(), VA.data(), lb, cdt, pos, 0.0f, xa.data(), ca.data(), act, nt);
+              sb = B.layers(2, recs.data(), rots.data(), n_head, n_kv, hd, hd, 1e-5f, KB.data(), VB.data(), lb, cdt, pos, 0.0f, xb.data(), cb.data(), act, nt);
+              check("decode_layers", sa == 0 && sa == sb && same(xa.data(), xb.data(), 4 * d) && ca == cb && KA == KB && VA == VB, tag);
             }
-            const int64_t lb = (pos + 1) * n_kv * hd * es;
-            std::vector<uint8_t> KA(2 * lb), VA(2 * lb);
-            for (auto& b : KA) b = (uint8_t)(rng() & 0x3b); for (auto& b : VA) b = (uint8_t)(rng() & 0x3b);
-            auto KB = KA, VB = VA;
-            auto xa = vecn(d), xb = xa;
-            std::vector<int64_t> ca(2, -1), cb(2, -1);
-            sa = A.layers(2, recs.data(), 1e-5f, rot.data(), hd, n_head, n_kv, hd, KA.data(), VA.data(), lb, cdt, pos, 0.0f, 2, xa.data(), ca.data(), act, nt);
-            sb = B.layers(2, recs.data(), 1e-5f, rot.data(), hd, n_head, n_kv, hd, KB.data(), VB.data(), lb, cdt, pos, 0.0f, 2, xb.data(), cb.data(), act, nt);
-            check("decode_layers", sa == sb && same(xa.data(), xb.data(), 4 * d) && ca == cb && KA == KB && VA == VB, tag);
-          }
+    }
   }
   int bad = 0;
   for (auto& [k, v] : runs) { printf("%-14s %6d cases, %d mismatched\n", k.c_str(), v, fails[k]); bad += fails[k]; }

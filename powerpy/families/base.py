@@ -206,14 +206,3 @@ class Family:
     experts: tuple[LayerTensor, ...] = ()
     moe_required: bool = False
     expert_ff_key: str | None = None
-
-    @property
-    def llama_layout(self) -> bool:
-        """The blocks are the ones the native block kernels compute: RMS norms, NORM RoPE, a
-        sequential residual and a gated FFN (a file's biases rule them out too)."""
-        return (
-            self.norm is Norm.RMS
-            and self.rope is Rope.NORM
-            and self.residual is Residual.SEQUENTIAL
-            and self.gated
-        )

@@ -3,9 +3,10 @@
 Two paths, chosen per call by its numerics (``powerpy.model.numerics``):
 
 - **native** (host tensors, the default): llama.cpp's float steps in ``csrc``: ggml's RoPE
-  angles and rounding, and the f16-cache attention in ggml's order (``ggml_numerics``); a
-  one-token step runs its whole attention block (norm, q/k/v, RoPE, cache row, softmax, output,
-  residual) as one call (:func:`attention_block`).
+  angles and rounding (adjacent or NEOX pairs), and the f16-cache attention in ggml's order with
+  the model's scale, soft-cap and window (``ggml_numerics``); a one-token step runs its whole
+  attention block (norm, q/k/v and biases, q/k norms, RoPE, cache row, softmax, output, post
+  norm, residual) as one call in any family's layout (:func:`attention_block`).
 - **torch**: float64 RoPE angles, and torch's attention (two ``bmm`` for one token, SDPA for
   more), on whatever device the cache is.
 """
@@ -18,9 +19,9 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.families import Rope
-from powerpy.model import ggml_numerics, kernels
+from powerpy.model import ggml_numerics, kernels, layer_record
 from powerpy.model.cache import KVCache
-from powerpy.model.kernels import KernelLibrary, Matrix
+from powerpy.model.device import HOST, OnDevices
 
 
 def rope_tables(
@@ -74,19 +75,15 @@ def apply_rope(x: Tensor, rot: Tensor, n_rot: int, mode: Rope = Rope.NORM) -> Te
     """Rotate pairs of the first n_rot dims: x (T, heads, head_dim) f32, rot (T, n_rot/2) from
     ``rope_tables``. NORM mode pairs (2i, 2i+1), NEOX mode (i, i + n_rot/2); pair i turns by
     rotation i either way (ggml's angles). Under llama.cpp's numerics both modes run ggml's
-    rounding (its fused multiply-adds): NEOX pairs are interleaved for the NORM kernel."""
+    rounding (its fused multiply-adds, ``pp_rope``)."""
     c = ggml_numerics.library(x)
+    if c is not None:
+        return ggml_numerics.rope(c, x, rot, n_rot, neox=mode is Rope.NEOX)
     if mode is Rope.NEOX:
         half = n_rot // 2
         x1, x2 = x[..., :half], x[..., half:n_rot]
-        if c is not None:  # (i, i + half) -> adjacent pairs, rotated, and back
-            pairs = torch.stack((x1, x2), dim=-1).flatten(-2)
-            out = ggml_numerics.rope(c, pairs, rot, n_rot).unflatten(-1, (half, 2))
-            return torch.cat((out[..., 0], out[..., 1], x[..., n_rot:]), dim=-1)
         cos, sin = rot.real[:, None], rot.imag[:, None]  # (T, 1, n_rot/2)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., n_rot:]), dim=-1)
-    if c is not None:
-        return ggml_numerics.rope(c, x, rot, n_rot)
     z = torch.view_as_complex(x[..., :n_rot].reshape(*x.shape[:-1], n_rot // 2, 2))
     out = torch.view_as_real(z * rot[:, None]).flatten(-2)  # (T, heads, n_rot)
     return torch.cat((out, x[..., n_rot:]), dim=-1) if n_rot < x.shape[-1] else out
@@ -101,7 +98,7 @@ def attend(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int, *, window: 
     n = q.shape[0]
     plain = not window and not a.attn_softcap and not a.attn_scale
     c = ggml_numerics.library(q)
-    if c is not None and cache.k.dtype is torch.float16:
+    if c is not None and cache.k.dtype is torch.float16 and cache.k.device.type == "cpu":
         return ggml_numerics.attention(c, a, q, cache.k[l], cache.v[l], p0, window)
     s0 = max(0, p0 - window + 1) if window else 0  # no query reads a key before s0
     keys = cache.k[l, s0 : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
@@ -147,32 +144,21 @@ def _attend_explicit(
     return out.reshape(a.n_head, n, a.head_dim).transpose(0, 1).reshape(n, a.n_embd_q)
 
 
-def attention_kernels(blk) -> tuple[KernelLibrary, list[Matrix]] | None:
-    """(library, [q, k, v, output] matrices) for the native attention block, or None when the
-    block is not of the layout it computes (``Block.native``), or a matrix or the norm is not
-    for the host kernels (or the call's numerics turn them off)."""
-    if not blk.native:
-        return None
-    mats = [w.kernel() for w in (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output)]
-    if any(m is None for m in mats) or blk.attn_norm.device.type != "cpu":
-        return None
-    return mats[0][0], [m[1] for m in mats]
-
-
 def attention_block(
-    l: int, blk, x: Tensor, cache: KVCache, rot: Tensor, a: ModelArgs
+    l: int, blk, x: Tensor, cache: KVCache, rot: OnDevices | None, a: ModelArgs
 ) -> Tensor | None:
-    """A one-token step's attention block on the host (attn_norm, q/k/v, RoPE, cache row, GQA
-    softmax, output, residual) as one native call: x (1, n_embd) the residual stream, rot (1,
-    n_rot/2) complex -> x + attention (1, n_embd); None when a matrix or the cache is not for
-    the kernels."""
-    kern = attention_kernels(blk)
+    """A one-token step's attention block on the host as one native call, in the family's
+    layout (``layer_record``: norm, q/k/v with their biases, q/k norms, RoPE, cache row, the
+    window, scale and soft-cap, GQA softmax, output and its bias, post norm, residual): x (1,
+    n_embd) the residual stream, rot the step's (1, n_rot/2) complex rotations (None: learned
+    positions) -> x + attention (1, n_embd); None when a matrix or the cache is not for the
+    kernels."""
     k, v = cache.k[l], cache.v[l]  # (n_ctx, n_kv, head_dim)
     host = k.device.type == "cpu" and x.device.type == "cpu"
-    if kern is None or not host or k.dtype not in kernels.CACHE_CODES:
+    if not host or k.dtype not in kernels.CACHE_CODES or not blk.native:
         return None
-    rot = torch.view_as_real(rot[0])  # (n_rot / 2, 2): cos, sin
-    shape = (a.n_head, a.n_head_kv, a.head_dim)
-    norm = (blk.attn_norm, a.norm_eps)
-    lib, mats = kern
-    return lib.attn_decode(mats, x[0], norm, rot, shape, (k, v, cache.pos))[None]
+    part = layer_record.attention_part(blk, a, l)
+    if part is None:
+        return None
+    rec, r = layer_record.record(part), layer_record.rotation(None if rot is None else rot(HOST))
+    return part.lib.attn_decode(rec, layer_record.heads(a), x[0], r, (k, v, cache.pos))[None]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import FFNVariant
-from powerpy.model import ggml_numerics, gpu_kernels, kernels
+from powerpy.model import ggml_numerics, gpu_kernels, kernels, layer_record
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.gpu_kernels import FusedWeight
 from powerpy.model.matrices import DenseWeight, TransposedWeight, Weight
@@ -350,42 +350,23 @@ def ffn(
 
 
 def fused_decode(
-    l: int, blk, x: OnDevices, norm_eps: float, variant: FFNVariant, thr: float, opts: RunOptions
+    l: int, blk, x: OnDevices, a, thr: float, opts: RunOptions, src: OnDevices | None = None
 ) -> Tensor | None:
-    """A decode step's FFN block on the host (ffn_norm, predictor, GLU rows, down rows,
-    residual) as one native call: x (1, n_embd) the residual stream, taken to the host -> x +
-    FFN (1, n_embd) on the host; None when it does not apply (a matrix the kernels cannot read,
-    hot rows, profiling, an oracle)."""
-    kern = ffn_kernels(blk, opts)
-    if kern is None:
+    """A decode step's FFN block on the host as one native call, in the family's layout
+    (``layer_record``: norm, predictor, gated or ungated rows with the up bias, cut, down rows
+    and bias, post norm, residual): x (1, n_embd) the residual stream, taken to the host; src
+    (1, n_embd) the FFN's input before its norm where it is not x (a parallel block's input;
+    the predictor reads it too) -> x + FFN (1, n_embd) on the host; None when it does not apply
+    (a matrix the kernels cannot read, hot rows, profiling, an oracle)."""
+    part = layer_record.ffn_part(blk, a, opts)
+    if part is None:
         return None
-    lib, mats, stored, tau = kern
     x = x(HOST)
-    norm = (blk.ffn_norm, norm_eps)
-    y, k = lib.ffn_decode(mats, thr, x[0], norm, variant, down_stored=stored, tau=tau)
-    if (blk.fc1 is not None or tau is not None) and opts.sparse and opts.stats is not None:
+    src = None if src is None else src(HOST)[0]
+    y, k = part.lib.ffn_decode(layer_record.record(part), a.norm_eps, thr, x[0], src)
+    if layer_record.counted(blk, opts) and opts.sparse and opts.stats is not None:
         opts.stats.record_count(l, k)  # every neuron in an ungated layer without a cut
     return y[None]
-
-
-def ffn_kernels(blk, opts: RunOptions):
-    """(library, [fc1, fc2, gate, up, down] matrices, down_stored, tau) for the native FFN block
-    of one decode step, or None when it does not apply (a matrix the kernels cannot read,
-    profiling, an oracle, hot rows). fc1 and fc2 are None where the predictor does not gate;
-    tau is the layer's cut (None: no cut)."""
-    if opts.observer is not None or opts.oracle is not None or blk.hot is not None:
-        return None
-    if not blk.native or blk.moe is not None:
-        return None  # another layout (norm, residual, no gate, biases): the per-op path
-    down = blk.ffn_down_t
-    stored = isinstance(down, TransposedWeight)  # a dense file's ffn_down: (n_embd, n_ff)
-    pair, kd = _glu_kernels(blk.ffn_gate, blk.ffn_up), (down.inner if stored else down).kernel()
-    gated = blk.gates(opts) and not stored
-    preds = [blk.fc1.kernel(), blk.fc2.kernel()] if gated else [(None, None)] * 2
-    if pair is None or kd is None or None in preds or blk.ffn_norm.device.type != "cpu":
-        return None
-    lib, gm, um = pair
-    return lib, [p[1] for p in preds] + [gm, um, kd[1]], stored, None if stored else blk.cut(opts)
 
 
 def split_ffn(

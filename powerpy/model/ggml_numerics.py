@@ -33,6 +33,19 @@ def library(x: Tensor | None = None) -> ctypes.CDLL | None:
     return None if lib is None else lib.cdll
 
 
+def layer_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, b: Tensor | None, eps: float) -> Tensor:
+    """x (..., n) f32 -> (x - mean) / sqrt(var + eps) · w + b in ggml's order (ggml_norm: the mean
+    from a double sum, the variance from GW-lane squares, then mul, then add)."""
+    x, w = x.contiguous(), w.float().contiguous()
+    b = None if b is None else b.float().contiguous()
+    y = torch.empty_like(x)
+    c.pp_layer_norm(
+        x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
+        x.numel() // x.shape[-1], x.shape[-1], eps, y.data_ptr(),
+    )  # fmt: skip
+    return y
+
+
 def rms_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, eps: float) -> Tensor:
     """x (..., n) f32 -> x / sqrt(mean(x²) + eps) · w, the squares summed in double (ggml)."""
     x, w = x.contiguous(), w.float().contiguous()
@@ -99,12 +112,13 @@ def rope_table(
     return torch.view_as_complex(out)
 
 
-def rope(c: ctypes.CDLL, x: Tensor, rot: Tensor, n_rot: int) -> Tensor:
-    """x (T, heads, head_dim) f32 rotated by rot (T, n_rot/2) complex64, as ggml rounds it."""
+def rope(c: ctypes.CDLL, x: Tensor, rot: Tensor, n_rot: int, neox: bool = False) -> Tensor:
+    """x (T, heads, head_dim) f32 rotated by rot (T, n_rot/2) complex64, as ggml rounds it:
+    adjacent pairs, or pairs (i, i + n_rot/2) with ``neox``."""
     x = x.contiguous().clone()
     r = torch.view_as_real(rot.contiguous())
     T, heads, hd = x.shape
-    c.pp_rope(x.data_ptr(), T, heads, hd, n_rot, r.data_ptr())
+    c.pp_rope(x.data_ptr(), T, heads, hd, n_rot, r.data_ptr(), int(neox))
     return x
 
 

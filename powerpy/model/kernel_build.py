@@ -11,6 +11,7 @@ so concurrent processes neither race nor see half-written files.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -113,12 +114,20 @@ def compile_library(
     return target
 
 
-def check_codes(cdll, path: Path, dtype_codes: dict, record_len: int) -> None:
+def check_codes(
+    cdll, path: Path, dtype_codes: dict, record_len: int, layout: tuple[int, ...] = ()
+) -> None:
     """Raise KernelBuildError unless the loaded library ``cdll`` has Python's dtype codes
-    (``kernels.DTYPE_CODES``, for every GGMLType; -1: not read) and decode layer record length."""
+    (``kernels.DTYPE_CODES``, for every GGMLType; -1: not read), decode layer record length
+    and record layout (``kernels.RECORD_LAYOUT``: slots, flags, variant codes)."""
     n = cdll.pp_layer_record_len()
     if n != record_len:
         raise KernelBuildError(f"{path}: a decode layer record of {n} int64, not {record_len}")
+    if layout:
+        got = (ctypes.c_int64 * len(layout))()
+        cdll.pp_layer_record_layout(got)
+        if tuple(got) != tuple(layout):
+            raise KernelBuildError(f"{path}: a decode layer record laid out as {tuple(got)}")
     for t in GGMLType:
         code, want = cdll.pp_dtype_code(int(t)), dtype_codes.get(t, -1)
         if code != want:

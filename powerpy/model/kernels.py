@@ -43,7 +43,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 # dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -63,10 +63,23 @@ DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
     GGMLType.Q6_K: 10,
 }
 QUANT_TYPES = tuple(t for t in DTYPE_CODES if isinstance(t, GGMLType) and t.name[0] == "Q")
-# GLU variants (enum Variant): h = act(gate·x, up·x)
-VARIANTS = {FFNVariant.REGLU: 0, FFNVariant.DRELU: 1, FFNVariant.SWIGLU: 2}
+# FFN variants (enum Variant): gated h = act(gate·x, up·x) (pp_glu_gemv), then ungated act(up·x)
+VARIANTS = {
+    FFNVariant.REGLU: 0, FFNVariant.DRELU: 1, FFNVariant.SWIGLU: 2, FFNVariant.GEGLU: 3,
+    FFNVariant.RELU: 4, FFNVariant.GELU: 5,
+}  # fmt: skip
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
-LAYER_RECORD_LEN = 49  # int64 per pp_decode_layers record (stack_decode); checked at load
+# The decode blocks' layer record (enum LayerRecord, built by powerpy.model.layer_record): its
+# slots, then the LayerFlags bits; checked at load against pp_layer_record_layout
+RECORD_SLOTS = {
+    "attn": 0, "ffn": 20, "attn_norm": 45, "ffn_norm": 47, "post_norm": 49, "qk_norm": 51,
+    "bias": 53, "tau": 59, "flags": 60, "variant": 61, "window": 62, "scale": 63, "softcap": 64,
+    "moe": 65,
+}  # fmt: skip
+LAYER_RECORD_LEN = 68  # int64 per record; checked at load
+RECORD_FLAGS = {"layer_norm": 1, "rope": 2, "neox": 4, "parallel": 8, "down_stored": 16,
+                "q_scaled": 32, "moe": 64}  # fmt: skip
+RECORD_LAYOUT = (*RECORD_SLOTS.values(), LAYER_RECORD_LEN, *RECORD_FLAGS.values(), 3, 4, 5, 6)
 _ERR_INDEX = 1
 
 
@@ -93,28 +106,32 @@ _SIGNATURES = {
     # dtype, W, ld, nrows, cols, idx, k, out, nthreads
     "pp_dequant_rows": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
     "pp_stream_read": ([_p, _i64, _i32], ctypes.c_double),  # buffer, bytes, nthreads
-    # mats, x, norm, eps, rot, n_rot, n_head, n_kv, hd, k, v, cache dtype, pos, out, act, nthr
+    # record, n_head, n_kv, head_dim, n_rot, eps, rot, x, k, v, cache dtype, pos, out, act, nthr
     "pp_attn_decode": (
-        [_p, _p, _p, _f, _p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i64, _p, _i32, _i32],
+        [_p, _i64, _i64, _i64, _i64, _f, _p, _p, _p, _p, _i32, _i64, _p, _i32, _i32],
         _i32,
     ),
-    # mats (5 x 5 int64), thr, tau, resid, norm, eps, variant, down_stored, out, act, nthreads
-    "pp_ffn_decode": ([_p, _f, _p, _p, _p, _f, _i32, _i32, _p, _i32, _i32], _i64),
-    # layers, records, eps, rot, n_rot, n_head, n_kv, hd, k, v, layer bytes, cache dtype, pos,
-    # thr, variant, x, counts, act, nthreads (powerpy.model.stack_decode: one token, all blocks)
+    # record, eps, thr, residual, source, out, act, nthreads
+    "pp_ffn_decode": ([_p, _f, _f, _p, _p, _p, _i32, _i32], _i64),
+    # layers, records, rots, n_head, n_kv, head_dim, n_rot, eps, k, v, layer bytes, cache dtype,
+    # pos, thr, x, counts, act, nthreads (powerpy.model.stack_decode: one token, all blocks)
     "pp_decode_layers": (
-        [_i64, _p, _f, _p, *[_i64] * 4, _p, _p, _i64, _i32, _i64, _f, _i32, _p, _p, _i32, _i32],
+        [_i64, _p, _p, *[_i64] * 4, _f, _p, _p, _i64, _i32, _i64, _f, _p, _p, _i32, _i32],
         _i32,
     ),
+    "pp_layer_record_layout": ([_p], None),
     # llama.cpp's float steps (called by powerpy.model.ggml_numerics)
     "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
     # positions, n, n_rot, base, freq_scale, factors (or NULL), mscale, out
     "pp_rope_table_ext": ([_p, _i64, _i64, _f, _f, _p, _f, _p], None),
-    "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p], None),  # x, T, heads, head_dim, n_rot, rot
+    # x, T, heads, head_dim, n_rot, rot, neox
+    "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p, _i32], None),
     # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, out, nthreads
     "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i32], _i32),
     # … , scale, scale_q, softcap, window, out, nthreads
     "pp_attn_ext": ([_p, _p, _p, *[_i64] * 5, _f, _i32, _f, _i64, _p, _i32], _i32),
+    "pp_layer_norm": ([_p, _p, _p, _i64, _i64, _f, _p], None),  # x, w, b, T, n, eps, y
+    "pp_gelu": ([_p, _i64, _p, _i32], None),  # x, n, y, act
     "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p], None),  # x, w, T, n, eps, y
     "pp_softcap": ([_p, _i64, _f], None),  # x (in place), n, cap
     "pp_gelu_table": ([_p], None),  # out (65536 f16 bit patterns)
@@ -210,7 +227,7 @@ class KernelLibrary:
         version = self.cdll.pp_abi_version()
         if version != ABI_VERSION:
             raise KernelBuildError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
-        check_codes(self.cdll, path, DTYPE_CODES, LAYER_RECORD_LEN)
+        check_codes(self.cdll, path, DTYPE_CODES, LAYER_RECORD_LEN, RECORD_LAYOUT)
         self.simd = SIMD_NAMES.get(self.cdll.pp_simd_level(), "?")
         self._gemv = self.cdll.pp_gather_gemv
         self._axpy = self.cdll.pp_gather_axpy
@@ -274,7 +291,10 @@ class KernelLibrary:
             raise ValueError(f"x has {x.numel()} elements, the matrix {up.cols} columns")
         idx = _i64(idx)
         k = idx.numel()
-        code = VARIANTS[FFNVariant(variant)]
+        variant = FFNVariant(variant)
+        if not variant.gated:
+            raise ValueError(f"glu: {variant.value} is an ungated FFN variant (no gate rows)")
+        code = VARIANTS[variant]
         if (gate.code, gate.nrows, gate.cols) != (up.code, up.nrows, up.cols):
             raise ValueError("gate and up differ in dtype or shape")
         gp, gld = gate.ptr, gate.ld
@@ -338,68 +358,44 @@ class KernelLibrary:
 
     def attn_decode(
         self,
-        mats: list[Matrix],
+        rec: ctypes.Array,
+        heads: tuple[int, int, int, int, float],
         x: Tensor,
-        norm: tuple[Tensor, float],
-        rot: Tensor,
-        shape: tuple[int, int, int],
+        rot: Tensor | None,
         cache: tuple[Tensor, Tensor, int],
     ) -> Tensor:
-        """One token's attention block in one call: x (n_embd,) the residual stream.
-
-        ``mats`` = q, k, v, output; ``norm`` = (attn_norm (n_embd,) f32, eps); ``rot``
-        (n_rot / 2, 2) f32 holds (cos, sin) per pair; ``shape`` = (n_head, n_head_kv,
-        head_dim); ``cache`` = one layer's contiguous f32/f16 keys and values ``(n_ctx, n_kv,
-        head_dim)`` and the position whose row is written. Returns x + attention (n_embd,).
-        """
-        x, rot, w = as_f32(x), as_f32(rot), as_f32(norm[0])
+        """One token's attention block in one call: ``rec`` the layer's record
+        (``powerpy.model.layer_record``), ``heads`` = (n_head, n_head_kv, head_dim, n_rot, eps),
+        x (n_embd,) the residual stream, ``rot`` (n_rot / 2, 2) f32 (cos, sin) per pair (None:
+        no RoPE), ``cache`` = one layer's contiguous f32/f16 keys and values ``(n_ctx, n_kv,
+        head_dim)`` and the position whose row is written. Returns x + attention (n_embd,)."""
+        x = as_f32(x)
+        rot = None if rot is None else as_f32(rot)
         k, v, pos = cache
         out = torch.empty(x.numel(), dtype=_F32)
         st = self.cdll.pp_attn_decode(
-            Matrix.pack(mats),
-            x.data_ptr(),
-            w.data_ptr(),
-            norm[1],
-            rot.data_ptr(),
-            rot.numel(),
-            *shape,
-            k.data_ptr(),
-            v.data_ptr(),
-            CACHE_CODES[k.dtype],
-            pos,
-            out.data_ptr(),
-            act_code(),
-            _threads(),
-        )
+            rec, *heads, None if rot is None else rot.data_ptr(), x.data_ptr(), k.data_ptr(),
+            v.data_ptr(), CACHE_CODES[k.dtype], pos, out.data_ptr(), act_code(), _threads(),
+        )  # fmt: skip
         if st:
             _raise(st, "attn_decode")
         return out
 
     def ffn_decode(
-        self,
-        mats: list[Matrix | None],
-        thr: float,
-        x: Tensor,
-        norm: tuple[Tensor, float],
-        variant: FFNVariant,
-        down_stored: bool = False,
-        tau: Tensor | None = None,
+        self, rec: ctypes.Array, eps: float, thr: float, r: Tensor, src: Tensor | None = None
     ) -> tuple[Tensor, int]:
-        """One token's FFN block in one call: x (n_embd,) the residual stream (the predictor's
-        input), ``norm`` = (ffn_norm, eps) for the FFN's input.
-
-        ``mats`` = fc1, fc2 (both None: dense), gate, up, down_t: the block adds
-        ``sum_j h_j down_t[j]`` over the neurons with ``fc2·relu(fc1·x) >= thr`` and, with the
-        cut ``tau`` (n_ff,) f32, ``|h_j| >= tau[j]``. With ``down_stored`` the last matrix is a
-        dense file's ``ffn_down`` (n_embd, n_ff) and the FFN is dense. Returns (x + FFN
-        (n_embd,), how many neurons' down rows were added).
-        """
-        x, w, tau = as_f32(x), as_f32(norm[0]), None if tau is None else as_f32(tau)
-        out, v = torch.empty(x.numel(), dtype=_F32), VARIANTS[FFNVariant(variant)]
+        """One token's FFN block in one call: ``rec`` the layer's record, r (n_embd,) the
+        residual stream it adds to, ``src`` the FFN's input before its norm, where the predictor
+        reads it (a parallel block's input; None: r). The predictor keeps the neurons with
+        ``fc2·relu(fc1·src) >= thr`` (the record holds no predictor: all), and the record's cut
+        drops those with ``|h_j| < tau[j]``. Returns (r + FFN (n_embd,), how many neurons' down
+        rows were added)."""
+        r = as_f32(r)
+        src = r if src is None else as_f32(src)
+        out = torch.empty(r.numel(), dtype=_F32)
         k = self.cdll.pp_ffn_decode(
-            Matrix.pack(mats), thr, 0 if tau is None else tau.data_ptr(), x.data_ptr(),
-            w.data_ptr(), norm[1], v, int(down_stored), out.data_ptr(), act_code(), _threads(),
-        )  # fmt: skip
+            rec, eps, thr, r.data_ptr(), src.data_ptr(), out.data_ptr(), act_code(), _threads()
+        )
         if k < 0:
             _raise(-k, "ffn_decode")
         return out, k

@@ -227,8 +227,7 @@ def load_weights(
                 parts = _split_rows(fields.pop(t.field), sizes)
                 fields.update(zip((f for f, _ in t.split), parts, strict=True))
         if args.moe:
-            native = fam.llama_layout and not _biased(fields) and _plain(args, l, fields)
-            blocks.append(_moe_block(src, args, l, fields, native))
+            blocks.append(_moe_block(src, args, l, fields, _native(args, fields)))
             continue
         fc1 = fc2 = None
         if args.sparse:
@@ -247,7 +246,7 @@ def load_weights(
             down = Names.FFN_DOWN.format(l=l)
             down_t = src.transposed(down, (d, ff))
         down_b = _bias(src, down, d, fam.down_bias)
-        biased = down_b is not None or _biased(fields)
+        native = _native(args, fields, down_t, fc1, fc2)
         blocks.append(
             Block(
                 **fields,
@@ -257,7 +256,7 @@ def load_weights(
                 fc2=fc2,
                 gated=l not in args.dense_layers,
                 down_tau=cut_taus(down_t, cuts[l]) if cuts and cuts[l] > 0 else None,
-                native=fam.llama_layout and not biased and _plain(args, l, fields),
+                native=native,
             )
         )
     if args.moe and any(args.down_thresholds):
@@ -287,22 +286,14 @@ def load_weights(
     )
 
 
-def _biased(fields: dict) -> bool:
-    """A layer's tensors have a bias (the native block kernels read none)."""
-    return any(
-        isinstance(v, BiasedWeight) or (k.endswith("_b") and v is not None)
-        for k, v in fields.items()
-    )
-
-
-def _plain(args: ModelArgs, l: int, fields: dict) -> bool:
-    """Layer l has no tensor or setting the native block kernels lack (q/k norms, post norms,
-    attention scales, a sliding window, an activation they do not compute)."""
+def _native(args: ModelArgs, fields: dict, *mats) -> bool:
+    """Whether the native block kernels compute a layer of these fields and matrices: every
+    layout runs in them (``layer_record``) where they read each matrix (``_kernel_readable``),
+    the FFN variant is theirs and the gate has no bias."""
     return (
-        not any(fields.get(f) is not None for f in _NOT_NATIVE)
-        and (args.n_embd_q == args.n_embd and not args.attn_scale and not args.attn_softcap)
-        and args.ffn_variant in kernel_variants
-        and l not in args.swa_layers
+        args.ffn_variant in kernel_variants
+        and not isinstance(fields.get("ffn_gate"), BiasedWeight)
+        and all(_kernel_readable(w) for w in (*fields.values(), *mats))
     )
 
 
@@ -373,8 +364,18 @@ def _split_rows(w: Weight, sizes: tuple[int, ...]) -> list[Weight]:
     return row_slices(w, sizes)
 
 
-# Block fields the native block kernels do not compute (they keep a block on the per-op path)
-_NOT_NATIVE = ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")
+def _kernel_readable(w) -> bool:
+    """A layer's field as the native block kernels read it: a vector, or a matrix (its rows
+    biased or not, a dense file's down matrix) of f32/f16/bf16 or a quantized type of
+    ``kernels.QUANT_TYPES``; every family's layout runs in them (``layer_record``)."""
+    if isinstance(w, TransposedWeight | BiasedWeight):
+        w = w.inner
+    if isinstance(w, QuantWeight):
+        return w.ggml_type in QUANT_TYPES
+    if isinstance(w, DenseWeight):
+        return w.w.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return w is None or isinstance(w, torch.Tensor)
+
 
 # Per-layer tensors some family has (their GGUF base names): a file of a family that lacks one
 # of them is of another architecture, or corrupt. Other unknown tensors are ignored.

@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from powerpy.config import FFNVariant
-from powerpy.model import ggml_numerics
+from powerpy.model import ggml_numerics, layer_record
 from powerpy.model.biased import row_slices
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import glu, glu_rows, rows_sum, scaled_cut
-from powerpy.model.kernels import Matrix, act_code, as_f32
+from powerpy.model.kernels import RECORD_FLAGS, RECORD_SLOTS, Matrix, act_code, as_f32
 from powerpy.model.matrices import DenseWeight, Weight
 from powerpy.model.options import RunOptions
 from powerpy.model.timing import phase
@@ -258,9 +258,28 @@ def moe_kernels(blk, opts: RunOptions):
     return kerns[0][0], [k[1] for k in kerns], scaled_cut(ex.tau, opts)
 
 
-def moe_decode(
-    l: int, blk, x: OnDevices, norm_eps: float, variant, thr: float, opts: RunOptions
-) -> Tensor | None:
+def moe_part(blk, a, opts: RunOptions) -> layer_record.Part | None:
+    """The FFN half of a mixture of experts' layer record for the stack plan (``layer_record``,
+    flag "moe"): the router in fc1's slot, the gate, up and down stacks, the FFN norm, the cut,
+    and the routing (experts per token, renormalised weights, the weights' scale); None where
+    the native block does not apply (:func:`moe_kernels`)."""
+    kern = moe_kernels(blk, opts)
+    if kern is None:
+        return None
+    lib, mats, tau = kern
+    p = layer_record.Part(lib, flags=layer_record.layout_flags(a) | RECORD_FLAGS["moe"])
+    ffn = RECORD_SLOTS["ffn"]
+    for slot, m in zip((ffn, ffn + 10, ffn + 15, ffn + 20), mats, strict=True):
+        p.matrix(slot, m)
+    if not (p.vec(RECORD_SLOTS["ffn_norm"], blk.ffn_norm) and p.vec(RECORD_SLOTS["tau"], tau)):
+        return None
+    ex, at = blk.moe, RECORD_SLOTS["moe"]
+    p.slots[at], p.slots[at + 1] = ex.n_used, int(ex.norm)
+    p.f32(at + 2, ex.scale)
+    return p
+
+
+def moe_decode(l: int, blk, x: OnDevices, a, thr: float, opts: RunOptions) -> Tensor | None:
     """A decode step's whole MoE block on the host (ffn_norm, router, routed experts, cut,
     residual) in one native call: x the residual stream -> x + FFN (1, n_embd) on the host;
     None where it does not apply (:func:`moe_kernels`). The same bits as :func:`moe_ffn`."""
@@ -274,7 +293,7 @@ def moe_decode(
     y = torch.empty(r.numel(), dtype=torch.float32)
     kept = lib.cdll.pp_moe_decode(
         Matrix.pack(mats), ex.n_used, int(ex.norm), ex.scale, 0 if tau is None else tau.data_ptr(),
-        r.data_ptr(), w.data_ptr(), norm_eps, y.data_ptr(), None, None, act_code(),
+        r.data_ptr(), w.data_ptr(), a.norm_eps, y.data_ptr(), None, None, act_code(),
         torch.get_num_threads(),
     )  # fmt: skip
     if kept < 0:

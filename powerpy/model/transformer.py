@@ -15,20 +15,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.errors import ModelConfigError, NonFiniteError
 from powerpy.families import Norm, Residual, Rope
 from powerpy.formats.constants import Names
-from powerpy.model import ggml_numerics, gpu_kernels, numerics, stack_decode
+from powerpy.model import ggml_numerics, numerics, stack_decode
 from powerpy.model.attention import apply_rope, attend, attention_block, layer_rotations
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
 from powerpy.model.matrices import Weight
 from powerpy.model.moe import Experts, moe_decode, moe_ffn
+from powerpy.model.norms import layer_norm, rms_norm
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
 
@@ -65,7 +65,7 @@ class Block:
     attn_k_norm: Tensor | None = None  # (head_dim,) … and of each k head
     post_attention_norm: Tensor | None = None  # (n_embd,) of attention's output (gemma)
     post_ffw_norm: Tensor | None = None  # (n_embd,) of the FFN's output (gemma)
-    # the layout the native block kernels compute (``Family.llama_layout``, and no biases)
+    # the native block kernels compute this layer (every layout; ``layer_record``)
     native: bool = True
     # a mixture of experts in place of the dense FFN (ffn_gate, ffn_up, ffn_down_t None)
     moe: Experts | None = None
@@ -95,29 +95,6 @@ class Weights:
     rope_freqs: Tensor | None = None  # (n_rot/2,) f32 divisors of the RoPE angles (llama-3)
     rope_factors_long: Tensor | None = None  # (n_rot/2,) phi3: beyond the original context
     rope_factors_short: Tensor | None = None  # (n_rot/2,) phi3: within it
-
-
-# ----------------------------------------------------------------------------------- maths
-_HAS_RMS_NORM = hasattr(F, "rms_norm")
-
-
-def layer_norm(x: Tensor, w: Tensor, b: Tensor | None, eps: float) -> Tensor:
-    """x (..., n) f32 -> (x - mean) / sqrt(var + eps) · w + b (biased variance, as ggml and
-    torch compute it)."""
-    return F.layer_norm(x, w.shape, w, b, eps)
-
-
-def rms_norm(x: Tensor, w: Tensor, eps: float, *, fused: bool = False) -> Tensor:
-    """x (..., n) f32 -> x / sqrt(mean(x²) + eps) · w; ``fused``: in one launch on a device
-    (``gpu_kernels``)."""
-    if fused and x.device.type != "cpu" and x.dtype == w.dtype == torch.float32:
-        return gpu_kernels.rms_norm_op(x, w, eps)
-    c = ggml_numerics.library(x)
-    if c is not None:
-        return ggml_numerics.rms_norm(c, x, w, eps)
-    if _HAS_RMS_NORM and x.dtype == w.dtype:
-        return F.rms_norm(x, w.shape, w, eps)  # one fused op (torch >= 2.4)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 # ----------------------------------------------------------------------------------- model
@@ -334,14 +311,13 @@ class Model:
         tables = layer_rotations(a, w, pos, step.caches[0].n_ctx)  # per layer (T, n_rot/2)
         moved = {id(t): OnDevices(self.accel, t) for t in tables if t is not None}  # one per table
         rots = [None if t is None else moved[id(t)] for t in tables]
-        rot = rots[0]
         one = tokens.shape[0] == 1  # one token: native block calls where the block is on the host
         plan = None
         if one and not check and stack_decode.usable(step.caches[0], opts):
             plan = stack_decode.plan_for(self, opts)
         for l, blk in enumerate(w.blk):
             if plan is not None and l == plan.first:
-                x = plan.run(a, self._to(x, HOST), step.caches[0], rot(HOST)[0], thr, opts)
+                x = plan.run(a, self._to(x, HOST), step.caches[0], rots, thr, opts)
                 break
             x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check)
         step.advance()
@@ -376,8 +352,7 @@ class Model:
         a, one = self.args, x.shape[0] == 1
         x = self._to(x, blk.attn_norm.device)
         with phase(opts.timer, "attention"):
-            native = one and blk.native and rot is not None
-            h = attention_block(l, blk, x, step.caches[0], rot(HOST), a) if native else None
+            h = attention_block(l, blk, x, step.caches[0], rot, a) if one else None
             if h is None:
                 xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
                 att = self._to(self.attention(l, blk, xn, step, rot), x.device)
@@ -389,7 +364,7 @@ class Model:
         with phase(opts.timer, "ffn"):
             inp = OnDevices(self.accel, h)  # moved once: native block, norm, predictor
             block = fused_decode if blk.moe is None else moe_decode  # one native call
-            y = block(l, blk, inp, a.norm_eps, a.ffn_variant, thr, opts) if one else None
+            y = block(l, blk, inp, a, thr, opts) if one else None
             if y is None:
                 xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm, blk.ffn_norm_b)
                 pred_in = blk.predictor_input(inp, opts)
@@ -416,17 +391,23 @@ class Model:
     ) -> Tensor:
         """x + attn(norm2(x)) + ffn(norm(x)): attn_norm feeds the FFN, and attention too
         unless the block has its own attn_norm_2; the predictor reads x (T, n_embd)."""
-        x = self._to(x, blk.attn_norm.device)
-        with phase(opts.timer, "attention"):
-            xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
-            xa = xn if blk.attn_norm_2 is None else self.norm(x, blk.attn_norm_2, blk.attn_norm_2_b)
-            att = self._to(self.attention(l, blk, xa, step, rot), x.device)
+        a, one, x = self.args, x.shape[0] == 1, self._to(x, blk.attn_norm.device)
+        with phase(opts.timer, "attention"):  # one token on the host: native blocks
+            h = attention_block(l, blk, x, step.caches[0], rot, a) if one else None  # x + att
+            if h is None:
+                xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
+                norm_2 = blk.attn_norm_2
+                xa = xn if norm_2 is None else self.norm(x, norm_2, blk.attn_norm_2_b)
+                h = x + self._to(self.attention(l, blk, xa, step, rot), x.device)
         if check:
-            _check_finite(att, f"blk.{l}", "attention (attn_norm(_2), attn_qkv/output)")
+            _check_finite(h, f"blk.{l}", "attention (attn_norm(_2), attn_qkv/output)")
         with phase(opts.timer, "ffn"):
-            pred_in = blk.predictor_input(OnDevices(self.accel, x), opts)
-            f = self._ffn(l, blk, xn, pred_in, step, thr, opts, ffn_mode)
-            y = x + att + self._down_bias(blk, self._to(f, x.device))
+            src = OnDevices(self.accel, x)
+            y = fused_decode(l, blk, OnDevices(self.accel, h), a, thr, opts, src) if one else None
+            if y is None:
+                xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
+                f = self._ffn(l, blk, xn, blk.predictor_input(src, opts), step, thr, opts, ffn_mode)
+                y = h + self._down_bias(blk, self._to(f, x.device))
         if check:
             _check_finite(y, f"blk.{l}", "the FFN (attn_norm, ffn_up/down, fc1/fc2)")
         return y

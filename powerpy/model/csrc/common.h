@@ -19,7 +19,7 @@
 #endif
 
 // Bumped whenever an export or its meaning changes; kernels.py refuses a library with another.
-#define PP_ABI_VERSION 11
+#define PP_ABI_VERSION 12
 
 // Code that is part of its caller (compile-time loops, the arch headers' block decoders).
 #define PP_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -33,14 +33,33 @@ enum DType {
 };
 // ggml's type id of each DType (powerpy.formats.constants.GGMLType), by DType code.
 constexpr int GGML_TYPE_OF[DT_COUNT] = {0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14};
-enum Variant { V_REGLU = 0, V_DRELU = 1, V_SWIGLU = 2 };
+// FFN activations: the gated ones h = act(gate·x, up·x), then the ungated h = act(up·x).
+enum Variant {
+  V_REGLU = 0, V_DRELU = 1, V_SWIGLU = 2, V_GEGLU = 3, V_RELU = 4, V_GELU = 5, V_COUNT = 6
+};
 enum Status { PP_OK = 0, PP_ERR_INDEX = 1, PP_ERR_ARG = 2 };
-// pp_decode_layers' record per layer, int64 each (Python: kernels.LAYER_RECORD_LEN, checked at
-// load through pp_layer_record_len): 4 attention matrices q, k, v, output of 5 (Mat), 5 FFN
-// matrices fc1, fc2, gate, up, down of 5, then the norms' pointers, down_stored and tau.
+// The decode block kernels' record of one layer, int64 each (Python: kernels.LAYER_RECORD_LEN,
+// checked at load through pp_layer_record_len; built by powerpy.model.kernels.layer_record):
+// 4 attention matrices q, k, v, output and 5 FFN matrices fc1, fc2, gate, up, down of 5 (Mat;
+// zeros: absent), then pointers to f32 vectors (0: absent): the norm attention reads and the
+// norm the FFN reads (weight, bias each), the post norms of attention's and the FFN's outputs,
+// the per-head q and k RMSNorm weights, the row biases of q, k, v, output, up and down, and the
+// FFN's cut tau; then the layout as data: LF_* flags, the FFN variant, the sliding window (0:
+// every key), the q·k scale and the score soft-cap (f32 bit patterns; a cap of 0: none); then a
+// mixture of experts' routing (LF_MOE): experts per token, renormalised weights, the weights'
+// scale (f32 bits). An MoE layer's FFN matrices are the router (fc1's slot), the gate, up and
+// down stacks (moe.h pp_moe_decode).
 enum LayerRecord {
-  REC_ATTN = 0, REC_FFN = 20, REC_ATTN_NORM = 45, REC_FFN_NORM = 46, REC_DOWN_STORED = 47,
-  REC_TAU = 48, REC_LEN = 49
+  REC_ATTN = 0, REC_FFN = 20, REC_ATTN_NORM = 45, REC_FFN_NORM = 47, REC_POST_NORM = 49,
+  REC_QK_NORM = 51, REC_BIAS = 53, REC_TAU = 59, REC_FLAGS = 60, REC_VARIANT = 61,
+  REC_WINDOW = 62, REC_SCALE = 63, REC_SOFTCAP = 64, REC_MOE = 65, REC_LEN = 68
+};
+// REC_FLAGS: LayerNorm (else RMSNorm); RoPE, in NEOX pairs (i, i + n_rot / 2) or adjacent ones;
+// a parallel block (the FFN reads the block's input); the down matrix as a dense file stores it
+// (n_embd, n_ff); q scaled before q·k (else the scores, in the softmax); a mixture of experts.
+enum LayerFlags {
+  LF_LAYER_NORM = 1, LF_ROPE = 2, LF_NEOX = 4, LF_PARALLEL = 8, LF_DOWN_STORED = 16,
+  LF_Q_SCALED = 32, LF_MOE = 64
 };
 
 int64_t g_prefetch_bytes = 8192;  // how far ahead (at least) the next-row prefetch reaches
@@ -148,10 +167,61 @@ inline T hadd8(const T* a) {
 
 // One rotated pair as ggml's rotate_pairs computes it (GCC contracts a * c - b * s into one FMA
 // with b * s rounded first).
-inline void rope_pair(float* p, float c, float s) {
-  const float a = p[0], b = p[1];
+// rope_at: the pair (p[0], p[off]) (NEOX mode: off = n_rot / 2).
+inline void rope_at(float* p, int64_t off, float c, float s) {
+  const float a = p[0], b = p[off];
   p[0] = std::fma(a, c, -(b * s));
-  p[1] = std::fma(a, s, b * c);
+  p[off] = std::fma(a, s, b * c);
+}
+inline void rope_pair(float* p, float c, float s) { rope_at(p, 1, c, s); }
+
+// v as its own rounded value: a following add is not fused with the product that made v (an
+// FMA). ggml computes such steps as separate operations (its norm, then mul, then add).
+inline float no_contract(float v) {
+#if defined(__x86_64__) || defined(__i386__)
+  __asm__("" : "+x"(v));
+#else
+  volatile float t = v;
+  v = t;
+#endif
+  return v;
+}
+
+// ggml_gelu_f32: GELU's tanh form in f32, written as ggml writes it (the compiler fuses the same
+// multiply-add, 1 + a·x·x).
+inline float gelu_tanh(float x) {
+  const float a = 0.044715f, s = 0.79788456080286535587989211986876f;
+  return 0.5f * x * (1.0f + tanhf(s * x * (1.0f + a * x * x)));
+}
+
+// ggml's GELU table (GGML_GELU_FP16): gelu_tanh of every f16 value, rounded to f16; built once.
+inline const uint16_t* gelu_table() {
+  static const std::vector<uint16_t> t = [] {
+    std::vector<uint16_t> v(65536);
+    for (uint32_t i = 0; i < 65536; ++i) v[i] = float_to_half(gelu_tanh(half_to_float((uint16_t)i)));
+    return v;
+  }();
+  return t.data();
+}
+
+// GELU of x: under llama.cpp's numerics ggml's, x's f16 value looked up in the table t (0 at or
+// below -10, x at or above 10); t null: the erf form (HF's nn.GELU). Callers fetch t once
+// (gelu_lut) outside their loops.
+inline const uint16_t* gelu_lut(int act) { return act ? gelu_table() : nullptr; }
+inline float gelu(float x, const uint16_t* t) {
+  if (!t) return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440084436210484f));
+  if (x <= -10.0f) return 0.0f;
+  if (x >= 10.0f) return x;
+  return half_to_float(t[float_to_half(x)]);
+}
+
+// GEGLU's gate activation times u: ggml's table t under llama.cpp's numerics, else (t null) the
+// tanh form.
+inline float geglu(float g, float u, const uint16_t* t) {
+  if (!t) return gelu_tanh(g) * u;
+  if (g <= -10.0f) return 0.0f;
+  if (g >= 10.0f) return g * u;
+  return half_to_float(t[float_to_half(g)]) * u;
 }
 
 // ---- prefetching --------------------------------------------------------------------------------

@@ -14,6 +14,37 @@ static void rms_norm(const float* x, const float* w, int64_t n, float eps, float
   for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * scale) * w[i];
 }
 
+// y = (x - mean) / sqrt(var + eps) * w + b in ggml's order (ggml_norm, then mul, then add; b
+// may be null): the mean from a double sum rounded to f32, the variance from squares summed GW
+// lanes at a time (hsum_gw, as ggml_vec_cvar_f32), the lane sums and the rest in double.
+static void layer_norm(const float* x, const float* w, const float* b, int64_t n, float eps,
+                       float* y) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) s += (double)x[i];
+  const float mean = (float)s / (float)n;
+  double v = 0.0;
+  int64_t i = 0;
+  if (GW == 8 || GW == 16)
+    for (; i + GW <= n; i += GW) {
+      float t[16];
+      for (int l = 0; l < GW; ++l) {
+        const float dv = x[i + l] - mean;
+        t[l] = dv * dv;
+      }
+      v += (double)hsum_gw(t);
+    }
+  for (; i < n; ++i) {
+    const float dv = x[i] - mean;
+    v += (double)(dv * dv);
+  }
+  const float var = (float)(v / (double)n);
+  const float scale = 1.0f / std::sqrt(var + eps);
+  for (int64_t j = 0; j < n; ++j) {
+    const float yw = no_contract(((x[j] - mean) * scale) * w[j]);
+    y[j] = b ? yw + b[j] : yw;
+  }
+}
+
 // dot(q, cache[at : at + n]) for an f32 (cdt 0) or f16 (cdt 1) cache.
 static inline float kv_dot(const float* q, const void* c, int cdt, int64_t at, int64_t n) {
   vf a = v_zero();
@@ -128,11 +159,13 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
       const int64_t off = h / group * hd;
       const float* qi = q + i * n_head * hd + h * hd;
       for (int64_t e = 0; e < hd; ++e) q16[e] = float_to_half(scale_q ? qi[e] * qs : qi[e]);
-      const int64_t t0 = kq_cells16(kc, nkv, off, hd, one_kq, q16.data(), n, s.data());
+      const int64_t c0 = window > 0 && n > window ? n - window : 0;  // the window's first cell
+      const int64_t t0 = c0 + kq_cells16(kc + c0 * nkv, nkv, off, hd, one_kq, q16.data(), n - c0,
+                                         s.data() + c0);
       for (int64_t t = t0; t < n; ++t) s[t] = dot_f16(kc + t * nkv + off, q16.data(), hd, one_kq);
       if (softcap > 0.0f)  // ggml_scale, ggml_tanh, ggml_scale
-        for (int64_t t = 0; t < n; ++t) s[t] = tanhf(s[t] * cap_inv) * softcap;
-      for (int64_t t = 0; window > 0 && t < n - window; ++t) s[t] = -INFINITY;  // the mask
+        for (int64_t t = c0; t < n; ++t) s[t] = tanhf(s[t] * cap_inv) * softcap;
+      for (int64_t t = 0; t < c0; ++t) s[t] = -INFINITY;  // the mask: exp 0, weight 0
       softmax_f16(s.data(), n, scale, p16.data());
       // out[d] = dot over cells of v[., d] and p16, cell t in lane (t / GW) % 4 (one token) or
       // 0, and t % GW; the padding cells of llama.cpp's cache add zeros, which change no sum.

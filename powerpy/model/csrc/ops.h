@@ -183,12 +183,15 @@ int gemv_multi_impl(const uint8_t* const* W, const int64_t* ld, const int64_t* n
   });
 }
 
-inline float activate(int variant, float g, float u) {
+// gt: the GELU table of GEGLU under llama.cpp's numerics (gelu_lut; null: the tanh form).
+inline float activate(int variant, float g, float u, const uint16_t* gt) {
   switch (variant) {
     case V_REGLU:
       return (g > 0.0f ? g : 0.0f) * u;
     case V_DRELU:
       return (g > 0.0f ? g : 0.0f) * (u > 0.0f ? u : 0.0f);
+    case V_GEGLU:
+      return geglu(g, u, gt);
     default:  // V_SWIGLU
       return ggml_silu(g) * u;
   }
@@ -202,6 +205,7 @@ int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64
   const int nt = team_size(nthreads, k * rb * 2);
   ActBuf<DT> xa(act, x, cols, 1, cols);
   if (xa.failed(act)) return PP_ERR_ARG;
+  const uint16_t* gt = variant == V_GEGLU ? gelu_lut(act) : nullptr;
   return run_partitioned(nt, k, [&](int64_t a, int64_t b) -> int {
     int err = 0;
     for (int64_t j = a; j < b; ++j) {
@@ -216,7 +220,7 @@ int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64
       const uint8_t* next[2] = {rn >= 0 ? G + rn * ldg : nullptr, rn >= 0 ? U + rn * ldu : nullptr};
       float g, u;
       Rows<DT>::dot_gu(rows, next, x, xa, cols, &g, &u);
-      out[j] = activate(variant, g, u);
+      out[j] = activate(variant, g, u, gt);
     }
     return err;
   });

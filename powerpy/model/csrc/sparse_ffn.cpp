@@ -29,6 +29,7 @@
 #include "wide_avx512.h"     // AVX-512 VNNI prompt tiles
 #include "q4_0_avx512.h"     // Q4_0's own AVX-512 kernels
 #include "numerics.h"        // attention, and llama.cpp's float steps
+// (after the Mat helpers below: blocks.h, the decode blocks of every family's layout)
 
 // ---- the exports' helpers -------------------------------------------------------------------
 
@@ -104,181 +105,54 @@ static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k,
 }
 
 #include "moe.h"  // mixtures of experts: the router in llama.cpp's order, the decode block
+#include "blocks.h"  // the decode blocks of every family's layout (MoE layers: moe.h's)
 
 extern "C" {
 
-// One token's attention block in one call (CPU-only decode): xn = rms_norm(x) * norm_w; q, k,
-// v = W·xn; RoPE on the first n_rot
-// dims of each head (adjacent pairs times rot[i] = (cos, sin)); k, v written to the cache row
-// `pos` (f32 or f16: cdt 0 / 1, rows of n_kv * hd); each query head h reads kv head
-// h / (n_head / n_kv) over positions 0..pos; out = W_o · attention. mats: 4 x 5 int64 (q, k,
-// v, output); out = x + W_o · attention (the residual stream). Returns 0 or a status.
-int pp_attn_decode(const int64_t* mats, const float* x, const float* norm_w, float eps,
-                   const float* rot, int64_t n_rot, int64_t n_head, int64_t n_kv, int64_t hd,
-                   void* kc, void* vc, int cdt, int64_t pos, float* out, int act, int nthreads) {
-  const Mat wq(mats), wk(mats + 5), wv(mats + 10), wo(mats + 15);
-  const int64_t nq = n_head * hd, nkv = n_kv * hd, S = pos + 1, group = n_head / n_kv;
-  if (wq.nrows != nq || wk.nrows != nkv || wv.nrows != nkv || wo.cols != nq || n_rot > hd ||
-      n_rot % 2 || n_head % n_kv || (cdt != 0 && cdt != 1))
-    return PP_ERR_ARG;
-  const int64_t d = wq.cols;
-  float* buf = (float*)std::malloc(sizeof(float) * (2 * nq + 2 * nkv + n_head * S + 2 * d));
-  if (!buf) return PP_ERR_ARG;
-  float *q = buf, *k = q + nq, *v = k + nkv, *att = v + nkv, *sc = att + nq, *xn = sc + n_head * S;
-  float* y = xn + d;
-  rms_norm(x, norm_w, d, eps, xn);
-  int st;
-  if (wq.dtype == wk.dtype && wq.dtype == wv.dtype && wk.cols == d && wv.cols == d) {
-    const Mat qkv[3] = {wq, wk, wv};
-    float* const outs[3] = {q, k, v};
-    st = mat_gemv_multi(qkv, 3, xn, outs, act, nthreads);
-  } else {
-    st = mat_gemv(wq, xn, nullptr, nq, q, act, nthreads);
-    if (!st) st = mat_gemv(wk, xn, nullptr, nkv, k, act, nthreads);
-    if (!st) st = mat_gemv(wv, xn, nullptr, nkv, v, act, nthreads);
-  }
-  if (st) {
-    std::free(buf);
-    return st;
-  }
-  auto rope = [&](float* y, int64_t heads) {
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < n_rot / 2; ++i) rope_pair(y + h * hd + 2 * i, rot[2 * i], rot[2 * i + 1]);
-  };
-  rope(q, n_head);
-  rope(k, n_kv);
-  for (int64_t i = 0; i < nkv; ++i) {  // the cache row of this position
-    if (cdt == 0) {
-      ((float*)kc)[pos * nkv + i] = k[i];
-      ((float*)vc)[pos * nkv + i] = v[i];
-    } else {
-      ((uint16_t*)kc)[pos * nkv + i] = float_to_half(k[i]);
-      ((uint16_t*)vc)[pos * nkv + i] = float_to_half(v[i]);
-    }
-  }
-  const float scale = 1.0f / std::sqrt((float)hd);
-  const int nt = team_size(nthreads, S * nkv * 8 * group);
-  if (cdt == 1 && act)  // llama.cpp's numerics (see attn_ggml)
-    st = attn_ggml(q, (const uint16_t*)kc, (const uint16_t*)vc, pos, 1, n_head, n_kv, hd, att,
-                   nthreads);
-  else run_partitioned(nt, n_head, [&](int64_t h0, int64_t h1) -> int {
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t off = h / group * hd;  // this head's kv head, within a cache row
-      const float* qh = q + h * hd;
-      float* s = sc + h * S;
-      float mx = -INFINITY;
-      for (int64_t t = 0; t < S; ++t) {
-        s[t] = kv_dot(qh, kc, cdt, t * nkv + off, hd) * scale;
-        mx = s[t] > mx ? s[t] : mx;
-      }
-      float sum = 0.0f;
-      for (int64_t t = 0; t < S; ++t) sum += (s[t] = std::exp(s[t] - mx));
-      float* o = att + h * hd;
-      for (int64_t i = 0; i < hd; ++i) o[i] = 0.0f;
-      for (int64_t t = 0; t < S; ++t) kv_axpy(s[t] / sum, vc, cdt, t * nkv + off, hd, o);
-    }
-    return 0;
-  });
-  if (!st) st = mat_gemv(wo, att, nullptr, wo.nrows, y, act, nthreads);
-  for (int64_t i = 0; i < d && !st; ++i) out[i] = x[i] + y[i];
-  std::free(buf);
-  return st;
+// One token's attention block in one call (blocks.h attn_block): rec is the layer's record
+// (common.h LayerRecord), x (n_embd) the residual stream, rot (n_rot / 2, 2) the (cos, sin) of
+// this position (null: no RoPE), kc / vc one layer's cache (cdt 0: f32, 1: f16), out = x +
+// attention. Returns 0 or a status.
+int pp_attn_decode(const int64_t* rec, int64_t n_head, int64_t n_kv, int64_t hd, int64_t n_rot,
+                   float eps, const float* rot, const float* x, void* kc, void* vc, int cdt,
+                   int64_t pos, float* out, int act, int nthreads) {
+  const Heads H{n_head, n_kv, hd, n_rot, eps};
+  return attn_block(Layer(rec), H, rot, x, kc, vc, cdt, pos, out, act, nthreads);
 }
 
-// One token's FFN block in one call (CPU-only decode): with a predictor (mats 0, 1 = fc1, fc2),
-// the neurons j with fc2·relu(fc1·r) >= thr for the residual r; without (mats 0, 1 zero), all
-// of them. Then xn = rms_norm(r) * norm_w, h_j = act(gate_j·xn, up_j·xn) and
-// out = r + sum_j h_j down_t[j]. With tau (n_ff per-neuron cuts, or null), a computed neuron
-// with |h_j| < tau[j] is dropped before the down rows are read. mats: 5 x 5 int64 (Mat) for fc1,
-// fc2, gate, up, down_t; with down_stored (a dense GGUF's ffn_down, (n_embd, n_ff) as stored),
-// mat 4 is ffn_down and out = ffn_down · h (no predictor and no cut then). Returns the number of
-// neurons whose down row was added, or -status.
-int64_t pp_ffn_decode(const int64_t* mats, float thr, const float* tau, const float* r,
-                      const float* norm_w, float eps, int variant, int down_stored, float* out,
-                      int act, int nthreads) {
-  const Mat fc1(mats), fc2(mats + 5), gate(mats + 10), up(mats + 15), down(mats + 20);
-  const int64_t n_ff = up.nrows;
-  if (variant < V_REGLU || variant > V_SWIGLU || gate.nrows != n_ff ||
-      (down_stored ? down.cols != n_ff || fc1.w || tau : down.nrows != n_ff))
-    return -PP_ERR_ARG;
-  const int64_t H = fc1.w ? fc1.nrows : 0;
-  const int64_t d = up.cols, nd = down_stored ? down.nrows : down.cols;
-  float* buf =
-      (float*)std::malloc(sizeof(float) * (H + 2 * n_ff + d + nd) + sizeof(int64_t) * n_ff);
-  if (!buf) return -PP_ERR_ARG;
-  float *z = buf, *logit = buf + H, *h = logit + n_ff, *x = h + n_ff, *y = x + d;
-  int64_t* idx = (int64_t*)(y + nd);
-  const float* xp = r;
-  rms_norm(r, norm_w, d, eps, x);
-  int64_t k = n_ff;
-  int st = 0;
-  const int64_t* sel = nullptr;
-  if (fc1.w) {
-    if (fc2.nrows != n_ff || fc2.cols != H) st = PP_ERR_ARG;
-    if (!st) st = mat_gemv(fc1, xp, nullptr, H, z, act, nthreads);
-    for (int64_t i = 0; i < H && !st; ++i) z[i] = z[i] > 0.0f ? z[i] : 0.0f;
-    if (!st) st = mat_gemv(fc2, z, nullptr, n_ff, logit, act, nthreads);
-    k = 0;
-    for (int64_t j = 0; j < n_ff && !st; ++j)
-      if (logit[j] >= thr) idx[k++] = j;
-    sel = idx;
-  }
-  if (!st && k) st = mat_glu(gate, up, x, sel, k, variant, h, act, nthreads);
-  int64_t kept = k;  // with a cut: the rows the down pass really adds
-  if (!st) {
-    if (down_stored) {
-      st = mat_gemv(down, h, nullptr, down.nrows, y, act, nthreads);
-    } else if (k) {
-      st = mat_axpy(down, h, sel, k, y, nthreads, tau, tau ? &kept : nullptr);
-    } else {
-      kept = 0;
-      std::memset(y, 0, sizeof(float) * nd);
-    }
-  }
-  for (int64_t i = 0; i < nd && !st; ++i) out[i] = r[i] + y[i];
-  std::free(buf);
-  return st ? -st : kept;
+// One token's FFN block in one call (blocks.h ffn_block): r the residual stream it adds to, xs
+// the FFN's source (r, or the block's input in a parallel block), out = r + FFN (may be xs).
+// Returns the number of neurons whose down rows were added, or -status.
+int64_t pp_ffn_decode(const int64_t* rec, float eps, float thr, const float* r, const float* xs,
+                      float* out, int act, int nthreads) {
+  return ffn_block(Layer(rec), eps, thr, r, xs, out, act, nthreads);
 }
 
 // One token through every block (CPU-only decode), one call per token instead of two per layer:
-// per layer the attention block (pp_attn_decode) then the FFN block (pp_ffn_decode), x (n_embd)
-// updated in place. layers: n_layer records of REC_LEN (49) int64 (common.h): attention mats q,
-// k, v, output (20), FFN mats fc1, fc2, gate, up, down (25; fc1 and fc2 zero: dense), then
-// attn_norm, ffn_norm, down_stored and the FFN's cut tau (zero: none); down_stored 2 is a mixture
-// of experts (pp_moe_decode: FFN mats router, gate, up, down, then k, norm and the scale's bits).
-// Layer l's keys and values are at
-// kc/vc + l * layer_bytes; rot holds (cos, sin) per pair; counts[l] receives the number of
-// neurons whose down rows layer l added. Returns 0 or the first failing status.
-int pp_decode_layers(int64_t n_layer, const int64_t* layers, float eps, const float* rot,
-                     int64_t n_rot, int64_t n_head, int64_t n_kv, int64_t hd, void* kc, void* vc,
-                     int64_t layer_bytes, int cdt, int64_t pos, float thr, int variant, float* x,
+// per layer the attention block then the FFN block, x (n_embd) updated in place. layers: n_layer
+// records of REC_LEN int64 (common.h); rots[l]: layer l's (cos, sin) table (0: no RoPE). Layer
+// l's keys and values are at kc/vc + l * layer_bytes; counts[l] receives the number of neurons
+// whose down rows layer l added. Returns 0 or the first failing status.
+int pp_decode_layers(int64_t n_layer, const int64_t* layers, const int64_t* rots, int64_t n_head,
+                     int64_t n_kv, int64_t hd, int64_t n_rot, float eps, void* kc, void* vc,
+                     int64_t layer_bytes, int cdt, int64_t pos, float thr, float* x,
                      int64_t* counts, int act, int nthreads) {
   if (n_layer <= 0) return 0;
-  const int64_t d = layers[4];  // attn_q's cols
+  const int64_t d = layers[REC_ATTN + 4];  // attn_q's cols
+  const Heads H{n_head, n_kv, hd, n_rot, eps};
   float* y = (float*)std::malloc(sizeof(float) * d);
   if (!y) return PP_ERR_ARG;
   int st = 0;
   for (int64_t l = 0; l < n_layer && !st; ++l) {
-    const int64_t* rec = layers + REC_LEN * l;
-    if (rec[4] != d) {
+    const Layer L(layers + REC_LEN * l);
+    if (L.q.cols != d) {
       st = PP_ERR_ARG;
       break;
     }
-    st = pp_attn_decode(rec + REC_ATTN, x, (const float*)rec[REC_ATTN_NORM], eps, rot, n_rot,
-                        n_head, n_kv, hd, (char*)kc + l * layer_bytes,
-                        (char*)vc + l * layer_bytes, cdt, pos, y, act, nthreads);
+    st = attn_block(L, H, rec_ptr(rots[l]), x, (char*)kc + l * layer_bytes,
+                    (char*)vc + l * layer_bytes, cdt, pos, y, act, nthreads);
     if (st) break;
-    const int64_t* f = rec + REC_FFN;
-    int64_t k;
-    if (rec[REC_DOWN_STORED] == 2) {  // a mixture of experts: router, gate, up, down stacks,
-      float scale;                    // then k, norm and the scale's bits in the fifth slot
-      std::memcpy(&scale, &f[22], sizeof(float));
-      k = pp_moe_decode(f, f[20], (int)f[21], scale, (const float*)rec[REC_TAU], y,
-                        (const float*)rec[REC_FFN_NORM], eps, x, nullptr, nullptr, act, nthreads);
-    } else {
-      k = pp_ffn_decode(f, thr, (const float*)rec[REC_TAU], y, (const float*)rec[REC_FFN_NORM],
-                        eps, variant, (int)rec[REC_DOWN_STORED], x, act, nthreads);
-    }
+    const int64_t k = ffn_block(L, eps, thr, y, L.flags & LF_PARALLEL ? x : y, x, act, nthreads);
     if (k < 0) st = (int)-k;
     else counts[l] = k;
   }
@@ -308,14 +182,12 @@ void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, flo
   pp_rope_table_ext(pos, n, n_rot, base, 1.0f, nullptr, 1.0f, out);
 }
 
-// RoPE in place: x (T, heads, hd) f32, the first n_rot dims of each head in adjacent pairs,
-// rot (T, n_rot / 2, 2) (cos, sin) per token.
-void pp_rope(float* x, int64_t T, int64_t heads, int64_t hd, int64_t n_rot, const float* rot) {
+// RoPE in place: x (T, heads, hd) f32, the first n_rot dims of each head in adjacent pairs
+// (neox 0) or pairs (i, i + n_rot / 2) (neox 1), rot (T, n_rot / 2, 2) (cos, sin) per token.
+void pp_rope(float* x, int64_t T, int64_t heads, int64_t hd, int64_t n_rot, const float* rot,
+             int neox) {
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t i = 0; i < n_rot / 2; ++i)
-        rope_pair(x + (t * heads + h) * hd + 2 * i, rot[(t * (n_rot / 2) + i) * 2],
-                  rot[(t * (n_rot / 2) + i) * 2 + 1]);
+    rope_heads(x + t * heads * hd, heads, hd, n_rot, neox, rot + t * n_rot);
 }
 
 // Causal attention of T tokens at positions p0.. over f16 caches in llama.cpp's numerics
@@ -338,15 +210,10 @@ int pp_attn_ext(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t 
 }
 
 // ggml's GELU table (ggml_table_gelu_f16): for each f16 bit pattern i, the f16 of ggml_gelu_f32
-// of its value, the expression written as ggml writes it, so that the compiler fuses the same
-// multiply-add (1 + a·x·x); tanh-form values near an f16 rounding midpoint depend on it.
-void pp_gelu_table(uint16_t* out) {
-  const float a = 0.044715f, s = 0.79788456080286535587989211986876f;
-  for (int i = 0; i < 65536; ++i) {
-    const float x = half_to_float((uint16_t)i);
-    out[i] = float_to_half(0.5f * x * (1.0f + tanhf(s * x * (1.0f + a * x * x))));
-  }
-}
+// of its value (common.h gelu_table: the expression written as ggml writes it, so that the
+// compiler fuses the same multiply-add (1 + a·x·x); tanh-form values near an f16 rounding
+// midpoint depend on it). The native blocks read the same table.
+void pp_gelu_table(uint16_t* out) { std::memcpy(out, gelu_table(), sizeof(uint16_t) * 65536); }
 
 // x[i] = tanhf(x[i] * (1 / cap)) * cap in place (llama.cpp's soft-cap: ggml_scale, ggml_tanh,
 // ggml_scale).
@@ -358,6 +225,19 @@ void pp_softcap(float* x, int64_t n, float cap) {
 // y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for T rows of n (ggml's rms_norm, then mul).
 void pp_rms_norm(const float* x, const float* w, int64_t T, int64_t n, float eps, float* y) {
   for (int64_t t = 0; t < T; ++t) rms_norm(x + t * n, w, n, eps, y + t * n);
+}
+
+// y[t] = (x[t] - mean) / sqrt(var + eps) * w + b for T rows of n (ggml's norm, mul, add; b may be
+// null).
+void pp_layer_norm(const float* x, const float* w, const float* b, int64_t T, int64_t n, float eps,
+                   float* y) {
+  for (int64_t t = 0; t < T; ++t) layer_norm(x + t * n, w, b, n, eps, y + t * n);
+}
+
+// y = GELU(x) for n values: ggml's (its f16 table) with act, else the erf form (y may be x).
+void pp_gelu(const float* x, int64_t n, float* y, int act) {
+  const uint16_t* t = gelu_lut(act);
+  for (int64_t i = 0; i < n; ++i) y[i] = gelu(x[i], t);
 }
 
 // out = silu(g) * u elementwise (ggml's swiglu; out may alias g or u).
@@ -372,8 +252,19 @@ void pp_swiglu(const float* g, const float* u, int64_t n, float* out, int nthrea
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
 int pp_abi_version(void) { return PP_ABI_VERSION; }
 
-// The int64 per layer record of pp_decode_layers (kernels.py checks its LAYER_RECORD_LEN).
+// The int64 per layer record of the decode blocks (kernels.py checks its LAYER_RECORD_LEN).
 int pp_layer_record_len(void) { return REC_LEN; }
+
+// The record's layout, for kernels.py to check against its own (RECORD_LAYOUT): the slots of
+// LayerRecord, the LF_* flags, then the variant codes, 26 int64 in all.
+void pp_layer_record_layout(int64_t* out) {
+  const int64_t v[] = {REC_ATTN, REC_FFN, REC_ATTN_NORM, REC_FFN_NORM, REC_POST_NORM,
+                       REC_QK_NORM, REC_BIAS, REC_TAU, REC_FLAGS, REC_VARIANT, REC_WINDOW,
+                       REC_SCALE, REC_SOFTCAP, REC_MOE, REC_LEN, LF_LAYER_NORM, LF_ROPE,
+                       LF_NEOX, LF_PARALLEL, LF_DOWN_STORED, LF_Q_SCALED, LF_MOE, V_GEGLU,
+                       V_RELU, V_GELU, V_COUNT};
+  for (size_t i = 0; i < sizeof v / sizeof v[0]; ++i) out[i] = v[i];
+}
 
 // The dtype code (enum DType) of ggml type id ggml_type, or -1 when the kernels do not read it
 // (kernels.py checks its DTYPE_CODES against this).
@@ -409,11 +300,11 @@ int pp_gather_axpy(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t 
               nthreads)
 }
 
-// out[j] = act(G[idx[j]]·x, U[idx[j]]·x) (variant 0 reglu, 1 drelu, 2 swiglu).
+// out[j] = act(G[idx[j]]·x, U[idx[j]]·x) (variant 0 reglu, 1 drelu, 2 swiglu, 3 geglu).
 int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ldu, int64_t nrows,
                 int64_t cols, const float* x, const int64_t* idx, int64_t k, int variant,
                 float* out, int act, int nthreads) {
-  if (!valid_shape(dtype, cols) || variant < V_REGLU || variant > V_SWIGLU || !G) return PP_ERR_ARG;
+  if (!valid_shape(dtype, cols) || variant < V_REGLU || variant > V_GEGLU || !G) return PP_ERR_ARG;
   const uint8_t* g = (const uint8_t*)G;
   PP_DISPATCH(dtype, glu_impl, g, ldg, (const uint8_t*)U, ldu, nrows, cols, x, idx, k, variant,
               out, act, nthreads)

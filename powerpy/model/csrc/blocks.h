@@ -1,0 +1,270 @@
+// One token's decode blocks (CPU-only decode): a layer's attention block and its FFN block, one
+// call each, for every family's layout. What differs between families is data, the layer's
+// record (common.h LayerRecord, built by powerpy.model.kernels.layer_record): which norm (RMS, or
+// LayerNorm with a bias), which norm each half reads (attention's own in falcon-40B), row biases
+// of q, k, v, output, up and down, per-head q/k RMSNorm, RoPE (adjacent or NEOX pairs, or none:
+// learned positions), the q·k scale, score soft-cap and sliding window, post norms of both
+// outputs (gemma), a gated or ungated FFN, and a sequential or parallel residual. Each step is
+// the one the per-op path (powerpy.model.transformer) takes, in its order, with the same
+// functions, so the two paths give the same bits where their numerics agree. A mixture of
+// experts' FFN runs moe.h's block. Included by sparse_ffn.cpp after the Mat helpers and moe.h.
+
+namespace {
+
+inline const float* rec_ptr(int64_t v) { return (const float*)(intptr_t)v; }
+
+inline float rec_f32(int64_t v) {  // an f32 bit pattern in the low 32 bits
+  const uint32_t b = (uint32_t)v;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// One layer's record, decoded.
+struct Layer {
+  const int64_t* rec;  // the record itself
+  Mat q, k, v, o, fc1, fc2, gate, up, down;
+  const float *attn_w, *attn_b, *ffn_w, *ffn_b, *post_attn, *post_ffn, *q_norm, *k_norm;
+  const float *bq, *bk, *bv, *bo, *bu, *bd, *tau;
+  int flags, variant;
+  int64_t window;
+  float scale, softcap;
+  explicit Layer(const int64_t* r)
+      : rec(r), q(r + REC_ATTN), k(r + REC_ATTN + 5), v(r + REC_ATTN + 10), o(r + REC_ATTN + 15),
+        fc1(r + REC_FFN), fc2(r + REC_FFN + 5), gate(r + REC_FFN + 10), up(r + REC_FFN + 15),
+        down(r + REC_FFN + 20), attn_w(rec_ptr(r[REC_ATTN_NORM])),
+        attn_b(rec_ptr(r[REC_ATTN_NORM + 1])), ffn_w(rec_ptr(r[REC_FFN_NORM])),
+        ffn_b(rec_ptr(r[REC_FFN_NORM + 1])), post_attn(rec_ptr(r[REC_POST_NORM])),
+        post_ffn(rec_ptr(r[REC_POST_NORM + 1])), q_norm(rec_ptr(r[REC_QK_NORM])),
+        k_norm(rec_ptr(r[REC_QK_NORM + 1])), bq(rec_ptr(r[REC_BIAS])),
+        bk(rec_ptr(r[REC_BIAS + 1])), bv(rec_ptr(r[REC_BIAS + 2])), bo(rec_ptr(r[REC_BIAS + 3])),
+        bu(rec_ptr(r[REC_BIAS + 4])), bd(rec_ptr(r[REC_BIAS + 5])), tau(rec_ptr(r[REC_TAU])),
+        flags((int)r[REC_FLAGS]), variant((int)r[REC_VARIANT]), window(r[REC_WINDOW]),
+        scale(rec_f32(r[REC_SCALE])), softcap(rec_f32(r[REC_SOFTCAP])) {}
+
+  // y = the layer's norm of x (n): RMSNorm, or LayerNorm with its bias b (may be null).
+  void norm(const float* x, const float* w, const float* b, int64_t n, float eps, float* y) const {
+    if (flags & LF_LAYER_NORM) layer_norm(x, w, b, n, eps, y);
+    else rms_norm(x, w, n, eps, y);
+  }
+};
+
+// The model's heads: n_head query heads of hd, n_kv key/value heads, the first n_rot dims of
+// each head rotated; the norms' eps.
+struct Heads {
+  int64_t n_head, n_kv, hd, n_rot;
+  float eps;
+};
+
+inline void add_bias(float* y, const float* b, int64_t n) {
+  if (b)
+    for (int64_t i = 0; i < n; ++i) y[i] += b[i];
+}
+
+// RoPE of `heads` heads of hd at y: pairs (2i, 2i + 1), or (i, i + n_rot / 2) in NEOX mode, pair
+// i turned by rot[i] = (cos, sin).
+inline void rope_heads(float* y, int64_t heads, int64_t hd, int64_t n_rot, bool neox,
+                       const float* rot) {
+  const int64_t half = n_rot / 2;
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t i = 0; i < half; ++i)
+      rope_at(y + h * hd + (neox ? i : 2 * i), neox ? half : 1, rot[2 * i], rot[2 * i + 1]);
+}
+
+// How scores are made: scale (the softmax's), softcap (cap * tanh(s / cap) first; 0: none) and a
+// sliding window (a query at p sees keys p - window + 1 .. p; 0: every earlier key).
+struct AttnOpts {
+  float scale, softcap;
+  int64_t window;
+  int64_t first(int64_t p) const { return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0; }
+};
+
+// The attention of one query at position pos over an f32 (cdt 0) or f16 (cdt 1) cache with f32
+// activations: per head, scores over the window's cells (scaled, soft-capped), softmax, weighted
+// values. sc: n_head * (pos + 1) floats of scratch.
+static int attn_f32(const float* q, const void* kc, const void* vc, int cdt, int64_t pos,
+                    const Heads& H, const AttnOpts& ao, float* sc, float* att, int nthreads) {
+  const int64_t hd = H.hd, nkv = H.n_kv * hd, S = pos + 1, group = H.n_head / H.n_kv;
+  const int64_t c0 = ao.first(pos);
+  const int nt = team_size(nthreads, (S - c0) * nkv * 8 * group);
+  return run_partitioned(nt, H.n_head, [&](int64_t h0, int64_t h1) -> int {
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t off = h / group * hd;  // this head's kv head, within a cache row
+      const float* qh = q + h * hd;
+      float* s = sc + h * S;
+      float mx = -INFINITY;
+      for (int64_t t = c0; t < S; ++t) {
+        s[t] = kv_dot(qh, kc, cdt, t * nkv + off, hd) * ao.scale;
+        if (ao.softcap != 0.0f) s[t] = tanhf(s[t] / ao.softcap) * ao.softcap;
+        mx = s[t] > mx ? s[t] : mx;
+      }
+      float sum = 0.0f;
+      for (int64_t t = c0; t < S; ++t) sum += (s[t] = std::exp(s[t] - mx));
+      float* o = att + h * hd;
+      for (int64_t i = 0; i < hd; ++i) o[i] = 0.0f;
+      for (int64_t t = c0; t < S; ++t) kv_axpy(s[t] / sum, vc, cdt, t * nkv + off, hd, o);
+    }
+    return 0;
+  });
+}
+
+// One token's attention block: xa = the layer's attention norm of x; q, k, v = W·xa plus their
+// row biases; each q and k head RMS-normed (q_norm, k_norm); RoPE by rot (null: none); q times
+// the scale where the layer scales q (LF_Q_SCALED, gemma) rather than the scores; k and v written
+// to the cache row pos (f32 or f16: cdt 0 / 1, rows of n_kv * hd); query head h reads kv head
+// h / (n_head / n_kv) over the window (llama.cpp's f16 numerics with act and an f16 cache, else
+// attn_f32); y = W_o · attention + bias, post-normed; out = x + y. Returns 0 or a status.
+static int attn_block(const Layer& L, const Heads& H, const float* rot, const float* x, void* kc,
+                      void* vc, int cdt, int64_t pos, float* out, int act, int nthreads) {
+  const int64_t hd = H.hd, nq = H.n_head * hd, nkv = H.n_kv * hd, S = pos + 1;
+  const int64_t d = L.q.cols;
+  const bool rope = L.flags & LF_ROPE;
+  if (L.q.nrows != nq || L.k.nrows != nkv || L.v.nrows != nkv || L.o.cols != nq ||
+      L.o.nrows != d || H.n_rot > hd || H.n_rot % 2 || H.n_kv < 1 || H.n_head % H.n_kv ||
+      (cdt != 0 && cdt != 1) || (rope && !rot) || !L.attn_w || L.k.cols != d || L.v.cols != d)
+    return PP_ERR_ARG;
+  float* buf = (float*)std::malloc(sizeof(float) * (2 * nq + 2 * nkv + H.n_head * S + 2 * d));
+  if (!buf) return PP_ERR_ARG;
+  float *q = buf, *k = q + nq, *v = k + nkv, *att = v + nkv, *sc = att + nq;
+  float *xn = sc + H.n_head * S, *y = xn + d;
+  L.norm(x, L.attn_w, L.attn_b, d, H.eps, xn);
+  int st;
+  if (L.q.dtype == L.k.dtype && L.q.dtype == L.v.dtype) {
+    const Mat qkv[3] = {L.q, L.k, L.v};
+    float* const outs[3] = {q, k, v};
+    st = mat_gemv_multi(qkv, 3, xn, outs, act, nthreads);
+  } else {
+    st = mat_gemv(L.q, xn, nullptr, nq, q, act, nthreads);
+    if (!st) st = mat_gemv(L.k, xn, nullptr, nkv, k, act, nthreads);
+    if (!st) st = mat_gemv(L.v, xn, nullptr, nkv, v, act, nthreads);
+  }
+  if (st) {
+    std::free(buf);
+    return st;
+  }
+  add_bias(q, L.bq, nq);
+  add_bias(k, L.bk, nkv);
+  add_bias(v, L.bv, nkv);
+  for (int64_t h = 0; L.q_norm && h < H.n_head; ++h)  // per head, in place
+    rms_norm(q + h * hd, L.q_norm, hd, H.eps, q + h * hd);
+  for (int64_t h = 0; L.k_norm && h < H.n_kv; ++h)
+    rms_norm(k + h * hd, L.k_norm, hd, H.eps, k + h * hd);
+  if (rope) {
+    rope_heads(q, H.n_head, hd, H.n_rot, L.flags & LF_NEOX, rot);
+    rope_heads(k, H.n_kv, hd, H.n_rot, L.flags & LF_NEOX, rot);
+  }
+  for (int64_t i = 0; i < nkv; ++i) {  // the cache row of this position
+    if (cdt == 0) {
+      ((float*)kc)[pos * nkv + i] = k[i];
+      ((float*)vc)[pos * nkv + i] = v[i];
+    } else {
+      ((uint16_t*)kc)[pos * nkv + i] = float_to_half(k[i]);
+      ((uint16_t*)vc)[pos * nkv + i] = float_to_half(v[i]);
+    }
+  }
+  const bool q_scaled = L.flags & LF_Q_SCALED;  // ggml_scale of q; the softmax scales by 1
+  if (cdt == 1 && act) {  // llama.cpp's numerics (see attn_ggml)
+    st = attn_ggml(q, (const uint16_t*)kc, (const uint16_t*)vc, pos, 1, H.n_head, H.n_kv, hd, att,
+                   nthreads, L.scale, q_scaled, L.softcap, L.window);
+  } else {
+    for (int64_t i = 0; q_scaled && i < nq; ++i) q[i] *= L.scale;
+    const AttnOpts ao{q_scaled ? 1.0f : L.scale, L.softcap, L.window};
+    st = attn_f32(q, kc, vc, cdt, pos, H, ao, sc, att, nthreads);
+  }
+  if (!st) st = mat_gemv(L.o, att, nullptr, d, y, act, nthreads);
+  if (!st) {
+    add_bias(y, L.bo, d);
+    if (L.post_attn) L.norm(y, L.post_attn, nullptr, d, H.eps, y);
+    for (int64_t i = 0; i < d; ++i) out[i] = x[i] + y[i];
+  }
+  std::free(buf);
+  return st;
+}
+
+// A mixture of experts' FFN block (moe.h pp_moe_decode, llama.cpp's build_moe_ffn) from a record:
+// RMSNorm, a sequential block, no biases or post norm.
+static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, int act,
+                         int nthreads) {
+  if (L.flags & (LF_LAYER_NORM | LF_PARALLEL) || L.ffn_b || L.post_ffn || L.bu || L.bd || !L.ffn_w)
+    return -PP_ERR_ARG;
+  int64_t mats[20];
+  for (int i = 0; i < 5; ++i) {
+    mats[i] = L.rec[REC_FFN + i];           // the router
+    mats[5 + i] = L.rec[REC_FFN + 10 + i];  // the gate, up and down stacks
+    mats[10 + i] = L.rec[REC_FFN + 15 + i];
+    mats[15 + i] = L.rec[REC_FFN + 20 + i];
+  }
+  return pp_moe_decode(mats, L.rec[REC_MOE], (int)L.rec[REC_MOE + 1], rec_f32(L.rec[REC_MOE + 2]),
+                       L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act, nthreads);
+}
+
+// One token's FFN block: r the residual stream it adds to, xs its source (r in a sequential
+// block; the block's input in a parallel one). With a predictor (fc1, fc2) the neurons j with
+// fc2·relu(fc1·xs) >= thr, else all of them; xn = the layer's FFN norm of xs; h_j =
+// act(gate_j·xn, up_j·xn) (gated, no up bias), or act(up_j·xn + bias_j) (ungated: RELU, GELU);
+// with tau, a computed neuron with |h_j| < tau[j] is dropped before its down row is read; y =
+// sum_j h_j down_t[j] (or, with LF_DOWN_STORED, a dense file's ffn_down (n_embd, n_ff) times h:
+// no predictor, no cut) plus the down bias, post-normed; out = r + y (out may be xs). Returns
+// the neurons whose down rows were added, or -status.
+static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, const float* xs,
+                         float* out, int act, int nthreads) {
+  if (L.flags & LF_MOE) return moe_block(L, eps, r, out, act, nthreads);
+  const bool gated = L.gate.w != nullptr, stored = L.flags & LF_DOWN_STORED;
+  const Mat &fc1 = L.fc1, &fc2 = L.fc2, &up = L.up, &down = L.down;
+  const int64_t n_ff = up.nrows;
+  const bool bad_variant = gated ? L.variant < V_REGLU || L.variant > V_GEGLU
+                                 : L.variant != V_RELU && L.variant != V_GELU;
+  if (bad_variant || (gated && (L.gate.nrows != n_ff || L.bu)) || !L.ffn_w ||
+      (stored ? down.cols != n_ff || fc1.w || L.tau : down.nrows != n_ff))
+    return -PP_ERR_ARG;
+  const int64_t H = fc1.w ? fc1.nrows : 0;
+  const int64_t d = up.cols, nd = stored ? down.nrows : down.cols;
+  float* buf =
+      (float*)std::malloc(sizeof(float) * (H + 2 * n_ff + d + nd) + sizeof(int64_t) * n_ff);
+  if (!buf) return -PP_ERR_ARG;
+  float *z = buf, *logit = buf + H, *h = logit + n_ff, *x = h + n_ff, *y = x + d;
+  int64_t* idx = (int64_t*)(y + nd);
+  L.norm(xs, L.ffn_w, L.ffn_b, d, eps, x);
+  int64_t k = n_ff;
+  int st = 0;
+  const int64_t* sel = nullptr;
+  if (fc1.w) {
+    if (fc2.nrows != n_ff || fc2.cols != H) st = PP_ERR_ARG;
+    if (!st) st = mat_gemv(fc1, xs, nullptr, H, z, act, nthreads);
+    for (int64_t i = 0; i < H && !st; ++i) z[i] = z[i] > 0.0f ? z[i] : 0.0f;
+    if (!st) st = mat_gemv(fc2, z, nullptr, n_ff, logit, act, nthreads);
+    k = 0;
+    for (int64_t j = 0; j < n_ff && !st; ++j)
+      if (logit[j] >= thr) idx[k++] = j;
+    sel = idx;
+  }
+  if (!st && k && gated) st = mat_glu(L.gate, up, x, sel, k, L.variant, h, act, nthreads);
+  if (!st && k && !gated) {
+    st = mat_gemv(up, x, sel, k, h, act, nthreads);
+    const uint16_t* gt = gelu_lut(act);
+    for (int64_t j = 0; j < k && !st; ++j) {
+      const float u = L.bu ? h[j] + L.bu[sel ? sel[j] : j] : h[j];
+      h[j] = L.variant == V_RELU ? (u > 0.0f ? u : 0.0f) : gelu(u, gt);
+    }
+  }
+  int64_t kept = k;  // with a cut: the rows the down pass really adds
+  if (!st) {
+    if (stored) {
+      st = mat_gemv(down, h, nullptr, down.nrows, y, act, nthreads);
+    } else if (k) {
+      st = mat_axpy(down, h, sel, k, y, nthreads, L.tau, L.tau ? &kept : nullptr);
+    } else {
+      kept = 0;
+      std::memset(y, 0, sizeof(float) * nd);
+    }
+  }
+  if (!st) {
+    add_bias(y, L.bd, nd);
+    if (L.post_ffn) L.norm(y, L.post_ffn, nullptr, nd, eps, y);
+    for (int64_t i = 0; i < nd; ++i) out[i] = r[i] + y[i];
+  }
+  std::free(buf);
+  return st ? -st : kept;
+}
+
+}  // namespace
