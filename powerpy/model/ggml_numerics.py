@@ -146,7 +146,6 @@ def attention(
 
 
 @functools.cache
-@functools.cache
 def _gelu_table(c: ctypes.CDLL) -> Tensor:
     """ggml's table of GELU values (f32) for the 65536 f16 bit patterns (``pp_gelu_table``),
     built once per library (every GELU call of a prompt's layers reads it)."""
