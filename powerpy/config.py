@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from powerpy.errors import ModelConfigError, shown
 from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, Rope, family
+from powerpy.families.base import FAMILY_KEYS
 from powerpy.families.experts import check_experts, expert_args
 from powerpy.families.values import float_list, layer_list, scalar, windowed_layers
 from powerpy.formats.constants import GGUFValueType, Keys, Names
@@ -166,7 +167,7 @@ class ModelArgs:
             """The key's value checked as one ``kind``; an optional key (``default`` given)
             the family ignores, or absent, is the family's default for it, else ``default``."""
             name = key.format(arch=arch)
-            if default is not None and key in fam.ignored_keys:
+            if key in FAMILY_KEYS and key not in fam.reads:
                 return default
             if name not in kv:
                 default = defaults.get(key, default)

@@ -218,11 +218,18 @@ def test_the_sliding_window_applies_where_llama_cpp_applies_it(arch, layers) -> 
     [
         # gemma2 without the optional keys: llama.cpp's window 4096 and soft-caps 50 and 30
         ("gemma2", {}, dict(sliding_window=4096, attn_softcap=50.0, final_softcap=30.0)),
-        # gemma3 and phi3 never read the keys llama.cpp's loaders do not
-        ("gemma3", {"attn_logit_softcapping": 5.0, "attention.scale": 0.5},
-         dict(attn_softcap=0.0, attn_scale=0.0)),
-        ("phi3", {"final_logit_softcapping": 5.0, "attention.scale": 0.5},
-         dict(final_softcap=0.0, attn_scale=0.0)),
+        # a family never reads the keys llama.cpp's loader for it does not: gemma3's final
+        # soft-cap and local base, gemma2's caps and local base, none for the others
+        ("gemma3", {"attn_logit_softcapping": 5.0, "attention.scale": 0.5,
+                    "final_logit_softcapping": 7.0, "rope.freq_base_swa": 500.0},
+         dict(attn_softcap=0.0, attn_scale=0.0, final_softcap=7.0, rope_base_swa=500.0)),
+        ("gemma2", {"attention.scale": 0.5, "attn_logit_softcapping": 5.0,
+                    "rope.freq_base_swa": 500.0},
+         dict(attn_scale=0.0, attn_softcap=5.0, rope_base_swa=500.0)),
+        *((arch, {"final_logit_softcapping": 5.0, "attn_logit_softcapping": 5.0,
+                  "attention.scale": 0.5, "rope.freq_base_swa": 500.0},
+          dict(final_softcap=0.0, attn_softcap=0.0, attn_scale=0.0, rope_base_swa=0.0))
+          for arch in ("llama", "qwen2", "qwen3", "phi3", "falcon", "opt", "bamboo")),
         # a scaling factor without a type is linear scaling; a factor of 0 is none
         ("llama", {"rope.scaling.factor": 4.0}, dict(rope_scale=4.0)),
         ("llama", {"rope.scaling.factor": 0.0}, dict(rope_scale=1.0)),

@@ -252,6 +252,33 @@ def test_learned_positions_bound_the_context(tmp_path):
 
 
 # ------------------------------------------------------------------------------ pipeline
+def test_a_dense_gelu_falcon_gets_magnitude_labels_and_predictors(tmp_path):
+    """GELU has no exact zeros: profile and train-predictors label a neuron active when
+    |h|·‖down‖ is above the layer's quantile, and the PWRI file runs GELU with predictors."""
+    from powerpy.pipeline.convert import convert
+    from powerpy.pipeline.profile import profile
+    from powerpy.pipeline.train import TrainOptions, train_predictors
+
+    dense = tmp_path / "dense.gguf"
+    write_tiny_model(dense, SPECS["falcon-gqa"], sparse=False, seed=3)
+    llm = load(dense, **F32)
+    assert llm.model.args.ffn_variant == "gelu"
+    ids = llm.tokenize("In the beginning God created the heaven and the earth. " * 12)
+    with pytest.raises(ValueError, match="a gelu model has no exact zeros"):
+        profile(llm.model, ids, ctx=32, max_tokens=128)
+    res = profile(llm.model, ids, ctx=32, max_tokens=128, target_sparsity=0.7)
+    assert res.kind == "gelu" and 0.2 < float(np.mean(res.active_fraction())) < 0.4
+    opts = TrainOptions(hidden=32, epochs=8, patience=3, batch=128, lr=3e-3)
+    report, _ = train_predictors(
+        llm.model, ids, tmp_path / "pred", opts, ctx=32, tokens=None, target_sparsity=0.7
+    )
+    assert report.summary()["recall_mean"] > 0.7, report.layers
+    sparse = load(convert(dense, tmp_path / "pred", tmp_path / "m.powerinfer.gguf"))
+    assert sparse.model.can_gate and sparse.model.args.ffn_variant == "gelu"
+    sparse.logits(ids[:24])
+    assert 0.1 < float(sparse.sparsity.active_fraction().mean()) < 0.6
+
+
 @pytest.mark.parametrize("name", ["falcon-gqa", "opt"])
 def test_the_pipeline_makes_a_sparse_model_of_a_dense_relu_file(name, tmp_path):
     """profile -> train-predictors -> convert -> sparse run and gen-gpuidx, on a dense GGUF.

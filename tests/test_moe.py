@@ -195,31 +195,41 @@ def test_the_cut_drops_small_contributions_inside_routed_experts(tmp_path):
     torch.testing.assert_close(_run(llm.model, n_prefill=1), whole, rtol=0, atol=2e-5)
 
 
-def test_profile_writes_a_models_cut_in_one_command(q8, tmp_path, capsys):
+def test_cut_writes_a_mixture_of_experts_cut_in_one_command(q8, tmp_path, capsys):
+    """`powerpy cut` on a MoE GGUF: a copy with one key more (still a GGUF llama.cpp reads) whose
+    cuts skip about the share asked for of the routed experts' neurons."""
     text = tmp_path / "t.txt"
     text.write_text("In the beginning God created the heaven and the earth. " * 40)
     out = tmp_path / "cut.gguf"
-    argv = ["profile", "-m", str(q8), "--text", str(text), "--ctx", "64", "-t", "1",
-            "--target-sparsity", "0.4", "-o", str(tmp_path / "prof"),
-            "--write-cut", str(out)]  # fmt: skip
+    argv = ["cut", "-m", str(q8), "--text", str(text), "--ctx", "64", "--tokens", "512",
+            "-t", "1", "-s", "0.4", "-o", str(out)]  # fmt: skip
     assert main(argv) == 0
+    assert "a copy with per-layer cuts" in capsys.readouterr().err
     llm = load(out)
     cuts = llm.model.args.down_thresholds
     assert len(cuts) == 2 and all(c > 0 for c in cuts)
     with read_gguf(q8) as a, read_gguf(out) as b:  # the same tensors, one key more
-        assert all(np.array_equal(a.raw(n), b.raw(n)) for n in a.tensors)
+        assert not b.sparse and all(np.array_equal(a.raw(n), b.raw(n)) for n in a.tensors)
         assert set(b.kv) - set(a.kv) == {Keys.FFN_DOWN_THRESHOLD}
     stats = SparsityStats.empty(2, llm.model.args.ffn_neurons)
     ids = torch.tensor(llm.tokenize(text.read_text()[:100]))
     llm.model.forward(ids, llm.model.new_cache(256), RunOptions(stats=stats))
     assert 0.6 * 2 / 8 * 0.8 < float(stats.active_fraction().mean()) < 2 / 8
-    counts = torch.load(tmp_path / "prof" / "activation_0.pt")
-    assert counts.shape == (8 * 128,)  # statistics over the experts' neurons: gen-gpuidx input
-    dense = tmp_path / "dense.gguf"
-    write_tiny_model(dense, TinySpec(), sparse=False)
-    argv[2], argv[-1] = str(dense), str(tmp_path / "x.gguf")
-    assert main(argv) == 1
-    assert "a dense GGUF without experts has no sparse mode" in capsys.readouterr().err
+    assert main([*argv[:-1], str(tmp_path / "x.gguf"), "--outtype", "q4_0"]) == 1
+    assert "copied with its types and name" in capsys.readouterr().err
+    assert main([*argv[:-1], str(q8)]) == 1
+    assert "not over the model" in capsys.readouterr().err
+
+
+def test_profile_counts_every_experts_neurons(q8, tmp_path):
+    """`powerpy profile` on a MoE GGUF: one count per expert neuron, gen-gpuidx's input."""
+    text = tmp_path / "t.txt"
+    text.write_text("In the beginning God created the heaven and the earth. " * 10)
+    argv = ["profile", "-m", str(q8), "--text", str(text), "--ctx", "64", "-t", "1",
+            "--target-sparsity", "0.4", "-o", str(tmp_path / "prof")]  # fmt: skip
+    assert main(argv) == 0
+    counts = torch.load(tmp_path / "prof" / "activation_0.pt", weights_only=True)
+    assert counts.shape == (8 * 128,) and 0 < int((counts > 0).sum()) <= 8 * 128
 
 
 # ------------------------------------------------------------------------------ placement

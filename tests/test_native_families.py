@@ -53,7 +53,12 @@ CASES = {
         },
         None,
     ),
-    "llama-scale": (TinySpec(**BASE), {"attn_scale": 0.3}, None),  # attention.scale
+    # gemma2-27B's scale: 1/sqrt(n_embd / n_head) (46 layers), not 1/sqrt(key_length)
+    "gemma2-27b": (
+        TinySpec(arch="gemma2", **{**BASE, "n_layer": 46}),
+        {"key_length": 32, "n_rot": 32},
+        None,
+    ),
     # six layers: five windowed with the local RoPE base, one global with the file's
     "gemma3": (
         TinySpec(arch="gemma3", **{**BASE, "n_layer": 6}, rope_base=1e6),
@@ -180,8 +185,10 @@ def test_exact_activations_agree_within_1e5_of_the_spread(files, monkeypatch, na
     1e-5 of the logit spread with an f32 cache, 1e-3 with an f16 one."""
     llm = load(files(name, sparse=True), threshold=0.0)
     exact = Numerics(quantized_activations=False)
-    # an f16 cache rounds k and v: a last-bit difference of f32 can move a value by one f16 step
-    for cache, tol in ((torch.float32, 1e-5), (torch.float16, 1e-3)):
+    # an f16 cache rounds k and v: a last-bit difference of f32 can move a value by one f16
+    # step; over 46 random layers (gemma2-27b) such steps grow chaotically, so f32 only there
+    caches = ((torch.float32, 1e-5), (torch.float16, 1e-3))
+    for cache, tol in caches[: 1 if CASES[name][0].n_layer > 6 else 2]:
         out = three_paths(llm, monkeypatch, RunOptions(threshold=0.0, numerics=exact), cache)
         np.testing.assert_array_equal(out["stack"], out["layers"])
         rel = rel_to_spread(out["stack"], out["perop"])
@@ -245,5 +252,5 @@ def test_the_layouts_are_what_the_cases_claim(files):
     )
     q = load(files("qwen2-partial-rope", sparse=False)).model.args
     assert q.n_rot == 8 < q.head_dim
-    assert load(files("llama-scale", sparse=False)).model.args.attn_scale == pytest.approx(0.3)
+    assert load(files("gemma2-27b", sparse=False)).model.args.attn_scale == 0.25  # 16 ** -0.5
     assert load(files("phi3", sparse=False)).model.args.family.scale_q  # q scaled before q·k

@@ -30,12 +30,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="dump N tokens per layer of (ffn_inp, |h|) as fp16 .npy for training",
     )
-    p.add_argument(
-        "--write-cut",
-        metavar="OUT",
-        help="also write a copy of the model with the per-layer thresholds of --target-sparsity "
-        "as its cut (powerpy.ffn_down_threshold): a SiLU PWRI file or a mixture of experts",
-    )
     add_plot_arg(p, "the activation power law per layer")
     p.set_defaults(func=run)
 
@@ -44,13 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from powerpy.pipeline.profile import profile, write_profile
 
     check_plot(args)
-    if args.write_cut and args.target_sparsity is None:
-        raise ValueError("--write-cut needs --target-sparsity (the skipped share per layer)")
     llm = load_model(args)
-    if args.write_cut:
-        from powerpy.pipeline.cut import check_cut_target
-
-        check_cut_target(llm.path)
     ids = text_ids(llm, args)
     res = profile(
         llm.model,
@@ -73,14 +61,6 @@ def run(args: argparse.Namespace) -> int:
         f"to {args.output}" + (f", {res.n_samples} samples/layer" if res.n_samples else ""),
         file=sys.stderr,
     )
-    if args.write_cut:
-        from powerpy.pipeline.cut import write_cut
-
-        if res.thresholds is None:
-            raise ValueError(f"{llm.name} is a ReLU model: its zeros are its sparsity, no cut")
-        write_cut(llm.path, args.write_cut, res.thresholds)
-        print(f"wrote {args.write_cut}: the cut of each layer at {args.target_sparsity:g} "
-              "of its computed neurons", file=sys.stderr)  # fmt: skip
     if args.plot:
         from powerpy import plot
 

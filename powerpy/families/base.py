@@ -133,6 +133,13 @@ class LayerTensor:
 # matrix; its ffn_norm stays.
 DENSE_FFN = ("ffn_gate", "ffn_up")
 
+# Optional keys llama.cpp reads only in the loaders of the families that list them in
+# ``Family.reads``: elsewhere a file may carry them (converters copy them) and llama.cpp's
+# graph does not apply them, so neither does powerpy.
+FAMILY_KEYS = frozenset(
+    {Keys.ATTENTION_SCALE, Keys.ATTN_SOFTCAP, Keys.FINAL_SOFTCAP, Keys.ROPE_FREQ_BASE_SWA}
+)
+
 
 @dataclass(frozen=True)
 class Family:
@@ -152,7 +159,7 @@ class Family:
             as ``LayerTensor.bias``.
         output_norm_bias: ``output_norm.bias`` (LayerNorm families).
         position_offset: ``Rope.LEARNED`` families read position p at row p + offset.
-        embed_scale, scale_q, swa_pattern, key_defaults, ignored_keys, extra_args: see the fields'
+        embed_scale, scale_q, swa_pattern, key_defaults, reads, extra_args: see the fields'
             comments.
         ffn_variant: the FFN activation a file of this family runs: (key/values, sparse, file
             name for errors) -> variant; ``ffn_acts`` the ``--ffn-act`` values a user may set
@@ -197,9 +204,10 @@ class Family:
     # without it, as llama.cpp's loader sets it for this family (gemma2: a 4096 window,
     # soft-caps 50 and 30)
     key_defaults: tuple[tuple[str, Any], ...] = ()
-    # optional keys llama.cpp never reads for this family: a file's value is not applied
-    # (gemma's attention.scale, gemma3's attention soft-cap, phi3's window and soft-caps)
-    ignored_keys: frozenset[str] = frozenset()
+    # the family-specific optional keys (``FAMILY_KEYS``) llama.cpp reads for this family; a
+    # file's value of any other is not applied, whatever it says (gemma2's soft-caps, gemma3's
+    # final soft-cap and local RoPE base; llama, qwen, phi3 and falcon read none)
+    reads: frozenset[str] = frozenset()
     # hyperparameters a family reads beyond the common ones: (key getter, n_layer) ->
     # ModelArgs fields (e.g. gemma's attention scale and local RoPE base)
     extra_args: Callable[[Callable[..., Any], int], dict] | None = None

@@ -64,7 +64,7 @@ GEMMA2 = Family(
         (Keys.ATTN_SOFTCAP, 50.0),
         (Keys.FINAL_SOFTCAP, 30.0),
     ),  # fmt: skip
-    ignored_keys=frozenset({Keys.ATTENTION_SCALE}),
+    reads=frozenset({Keys.ATTN_SOFTCAP, Keys.FINAL_SOFTCAP, Keys.ROPE_FREQ_BASE_SWA}),
     extra_args=_extra(46, local_base=False),
 )
 
@@ -77,6 +77,6 @@ GEMMA3 = Family(
     scale_q=True,
     swa_pattern=6,
     # gemma3's attention scores are not capped; its logits only where the file says so
-    ignored_keys=frozenset({Keys.ATTENTION_SCALE, Keys.ATTN_SOFTCAP}),
+    reads=frozenset({Keys.FINAL_SOFTCAP, Keys.ROPE_FREQ_BASE_SWA}),
     extra_args=_extra(62, local_base=True),
 )

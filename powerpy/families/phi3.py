@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from powerpy.families.base import Family, FFNVariant, LayerTensor, Rope, gated_ffn
 from powerpy.families.falcon import QKV_SPLIT
-from powerpy.formats.constants import Keys, Names
+from powerpy.formats.constants import Names
 
 FAMILY = Family(
     arch="phi3",
@@ -27,9 +27,5 @@ FAMILY = Family(
     rope=Rope.NEOX,
     scale_q=True,
     # llama.cpp's phi3 loader disables the window (its converters wrote wrong ones; the default
-    # swa_pattern None keeps it unapplied) and reads neither soft-caps, an attention scale nor
-    # a local RoPE base
-    ignored_keys=frozenset(
-        {Keys.ATTN_SOFTCAP, Keys.FINAL_SOFTCAP, Keys.ATTENTION_SCALE, Keys.ROPE_FREQ_BASE_SWA}
-    ),
+    # swa_pattern None keeps it unapplied) and reads none of ``FAMILY_KEYS``
 )

@@ -29,7 +29,7 @@ def windowed_layers(
     """
     key = Keys.SLIDING_WINDOW_PATTERN.format(arch=fam.arch)
     value = fam.swa_pattern
-    if key in kv and Keys.SLIDING_WINDOW_PATTERN not in fam.ignored_keys:
+    if key in kv:
         value = kv[key]
     if hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping)):
         flags = [f.item() if hasattr(f, "item") else f for f in value]  # numpy scalars

@@ -2,20 +2,19 @@
 quantile of ``|h_j| · ‖down_j‖``, and write a model file that carries the thresholds as
 ``powerpy.ffn_down_threshold``.
 
-- ``write_cut`` (``powerpy profile --target-sparsity S --write-cut OUT``): a copy of a mixture
-  of experts or a PWRI file with the key. For a mixture of experts the score is taken over the
-  routed experts' neurons only, weighted by the routing weight (docs/moe.md#the-cut); the copy
-  stays a GGUF that llama.cpp reads too (it ignores the key). A PWRI file keeps its magic and
-  predictors.
-- ``down_cuts`` and ``write_cut_model`` (``powerpy cut``): a dense GGUF of any GLU model
-  (SwiGLU, GeGLU), whose neurons are not naturally sparse, becomes a PWRI file that computes
-  every neuron's gate and up rows and skips the down rows of neurons whose contribution is
-  below its layer's cut. ``down_cuts`` sets ``t_l`` at the ``share`` quantile of the score in a
-  dense run over a calibration text. ``write_cut_model`` writes the file through ``convert``:
-  every layer ungated (``powerpy.dense_layers``), the cuts, the model's own activation
-  (``powerpy.sparse_activation``), and placeholder predictors (all zeros, 32 hidden units) where
-  the format needs them. They run nowhere in powerpy; a reader that ignores ``dense_layers``
-  and gates every layer finds all neurons active (logit 0 above the file's
+``powerpy cut`` runs ``down_cuts``, then one of two writers:
+
+- ``write_cut``: a copy of a mixture of experts or a PWRI file with the key (tensors, magic and
+  predictors kept). A mixture of experts' score counts the routed experts' neurons only,
+  weighted by the routing weight (docs/moe.md#the-cut); its copy stays a GGUF that llama.cpp
+  reads too (it ignores the key).
+- ``write_cut_model``: a dense GGUF of any GLU model (SwiGLU, GeGLU), whose neurons are not
+  naturally sparse, becomes a PWRI file that computes every neuron's gate and up rows and skips
+  the down rows of neurons whose contribution is below its layer's cut. It writes the file
+  through ``convert``: every layer ungated (``powerpy.dense_layers``), the cuts, the model's own
+  activation (``powerpy.sparse_activation``), and placeholder predictors (all zeros, 32 hidden
+  units) where the format needs them. They run nowhere in powerpy; a reader that ignores
+  ``dense_layers`` and gates every layer finds all neurons active (logit 0 above the file's
   ``sparse_threshold`` of -1), so it runs dense.
 """
 
@@ -62,7 +61,8 @@ def down_cuts(
     progress: bool = False,
 ) -> npt.NDArray[np.float64]:
     """Per-layer cuts: the ``share`` quantile of ``|h_j| · ‖ffn_down_t[j]‖`` over the neurons
-    that contribute (``h_j != 0``) in a dense run over ``ids``.
+    that contribute (``h_j != 0``; in a mixture of experts the routed experts' neurons, h
+    weighted by the routing weight) in a dense run over ``ids``.
 
     Args:
         model: the model (run dense, whatever its file).
@@ -165,18 +165,6 @@ def write_cut_model(
                        progress=progress)  # fmt: skip
 
 
-def check_cut_target(path: str | os.PathLike[str]) -> None:
-    """Raise ``ValueError`` when the file at ``path`` cannot carry a cut (before profiling)."""
-    with read_gguf(path) as gf:
-        arch = gf.kv.get(Keys.ARCHITECTURE)
-        experts = gf.kv.get(Keys.EXPERT_COUNT.format(arch=arch), 0)
-        if not gf.sparse and not experts:
-            raise ValueError(
-                f"{path}: a dense GGUF without experts has no sparse mode to carry a cut: "
-                "`powerpy cut` writes it as a PWRI file with every layer ungated and its cuts"
-            )
-
-
 def write_cut(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -186,14 +174,19 @@ def write_cut(
     (one per layer, >= 0; replacing any the file had); tensors and other keys as they were.
 
     Raises:
-        ValueError: see :func:`check_cut_target`; a threshold count that is not the layer
-            count, or a negative or non-finite threshold; ``dst`` is ``src``.
+        ValueError: a dense GGUF without experts (``write_cut_model`` writes those); a
+            threshold count that is not the layer count, or a negative or non-finite
+            threshold; ``dst`` is ``src``.
     """
-    check_cut_target(src)
     if Path(dst).resolve() == Path(src).resolve():
         raise ValueError(f"{dst}: write the cut to a new file, not over the model itself")
     with read_gguf(src) as gf:
         arch = gf.kv.get(Keys.ARCHITECTURE)
+        if not gf.sparse and not gf.kv.get(Keys.EXPERT_COUNT.format(arch=arch), 0):
+            raise ValueError(
+                f"{src}: a dense GGUF without experts has no sparse mode to carry a cut: "
+                "`powerpy cut` writes it as a PWRI file with every layer ungated and its cuts"
+            )
         n_layer = int(gf.kv[Keys.BLOCK_COUNT.format(arch=arch)])
         cuts = [float(t) for t in thresholds]
         if len(cuts) != n_layer or not all(0 <= t < float("inf") for t in cuts):

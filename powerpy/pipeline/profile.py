@@ -44,7 +44,9 @@ from powerpy.pipeline.corpus import window_starts
 
 log = logging.getLogger(__name__)
 
-KIND_RELU, KIND_SILU = "relu", "silu"  # relu: active iff h != 0; silu: |h| > per-layer threshold
+# relu: active iff h != 0; silu (and gelu, GELU's small negative values are no zeros either):
+# |h| · ‖down‖ above a per-layer threshold
+KIND_RELU = "relu"
 PROFILE_JSON = "profile.json"
 SAMPLES_DIR = "samples"
 SAMPLES_META = "meta.json"
@@ -55,7 +57,8 @@ _F16_TINY = float(np.finfo(np.float16).smallest_subnormal)
 
 
 def activation_kind(model: Model) -> str:
-    """Kind "silu" for SwiGLU models (magnitude labels), "relu" for ReGLU/dReLU (exact zeros)."""
+    """Kind "relu" for ReLU FFNs (ReGLU, dReLU, plain ReLU: exact zeros); "silu" or "gelu"
+    (SwiGLU, GeGLU, GELU: no exact zeros, magnitude labels)."""
     return model.args.ffn_variant.activation
 
 
@@ -294,14 +297,14 @@ def profile(
     a = model.args
     kind = activation_kind(model)
     thr: np.ndarray | None = None
-    if kind == KIND_SILU:
+    if kind != KIND_RELU:
         if thresholds is not None:
             thr = np.asarray(thresholds, dtype=np.float64)
             if thr.shape != (a.n_layer,):
                 raise ValueError(f"got {thr.size} thresholds for a {a.n_layer}-layer model")
         elif target_sparsity is None:
             raise ValueError(
-                "a SiLU (SwiGLU) model has no exact zeros: give a target sparsity "
+                f"a {kind} model has no exact zeros: give a target sparsity "
                 "(e.g. --target-sparsity 0.5) or per-layer thresholds"
             )
     arr = np.asarray(ids, dtype=np.int64)
@@ -317,7 +320,7 @@ def profile(
                                picks)  # fmt: skip
 
     dn = down_norms(model)
-    if kind == KIND_SILU and thr is None:
+    if kind != KIND_RELU and thr is None:
         assert target_sparsity is not None
         thr = _calibrate_run(model, arr, starts, ctx, dn, target_sparsity, numerics)
     counts = [torch.zeros(a.ffn_neurons, dtype=torch.int64) for _ in range(a.n_layer)]
@@ -343,7 +346,7 @@ def profile(
         counts=[c.numpy() for c in counts],
         n_tokens=n_total,
         thresholds=thr,
-        target_sparsity=target_sparsity if kind == KIND_SILU and thresholds is None else None,
+        target_sparsity=target_sparsity if kind != KIND_RELU and thresholds is None else None,
     )
     if writer is not None:
         result.n_samples = len(writer.picks)

@@ -57,7 +57,7 @@ from powerpy.pipeline.predictors import (
     write_config,
 )
 from powerpy.pipeline.profile import (
-    KIND_SILU,
+    KIND_RELU,
     ProfileResult,
     active_mask,
     load_samples,
@@ -106,7 +106,7 @@ def predictor_logits(x: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor:
 def _config_of(report: TrainReport, opts: TrainOptions, extra: dict) -> tuple[str | None, dict]:
     """(sparse_activation, further config.json keys) of a training run."""
     meta: dict = {}
-    if report.kind == KIND_SILU:
+    if report.kind != KIND_RELU:
         meta["magnitude_thresholds"] = report.magnitude_thresholds
     meta["powerpy"] = {
         "options": asdict(opts),
@@ -114,7 +114,7 @@ def _config_of(report: TrainReport, opts: TrainOptions, extra: dict) -> tuple[st
         "layers": [asdict(r) for r in report.layers],
         **extra,
     }
-    return (KIND_SILU if report.kind == KIND_SILU else None), meta
+    return (None if report.kind == KIND_RELU else report.kind), meta
 
 
 def _metrics(
