@@ -7,7 +7,9 @@ Without ``--shape`` both engines run one file (default: SmolLM2-135M Q4_1), powe
 (it has no predictors). With ``--shape`` a synthetic PowerInfer model of that shape is written
 once into ``--work`` (power-law neurons, ~10% predicted active, ``tools/make_synthetic_model.py``)
 together with a dense GGUF of the same weights for llama.cpp; powerpy runs the PWRI file sparse
-and dense; ``--arch falcon`` makes a Falcon-shaped one. (llama.cpp runs that file as SwiGLU, or
+and dense; ``--arch falcon`` makes a Falcon-shaped one. ``--shape 0.5b --arch qwen2`` (llama,
+qwen3, gemma2, gemma3, phi3) writes one dense GGUF of that family in a real ~0.5B model's
+dimensions (``FAMILY_SHAPES``), which both engines run. (llama.cpp runs that file as SwiGLU, or
 GELU for falcon, where the synthetic model is ReLU: the same bytes and operations, so speeds
 compare, outputs do not.)
 
@@ -34,6 +36,9 @@ import numpy as np
 import torch
 
 PROMPT = "In the beginning God created the heaven and the earth. And the earth was"
+# evaluated once before the rounds by each engine: a mapped file's first pass faults its pages
+# in, and the first graph allocates its buffers
+WARM_IDS = list(range(3, 19))
 
 
 # ----------------------------------------------------------------------------- the files
@@ -85,6 +90,40 @@ def synthetic_pair(shape: str, dtype: str, work: Path, arch: str = "llama") -> t
     return pwri, dense
 
 
+# ~0.5B dense shapes of the families without a synthetic PWRI model (``--shape 0.5b``): random
+# weights, a byte vocabulary padded to the family's size, the real models' dimensions
+FAMILY_SHAPES = {
+    # SmolLM2-360M
+    "llama": dict(n_embd=960, n_layer=32, n_ff=2560, n_head=15, n_head_kv=5, n_vocab=49152),
+    # Qwen2.5-0.5B
+    "qwen2": dict(n_embd=896, n_layer=24, n_ff=4864, n_head=14, n_head_kv=2, n_vocab=151936),
+    # Qwen3-0.6B (head size 128, not 1024 / 16)
+    "qwen3": dict(n_embd=1024, n_layer=28, n_ff=3072, n_head=16, n_head_kv=8, key_length=128,
+                  n_vocab=151936),
+    # gemma-3-270m (head size 256); gemma2 in the same dimensions (its smallest model is 2.6B)
+    "gemma3": dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256,
+                   n_vocab=262144),
+    "gemma2": dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256,
+                   n_vocab=256000),
+    # Phi-3's layout (fused qkv and gate+up) in Qwen2.5-0.5B's dimensions, Phi-3's vocabulary
+    "phi3": dict(n_embd=896, n_layer=24, n_ff=4864, n_head=14, n_head_kv=14, n_vocab=32064),
+}  # fmt: skip
+
+
+def family_model(arch: str, dtype: str, work: Path) -> Path:
+    """A dense GGUF of ``arch`` in its ``FAMILY_SHAPES`` shape (tied output), written once."""
+    from powerpy.formats.constants import GGMLType
+    from powerpy.testing import TinySpec, write_tiny_model
+
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / f"{arch}-0.5b-{dtype}.gguf"
+    if not path.is_file():
+        print(f"writing {path} ...", flush=True)
+        spec = TinySpec(arch=arch, tied=True, n_ctx=4096, **FAMILY_SHAPES[arch])
+        write_tiny_model(path, spec, sparse=False, dtype=GGMLType[dtype.upper()])
+    return path
+
+
 # ----------------------------------------------------------------------------- the runs
 def llama_cpp_pp(ref, ids: list[int]) -> float:
     ref.reset()
@@ -93,12 +132,17 @@ def llama_cpp_pp(ref, ids: list[int]) -> float:
     return len(ids) / (time.perf_counter() - t0)
 
 
+def _last_logits(ref) -> np.ndarray:
+    """The last evaluated token's logits (the only row llama.cpp computes without logits_all)."""
+    return np.ctypeslib.as_array(ref._ctx.get_logits(), shape=(ref.n_vocab(),))
+
+
 def llama_cpp_tg(ref, ids: list[int], n: int) -> float:
     ref.reset()
     ref.eval(ids)
     t0 = time.perf_counter()
     for _ in range(n):
-        ref.eval([int(np.argmax(ref.scores[ref.n_tokens - 1]))])
+        ref.eval([int(np.argmax(_last_logits(ref)))])
     return n / (time.perf_counter() - t0)
 
 
@@ -106,10 +150,13 @@ def _llama_cpp_server(conn, path: str, n_ctx: int, n_batch: int, threads: int) -
     """A llama.cpp process: answers ("pp", ids) and ("tg", ids, n) with tokens/s; None stops."""
     import llama_cpp
 
+    # logits of the last token only, as powerpy computes them (with logits_all a pp test would
+    # also time the output matrix for every prompt token)
     ref = llama_cpp.Llama(
-        model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, logits_all=True,
+        model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, logits_all=False,
         verbose=False,
     )  # fmt: skip
+    llama_cpp_pp(ref, WARM_IDS)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         conn.send(llama_cpp_pp(ref, cmd[1]) if cmd[0] == "pp" else llama_cpp_tg(ref, *cmd[1:]))
@@ -123,6 +170,7 @@ def _powerpy_server(conn, path: str, threads: int, exact: bool) -> None:
     torch.set_num_threads(threads)
     llm = powerpy.load(path, exact_activations=exact)
     model = llm.model
+    powerpy_pp(model, WARM_IDS, DENSE)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         test, ids, n, mode = cmd
@@ -160,8 +208,9 @@ class LlamaCpp:
 
             self.ref = llama_cpp.Llama(
                 model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-                logits_all=True, verbose=False,
+                logits_all=False, verbose=False,
             )  # fmt: skip
+            llama_cpp_pp(self.ref, WARM_IDS)
         else:
             self.worker = Worker(_llama_cpp_server, str(path), n_ctx, n_batch, threads)
 
@@ -215,10 +264,14 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="one GGUF for both (default SmolLM2)")
-    ap.add_argument("--shape", choices=("tiny", "1b", "7b"), help="synthetic model shape")
     ap.add_argument(
-        "--arch", choices=("llama", "falcon"), default="llama", help="synthetic model family"
-    )
+        "--shape", choices=("tiny", "0.5b", "1b", "7b"),
+        help="synthetic model shape (0.5b: a dense model of --arch, FAMILY_SHAPES)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--arch", choices=sorted({"falcon", *FAMILY_SHAPES}), default="llama",
+        help="synthetic model family (tiny, 1b, 7b: llama, falcon)",
+    )  # fmt: skip
     ap.add_argument("--dtype", choices=("f16", "q8_0", "q4_0"), default="f16")
     ap.add_argument("--work", type=Path, default=Path("/tmp/powerpy-compare"))
     ap.add_argument("-n", type=int, default=64, help="decoded tokens (0: no tg test)")
@@ -239,7 +292,13 @@ def main() -> None:
     args = ap.parse_args()
     check_peer_build()
     torch.set_num_threads(args.threads)
-    if args.shape:
+    if args.shape == "0.5b":
+        if args.arch not in FAMILY_SHAPES:
+            ap.error(f"--shape 0.5b: --arch is one of {', '.join(FAMILY_SHAPES)}")
+        ours_path = ref_path = family_model(args.arch, args.dtype, args.work)
+    elif args.shape:
+        if args.arch not in ("llama", "falcon"):
+            ap.error(f"--shape {args.shape}: --arch llama or falcon (0.5b for the others)")
         ours_path, ref_path = synthetic_pair(args.shape, args.dtype, args.work, args.arch)
     else:
         ours_path = ref_path = Path(args.model or smollm2_path())
@@ -257,6 +316,7 @@ def main() -> None:
         del llm  # each round's powerpy process loads its own
     else:
         ref, model = LlamaCpp(*ref_args, args.same_process), llm.model
+        powerpy_pp(model, WARM_IDS, DENSE)
     speeds: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         if args.one_at_a_time:

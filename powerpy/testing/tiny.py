@@ -34,6 +34,8 @@ class TinySpec:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    n_vocab: int = len(BYTE_VOCAB)  # more than the byte vocabulary: unused filler tokens
+    key_length: int = 0  # the head size when not n_embd / n_head (qwen3, gemma)
 
 
 def tiny_tensors(
@@ -47,7 +49,7 @@ def tiny_tensors(
     fam = family(spec.arch)
     args = args or spec_args(spec, sparse=sparse)
     d, ff = spec.n_embd, spec.n_ff
-    n_vocab = len(BYTE_VOCAB)
+    n_vocab = spec.n_vocab
 
     def mat(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
@@ -109,17 +111,20 @@ def vocab_kv(n_vocab: int = len(BYTE_VOCAB)) -> dict:
     }
 
 
-def spec_args(spec: TinySpec, n_vocab: int = len(BYTE_VOCAB), *, sparse: bool = True) -> ModelArgs:
-    """The ``ModelArgs`` of a spec (the GGUF keys are written from them)."""
+def spec_args(spec: TinySpec, n_vocab: int | None = None, *, sparse: bool = True) -> ModelArgs:
+    """The ``ModelArgs`` of a spec (the GGUF keys are written from them); ``n_vocab`` replaces
+    the spec's."""
+    head_dim = spec.key_length or spec.n_embd // spec.n_head
     return ModelArgs(
         arch=spec.arch,
-        n_vocab=n_vocab,
+        n_vocab=n_vocab or spec.n_vocab,
         n_embd=spec.n_embd,
         n_layer=spec.n_layer,
         n_ff=spec.n_ff,
         n_head=spec.n_head,
         n_head_kv=spec.n_head_kv,
-        n_rot=spec.n_embd // spec.n_head,
+        n_rot=head_dim,
+        key_length=spec.key_length,
         rope_base=spec.rope_base,
         norm_eps=spec.norm_eps,
         n_ctx_train=spec.n_ctx,
@@ -137,7 +142,7 @@ def tiny_kv(spec: TinySpec, *, threshold: float | None = None) -> dict:
     kv = spec_args(spec).to_gguf_kv(name="powerpy-tiny")
     if threshold is not None:
         kv[Keys.SPARSE_THRESHOLD] = (threshold, GGUFValueType.FLOAT32)
-    kv.update(vocab_kv())
+    kv.update(vocab_kv(spec.n_vocab))
     return kv
 
 
