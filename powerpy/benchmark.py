@@ -81,7 +81,9 @@ def _ffn_layer_bytes(model: Model, l: int) -> int:
     return _nbytes(b.ffn_gate, b.ffn_up, b.ffn_down_t)
 
 
-def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> dict[str, float]:
+def bytes_per_token(
+    model: Model, n_past: float, active: np.ndarray | None, down_read: np.ndarray | None = None
+) -> dict[str, float]:
     """Bytes one decode step reads, by category (docs/kernels.md#bandwidth-limit).
 
     Args:
@@ -89,6 +91,8 @@ def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> d
         n_past: mean number of cached positions attended to.
         active: (n_layer,) active FFN fraction per layer (predicted and not cut), or None for
             dense.
+        down_read: dense only: (n_layer,) share of down rows read, where h has exact zeros
+            (a ReLU FFN: a zero's down row is skipped); None: all of them.
     """
     w, a = model.weights, model.args
     out: dict[str, float] = {"attention": 0.0, "norms": 0.0, "ffn": 0.0, "predictor": 0.0}
@@ -107,6 +111,8 @@ def bytes_per_token(model: Model, n_past: float, active: np.ndarray | None) -> d
         if active is not None and b.down_tau is not None and not (b.gated and b.fc1 is not None):
             # an ungated layer with a cut reads every gate and up row, and the kept down rows
             out["ffn"] += _nbytes(b.ffn_gate, b.ffn_up) + frac * b.ffn_down_t.nbytes
+        elif active is None and down_read is not None:
+            out["ffn"] += _nbytes(b.ffn_gate, b.ffn_up) + down_read[l] * b.ffn_down_t.nbytes
         else:
             out["ffn"] += frac * _ffn_layer_bytes(model, l)
         if active is not None and b.fc1 is not None and b.fc2 is not None and b.gated:
@@ -148,6 +154,26 @@ def run_tg(model: Model, n_gen: int, opts: RunOptions, first_token: int = 0) -> 
     return time.perf_counter() - t0
 
 
+def down_rows_read(
+    model: Model, n_gen: int, opts: RunOptions, first_token: int = 0
+) -> np.ndarray | None:
+    """A dense run's (n_layer,) share of down rows read per layer, from one more decode run
+    that observes h: the kernels skip the down row of a neuron whose h is exactly 0, which a
+    ReLU FFN has for most neurons even without a predictor. None for an FFN without exact
+    zeros (SwiGLU, GeGLU, GELU) or with experts."""
+    a = model.args
+    if a.ffn_variant.activation != "relu" or a.moe:
+        return None
+    nonzero, seen = np.zeros(a.n_layer), np.zeros(a.n_layer)
+
+    def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        nonzero[l] += int((h != 0).sum())
+        seen[l] += h.numel()
+
+    run_tg(model, n_gen, dataclasses.replace(opts, observer=observer, stats=None), first_token)
+    return nonzero / np.maximum(seen, 1)
+
+
 def bench_mode(
     model: Model,
     mode: str,
@@ -179,7 +205,8 @@ def bench_mode(
         # (the timed speed above may decode all layers in one native call per token).
         timer = PhaseTimer()
         timed = run_tg(model, n_gen, dataclasses.replace(opts, timer=timer), first_token)
-        b = sum(bytes_per_token(model, n_gen / 2, best_active).values())
+        down = None if sparse else down_rows_read(model, n_gen, opts, first_token)
+        b = sum(bytes_per_token(model, n_gen / 2, best_active, down).values())
         tps = n_gen / best
         phases = {k: 1e3 * v / n_gen for k, v in timer.seconds.items()}
         inner = sum(v for k, v in phases.items() if k in ("attention", "ffn", "output"))
@@ -280,7 +307,8 @@ class BenchResult:
             out.append(f"| {r.mode:6} | {r.test:6} | {r.tok_s:9.2f} | " + tail)
         s, d = self.tg("sparse"), self.tg("dense")
         if s is not None and d is not None:
-            out.append(f"sparse/dense tg speed: {s.tok_s / d.tok_s:.2f}x")
+            out.append(f"sparse/dense tg speed: {s.tok_s / d.tok_s:.2f}x (bytes read: "
+                       f"{d.bytes_per_token / s.bytes_per_token:.2f}x)")  # fmt: skip
         for r in (s, d):
             if r is not None:
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r.phases_ms.items()))
@@ -312,7 +340,8 @@ class BenchResult:
         notes = [f"{self.threads} threads, measured read bandwidth {self.bandwidth_gb_s:.1f} GB/s"]
         s, d = self.tg("sparse"), self.tg("dense")
         if s is not None and d is not None:
-            notes.append(f"sparse/dense tg speed: {s.tok_s / d.tok_s:.2f}x")
+            notes.append(f"sparse/dense tg speed: {s.tok_s / d.tok_s:.2f}x (bytes read: "
+                         f"{d.bytes_per_token / s.bytes_per_token:.2f}x)")  # fmt: skip
         return _html.table(
             f"{self.model}: speed",
             ("mode", "test", "tok/s", "active", "MB/token", "GB/s", "of BW"),

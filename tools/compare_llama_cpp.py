@@ -151,10 +151,11 @@ def _llama_cpp_server(conn, path: str, n_ctx: int, n_batch: int, threads: int) -
     import llama_cpp
 
     # logits of the last token only, as powerpy computes them (with logits_all a pp test would
-    # also time the output matrix for every prompt token)
+    # also time the output matrix for every prompt token); prompts on the same threads as
+    # decode (llama-cpp-python's default for n_threads_batch is every CPU)
     ref = llama_cpp.Llama(
-        model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads, logits_all=False,
-        verbose=False,
+        model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+        n_threads_batch=threads, logits_all=False, verbose=False,
     )  # fmt: skip
     llama_cpp_pp(ref, WARM_IDS)
     conn.send("ready")
@@ -208,7 +209,7 @@ class LlamaCpp:
 
             self.ref = llama_cpp.Llama(
                 model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-                logits_all=False, verbose=False,
+                n_threads_batch=threads, logits_all=False, verbose=False,
             )  # fmt: skip
             llama_cpp_pp(self.ref, WARM_IDS)
         else:
