@@ -70,6 +70,10 @@ inline void lanes8(const Prep& w, const QAct& a, F8& acc, float d) {
     acc.v[l] = std::fma(d, (float)s, acc.v[l]);
   }
 }
+inline F8 f8_set(float d) { return F8{{d, d, d, d, d, d, d, d}}; }
+inline void lanes8(const Prep& w, const QAct& a, F8& acc, const F8& dw) {
+  lanes8(w, a, acc, dw.v[0] * a.d);
+}
 inline float f8_hsum(const F8& x) {
   float r[4];
   for (int i = 0; i < 4; ++i) r[i] = x.v[4 + i] + x.v[i];

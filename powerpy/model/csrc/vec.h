@@ -176,6 +176,7 @@ struct QBlocks {
     U8x32 q;
     Affine f;
     Prep pw;
+    F8 dw;  // f.a0 broadcast
   };
   using Acc = F8;
   using Sm = float;  // Q8_1: the sum of m s
@@ -191,10 +192,11 @@ struct QBlocks {
   static PP_ALWAYS_INLINE void decode(const uint8_t* w, int64_t c, const X&, W& o) {
     U::chunk(w, c, o.q, o.f);
     o.pw = prep8(o.q, U::SIGNED, U::OFF);
+    o.dw = f8_set(o.f.a0);
   }
   static PP_ALWAYS_INLINE A act(const X& x, int t, int64_t c) { return x.p[t * x.nch + c]; }
   static PP_ALWAYS_INLINE void add(Acc& acc, Sm& m, const W& w, A a) {
-    lanes8(w.pw, a, acc, w.f.a0 * a.d);
+    lanes8(w.pw, a, acc, w.dw);
     if (act_kind<DT>() == ACT_Q8_1) m += w.f.b0 * a.s;
   }
   template <int NU>
