@@ -85,22 +85,8 @@ inline Prep prep8(const U8x32& q, bool sgn, int off) {
   if (sgn) p.u = _mm256_sign_epi8(q.v, q.v);
   return p;
 }
-inline void lanes8(const Prep& w, const QAct& a, F8& acc, float d) {
-  __m256i y = _mm256_loadu_si256((const __m256i*)a.qs);
-  if (w.sgn) y = _mm256_sign_epi8(y, w.s);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w.u, y);
-#else
-  __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, y), _mm256_set1_epi16(1));
-#endif
-  if (w.shift) {  // the same integers as sum (q - OFF) y
-    const __m256i ls = _mm256_loadu_si256((const __m256i*)a.ls);
-    p = _mm256_sub_epi32(p, _mm256_sll_epi32(ls, _mm_cvtsi32_si128(w.shift)));
-  }
-  acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(p), acc);
-}
-// The same with the weight's scale already broadcast (dw): d_w d_x is one vector product per
-// token, not a scalar product and a broadcast (the same f32 product, so the same bits).
+// acc += (d_w d_x) * lanes, the weight's scale dw already broadcast: d_w d_x is one vector
+// product per token (the f32 product ggml forms as a scalar, so the same bits).
 inline F8 f8_set(float d) { return _mm256_set1_ps(d); }
 inline void lanes8(const Prep& w, const QAct& a, F8& acc, F8 dw) {
   __m256i y = _mm256_loadu_si256((const __m256i*)a.qs);
@@ -110,7 +96,7 @@ inline void lanes8(const Prep& w, const QAct& a, F8& acc, F8 dw) {
 #else
   __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, y), _mm256_set1_epi16(1));
 #endif
-  if (w.shift) {
+  if (w.shift) {  // the same integers as sum (q - OFF) y
     const __m256i ls = _mm256_loadu_si256((const __m256i*)a.ls);
     p = _mm256_sub_epi32(p, _mm256_sll_epi32(ls, _mm_cvtsi32_si128(w.shift)));
   }

@@ -59,7 +59,9 @@ struct Prep {
   int off;
 };
 inline Prep prep8(const U8x32& q, bool sgn, int off) { return Prep{&q, sgn, off}; }
-inline void lanes8(const Prep& w, const QAct& a, F8& acc, float d) {
+inline F8 f8_set(float d) { return F8{{d, d, d, d, d, d, d, d}}; }
+inline void lanes8(const Prep& w, const QAct& a, F8& acc, const F8& dw) {
+  const float d = dw.v[0] * a.d;
   const int8_t* x = a.qs;
   const U8x32& q = *w.q;
   const bool sgn = w.sgn;
@@ -69,10 +71,6 @@ inline void lanes8(const Prep& w, const QAct& a, F8& acc, float d) {
     for (int j = 4 * l; j < 4 * l + 4; ++j) s += ((sgn ? (int)(int8_t)q.b[j] : (int)q.b[j]) - off) * x[j];
     acc.v[l] = std::fma(d, (float)s, acc.v[l]);
   }
-}
-inline F8 f8_set(float d) { return F8{{d, d, d, d, d, d, d, d}}; }
-inline void lanes8(const Prep& w, const QAct& a, F8& acc, const F8& dw) {
-  lanes8(w, a, acc, dw.v[0] * a.d);
 }
 inline float f8_hsum(const F8& x) {
   float r[4];
