@@ -279,3 +279,33 @@ def test_a_llama3_file_keeps_its_rope_freqs(tmp_path):
     dense, cut = load(src), load(out, cut_scale=0.0)
     assert torch.equal(cut.model.weights.rope_freqs, torch.from_numpy(t[Names.ROPE_FREQS]))
     torch.testing.assert_close(cut.logits(TOKENS), dense.logits(TOKENS), atol=1e-4, rtol=1e-4)
+
+
+def test_the_cut_command_adds_cuts_to_a_pwri_file_and_keeps_its_predictors(tmp_path, capsys):
+    """`powerpy cut` on a PWRI file: a copy with the cuts, same magic, tensors and predictors;
+    its sparse run skips down rows beyond the predictor's choice."""
+    from powerpy.cli import main
+    from powerpy.model.options import SparsityStats
+
+    src, out, text = tmp_path / "m.powerinfer.gguf", tmp_path / "c.powerinfer.gguf", tmp_path / "t"
+    write_tiny_model(src, SPEC, sparse=True, seed=3, threshold=-1e9)  # the predictor keeps all
+    text.write_text("In the beginning God created the heaven and the earth. " * 20)
+    args = ["cut", "-m", str(src), "--text", str(text), "--tokens", "256", "--ctx", "64", "-t", "1"]
+    assert main([*args, "-s", "0.5", "-o", str(out)]) == 0
+    assert "a copy with per-layer cuts" in capsys.readouterr().err
+    with read_gguf(src) as a, read_gguf(out) as b:
+        assert b.sparse and set(b.tensors) == set(a.tensors)
+        assert all(np.array_equal(a.raw(n), b.raw(n)) for n in a.tensors)
+        assert set(b.kv) - set(a.kv) == {Keys.FFN_DOWN_THRESHOLD}
+    kept = {}
+    for path in (src, out):
+        llm = load(path)
+        stats = SparsityStats.empty(SPEC.n_layer, SPEC.n_ff)
+        ids = torch.tensor(llm.tokenize(text.read_text()[:120]))
+        llm.model.forward(ids, llm.model.new_cache(len(ids)), RunOptions(stats=stats))
+        kept[path] = float(stats.active_fraction().mean())
+    assert all(b.fc1 is not None and b.down_tau is not None for b in llm.model.weights.blk)
+    assert kept[src] == 1.0  # the predictor keeps every neuron
+    assert 0.05 < kept[out] < 0.45, kept  # ReGLU's zeros, then half of the computed ones cut
+    assert main([*args, "-s", "0.5", "-o", str(tmp_path / "x.gguf"), "--name", "n"]) == 1
+    assert "copied with its types and name" in capsys.readouterr().err
