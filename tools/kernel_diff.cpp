@@ -33,7 +33,7 @@ typedef void (*gelut_t)(uint16_t*);
 typedef void (*softcap_t)(float*, int64_t, float);
 typedef void (*rms_t)(const float*, const float*, int64_t, int64_t, float, float*);
 typedef void (*lnorm_t)(const float*, const float*, const float*, int64_t, int64_t, float, float*);
-typedef void (*gelu_t)(const float*, int64_t, float*, int);
+typedef void (*gelu_t)(const float*, int64_t, float*, int, int);
 typedef void (*swiglu_t)(const float*, const float*, int64_t, float*, int);
 typedef void (*tune_t)(int64_t, int64_t);
 typedef double (*stream_t)(const void*, int64_t, int);
@@ -229,8 +229,8 @@ int main(int argc, char** argv) {
       check("layer_norm", same(ra.data(), rb.data(), 4 * 3 * n), std::to_string(n));
     }
     for (int act = 0; act < 2; ++act) {
-      A.gelu(g.data(), n, oa.data(), act);
-      B.gelu(g.data(), n, ob.data(), act);
+      A.gelu(g.data(), n, oa.data(), act, 2);
+      B.gelu(g.data(), n, ob.data(), act, 2);
       check("gelu", same(oa.data(), ob.data(), 4 * n), std::to_string(n));
     }
     std::vector<float> ca = g, cb = g;

@@ -11,7 +11,6 @@ float64 and torch's attention, for research comparisons.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import numpy as np
 import torch
@@ -145,27 +144,19 @@ def attention(
     return out
 
 
-@functools.cache
-def _gelu_table(c: ctypes.CDLL) -> Tensor:
-    """ggml's table of GELU values (f32) for the 65536 f16 bit patterns (``pp_gelu_table``),
-    built once per library (every GELU call of a prompt's layers reads it)."""
-    with torch.inference_mode(False):  # a normal tensor: cached, read in and out of it
-        t = torch.empty(1 << 16, dtype=torch.int16)
-        c.pp_gelu_table(t.data_ptr())
-        return t.view(torch.float16).float()
-
-
 def gelu(x: Tensor) -> Tensor:
     """ggml's GELU of x (any shape) f32: each value rounded to f16 and looked up in ggml's table
-    of f16 tanh-form results (llama.cpp's falcon FFN, gemma's GeGLU); x itself beyond ±10.
-    Without the kernels the table's values come from torch's tanh form (they may differ in
-    the last f16 bit near a rounding midpoint)."""
+    of f16 tanh-form results (llama.cpp's falcon FFN, gemma's GeGLU); x itself at or above 10, 0
+    at or below -10. Native (``pp_gelu``, on the run's threads) where the kernels load; else the
+    table's values come from torch's tanh form (they may differ in the last f16 bit near a
+    rounding midpoint)."""
     c = library()
-    x16 = x.half()
     if c is not None:
-        y = _gelu_table(c)[x16.view(torch.int16).long() & 0xFFFF]
-    else:
-        y = F.gelu(x16.float(), approximate="tanh").half().float()
+        x = x.float().contiguous()
+        y = torch.empty_like(x)
+        c.pp_gelu(x.data_ptr(), x.numel(), y.data_ptr(), 1, torch.get_num_threads())
+        return y
+    y = F.gelu(x.half().float(), approximate="tanh").half().float()
     y = torch.where(x >= 10.0, x, y)
     return torch.where(x <= -10.0, torch.zeros_like(x), y)
 

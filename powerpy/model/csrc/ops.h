@@ -98,16 +98,20 @@ struct RowsBase {
       for (int64_t t0 = 0; t0 < T; t0 += QT) {
         const int64_t t1 = t0 + QT < T ? t0 + QT : T;
         int64_t r = a;
-        for (; r + 2 <= b; r += 2) {  // two rows side by side: each token chunk read once
-          const uint8_t* w[2] = {W + r * ld, W + (r + 1) * ld};
-          const uint8_t* nx[2] = {r + 1 + dist < b ? W + (r + dist) * ld : nullptr,
-                                  r + 1 + dist < b ? W + (r + 1 + dist) * ld : nullptr};
-          token_tiles(TileSizes<4, 3, 2, 1>(), t0, t1, [&](auto NT, int64_t t) {
-            const uint8_t* const none[2] = {nullptr, nullptr};
-            float* o[2] = {out + t * ldo + r, out + t * ldo + r + 1};
-            tile<QDot<DT>, 2, decltype(NT)::value>(w, t == t0 ? nx : none,
-                                                   {xa.p + t * nch, nch}, o, ldo);
-          });
+        // two rows side by side for the block types (vector accumulators; the K-quants' scalar
+        // chunk sums keep the one-row tile, whose code generation sets their bits)
+        if constexpr (UDec<DT>::QK == 32) {
+          for (; r + 2 <= b; r += 2) {
+            const uint8_t* w[2] = {W + r * ld, W + (r + 1) * ld};
+            const uint8_t* nx[2] = {r + 1 + dist < b ? W + (r + dist) * ld : nullptr,
+                                    r + 1 + dist < b ? W + (r + 1 + dist) * ld : nullptr};
+            token_tiles(TileSizes<4, 3, 2, 1>(), t0, t1, [&](auto NT, int64_t t) {
+              const uint8_t* const none[2] = {nullptr, nullptr};
+              float* o[2] = {out + t * ldo + r, out + t * ldo + r + 1};
+              tile<QDot<DT>, 2, decltype(NT)::value>(w, t == t0 ? nx : none,
+                                                     {xa.p + t * nch, nch}, o, ldo);
+            });
+          }
         }
         for (; r < b; ++r) {
           const uint8_t* w = W + r * ld;

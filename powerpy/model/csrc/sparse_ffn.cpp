@@ -235,9 +235,12 @@ void pp_layer_norm(const float* x, const float* w, const float* b, int64_t T, in
 }
 
 // y = GELU(x) for n values: ggml's (its f16 table) with act, else the erf form (y may be x).
-void pp_gelu(const float* x, int64_t n, float* y, int act) {
+void pp_gelu(const float* x, int64_t n, float* y, int act, int nthreads) {
   const uint16_t* t = gelu_lut(act);
-  for (int64_t i = 0; i < n; ++i) y[i] = gelu(x[i], t);
+  run_partitioned(team_size(nthreads, n * 64), n, [&](int64_t a, int64_t b) -> int {
+    for (int64_t i = a; i < b; ++i) y[i] = gelu(x[i], t);
+    return 0;
+  });
 }
 
 // out = silu(g) * u elementwise (ggml's swiglu; out may alias g or u).
