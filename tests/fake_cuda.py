@@ -197,3 +197,17 @@ class FakeCuda(Accelerator):
             out = torch.zeros(shape, dtype=dtype, device=self.device)
         self.allocated += out.numel() * out.element_size()
         return out
+
+
+def run_prefill_and_decode(
+    model, tokens: torch.Tensor, n_ctx: int, n_prompt: int, n_steps: int, options
+) -> torch.Tensor:
+    """Under :class:`FakeCudaOps`: prefill ``tokens[:n_prompt]`` into a fresh cache of ``n_ctx``
+    positions, then decode the next ``n_steps`` tokens one by one (teacher forced). Returns the
+    last step's logits (1, n_vocab)."""
+    cache = model.new_cache(n_ctx)
+    with FakeCudaOps():
+        logits = model.forward(tokens[:n_prompt], cache, options)
+        for tok in tokens[n_prompt : n_prompt + n_steps]:
+            logits = model.forward(tok[None], cache, options)
+    return logits

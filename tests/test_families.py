@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from fake_cuda import FakeCuda, FakeCudaOps
+from fake_cuda import FakeCuda, run_prefill_and_decode
 from torch._subclasses.fake_tensor import FakeTensor
 
 from powerpy.api import load
@@ -168,11 +168,7 @@ def test_fake_cuda_runs_without_host_syncs_within_the_budget(family_file, tmp_pa
     if what == "everything":
         assert isinstance(blk.attn_q.storage, FakeTensor) and isinstance(blk.attn_norm, FakeTensor)
         assert blk.hot is not None and (spec.arch == "opt" or blk.hot.gate_up is not None)
-    cache = rt.model.new_cache(N_CTX)
-    with FakeCudaOps():
-        logits = rt.model.forward(TOKENS[:6], cache, llm.options)
-        for tok in TOKENS[6:9]:
-            logits = rt.model.forward(tok[None], cache, llm.options)
+    logits = run_prefill_and_decode(rt.model, TOKENS, N_CTX, 6, 3, llm.options)
     assert logits.shape == (1, rt.model.args.n_vocab) and logits.device.type == "cpu"
 
 

@@ -122,11 +122,26 @@ WINDOWED_MESSAGES = {
 }
 
 
-def test_arch_seed_cases_name_what_is_wrong(tmp_path):
-    """Every Falcon/OPT/Gemma/Phi-3 seed case is refused at load with one message naming the
-    file and the tensor or key (test_seed_case runs them too)."""
-    expected = ARCH_MESSAGES | WINDOWED_MESSAGES
-    assert set(expected) == {n for n, (f, _) in fz.SEED_CASES.items() if f == "arch"}
+# mixtures of experts (powerpy.testing.fuzz.experts): counts, routers, stacks, keys
+MOE_MESSAGES = {
+    "moe_used_over_count": ("llama.expert_used_count is 5", "llama.expert_count (4)"),
+    "moe_count_too_small": ("'blk.0.ffn_gate_inp.weight' has shape (4, 32)", "= (3, 32)"),
+    "moe_down_transposed": ("'blk.1.ffn_down_exps.weight' has shape (4, 64, 32)",
+                            "(n_expert, n_embd, n_ff_exp) = (4, 32, 64)"),
+    "moe_gate_missing": ("'blk.0.ffn_gate_exps.weight' is missing",
+                         "(n_expert, n_ff_exp, n_embd) = (4, 32, 32)"),
+    "moe_without_count": ("'blk.0.ffn_gate_inp.weight' belongs to a mixture of experts",),
+    "moe_norm_not_bool": ("'qwen3moe.expert_weights_norm' must be a BOOL",),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family, expected", [("arch", ARCH_MESSAGES | WINDOWED_MESSAGES), ("moe", MOE_MESSAGES)]
+)
+def test_family_seed_cases_name_what_is_wrong(tmp_path, family, expected):
+    """Every Falcon/OPT/Gemma/Phi-3 and mixture-of-experts seed case is refused at load with one
+    message naming the file and the tensor or key (test_seed_case runs them too)."""
+    assert set(expected) == {n for n, (f, _) in fz.SEED_CASES.items() if f == family}
     for name, parts in expected.items():
         p = fz.prepare_seed_case(name, tmp_path / name)
         assert fz.run(p) == "PowerpyError", (name, p.errors)
