@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         numerics=llm.options.numerics, progress=sys.stderr.isatty(),
     )  # fmt: skip
     if copy:
-        out = write_cut(llm.path, args.outfile, cuts)
+        out = write_cut(llm.path, args.outfile, cuts, progress=sys.stderr.isatty())
         what = "a copy with per-layer cuts"
     else:
         how = {"cut_share": args.share, "cut_text": src, "cut_tokens": args.tokens}

@@ -229,6 +229,7 @@ def write_gguf(
     alignment: int | None = None,
     version: int = 3,
     overwrite_mapped: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Write a GGUF or PWRI file atomically (temp file in the same directory + ``os.replace``).
 
@@ -253,6 +254,7 @@ def write_gguf(
         alignment: data alignment (power of two); defaults to ``general.alignment`` or 32.
         version: header version, 3 (default) or 2.
         overwrite_mapped: allow replacing a file that an open ``GGUFFile`` still maps.
+        progress: a tqdm bar over the tensor bytes written.
 
     Returns:
         The destination path.
@@ -274,8 +276,14 @@ def write_gguf(
         version=version,
         overwrite_mapped=overwrite_mapped,
     ) as writer:
-        for name, flat, shape, _ in specs:
-            writer.write(name, flat.view(np.uint8), shape)
+        from tqdm.auto import tqdm
+
+        total = sum(flat.nbytes for _, flat, _, _ in specs)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress)
+        with bar:
+            for name, flat, shape, _ in specs:
+                writer.write(name, flat.view(np.uint8), shape)
+                bar.update(flat.nbytes)
     return Path(path)
 
 

@@ -169,9 +169,12 @@ def write_cut(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     thresholds: Sequence[float],
+    *,
+    progress: bool = False,
 ) -> Path:
     """A copy of model ``src`` at ``dst`` with ``powerpy.ffn_down_threshold`` = ``thresholds``
-    (one per layer, >= 0; replacing any the file had); tensors and other keys as they were.
+    (one per layer, >= 0; replacing any the file had); tensors and other keys as they were;
+    ``progress``: a tqdm bar over the bytes copied.
 
     Raises:
         ValueError: a dense GGUF without experts (``write_cut_model`` writes those); a
@@ -196,6 +199,7 @@ def write_cut(
             )
         kv = gf.typed_kv()
         kv[Keys.FFN_DOWN_THRESHOLD] = (cuts, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
-        out = write_gguf(dst, kv, gf.tensor_specs(), magic=gf.magic, alignment=gf.alignment)
+        out = write_gguf(dst, kv, gf.tensor_specs(), magic=gf.magic, alignment=gf.alignment,
+                         progress=progress)  # fmt: skip
     log.info("wrote %s with per-layer cuts %s", dst, [round(t, 6) for t in cuts])
     return out
