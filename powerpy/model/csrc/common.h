@@ -336,4 +336,25 @@ inline int run_partitioned(int nt, int64_t k, Fn fn) {
   return err;
 }
 
+// Run fn(a, b) over [0, k) in chunks (about eight per thread, a multiple of `grain`) handed out
+// to up to nt threads as each finishes its last (a prompt's GEMM: on a shared host one thread may run slower, and a fixed partition
+// leaves the other waiting at the end); returns the OR of the fn results.
+template <class Fn>
+inline int run_dynamic(int nt, int64_t k, int64_t grain, Fn fn) {
+  if (nt > 1) {  // about eight chunks per thread, a multiple of grain
+    const int64_t g = (k + 8 * nt - 1) / (8 * nt);
+    grain = (g + grain - 1) / grain * grain;
+  }
+  if (nt <= 1 || k <= grain) return fn((int64_t)0, k);
+  const int64_t n = (k + grain - 1) / grain;
+  int err = 0;
+#if defined(_OPENMP)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) reduction(| : err)
+  for (int64_t i = 0; i < n; ++i) err |= fn(i * grain, i + 1 < n ? (i + 1) * grain : k);
+#else
+  err = fn((int64_t)0, k);
+#endif
+  return err;
+}
+
 }  // namespace

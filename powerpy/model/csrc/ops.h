@@ -85,8 +85,9 @@ struct RowsBase {
     }
   }
 
-  // Quantized-activation GEMM: tokens in tiles of QT (their int8 rows stay in cache), rows split
-  // over the threads, each weight chunk decoded once per tile of up to 8 tokens.
+  // Quantized-activation GEMM: tokens in tiles of QT (their int8 rows stay in cache), rows handed
+  // to the threads in chunks (run_dynamic), each weight chunk decoded once per tile of up to 8
+  // tokens.
   static int qgemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols,
                    const ActBuf<DT>& xa, int64_t T, float* out, int64_t ldo, const uint8_t*,
                    int nt) {
@@ -94,7 +95,7 @@ struct RowsBase {
     const int64_t nch = cols / 32, dist = prefetch_dist(row_bytes<DT>(cols));
     if constexpr (PP_WIDE && UDec<DT>::QK == 32)
       if (T >= 8 && nch % 2 == 0) return qgemm_wide<DT>(W, ld, nrows, cols, xa.p, T, out, ldo, nt);
-    return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
+    return run_dynamic(nt, nrows, 16, [&](int64_t a, int64_t b) -> int {
       for (int64_t t0 = 0; t0 < T; t0 += QT) {
         const int64_t t1 = t0 + QT < T ? t0 + QT : T;
         int64_t r = a;
@@ -351,7 +352,7 @@ int gemm_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
       if (!xa.p) return PP_ERR_ARG;
       return Rows<DT>::qgemm(W, ld, nrows, cols, xa, T, out, ldo, need, nt);
     }
-  return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
+  return run_dynamic(nt, nrows, 16, [&](int64_t a, int64_t b) -> int {
     for (int64_t r = a; r < b; ++r) {
       const uint8_t* w = W + r * ld;
       const uint8_t* nx = r + dist < b ? W + (r + dist) * ld : nullptr;

@@ -144,7 +144,7 @@ inline int qgemm_q40(const uint8_t* W, int64_t ld, int64_t nrows, const QGroup* 
                      int64_t T, float* out, int64_t ldo, const uint8_t* need, int nt) {
   constexpr int64_t QT = 32;
   const int64_t dist = prefetch_dist(18 * nch) * 2;
-  return run_partitioned(nt, (nrows + 1) / 2, [&](int64_t a, int64_t b) -> int {
+  return run_dynamic(nt, (nrows + 1) / 2, 8, [&](int64_t a, int64_t b) -> int {
     a *= 2;
     b = 2 * b < nrows ? 2 * b : nrows;
     for (int64_t t0 = 0; t0 < T; t0 += QT) {

@@ -274,7 +274,7 @@ inline void quantize_act(int kind, const float* x, int64_t cols, QAct* out) {
   for (int64_t c = 0; c < nch; ++c) {
     const float* xb = x + 32 * c;
     QAct& a = out[c];
-    if (quant_act16(kind, xb, a)) continue;  // the same operations, 16 lanes at a time
+    if (quant_act_vec(kind, xb, a)) continue;  // the same operations in vectors
     float amax = 0.0f;
     for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
     const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;

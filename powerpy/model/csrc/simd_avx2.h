@@ -81,4 +81,39 @@ PP_ALWAYS_INLINE void dec_bytes(const U8x32& q, const Affine& f, vf* w) {
   w[3] = v_fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))), a1, b1);
 }
 
+// One 32-element chunk x rounded to Q8_0 / Q8_1: quantize_act's scalar loop, 8 lanes at a time
+// (the same max, scale, round-to-nearest-even and sums, so the same bytes); the lane sums ls come
+// from the bytes by a u8 x s8 dot with ones.
+inline bool quant_act_vec(int kind, const float* xb, QAct& a) {
+  const __m256 nz = _mm256_set1_ps(-0.0f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int u = 0; u < 4; ++u) {
+    v[u] = _mm256_loadu_ps(xb + 8 * u);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(nz, v[u]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const float d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+  const __m256 vid = _mm256_set1_ps(id);
+  __m256i q[4];
+  for (int u = 0; u < 4; ++u)
+    q[u] = _mm256_cvtps_epi32(
+        _mm256_round_ps(_mm256_mul_ps(v[u], vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it
+  const __m256i b = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)a.qs, b);
+  const __m256i ls =
+      _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), b), _mm256_set1_epi16(1));
+  _mm256_storeu_si256((__m256i*)a.ls, ls);
+  a.s0 = a.ls[0] + a.ls[1] + a.ls[2] + a.ls[3];
+  a.s1 = a.ls[4] + a.ls[5] + a.ls[6] + a.ls[7];
+  a.d = round_f16(d);
+  a.s = kind == ACT_Q8_1 ? round_f16(d * (float)(a.s0 + a.s1)) : a.d * (float)(a.s0 + a.s1);
+  return true;
+}
+
 }  // namespace

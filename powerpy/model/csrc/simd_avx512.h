@@ -74,8 +74,9 @@ PP_ALWAYS_INLINE void dec_bytes(const U8x32& q, const Affine& f, vf* w) {
 }
 
 // One 32-element chunk x rounded to Q8_0 / Q8_1 (quantize_act's scalar loop, 16 lanes at a time);
-// false where the build lacks AVX-512BW/VL (the caller's loop then runs).
-inline bool quant_act16(int kind, const float* xb, QAct& a) {
+// false where the build lacks AVX-512BW/VL (the caller's loop then runs; simd_avx2.h has the
+// 8-lane one).
+inline bool quant_act_vec(int kind, const float* xb, QAct& a) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));

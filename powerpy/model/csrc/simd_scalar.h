@@ -63,4 +63,7 @@ PP_ALWAYS_INLINE void dec_bytes(const U8x32& q, const Affine& f, vf* w) {
     w[j] = j < 16 ? std::fma((float)b[j], f.a0, f.b0) : std::fma((float)b[j], f.a1, f.b1);
 }
 
+// No vector rounding of activations: quantize_act's loop does it.
+inline bool quant_act_vec(int, const float*, QAct&) { return false; }
+
 }  // namespace

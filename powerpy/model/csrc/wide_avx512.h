@@ -84,7 +84,7 @@ int qgemm_wide(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const 
     sx[i] = xa[i].s;
   }
   const int64_t dist = prefetch_dist(row_bytes<DT>(cols));
-  int st = run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
+  int st = run_dynamic(nt, nrows, 16, [&](int64_t a, int64_t b) -> int {
     for (int64_t t0 = 0; t0 < T; t0 += QT) {
       const int64_t t1 = t0 + QT < T ? t0 + QT : T;
       for (int64_t r = a; r < b; ++r) {
