@@ -151,10 +151,13 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
   const float qs = qk_scale > 0.0f ? qk_scale : 1.0f / std::sqrt((float)hd);
   const float scale = scale_q ? 1.0f : qs, cap_inv = softcap > 0.0f ? 1.0f / softcap : 0.0f;
   const int nt = team_size(nthreads, T * S * nkv * 8 * group);
-  return run_partitioned(nt, T * n_head, [&](int64_t a, int64_t b) -> int {
-    std::vector<float> s(S), acc(64 * hd);
+  // jobs (token, head) in chunks handed out as threads finish, the last tokens' first: a causal
+  // prompt's later tokens see more cells (a fixed half each left one thread 3/4 of the work)
+  const int64_t jobs = T * n_head, lanes = (one_kqv ? 4 : 1) * GW;
+  return run_dynamic(nt, jobs, 1, [&](int64_t a, int64_t b) -> int {
+    std::vector<float> s(S), acc(lanes * hd);
     std::vector<uint16_t> q16(hd), p16(S);
-    for (int64_t job = a; job < b; ++job) {
+    for (int64_t job = jobs - b; job < jobs - a; ++job) {
       const int64_t i = job / n_head, h = job % n_head, n = p0 + i + 1;  // cells seen
       const int64_t off = h / group * hd;
       const float* qi = q + i * n_head * hd + h * hd;
@@ -171,7 +174,7 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
       // 0, and t % GW; the padding cells of llama.cpp's cache add zeros, which change no sum.
       float* o = out + i * n_head * hd + h * hd;
       if (kqv16(vc, nkv, off, hd, n, one_kqv, p16.data(), s.data(), o)) continue;
-      std::fill(acc.begin(), acc.end(), 0.0f);  // (4 GW lanes, hd): lane-major sums
+      std::fill(acc.begin(), acc.end(), 0.0f);  // (lanes, hd): lane-major sums
       for (int64_t t = 0; t < n; ++t) {
         const vf p = v_set1(half_to_float(p16[t]));
         float* ac = acc.data() + ((one_kqv ? (t / GW) % 4 * GW : 0) + t % GW) * hd;
