@@ -4,7 +4,8 @@
 // operations step by step (llama.cpp without flash attention), so that its logits equal
 // llama.cpp's bit for bit. Each step is one IEEE operation in ggml's order, written as loops over
 // GW lanes: ggml's vector width on this CPU (16 with AVX-512, 8 with AVX2), which sets its
-// summation orders. The 16-lane hooks (swiglu16, kq_cells16, ...) are numerics_avx512.h's.
+// summation orders. The 16-lane hooks (kq_cells16, ...) are numerics_avx512.h's; swiglu_vec is
+// also simd_avx2.h's (8 lanes).
 
 // y = x / sqrt(mean(x^2) + eps) * w, in ggml's order (squares summed in double).
 static void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
@@ -79,7 +80,7 @@ static inline void kv_axpy(float p, const void* c, int cdt, int64_t at, int64_t 
 
 // out[i] = silu(g[i]) * u[i] for i in [a, b), ggml's swiglu.
 inline void swiglu_range(const float* g, const float* u, int64_t a, int64_t b, float* out) {
-  int64_t i = swiglu16(g, u, a, b, out);
+  int64_t i = swiglu_vec(g, u, a, b, out);
   for (; i < b; ++i) out[i] = ggml_silu(g[i]) * u[i];
 }
 

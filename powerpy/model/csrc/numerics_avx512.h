@@ -23,7 +23,7 @@ inline __m512 ggml_expf16(__m512 x) {
 }
 
 // out[i] = silu(g[i]) * u[i] for i in [a, b), 16 at a time; returns where it stopped.
-inline int64_t swiglu16(const float* g, const float* u, int64_t a, int64_t b, float* out) {
+inline int64_t swiglu_vec(const float* g, const float* u, int64_t a, int64_t b, float* out) {
   int64_t i = a;
   const __m512 one = _mm512_set1_ps(1.0f);
   for (; i + 16 <= b; i += 16) {

@@ -14,7 +14,6 @@ inline float lanes_vreduce(const vf* acc) {
   return vreduce_gw(lanes);
 }
 
-inline int64_t swiglu16(const float*, const float*, int64_t a, int64_t, float*) { return a; }
 inline int64_t scale_max16(float*, int64_t, float, float&) { return 0; }
 inline bool exp16(const float*, int64_t, float, float*) { return false; }
 inline int64_t store_f16x16(const float*, int64_t, float, uint16_t*) { return 0; }
