@@ -31,8 +31,8 @@ typedef int (*attn_t)(const float*, const uint16_t*, const uint16_t*, int64_t, i
 typedef int (*attn_ext_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, float, int64_t, float*, int);
 typedef void (*gelut_t)(uint16_t*);
 typedef void (*softcap_t)(float*, int64_t, float);
-typedef void (*rms_t)(const float*, const float*, int64_t, int64_t, float, float*);
-typedef void (*lnorm_t)(const float*, const float*, const float*, int64_t, int64_t, float, float*);
+typedef void (*rms_t)(const float*, const float*, int64_t, int64_t, float, float*, int);
+typedef void (*lnorm_t)(const float*, const float*, const float*, int64_t, int64_t, float, float*, int);
 typedef void (*gelu_t)(const float*, int64_t, float*, int, int);
 typedef void (*swiglu_t)(const float*, const float*, int64_t, float*, int);
 typedef void (*tune_t)(int64_t, int64_t);
@@ -219,13 +219,13 @@ int main(int argc, char** argv) {
     auto w = vecn(n);
     std::vector<float> ra(3 * n), rb(3 * n);
     auto xx = vecn(3 * n);
-    A.rms(xx.data(), w.data(), 3, n, 1e-5f, ra.data());
-    B.rms(xx.data(), w.data(), 3, n, 1e-5f, rb.data());
+    A.rms(xx.data(), w.data(), 3, n, 1e-5f, ra.data(), 2);
+    B.rms(xx.data(), w.data(), 3, n, 1e-5f, rb.data(), 2);
     check("rms_norm", same(ra.data(), rb.data(), 4 * 3 * n), std::to_string(n));
     auto bias = vecn(n, 0.1f);
     for (int wb = 0; wb < 2; ++wb) {
-      A.lnorm(xx.data(), w.data(), wb ? bias.data() : nullptr, 3, n, 1e-5f, ra.data());
-      B.lnorm(xx.data(), w.data(), wb ? bias.data() : nullptr, 3, n, 1e-5f, rb.data());
+      A.lnorm(xx.data(), w.data(), wb ? bias.data() : nullptr, 3, n, 1e-5f, ra.data(), 2);
+      B.lnorm(xx.data(), w.data(), wb ? bias.data() : nullptr, 3, n, 1e-5f, rb.data(), 2);
       check("layer_norm", same(ra.data(), rb.data(), 4 * 3 * n), std::to_string(n));
     }
     for (int act = 0; act < 2; ++act) {

@@ -40,7 +40,7 @@ def layer_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, b: Tensor | None, eps: floa
     y = torch.empty_like(x)
     c.pp_layer_norm(
         x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
-        x.numel() // x.shape[-1], x.shape[-1], eps, y.data_ptr(),
+        x.numel() // x.shape[-1], x.shape[-1], eps, y.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return y
 
@@ -50,8 +50,9 @@ def rms_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, eps: float) -> Tensor:
     x, w = x.contiguous(), w.float().contiguous()
     y = torch.empty_like(x)
     c.pp_rms_norm(
-        x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, y.data_ptr()
-    )
+        x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
     return y
 
 

@@ -43,7 +43,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 # dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -130,9 +130,9 @@ _SIGNATURES = {
     "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i32], _i32),
     # … , scale, scale_q, softcap, window, out, nthreads
     "pp_attn_ext": ([_p, _p, _p, *[_i64] * 5, _f, _i32, _f, _i64, _p, _i32], _i32),
-    "pp_layer_norm": ([_p, _p, _p, _i64, _i64, _f, _p], None),  # x, w, b, T, n, eps, y
+    "pp_layer_norm": ([_p, _p, _p, _i64, _i64, _f, _p, _i32], None),  # x, w, b, T, n, eps, y, nt
     "pp_gelu": ([_p, _i64, _p, _i32, _i32], None),  # x, n, y, act, nthreads
-    "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p], None),  # x, w, T, n, eps, y
+    "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p, _i32], None),  # x, w, T, n, eps, y, nthreads
     "pp_softcap": ([_p, _i64, _f], None),  # x (in place), n, cap
     "pp_gelu_table": ([_p], None),  # out (65536 f16 bit patterns)
     "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads

@@ -223,15 +223,22 @@ void pp_softcap(float* x, int64_t n, float cap) {
 }
 
 // y[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for T rows of n (ggml's rms_norm, then mul).
-void pp_rms_norm(const float* x, const float* w, int64_t T, int64_t n, float eps, float* y) {
-  for (int64_t t = 0; t < T; ++t) rms_norm(x + t * n, w, n, eps, y + t * n);
+void pp_rms_norm(const float* x, const float* w, int64_t T, int64_t n, float eps, float* y,
+                 int nthreads) {
+  run_partitioned(team_size(nthreads, T * n * 64), T, [&](int64_t a, int64_t b) -> int {
+    for (int64_t t = a; t < b; ++t) rms_norm(x + t * n, w, n, eps, y + t * n);
+    return 0;
+  });
 }
 
 // y[t] = (x[t] - mean) / sqrt(var + eps) * w + b for T rows of n (ggml's norm, mul, add; b may be
 // null).
 void pp_layer_norm(const float* x, const float* w, const float* b, int64_t T, int64_t n, float eps,
-                   float* y) {
-  for (int64_t t = 0; t < T; ++t) layer_norm(x + t * n, w, b, n, eps, y + t * n);
+                   float* y, int nthreads) {
+  run_partitioned(team_size(nthreads, T * n * 64), T, [&](int64_t t0, int64_t t1) -> int {
+    for (int64_t t = t0; t < t1; ++t) layer_norm(x + t * n, w, b, n, eps, y + t * n);
+    return 0;
+  });
 }
 
 // y = GELU(x) for n values: ggml's (its f16 table) with act, else the erf form (y may be x).
