@@ -226,13 +226,13 @@ def test_an_opt_file_without_positions_or_a_bias_is_refused(tmp_path):
 def test_a_bias_the_family_lacks_is_refused(tmp_path):
     spec = TinySpec()
     t = tiny_tensors(spec, sparse=True)
-    t[bias_name(Names.ATTN_Q.format(l=0))] = np.zeros(64, np.float32)
+    t[bias_name(Names.ATTN_NORM.format(l=0))] = np.zeros(64, np.float32)  # RMSNorm has none
     _refused(
         tmp_path,
         spec,
         t,
         ModelConfigError,
-        r"tensor 'blk\.0\.attn_q\.bias' is a bias that llama models do not have",
+        r"tensor 'blk\.0\.attn_norm\.bias' is a bias that llama models do not have",
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from powerpy.errors import ModelConfigError, shown
-from powerpy.formats.constants import Keys
+from powerpy.formats.constants import Keys, Names
 
 
 class FFNVariant(str, enum.Enum):
@@ -115,7 +115,8 @@ class LayerTensor:
     A matrix's bias, ``{name}.bias`` of shape (rows,), is read with it whenever the file has
     one (``bias="optional"``), must be there (``"required"``), or is refused (``"none"``). A
     vector's bias is the norm's (LayerNorm). ``optional`` tensors may be absent (the field is
-    then None)."""
+    then None). A part of a fused matrix (``part_of``: the fused one's field) is read from the
+    file where the fused one is absent, else it is a row view of it (``qkv_block``)."""
 
     field: str
     name: str
@@ -127,6 +128,33 @@ class LayerTensor:
     # a fused matrix read as row views: (field, rows as a ModelArgs dimension) per part, in
     # order (falcon's and phi3's attn_qkv -> attn_q, attn_k, attn_v; phi3's ffn_up -> gate, up)
     split: tuple[tuple[str, str], ...] = ()
+    # the field of the fused matrix this one is a row block of (attn_q, attn_k, attn_v:
+    # "attn_qkv"); a file holds either the fused matrix or each part as its own tensor
+    part_of: str = ""
+
+
+# attn_qkv's row blocks: q, then k, then v
+QKV_SPLIT = (("attn_q", "n_embd_q"), ("attn_k", "n_embd_gqa"), ("attn_v", "n_embd_gqa"))
+
+
+def qkv_block(fused: bool = False) -> tuple[LayerTensor, ...]:
+    """The attention projections as llama.cpp's loader takes them for llama, qwen2/3, gemma2/3
+    and phi3 (``create_tensor_qkv``): ``attn_q``, ``attn_k`` and ``attn_v``, or one fused
+    ``attn_qkv`` (q rows, then k, then v) read as row views of the three. Each has an optional
+    bias; a fused matrix takes its own bias or the three parts' (llama.cpp adds either).
+    ``fused``: the family's converter writes the fused matrix (phi3), so the parts are the
+    optional layout (``optional`` marks the layout files seldom have: the tiny test files
+    leave it out); the loader takes either."""
+    part = dict(bias="optional", part_of="attn_qkv", optional=fused)
+    return (
+        LayerTensor(
+            "attn_qkv", Names.ATTN_QKV, ("n_embd_qkv", "n_embd"), optional=not fused,
+            bias="optional", split=QKV_SPLIT,
+        ),
+        LayerTensor("attn_q", Names.ATTN_Q, ("n_embd_q", "n_embd"), **part),
+        LayerTensor("attn_k", Names.ATTN_K, ("n_embd_gqa", "n_embd"), **part),
+        LayerTensor("attn_v", Names.ATTN_V, ("n_embd_gqa", "n_embd"), **part),
+    )  # fmt: skip
 
 
 # The dense FFN's matrices (``Block`` fields) that a mixture of experts replaces, with the down
@@ -214,3 +242,7 @@ class Family:
     experts: tuple[LayerTensor, ...] = ()
     moe_required: bool = False
     expert_ff_key: str | None = None
+
+    def has_parts(self, field: str) -> bool:
+        """Whether the fused matrix ``field`` may come as its parts' own tensors instead."""
+        return any(t.part_of == field for t in self.block)

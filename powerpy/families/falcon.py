@@ -11,10 +11,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from powerpy.errors import ModelConfigError, shown
-from powerpy.families.base import Family, FFNVariant, LayerTensor, Norm, Residual, Rope
+from powerpy.families.base import (
+    QKV_SPLIT,
+    Family,
+    FFNVariant,
+    LayerTensor,
+    Norm,
+    Residual,
+    Rope,
+)
 from powerpy.formats.constants import Keys, Names
 
-QKV_SPLIT = (("attn_q", "n_embd_q"), ("attn_k", "n_embd_gqa"), ("attn_v", "n_embd_gqa"))
 BLOCK = (
     LayerTensor("attn_norm", Names.ATTN_NORM, ("n_embd",), bias="required"),
     LayerTensor("attn_norm_2", Names.ATTN_NORM_2, ("n_embd",), optional=True, bias="required"),

@@ -10,14 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from powerpy.families.base import Family, FFNVariant, LayerTensor, Rope, gated_ffn
+from powerpy.families.base import Family, FFNVariant, LayerTensor, Rope, gated_ffn, qkv_block
 from powerpy.formats.constants import Keys, Names
 
 _BLOCK = (
     LayerTensor("attn_norm", Names.ATTN_NORM, ("n_embd",)),
-    LayerTensor("attn_q", Names.ATTN_Q, ("n_embd_q", "n_embd")),
-    LayerTensor("attn_k", Names.ATTN_K, ("n_embd_gqa", "n_embd")),
-    LayerTensor("attn_v", Names.ATTN_V, ("n_embd_gqa", "n_embd")),
+    *qkv_block(),
     LayerTensor("attn_output", Names.ATTN_OUTPUT, ("n_embd", "n_embd_q")),
     LayerTensor("post_attention_norm", Names.POST_ATTN_NORM, ("n_embd",)),
     LayerTensor("ffn_norm", Names.FFN_NORM, ("n_embd",)),

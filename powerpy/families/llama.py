@@ -8,15 +8,13 @@ key for llama files), so a Mistral GGUF runs in powerpy as it runs in llama.cpp.
 
 from __future__ import annotations
 
-from powerpy.families.base import Family, FFNVariant, LayerTensor, gated_ffn
+from powerpy.families.base import Family, FFNVariant, LayerTensor, gated_ffn, qkv_block
 from powerpy.families.experts import EXPERTS
 from powerpy.formats.constants import Names
 
 BLOCK = (
     LayerTensor("attn_norm", Names.ATTN_NORM, ("n_embd",)),
-    LayerTensor("attn_q", Names.ATTN_Q, ("n_embd_q", "n_embd")),
-    LayerTensor("attn_k", Names.ATTN_K, ("n_embd_gqa", "n_embd")),
-    LayerTensor("attn_v", Names.ATTN_V, ("n_embd_gqa", "n_embd")),
+    *qkv_block(),
     LayerTensor("attn_output", Names.ATTN_OUTPUT, ("n_embd", "n_embd_q")),
     LayerTensor("ffn_norm", Names.FFN_NORM, ("n_embd",)),
     LayerTensor("ffn_gate", Names.FFN_GATE, ("n_ff", "n_embd")),

@@ -1,19 +1,19 @@
 """Phi-3 (GGUF arch ``phi3``): LLaMA-like blocks with one fused ``attn_qkv`` (q, then k, then v
-rows) and one fused ``ffn_up`` holding the gate rows, then the up rows (SwiGLU), NeoX RoPE, and
-the long/short RoPE factors (``rope_factors_long``/``_short``) of the long-context models. As
-llama.cpp does, the file's sliding window is not applied."""
+rows; separate ``attn_q``/``attn_k``/``attn_v`` load too, as in llama.cpp) and one fused
+``ffn_up`` holding the gate rows, then the up rows (SwiGLU), NeoX RoPE, and the long/short RoPE
+factors (``rope_factors_long``/``_short``) of the long-context models. As llama.cpp does, the
+file's sliding window is not applied."""
 
 from __future__ import annotations
 
-from powerpy.families.base import Family, FFNVariant, LayerTensor, Rope, gated_ffn
-from powerpy.families.falcon import QKV_SPLIT
+from powerpy.families.base import Family, FFNVariant, LayerTensor, Rope, gated_ffn, qkv_block
 from powerpy.formats.constants import Names
 
 FAMILY = Family(
     arch="phi3",
     block=(
         LayerTensor("attn_norm", Names.ATTN_NORM, ("n_embd",)),
-        LayerTensor("attn_qkv", Names.ATTN_QKV, ("n_embd_qkv", "n_embd"), split=QKV_SPLIT),
+        *qkv_block(fused=True),
         LayerTensor("attn_output", Names.ATTN_OUTPUT, ("n_embd", "n_embd_q")),
         LayerTensor("ffn_norm", Names.FFN_NORM, ("n_embd",)),
         LayerTensor(

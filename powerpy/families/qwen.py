@@ -12,14 +12,9 @@ from powerpy.families.experts import EXPERTS
 from powerpy.families.llama import BLOCK as LLAMA_BLOCK
 from powerpy.formats.constants import Keys, Names
 
-_QKV = ("attn_q", "attn_k", "attn_v")
-
 QWEN2 = Family(
     arch="qwen2",
-    block=tuple(
-        LayerTensor(t.field, t.name, t.shape, bias="required") if t.field in _QKV else t
-        for t in LLAMA_BLOCK
-    ),
+    block=LLAMA_BLOCK,
     ffn_variant=gated_ffn(FFNVariant.SWIGLU),
     rope=Rope.NEOX,
 )

@@ -209,8 +209,18 @@ def load_weights(
             name = t.name.format(l=l)
             if args.moe and t.field in DENSE_FFN:
                 continue  # the experts replace them
-            if t.optional and name not in gf.tensors:
+            if t.part_of and t.part_of in fields:  # a row view of the fused matrix (below)
+                _check_part(gf, fam, t, l)
                 continue
+            if name not in gf.tensors and (t.optional or fam.has_parts(t.field)):
+                continue  # absent: None, or the parts are read instead
+            if t.part_of and name not in gf.tensors:
+                fused = next(f.name for f in fam.block if f.field == t.part_of).format(l=l)
+                raise FileFormatError(
+                    f"{gf.path}: tensor {name!r} is missing, and so is the fused {fused!r} that "
+                    "would hold it; the file is incomplete or its block_count is wrong: "
+                    "re-convert the model"
+                )
             shape = tuple(getattr(args, dim) for dim in t.shape)
             if len(shape) == 1:
                 fields[t.field] = src.vector(name, *shape)
@@ -226,6 +236,7 @@ def load_weights(
                 sizes = tuple(getattr(args, dim) for _, dim in t.split)
                 parts = _split_rows(fields.pop(t.field), sizes)
                 fields.update(zip((f for f, _ in t.split), parts, strict=True))
+                fields.update(_part_biases(src, fam, t, l, fields))
         if args.moe:
             blocks.append(_moe_block(src, args, l, fields, _native(args, fields)))
             continue
@@ -349,6 +360,48 @@ def _bias(src: _TensorSource, weight: str, n: int, rule: str) -> torch.Tensor | 
             "file is of another architecture or corrupt: re-convert the model"
         )
     return src.vector(name, n)
+
+
+def _check_part(gf: GGUFFile, fam, part, l: int) -> None:
+    """Refuse layer ``l``'s own ``part`` matrix where the file also holds the fused one.
+
+    Raises:
+        ModelConfigError: naming both tensors.
+    """
+    name = part.name.format(l=l)
+    if name in gf.tensors:
+        fused = next(f.name for f in fam.block if f.field == part.part_of).format(l=l)
+        raise ModelConfigError(
+            f"{gf.path}: layer {l} holds both {fused!r} and {name!r}, one of its row blocks; a "
+            "file holds the fused matrix or its parts, not both: re-convert the model"
+        )
+
+
+def _part_biases(src: _TensorSource, fam, fused, l: int, fields: dict) -> dict:
+    """The biases of the parts' own tensors (``attn_q.bias``...) for the row views of ``fused``
+    that has none of its own: all of them or none, as llama.cpp adds them.
+
+    Raises:
+        ModelConfigError: a fused matrix with a bias of its own and its parts', or with only
+            some of the parts' biases.
+    """
+    parts = [t for t in fam.block if t.part_of == fused.field]
+    names = [bias_name(t.name.format(l=l)) for t in parts]
+    have = [n for n in names if n in src.gf.tensors]
+    if not have:
+        return {}
+    whole = bias_name(fused.name.format(l=l))
+    if whole in src.gf.tensors or len(have) < len(names):
+        why = f"and its own {whole!r}" if whole in src.gf.tensors else f"but not {names}"
+        raise ModelConfigError(
+            f"{src.gf.path}: layer {l}'s fused {fused.name.format(l=l)!r} has the biases {have} "
+            f"{why}; llama.cpp adds the fused bias or all three: re-convert the model"
+        )
+    out = {}
+    for t in parts:
+        w = fields[t.field]
+        out[t.field] = _with_bias(w, _bias(src, t.name.format(l=l), w.shape[0], t.bias))
+    return out
 
 
 def _with_bias(w: Weight, bias: torch.Tensor | None) -> Weight:

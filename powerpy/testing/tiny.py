@@ -67,6 +67,8 @@ def tiny_tensors(
         for lt in fam.block:
             if args.moe and lt.field in DENSE_FFN:
                 continue
+            if lt.optional and (lt.part_of or fam.has_parts(lt.field)):
+                continue  # the other layout of a fused matrix, which files seldom have
             name, shape = lt.name.format(l=l), tuple(getattr(args, x) for x in lt.shape)
             t[name] = norm(*shape) if len(shape) == 1 else mat(*shape)
             if lt.bias == "required":  # optional biases are left out, as most files do
