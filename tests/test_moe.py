@@ -383,6 +383,18 @@ def test_expert_tensors_without_a_count_and_experts_where_none_belong(tmp_path):
         load(tmp_path / "q.gguf")
 
 
+def test_the_first_mixtral_layout_of_one_tensor_per_expert_is_refused_by_name(tmp_path):
+    def per_expert(t):
+        for kind in ("gate", "up", "down"):
+            stack = t.pop(f"blk.1.ffn_{kind}_exps.weight")
+            t.update({f"blk.1.ffn_{kind}.{e}.weight": stack[e] for e in range(len(stack))})
+
+    _refused(tmp_path, SPEC, ModelConfigError,
+             r"tensor 'blk\.1\.ffn_(gate|up|down)\.0\.weight' holds one expert of a mixture "
+             r"of experts on its own, the layout of the first Mixtral GGUFs.*download a newer "
+             r"conversion", edit=per_expert)  # fmt: skip
+
+
 def test_a_pwri_file_with_experts_and_a_placement_of_a_plain_gguf_are_refused(q8, tmp_path):
     write_tiny_model(tmp_path / "m.powerinfer.gguf", SPEC, sparse=True)
     with pytest.raises(ModelConfigError, match=r"a PowerInfer \(PWRI\) file with 8 experts"):

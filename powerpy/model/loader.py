@@ -439,6 +439,8 @@ _LAYOUT_BASES = {
 }  # fmt: skip
 _LAYER_TENSOR = re.compile(r"blk\.\d+\.([a-z_0-9]+)\.(weight|bias)")
 _EXPERT_BASES = {"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+# the first Mixtral GGUFs' layout: one 2-D tensor per expert (blk.N.ffn_gate.E.weight)
+_ONE_PER_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
 
 
 def _check_foreign(gf: GGUFFile, fam, moe: bool = False) -> None:
@@ -453,6 +455,14 @@ def _check_foreign(gf: GGUFFile, fam, moe: bool = False) -> None:
     if moe:
         own = (own - set(DENSE_FFN) - {"ffn_down", "ffn_down_t"}) | _EXPERT_BASES
     for name in gf.tensors:
+        if _ONE_PER_EXPERT.fullmatch(name):
+            raise ModelConfigError(
+                f"{gf.path}: tensor {name!r} holds one expert of a mixture of experts on its "
+                "own, the layout of the first Mixtral GGUFs, which llama.cpp no longer loads "
+                "either; powerpy reads the experts of a layer as one stack "
+                "(ffn_gate_exps, ffn_up_exps, ffn_down_exps): download a newer conversion of "
+                "the model, or re-convert it"
+            )
         m = _LAYER_TENSOR.fullmatch(name)
         if m and m.group(1) in _EXPERT_BASES and not moe and fam.experts:
             key = Keys.EXPERT_COUNT.format(arch=fam.arch)
