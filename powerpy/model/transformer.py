@@ -315,11 +315,16 @@ class Model:
         plan = None
         if one and not check and stack_decode.usable(step.caches[0], opts):
             plan = stack_decode.plan_for(self, opts)
+        # a prompt whose last position alone needs logits: the last layer's FFN runs for that
+        # row only, as llama.cpp's graphs do (each row's FFN is its own, so its value is the
+        # same); not while an observer or the stats watch every row's FFN
+        tail = not all_logits and not one and opts.observer is None and opts.stats is None
         for l, blk in enumerate(w.blk):
             if plan is not None and l == plan.first:
                 x = plan.run(a, self._to(x, HOST), step.caches[0], rots, thr, opts)
                 break
-            x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check)
+            last = tail and l == len(w.blk) - 1
+            x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check, last)
         step.advance()
         if not all_logits:
             x = x[-1:]
@@ -343,12 +348,14 @@ class Model:
         opts: RunOptions,
         ffn_mode: str,
         check: bool,
+        last_row: bool = False,
     ) -> Tensor:
         """One block: x (T, n_embd) the residual stream -> after the block, by the family's
-        residual layout. Each step runs where its weights are and the residual stream follows
-        (no move when the tensor is already there, e.g. CPU-only)."""
+        residual layout (``last_row``: the last row only, (1, n_embd): its FFN alone runs).
+        Each step runs where its weights are and the residual stream follows (no move when
+        the tensor is already there, e.g. CPU-only)."""
         if self.args.family.residual is Residual.PARALLEL:
-            return self._parallel_block(l, blk, x, step, rot, thr, opts, ffn_mode, check)
+            return self._parallel_block(l, blk, x, step, rot, thr, opts, ffn_mode, check, last_row)
         a, one = self.args, x.shape[0] == 1
         x = self._to(x, blk.attn_norm.device)
         with phase(opts.timer, "attention"):
@@ -359,6 +366,8 @@ class Model:
                 if blk.post_attention_norm is not None:
                     att = self.norm(att, blk.post_attention_norm)
                 h = x + att
+        if last_row:
+            h = h[-1:]
         if check:
             _check_finite(h, f"blk.{l}", "attention (attn_norm, attn_q/k/v/output)")
         with phase(opts.timer, "ffn"):
@@ -388,9 +397,11 @@ class Model:
         opts: RunOptions,
         ffn_mode: str,
         check: bool,
+        last_row: bool = False,
     ) -> Tensor:
         """x + attn(norm2(x)) + ffn(norm(x)): attn_norm feeds the FFN, and attention too
-        unless the block has its own attn_norm_2; the predictor reads x (T, n_embd)."""
+        unless the block has its own attn_norm_2; the predictor reads x (T, n_embd)
+        (``last_row``: see :meth:`_block`)."""
         a, one, x = self.args, x.shape[0] == 1, self._to(x, blk.attn_norm.device)
         with phase(opts.timer, "attention"):  # one token on the host: native blocks
             h = attention_block(l, blk, x, step.caches[0], rot, a) if one else None  # x + att
@@ -399,6 +410,8 @@ class Model:
                 norm_2 = blk.attn_norm_2
                 xa = xn if norm_2 is None else self.norm(x, norm_2, blk.attn_norm_2_b)
                 h = x + self._to(self.attention(l, blk, xa, step, rot), x.device)
+        if last_row:
+            x, h = x[-1:], h[-1:]
         if check:
             _check_finite(h, f"blk.{l}", "attention (attn_norm(_2), attn_qkv/output)")
         with phase(opts.timer, "ffn"):

@@ -234,12 +234,28 @@ def gemma_norms(d: Draft, rng: np.random.Generator) -> str:
 @mutation("arch")
 @_archs("phi3")
 def phi3_tensors(d: Draft, rng: np.random.Generator) -> str:
-    """The fused ffn_up or attn_qkv of another height; separate q/k/v or a gate beside them
-    (not phi3's layout); a RoPE factor table missing, of another length, 2-D, zero, negative
-    or non-finite."""
+    """The fused ffn_up or attn_qkv of another height; attn_q beside the fused attn_qkv (both
+    layouts) or a gate beside the fused ffn_up; attn_qkv split into attn_q/k/v (the other
+    layout llama.cpp loads), whole or with a part dropped; a RoPE factor table missing, of
+    another length, 2-D, zero, negative or non-finite."""
     l = int(rng.integers(SPEC.n_layer))
-    kind = pick(rng, ("up", "qkv", "foreign", "factors", "factors"))
+    kind = pick(rng, ("up", "qkv", "foreign", "split", "factors", "factors"))
     d_, ff = SPEC.n_embd, SPEC.n_ff
+    if kind == "split":
+        t = d.tensor(Names.ATTN_QKV.format(l=l))
+        n_kv = (t.shape[0] - d_) // 2
+        rows = np.asarray(t.data).reshape(t.shape[0], -1)
+        parts = zip((Names.ATTN_Q, Names.ATTN_K, Names.ATTN_V), (0, d_, d_ + n_kv),
+                    (d_, d_ + n_kv, t.shape[0]), strict=True)  # fmt: skip
+        i = d.tensors.index(t)
+        d.tensors[i : i + 1] = [
+            Tensor(n.format(l=l), np.ascontiguousarray(rows[a:b]), t.ggml_type, (b - a, d_))
+            for n, a, b in parts
+        ]
+        drop = pick(rng, (None, None, 0, 1, 2))
+        if drop is not None:
+            del d.tensors[i + drop]
+        return f"{t.name} split{'' if drop is None else f', part {drop} dropped'}"
     if kind in ("up", "qkv"):
         t = d.tensor((Names.FFN_UP if kind == "up" else Names.ATTN_QKV).format(l=l))
         rows = pick(rng, (ff, 2 * ff - 1, 2 * ff + 1, 3 * ff) if kind == "up"
