@@ -123,6 +123,8 @@ def test_fused_views_carry_the_biases(files):
         ("both", ModelConfigError, ("holds both", "blk.0.attn_qkv.weight", "blk.0.attn_k.weight")),
         ("part-missing", FileFormatError,
          ("blk.1.attn_v.weight' is missing", "so is the fused 'blk.1.attn_qkv.weight'")),
+        ("phi3-part-missing", FileFormatError,
+         ("blk.1.attn_v.weight' is missing", "so is the fused 'blk.1.attn_qkv.weight'")),
         ("some-part-biases", ModelConfigError,
          ("blk.0.attn_qkv.weight", "blk.0.attn_q.bias", "all three")),
         ("fused-and-part-biases", ModelConfigError, ("its own 'blk.0.attn_qkv.bias'",)),
@@ -133,6 +135,9 @@ def test_bad_layouts_name_the_tensors(case, error, words, files, tmp_path):
     if case == "both":
         relayout(src, out, fuse=True, keep=("blk.0.attn_k.weight",))
     elif case == "part-missing":
+        relayout(src, out, fuse=False, drop=("blk.1.attn_v.weight",))
+    elif case == "phi3-part-missing":  # phi3's parts are its optional layout
+        src = files["phi3-split"]
         relayout(src, out, fuse=False, drop=("blk.1.attn_v.weight",))
     elif case == "some-part-biases":
         relayout(src, out, fuse=True, part_biases=True, drop=("blk.0.attn_v.bias",))

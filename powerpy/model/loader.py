@@ -212,8 +212,6 @@ def load_weights(
             if t.part_of and t.part_of in fields:  # a row view of the fused matrix (below)
                 _check_part(gf, fam, t, l)
                 continue
-            if name not in gf.tensors and (t.optional or fam.has_parts(t.field)):
-                continue  # absent: None, or the parts are read instead
             if t.part_of and name not in gf.tensors:
                 fused = next(f.name for f in fam.block if f.field == t.part_of).format(l=l)
                 raise FileFormatError(
@@ -221,6 +219,8 @@ def load_weights(
                     "would hold it; the file is incomplete or its block_count is wrong: "
                     "re-convert the model"
                 )
+            if name not in gf.tensors and (t.optional or fam.has_parts(t.field)):
+                continue  # absent: None, or the parts are read instead
             shape = tuple(getattr(args, dim) for dim in t.shape)
             if len(shape) == 1:
                 fields[t.field] = src.vector(name, *shape)

@@ -1,0 +1,87 @@
+"""powerpy's one-token K-quant dot products against ggml's own (llama.cpp's ``vec_dot`` of the
+weight type, called through the ggml library llama-cpp-python ships): Q4_K, Q5_K and Q6_K rows that
+ggml's quantizer made from random floats, times activations ggml rounded to Q8_K, give the same
+float bits in powerpy's GEMV and GLU as in ggml (super-block kernels in ggml's order,
+``csrc/k_quants_avx2.h``, on AVX2 builds)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from powerpy.families.base import FFNVariant
+from powerpy.formats.constants import TYPE_TRAITS, GGMLType
+from powerpy.model import kernels
+from powerpy.model.kernels import Matrix
+
+pytestmark = pytest.mark.llama_cpp
+
+FROM_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+VEC_DOT = ctypes.CFUNCTYPE(
+    None, ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.c_void_p,
+    ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+)  # fmt: skip
+
+
+class _Traits(ctypes.Structure):  # ggml-cpu.h: struct ggml_type_traits_cpu
+    _fields_ = [
+        ("from_float", ctypes.c_void_p),
+        ("vec_dot", ctypes.c_void_p),
+        ("vec_dot_type", ctypes.c_int),
+        ("nrows", ctypes.c_int64),
+    ]
+
+
+@pytest.fixture(scope="module")
+def ggml(llama_cpp):
+    lib = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
+    ctypes.CDLL(os.path.join(lib, "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu = ctypes.CDLL(os.path.join(lib, "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    cpu.ggml_get_type_traits_cpu.restype = ctypes.POINTER(_Traits)
+    cpu.ggml_cpu_init()
+    return cpu
+
+
+def _quantize(traits: _Traits, x: np.ndarray, row_bytes: int) -> np.ndarray:
+    out = np.zeros(row_bytes, np.uint8)
+    FROM_FLOAT(traits.from_float)(x.ctypes.data, out.ctypes.data, x.size)
+    return out
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K])
+def test_k_quant_dots_equal_ggmls(ggml, qtype):
+    lib = kernels.library()
+    if lib is None or lib.simd not in ("AVX2", "AVX-512"):
+        pytest.skip("needs the native kernels on an AVX2 (or wider) build")
+    rng = np.random.default_rng(int(qtype))
+    cols, rows = 1024, 24
+    tr = TYPE_TRAITS[qtype]
+    rb = cols // tr.block_size * tr.type_size
+    traits = ggml.ggml_get_type_traits_cpu(int(qtype)).contents
+    act = ggml.ggml_get_type_traits_cpu(traits.vec_dot_type).contents
+    w = np.stack([_quantize(traits, (rng.standard_normal(cols) * 0.05).astype(np.float32), rb)
+                  for _ in range(rows)])  # fmt: skip
+    raw = torch.from_numpy(w)
+    m = Matrix.of_quant(raw, qtype, cols)
+    for scale in (0.01, 1.0, 30.0):
+        x = (rng.standard_normal(cols) * scale).astype(np.float32)
+        xq = _quantize(act, x, 2 * cols)  # Q8_K: 292 bytes per 256 values
+        want = np.zeros(rows, np.float32)
+        for r in range(rows):
+            s = ctypes.c_float()
+            VEC_DOT(traits.vec_dot)(cols, ctypes.byref(s), 0, w[r].ctypes.data, 0,
+                                    xq.ctypes.data, 0, 1)  # fmt: skip
+            want[r] = s.value
+        got = lib.gather_gemv(m, torch.from_numpy(x), torch.arange(rows)).numpy()
+        assert got.tobytes() == want.tobytes(), (qtype.name, scale, got[:4], want[:4])
+        # GLU: gate and up rows through the same dot (ReGLU: relu(g) * u, exact in f32)
+        half = rows // 2
+        gate = Matrix.of_quant(raw[:half], qtype, cols)
+        up = Matrix.of_quant(raw[half:], qtype, cols)
+        h = lib.glu(gate, up, torch.from_numpy(x), torch.arange(half), FFNVariant.REGLU).numpy()
+        expect = np.maximum(want[:half], 0) * want[half:]
+        assert h.tobytes() == expect.astype(np.float32).tobytes()
