@@ -1,8 +1,8 @@
-"""powerpy's one-token K-quant dot products against ggml's own (llama.cpp's ``vec_dot`` of the
-weight type, called through the ggml library llama-cpp-python ships): Q4_K, Q5_K and Q6_K rows that
+"""powerpy's K-quant dot products against ggml's own (llama.cpp's ``vec_dot`` of the weight
+type, called through the ggml library llama-cpp-python ships): Q4_K, Q5_K and Q6_K rows that
 ggml's quantizer made from random floats, times activations ggml rounded to Q8_K, give the same
-float bits in powerpy's GEMV and GLU as in ggml (super-block kernels in ggml's order,
-``csrc/k_quants_avx2.h``, on AVX2 builds)."""
+float bits in powerpy's GEMV, GLU and prompt GEMM as in ggml (super-block kernels in ggml's
+order, ``csrc/k_quants_avx2.h``, on AVX2 builds)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,17 @@ def test_k_quant_dots_equal_ggmls(ggml, qtype):
             want[r] = s.value
         got = lib.gather_gemv(m, torch.from_numpy(x), torch.arange(rows)).numpy()
         assert got.tobytes() == want.tobytes(), (qtype.name, scale, got[:4], want[:4])
+        # a prompt's GEMM: every token's row sums in the same order (tiles of 4, 3, 2, 1)
+        xs = np.stack([x * (1 + 0.1 * t) for t in range(7)])
+        want_t = np.zeros((7, rows), np.float32)
+        for t in range(7):
+            xq_t = _quantize(act, xs[t], 2 * cols)
+            for r in range(rows):
+                s = ctypes.c_float()
+                VEC_DOT(traits.vec_dot)(cols, ctypes.byref(s), 0, w[r].ctypes.data, 0,
+                                        xq_t.ctypes.data, 0, 1)  # fmt: skip
+                want_t[t, r] = s.value
+        assert lib.gemm(m, torch.from_numpy(xs)).numpy().tobytes() == want_t.tobytes()
         # GLU: gate and up rows through the same dot (ReGLU: relu(g) * u, exact in f32)
         half = rows // 2
         gate = Matrix.of_quant(raw[:half], qtype, cols)
