@@ -64,12 +64,17 @@ CASES = {  # name: (spec, matrix type, bit-identical)
 }
 
 
+# the files' seeds: 2, or one whose greedy run has no near tie where the engines' numerics differ
+# (mixtral-q4_k at seed 2: llama.cpp's winner at step 3 led by 0.1% of the logit spread)
+SEEDS = {"mixtral-q4_k": 8}
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, llama_cpp, tmp_path_factory):
     """(name, bit-identical, llama.cpp, powerpy) on one tiny MoE file."""
     spec, dtype, exact = CASES[request.param]
     path = tmp_path_factory.mktemp("moe") / f"{request.param}.gguf"
-    write_gguf_py(path, spec, dtype, seed=2)
+    write_gguf_py(path, spec, dtype, seed=SEEDS.get(request.param, 2))
     ref = llama_cpp.Llama(
         model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
     )

@@ -36,39 +36,60 @@ inline __m256i scales_mins_k4(const uint8_t* p) {
 // results have the same bits as decode's. Token t reads its chunks a[t] and 16-element sums
 // bs[t], and writes out[t * ldo]; the row nx (may be null) is prefetched.
 
-// Q4_K row (nsb super-blocks of 144 bytes: f16 d, f16 dmin, scales[12], qs[128]).
-struct DotQ4K {
+// Q4_K rows (144 bytes a super-block: f16 d, f16 dmin, scales[12], qs[128]) and Q5_K rows
+// (Q5 = true; 176 bytes: the same and qh[32] before qs): the low nibbles of 32 bytes are one
+// sub-block's values, the high nibbles the next one's; Q5_K adds bit 2 j (low) or 2 j + 1 (high)
+// of qh as bit 4. The mins' term is a 4-lane sum (Q4_K) or a scalar sum per row (Q5_K), as in
+// ggml's two kernels.
+template <bool Q5>
+struct DotQ45K {
+  static constexpr int TS = Q5 ? 176 : 144, QS = Q5 ? 48 : 16;
   template <int N>
   static void run(const uint8_t* w, const QAct* const* a0, const int16_t* const* b0, int64_t nsb,
                   const uint8_t* nx, float* out, int64_t ldo) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
     const QAct* a[N];
     const int16_t* bs[N];
     __m256 acc[N];
-    __m128 acc_m[N];
+    __m128 acc_m[N];  // Q4_K
+    float summs[N];   // Q5_K
     for (int t = 0; t < N; ++t) {
       a[t] = a0[t], bs[t] = b0[t];
-      acc[t] = _mm256_setzero_ps(), acc_m[t] = _mm_setzero_ps();
+      acc[t] = _mm256_setzero_ps(), acc_m[t] = _mm_setzero_ps(), summs[t] = 0.0f;
     }
-    for (int64_t i = 0; i < nsb; ++i, w += 144) {
+    for (int64_t i = 0; i < nsb; ++i, w += TS) {
       if (nx)
-        for (int b = 0; b < 144; b += 64) prefetch_l2(nx + 144 * i + b);
+        for (int b = 0; b < TS; b += 64) prefetch_l2(nx + TS * i + b);
       const float wd = half_to_float(load_u16(w)), wm = half_to_float(load_u16(w + 2));
       const __m256i sm = scales_mins_k4(w + 4);
-      const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
-      for (int t = 0; t < N; ++t) {  // the mins times the 32-element sums: 4 lanes of 2
+      for (int t = 0; t < N; ++t) {  // the mins times the 32-element sums of the activations
         const __m256i b16 = _mm256_loadu_si256((const __m256i*)bs[t]);
         const __m128i q8s =
             _mm_hadd_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
         const __m128i mq = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), q8s);
-        acc_m[t] = _mm_fmadd_ps(_mm_set1_ps(-a[t][0].d * wm), _mm_cvtepi32_ps(mq), acc_m[t]);
+        if constexpr (Q5) {
+          const __m128i z = _mm_setzero_si128();
+          const int s = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(mq, z), z));
+          summs[t] = std::fma(-a[t][0].d * wm, (float)s, summs[t]);
+        } else {
+          acc_m[t] = _mm_fmadd_ps(_mm_set1_ps(-a[t][0].d * wm), _mm_cvtepi32_ps(mq), acc_m[t]);
+        }
       }
+      const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
+      const __m256i hbits = Q5 ? _mm256_loadu_si256((const __m256i*)(w + 16)) : m4;
       __m256i sumi[N];
       for (int t = 0; t < N; ++t) sumi[t] = _mm256_setzero_si256();
       for (int j = 0; j < 4; ++j) {  // 64 elements: the low nibbles, then the high ones
-        const __m256i q4 = _mm256_loadu_si256((const __m256i*)(w + 16 + 32 * j));
-        const __m256i lo = _mm256_and_si256(q4, m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(w + QS + 32 * j));
+        __m256i lo = _mm256_and_si256(q, m4);
+        __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if constexpr (Q5) {
+          const int k0 = 2 * j, k1 = 2 * j + 1;
+          const __m256i b0 = _mm256_and_si256(hbits, _mm256_slli_epi16(one, k0));
+          const __m256i b1 = _mm256_and_si256(hbits, _mm256_slli_epi16(one, k1));
+          lo = _mm256_add_epi8(lo, _mm256_slli_epi16(_mm256_srli_epi16(b0, k0), 4));
+          hi = _mm256_add_epi8(hi, _mm256_slli_epi16(_mm256_srli_epi16(b1, k1), 4));
+        }
         // sub-block k's scale in every 16-bit lane: bytes 2 k, 2 k + 1 of each 128-bit half
         const __m256i sl =
             _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x404 * j)));
@@ -89,76 +110,13 @@ struct DotQ4K {
       }
     }
     for (int t = 0; t < N; ++t) {
-      __m128 m = _mm_add_ps(acc_m[t], _mm_movehl_ps(acc_m[t], acc_m[t]));
-      m = _mm_add_ss(m, _mm_movehdup_ps(m));
-      out[t * ldo] = hsum8_ps(acc[t]) + _mm_cvtss_f32(m);
-    }
-  }
-};
-
-// Q5_K row (176 bytes a super-block: f16 d, f16 dmin, scales[12], qh[32], qs[128]): Q4_K's
-// nibbles plus bit 2 j (low nibbles) or 2 j + 1 (high) of qh as bit 4; the mins' term is a
-// scalar sum per row here, as in ggml's kernel.
-struct DotQ5K {
-  template <int N>
-  static void run(const uint8_t* w, const QAct* const* a0, const int16_t* const* b0, int64_t nsb,
-                  const uint8_t* nx, float* out, int64_t ldo) {
-    const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
-    const QAct* a[N];
-    const int16_t* bs[N];
-    __m256 acc[N];
-    float summs[N];
-    for (int t = 0; t < N; ++t) {
-      a[t] = a0[t], bs[t] = b0[t];
-      acc[t] = _mm256_setzero_ps(), summs[t] = 0.0f;
-    }
-    for (int64_t i = 0; i < nsb; ++i, w += 176) {
-      if (nx)
-        for (int b = 0; b < 176; b += 64) prefetch_l2(nx + 176 * i + b);
-      const float wd = half_to_float(load_u16(w)), wm = half_to_float(load_u16(w + 2));
-      const __m256i sm = scales_mins_k4(w + 4);
-      const __m128i z = _mm_setzero_si128();
-      for (int t = 0; t < N; ++t) {
-        const __m256i b16 = _mm256_loadu_si256((const __m256i*)bs[t]);
-        const __m128i q8s =
-            _mm_hadd_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
-        const __m128i prod = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), q8s);
-        const int s = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(prod, z), z));
-        summs[t] = std::fma(-a[t][0].d * wm, (float)s, summs[t]);
+      float mins = summs[t];
+      if constexpr (!Q5) {
+        __m128 m = _mm_add_ps(acc_m[t], _mm_movehl_ps(acc_m[t], acc_m[t]));
+        mins = _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
       }
-      const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(sm));
-      const __m256i hbits = _mm256_loadu_si256((const __m256i*)(w + 16));
-      __m256i sumi[N];
-      for (int t = 0; t < N; ++t) sumi[t] = _mm256_setzero_si256();
-      for (int j = 0; j < 4; ++j) {
-        const __m256i q5 = _mm256_loadu_si256((const __m256i*)(w + 48 + 32 * j));
-        const __m256i h0 = _mm256_slli_epi16(
-            _mm256_srli_epi16(_mm256_and_si256(hbits, _mm256_slli_epi16(one, 2 * j)), 2 * j), 4);
-        const __m256i h1 = _mm256_slli_epi16(
-            _mm256_srli_epi16(_mm256_and_si256(hbits, _mm256_slli_epi16(one, 2 * j + 1)),
-                              2 * j + 1),
-            4);
-        const __m256i lo = _mm256_add_epi8(_mm256_and_si256(q5, m4), h0);
-        const __m256i hi = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(q5, 4), m4), h1);
-        const __m256i sl =
-            _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0100 + 0x404 * j)));
-        const __m256i sh =
-            _mm256_shuffle_epi8(scales, _mm256_set1_epi16((short)(0x0302 + 0x404 * j)));
-        for (int t = 0; t < N; ++t) {
-          const __m256i yl = _mm256_loadu_si256((const __m256i*)a[t][2 * j].qs);
-          const __m256i yh = _mm256_loadu_si256((const __m256i*)a[t][2 * j + 1].qs);
-          const __m256i pl = _mm256_madd_epi16(sl, _mm256_maddubs_epi16(lo, yl));
-          const __m256i ph = _mm256_madd_epi16(sh, _mm256_maddubs_epi16(hi, yh));
-          sumi[t] = _mm256_add_epi32(sumi[t], _mm256_add_epi32(pl, ph));
-        }
-      }
-      for (int t = 0; t < N; ++t) {
-        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(a[t][0].d * wd), _mm256_cvtepi32_ps(sumi[t]),
-                                 acc[t]);
-        a[t] += 8, bs[t] += 16;
-      }
+      out[t * ldo] = hsum8_ps(acc[t]) + mins;
     }
-    for (int t = 0; t < N; ++t) out[t * ldo] = hsum8_ps(acc[t]) + summs[t];
   }
 };
 
@@ -292,9 +250,9 @@ struct RowsK : RowsBase<DT> {
 };
 
 template <>
-struct Rows<DT_Q4_K> : RowsK<DT_Q4_K, DotQ4K> {};
+struct Rows<DT_Q4_K> : RowsK<DT_Q4_K, DotQ45K<false>> {};
 template <>
-struct Rows<DT_Q5_K> : RowsK<DT_Q5_K, DotQ5K> {};
+struct Rows<DT_Q5_K> : RowsK<DT_Q5_K, DotQ45K<true>> {};
 template <>
 struct Rows<DT_Q6_K> : RowsK<DT_Q6_K, DotQ6K> {};
 
