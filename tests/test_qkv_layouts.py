@@ -37,21 +37,15 @@ def relayout(src: Path, dst: Path, *, fuse: bool, part_biases: bool = False,
         n_q = kv[f"{arch}.embedding_length"][0]
         out: list[tuple] = []
         for name, (data, t, shape) in specs.items():
-            blk, base, kind = (
-                (name.split(".") + ["", "", ""])[:4][1:]
-                if name.startswith("blk.")
-                else ("", "", "")
-            )
-            blk = f"blk.{blk}"
+            parts = name.split(".")  # blk.{l}.{base}.{kind}
+            blk, base, kind = ".".join(parts[:2]), parts[2] if parts[0] == "blk" else "", parts[-1]
             if fuse and base in PARTS and name not in keep:
                 if kind == "bias" and part_biases:
                     out.append((name, data, t, shape))
                 elif base == "attn_q":  # the fused one, in the place of q
-                    parts = [
-                        specs[f"{blk}.{p}.{kind}"] for p in PARTS if f"{blk}.{p}.{kind}" in specs
-                    ]
-                    fused = np.concatenate([p[0].reshape(p[2][0], -1) for p in parts])
-                    rows = sum(p[2][0] for p in parts)
+                    own = [specs[n] for p in PARTS if (n := f"{blk}.{p}.{kind}") in specs]
+                    fused = np.concatenate([p[0].reshape(p[2][0], -1) for p in own])
+                    rows = sum(p[2][0] for p in own)
                     out.append((f"{blk}.attn_qkv.{kind}", fused, t, (rows, *shape[1:])))
             elif not fuse and base == "attn_qkv":
                 rows = np.asarray(data).reshape(shape[0], -1)

@@ -209,16 +209,10 @@ def load_weights(
             name = t.name.format(l=l)
             if args.moe and t.field in DENSE_FFN:
                 continue  # the experts replace them
-            if t.part_of and t.part_of in fields:  # a row view of the fused matrix (below)
-                _check_part(gf, fam, t, l)
-                continue
-            if t.part_of and name not in gf.tensors:
-                fused = next(f.name for f in fam.block if f.field == t.part_of).format(l=l)
-                raise FileFormatError(
-                    f"{gf.path}: tensor {name!r} is missing, and so is the fused {fused!r} that "
-                    "would hold it; the file is incomplete or its block_count is wrong: "
-                    "re-convert the model"
-                )
+            if t.part_of:
+                _check_part(gf, fam, t, l, t.part_of in fields)
+                if t.part_of in fields:
+                    continue  # a row view of the fused matrix (below)
             if name not in gf.tensors and (t.optional or fam.has_parts(t.field)):
                 continue  # absent: None, or the parts are read instead
             shape = tuple(getattr(args, dim) for dim in t.shape)
@@ -362,18 +356,25 @@ def _bias(src: _TensorSource, weight: str, n: int, rule: str) -> torch.Tensor | 
     return src.vector(name, n)
 
 
-def _check_part(gf: GGUFFile, fam, part, l: int) -> None:
-    """Refuse layer ``l``'s own ``part`` matrix where the file also holds the fused one.
+def _check_part(gf: GGUFFile, fam, part, l: int, fused_read: bool) -> None:
+    """Refuse layer ``l``'s own ``part`` matrix beside the fused one (``fused_read``), or
+    missing where the fused one is too.
 
     Raises:
-        ModelConfigError: naming both tensors.
+        ModelConfigError: both layouts, naming both tensors.
+        FileFormatError: neither, naming both tensors.
     """
     name = part.name.format(l=l)
-    if name in gf.tensors:
-        fused = next(f.name for f in fam.block if f.field == part.part_of).format(l=l)
+    fused = next(f.name for f in fam.block if f.field == part.part_of).format(l=l)
+    if fused_read and name in gf.tensors:
         raise ModelConfigError(
             f"{gf.path}: layer {l} holds both {fused!r} and {name!r}, one of its row blocks; a "
             "file holds the fused matrix or its parts, not both: re-convert the model"
+        )
+    if not fused_read and name not in gf.tensors:
+        raise FileFormatError(
+            f"{gf.path}: tensor {name!r} is missing, and so is the fused {fused!r} that would "
+            "hold it; the file is incomplete or its block_count is wrong: re-convert the model"
         )
 
 

@@ -337,8 +337,9 @@ inline int run_partitioned(int nt, int64_t k, Fn fn) {
 }
 
 // Run fn(a, b) over [0, k) in chunks (about eight per thread, a multiple of `grain`) handed out
-// to up to nt threads as each finishes its last (a prompt's GEMM: on a shared host one thread may run slower, and a fixed partition
-// leaves the other waiting at the end); returns the OR of the fn results.
+// to up to nt threads as each finishes its last (a prompt's GEMM: on a shared host one thread
+// may run slower, and a fixed partition leaves the other waiting at the end); returns the OR of
+// the fn results.
 template <class Fn>
 inline int run_dynamic(int nt, int64_t k, int64_t grain, Fn fn) {
   if (nt > 1) {  // about eight chunks per thread, a multiple of grain

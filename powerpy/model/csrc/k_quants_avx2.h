@@ -2,21 +2,14 @@
 // ggml's order (vec_dot_q4_K_q8_K and its Q5_K and Q6_K forms: the same float bits,
 // tests/test_ggml_vec_dot.py): the sub-block scales multiply 16-bit integer sums (u8 x s8
 // products in pairs), one 8-lane int32 sum per super-block is scaled by d_w d_x with one FMA,
-// the mins take a sum of their own, and the lanes are summed as ggml sums them. The per-chunk
+// the mins take a sum of their own, and the lanes are summed as ggml sums them (f8_hsum, its
+// hsum_float_8). The per-chunk
 // path (vec.h's QChunks: an f32 sum per 32 elements, with two horizontal adds each) ran Q4_K_M
 // decode at about a fifth of llama.cpp's speed.
 
 namespace {
 
 #if defined(__AVX2__)
-
-// sum over 8 lanes, as ggml's hsum_float_8
-inline float hsum8_ps(__m256 x) {
-  __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
 
 // The 6-bit scales and mins of a Q4_K/Q5_K super-block's 8 sub-blocks (its 12 bytes at p), as
 // 16-bit lanes 0..7 and 8..15 (ggml's bit shuffle).
@@ -115,7 +108,7 @@ struct DotQ45K {
         __m128 m = _mm_add_ps(acc_m[t], _mm_movehl_ps(acc_m[t], acc_m[t]));
         mins = _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
       }
-      out[t * ldo] = hsum8_ps(acc[t]) + mins;
+      out[t * ldo] = f8_hsum(acc[t]) + mins;
     }
   }
 };
@@ -179,7 +172,7 @@ struct DotQ6K {
         a[t] += 8, bs[t] += 16;
       }
     }
-    for (int t = 0; t < N; ++t) out[t * ldo] = hsum8_ps(acc[t]);
+    for (int t = 0; t < N; ++t) out[t * ldo] = f8_hsum(acc[t]);
   }
 };
 

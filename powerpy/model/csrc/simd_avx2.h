@@ -125,22 +125,27 @@ inline __m256 ggml_expf8(__m256 x) {
   const __m256 b = _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.7f7d1cp-20f),
                                     _mm256_fnmadd_ps(n, _mm256_set1_ps(0x1.62e4p-1f), x));
   const __m256i e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
-  const __m256 k = _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1.0f))));
+  const __m256 k =
+      _mm256_castsi256_ps(_mm256_add_epi32(e, _mm256_castps_si256(_mm256_set1_ps(1.0f))));
   const __m256 an = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), n);
   const __m256 c = _mm256_cmp_ps(an, _mm256_set1_ps(126.0f), _CMP_GT_OQ);
   const __m256 u = _mm256_mul_ps(b, b);
-  const __m256 j = _mm256_fmadd_ps(
-      _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f)),
-                      u, _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f))),
-      u, _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b));
+  const __m256 j3 =
+      _mm256_fmadd_ps(_mm256_set1_ps(0x1.0e4020p-7f), b, _mm256_set1_ps(0x1.573e2ep-5f));
+  const __m256 j1 =
+      _mm256_fmadd_ps(_mm256_set1_ps(0x1.555e66p-3f), b, _mm256_set1_ps(0x1.fffdb6p-2f));
+  const __m256 j1b = _mm256_mul_ps(_mm256_set1_ps(0x1.ffffecp-1f), b);
+  const __m256 j = _mm256_fmadd_ps(_mm256_fmadd_ps(j3, u, j1), u, j1b);
   const __m256 kj = _mm256_fmadd_ps(k, j, k);
   if (!_mm256_movemask_ps(c)) return kj;
-  const __m256i g = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
-                                     _mm256_set1_epi32((int)0x82000000u));
+  const __m256 le0 = _mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ);
+  const __m256i g =
+      _mm256_and_si256(_mm256_castps_si256(le0), _mm256_set1_epi32((int)0x82000000u));
   const __m256 s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f000000)));
   const __m256 s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
   const __m256 d = _mm256_cmp_ps(an, _mm256_set1_ps(192.0f), _CMP_GT_OQ);
-  const __m256 big = _mm256_blendv_ps(_mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1), _mm256_mul_ps(s1, s1), d);
+  const __m256 mid = _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1);
+  const __m256 big = _mm256_blendv_ps(mid, _mm256_mul_ps(s1, s1), d);
   return _mm256_blendv_ps(kj, big, c);
 }
 
@@ -150,7 +155,8 @@ inline int64_t swiglu_vec(const float* g, const float* u, int64_t a, int64_t b, 
   for (; i + 8 <= b; i += 8) {
     const __m256 x = _mm256_loadu_ps(g + i);
     const __m256 e = ggml_expf8(_mm256_sub_ps(_mm256_setzero_ps(), x));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    const __m256 silu = _mm256_div_ps(x, _mm256_add_ps(one, e));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
   }
   return i;
 }

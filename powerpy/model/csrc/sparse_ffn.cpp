@@ -28,7 +28,7 @@
 #include "ops.h"             // GEMV, GLU, axpy, GEMM, dequant over rows; the row engine
 #include "wide_avx512.h"     // AVX-512 VNNI prompt tiles
 #include "q4_0_avx512.h"     // Q4_0's own AVX-512 kernels
-#include "k_quants_avx2.h"    // Q4_K and Q6_K one-token dots in ggml's order
+#include "k_quants_avx2.h"    // Q4_K, Q5_K and Q6_K dots in ggml's order
 #include "numerics.h"        // attention, and llama.cpp's float steps
 // (after the Mat helpers below: blocks.h, the decode blocks of every family's layout)
 
