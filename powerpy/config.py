@@ -73,6 +73,7 @@ class ModelArgs:
     n_ff_exp: int = 0
     expert_norm: bool = True
     expert_scale: float = 0.0
+    n_ff_shexp: int = 0  # the shared expert's FFN width (qwen2moe); 0: no shared expert
     key_length: int = 0  # head size, when the file sets it (gemma); 0: n_embd / n_head
     sliding_window: int = 0  # a query at p sees keys at p - window + 1 .. p; 0: all
     swa_layers: tuple[int, ...] = ()  # the layers that use the window (the family's pattern)
@@ -342,10 +343,13 @@ class ModelArgs:
             kv[Keys.EXPERT_USED_COUNT.format(arch=a)] = (self.n_expert_used, u32)
             if self.family.expert_ff_key is not None:
                 kv[self.family.expert_ff_key.format(arch=a)] = (self.n_ff_exp, u32)
-            if not self.expert_norm:
-                kv[Keys.EXPERT_WEIGHTS_NORM.format(arch=a)] = (False, GGUFValueType.BOOL)
+            if self.expert_norm != dict(fam.key_defaults).get(Keys.EXPERT_WEIGHTS_NORM, True):
+                kv[Keys.EXPERT_WEIGHTS_NORM.format(arch=a)] = (self.expert_norm, GGUFValueType.BOOL)
             if self.expert_scale != 0.0:
                 kv[Keys.EXPERT_WEIGHTS_SCALE.format(arch=a)] = (self.expert_scale, f32)
+            if self.n_ff_shexp:
+                key = Keys.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
+                kv[key] = (self.n_ff_shexp, u32)
         if (self.sparse or self.moe) and any(self.down_thresholds):
             kv[Keys.FFN_DOWN_THRESHOLD] = (list(self.down_thresholds), GGUFValueType.ARRAY, f32)
         return kv

@@ -132,6 +132,9 @@ MOE_MESSAGES = {
                          "(n_expert, n_ff_exp, n_embd) = (4, 32, 32)"),
     "moe_without_count": ("'blk.0.ffn_gate_inp.weight' belongs to a mixture of experts",),
     "moe_norm_not_bool": ("'qwen3moe.expert_weights_norm' must be a BOOL",),
+    "moe_shared_width_zero": ("qwen2moe.expert_shared_feed_forward_length is 0", "must be > 0"),
+    "moe_shared_down_missing": ("'blk.1.ffn_down_shexp.weight' is missing",
+                                "(n_embd, n_ff_shexp) = (32, 48)"),
 }  # fmt: skip
 
 

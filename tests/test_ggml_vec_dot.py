@@ -1,8 +1,13 @@
-"""powerpy's K-quant dot products against ggml's own (llama.cpp's ``vec_dot`` of the weight
-type, called through the ggml library llama-cpp-python ships): Q4_K, Q5_K and Q6_K rows that
-ggml's quantizer made from random floats, times activations ggml rounded to Q8_K, give the same
-float bits in powerpy's GEMV, GLU and prompt GEMM as in ggml (super-block kernels in ggml's
-order, ``csrc/k_quants_avx2.h``, on AVX2 builds)."""
+"""powerpy's dot products against ggml's own, called through the ggml library llama-cpp-python
+ships:
+
+- K-quants (llama.cpp's ``vec_dot`` of the weight type): Q4_K, Q5_K and Q6_K rows that ggml's
+  quantizer made from random floats, times activations ggml rounded to Q8_K, give the same float
+  bits in powerpy's GEMV, GLU and prompt GEMM as in ggml (super-block kernels in ggml's order,
+  ``csrc/k_quants_avx2.h``, on AVX2 builds).
+- f32 matrices (a MoE router, a shared expert's gate): ``ggml_mul_mat`` in a one-op graph, which
+  takes tinyBLAS for some shapes and ``ggml_vec_dot_f32`` for others (one token, fewer than 4
+  rows or a multiple of 4, widths off ggml's vector), equals ``ggml_numerics.gemm_f32``."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import torch
 
 from powerpy.families.base import FFNVariant
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
-from powerpy.model import kernels
+from powerpy.model import ggml_numerics, kernels
 from powerpy.model.kernels import Matrix
 
 pytestmark = pytest.mark.llama_cpp
@@ -96,3 +101,60 @@ def test_k_quant_dots_equal_ggmls(ggml, qtype):
         h = lib.glu(gate, up, torch.from_numpy(x), torch.arange(half), FFNVariant.REGLU).numpy()
         expect = np.maximum(want[:half], 0) * want[half:]
         assert h.tobytes() == expect.astype(np.float32).tobytes()
+
+
+class _InitParams(ctypes.Structure):  # ggml.h: struct ggml_init_params
+    _fields_ = [
+        ("mem_size", ctypes.c_size_t),
+        ("mem_buffer", ctypes.c_void_p),
+        ("no_alloc", ctypes.c_bool),
+    ]
+
+
+def _ggml_mul_mat(ggml, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """ggml_mul_mat(w, x) in a graph on 2 threads: w (rows, cols) f32 (one row: a 1-D tensor,
+    as a GGUF vector), x (T, cols) -> (T, rows)."""
+    base = ctypes.CDLL(os.path.join(os.path.dirname(ggml._name), "libggml-base.so"))
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name, args, res in (
+        ("ggml_init", [_InitParams], vp), ("ggml_new_tensor_1d", [vp, ctypes.c_int, i64], vp),
+        ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp), ("ggml_mul_mat", [vp] * 3, vp),
+        ("ggml_new_graph", [vp], vp), ("ggml_build_forward_expand", [vp, vp], None),
+        ("ggml_get_data", [vp], vp), ("ggml_free", [vp], None),
+    ):  # fmt: skip
+        getattr(base, name).argtypes, getattr(base, name).restype = args, res
+    ggml.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
+    (rows, cols), T = w.shape, x.shape[0]
+    ctx = base.ggml_init(_InitParams(16 << 20, None, False))
+    if rows == 1:
+        a = base.ggml_new_tensor_1d(ctx, 0, cols)
+    else:
+        a = base.ggml_new_tensor_2d(ctx, 0, cols, rows)
+    b = base.ggml_new_tensor_2d(ctx, 0, cols, T)
+    c = base.ggml_mul_mat(ctx, a, b)
+    gf = base.ggml_new_graph(ctx)
+    base.ggml_build_forward_expand(gf, c)
+    ctypes.memmove(base.ggml_get_data(a), w.data_ptr(), w.numel() * 4)
+    ctypes.memmove(base.ggml_get_data(b), x.data_ptr(), x.numel() * 4)
+    ggml.ggml_graph_compute_with_ctx(ctx, gf, 2)
+    out = (ctypes.c_float * (T * rows)).from_address(base.ggml_get_data(c))
+    y = torch.tensor(np.ctypeslib.as_array(out)).view(T, rows).clone()
+    base.ggml_free(ctx)
+    return y
+
+
+def test_f32_matmul_orders_equal_ggmls(ggml):
+    lib = kernels.library()
+    if lib is None or lib.simd not in ("AVX2", "AVX-512"):
+        pytest.skip("needs the native kernels on an AVX2 (or wider) build")
+    g = torch.Generator().manual_seed(3)
+    differ = 0
+    for rows in (1, 3, 4, 8, 60):  # a shared expert's gate row; routers of 3 to 60 experts
+        for cols in (64, 72, 100, 256):
+            for T in (1, 2, 5):
+                w, x = torch.randn(rows, cols, generator=g), torch.randn(T, cols, generator=g)
+                got = ggml_numerics.gemm_f32(lib.cdll, w, x)
+                want = _ggml_mul_mat(ggml, w, x)
+                assert torch.equal(got, want), (rows, cols, T)
+                differ += not torch.equal(got, x @ w.T)
+    assert differ > 10  # the order matters: torch's sums differ in most cases

@@ -33,6 +33,10 @@ from powerpy.testing import TinySpec, tiny_tensors, write_tiny_model
 
 SPEC = TinySpec(n_layer=2, n_ff=128, n_expert=8, n_expert_used=2)
 QWEN = TinySpec(arch="qwen3moe", n_layer=2, n_ff=256, n_ff_exp=64, n_expert=8, n_expert_used=3)
+# Qwen2-MoE: a shared expert beside the routed ones; as many expert neurons as SPEC (1024)
+SHARED = TinySpec(
+    arch="qwen2moe", n_layer=2, n_ff=256, n_ff_exp=128, n_ff_shexp=96, n_expert=8, n_expert_used=2
+)
 TOKENS = torch.tensor([1, 72, 101, 108, 108, 111, 44, 32, 119, 111])
 N_CTX = 32
 EXACT = Numerics(quantized_activations=False)  # f32 activations: paths comparable to 1e-5
@@ -243,18 +247,31 @@ def _index(hot=300, seed=1) -> GpuIndex:
     return GpuIndex.from_buckets(buckets, n, vram_capacity=0)
 
 
-@pytest.mark.parametrize("dtype", [GGMLType.F16, GGMLType.Q8_0])
-@pytest.mark.parametrize("cut", [0.0, 0.02])
-def test_hybrid_equals_cpu_only(tmp_path, dtype, cut):
-    """The emulated accelerator: router and attention placed, 300 hot expert neurons per
-    layer; f32 activations (llama.cpp's rounding differs between the paths by design)."""
+@pytest.mark.parametrize(
+    "spec, dtype, cut",
+    [
+        (SPEC, GGMLType.F16, 0.0),
+        (SPEC, GGMLType.F16, 0.02),
+        (SPEC, GGMLType.Q8_0, 0.0),
+        (SPEC, GGMLType.Q8_0, 0.02),
+        (SHARED, GGMLType.Q8_0, 0.0),
+        (SHARED, GGMLType.F16, 0.02),
+    ],
+    ids=["f16", "f16-cut", "q8_0", "q8_0-cut", "shared-q8_0", "shared-f16-cut"],
+)
+def test_hybrid_equals_cpu_only(tmp_path, spec, dtype, cut):
+    """The emulated accelerator: router, shared expert and attention placed, 300 hot expert
+    neurons per layer; f32 activations (llama.cpp's rounding differs between the paths by
+    design)."""
     path = tmp_path / "m.gguf"
-    write_gguf_py(path, SPEC, dtype, seed=2, extra_kv=_cut_kv(cut) if cut else None)
+    write_gguf_py(path, spec, dtype, seed=2, extra_kv=_cut_kv(cut) if cut else None)
     llm = load(path)
     opts = RunOptions(numerics=EXACT)
     ref = _run(llm.model, opts)
     placement = Placement.for_model(llm.file, 1 << 30, _index(), n_ctx=N_CTX, kv_elem_bytes=4)
     assert Names.FFN_GATE_INP.format(l=1) in placement.gpu_tensors
+    if spec is SHARED:  # the shared expert is dense: placed whole, in the predictors' level
+        assert Names.FFN_DOWN_SHEXP.format(l=1) in placement.gpu_tensors
     rt = build_hybrid(llm.model, placement, Accelerator("cpu"), file=llm.file)
     assert rt.placement.n_hot == 600 and rt.device_bytes <= placement.budget
     hot = rt.model.weights.blk[0].moe.hot
@@ -291,11 +308,12 @@ def test_gen_gpuidx_places_the_hottest_experts(q8, tmp_path, capsys):
     assert llm.runtime.device_bytes <= budget
 
 
+@pytest.mark.parametrize("spec", [SPEC, SHARED], ids=["mixtral", "qwen2moe"])
 @pytest.mark.parametrize("what", ["everything", "dense-only"])
-def test_fake_cuda_runs_without_host_syncs_within_the_budget(tmp_path, what):
+def test_fake_cuda_runs_without_host_syncs_within_the_budget(tmp_path, what, spec):
     """Device tensors are fake CUDA tensors: a host sync or a cross-device op raises."""
     path = tmp_path / "m.gguf"
-    write_gguf_py(path, SPEC, GGMLType.F16, seed=2, extra_kv=_cut_kv(0.01))
+    write_gguf_py(path, spec, GGMLType.F16, seed=2, extra_kv=_cut_kv(0.01))
     llm = load(path)
     full = Placement.for_model(llm.file, 1 << 40, n_ctx=N_CTX)
     neuron = full.layers[0].neuron_bytes
@@ -408,7 +426,7 @@ def test_a_pwri_file_with_experts_and_a_placement_of_a_plain_gguf_are_refused(q8
 
 
 # ------------------------------------------------------------------------------ fuzzing
-@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe", "qwen2moe"])
 def test_valid_moe_drafts_run_plain_and_placed(tmp_path, one_thread, arch):
     """The fuzzer's unmutated MoE drafts run, F32 and Q8_0, CPU-only and placed, so the "moe"
     family's refusals are its mutations'."""

@@ -1,9 +1,11 @@
 """Mixtures of experts against llama.cpp (llama-cpp-python): tiny random GGUFs written with
-gguf-py, a prompt of 86 tokens, then 16 greedy tokens.
+gguf-py, a prompt of 86 tokens, then 16 greedy tokens. Mixtral-style, Qwen3-MoE, and Qwen2-MoE
+with its shared expert.
 
 With quantized experts (Q8_0) powerpy follows llama.cpp's numerics step by step, the router's
-included (its f32 logits in tinyBLAS's order, ggml's soft_max), so every logit of the prompt
-and of each decoded token is bit-identical. With F16 weights llama.cpp rounds activations to
+included (its f32 logits in the order of llama.cpp's f32 matmuls: tinyBLAS's in a prompt,
+ggml_vec_dot_f32's for one token; ggml's soft_max), so every logit of the prompt and of each
+decoded token is bit-identical. With F16 weights llama.cpp rounds activations to
 f16 before each matmul and powerpy keeps them f32 (``docs/kernels.md``): logits agree within
 1% of their spread except where a token's routing is a near-tie (two experts' probabilities
 closer than that rounding), where the engines may pick different experts; the test checks that
@@ -53,6 +55,32 @@ CASES = {  # name: (spec, matrix type, bit-identical)
     ),
     "qwen3moe-f16": (
         TinySpec(arch="qwen3moe", n_layer=2, n_ff=256, n_ff_exp=64, n_expert=8, n_expert_used=2),
+        GGMLType.F16,
+        False,
+    ),
+    "qwen2moe-q8_0": (
+        TinySpec(
+            arch="qwen2moe",
+            n_layer=3,
+            n_ff=256,
+            n_ff_exp=64,
+            n_ff_shexp=128,
+            n_expert=8,
+            n_expert_used=2,
+        ),
+        GGMLType.Q8_0,
+        True,
+    ),
+    "qwen2moe-f16": (
+        TinySpec(
+            arch="qwen2moe",
+            n_layer=2,
+            n_ff=256,
+            n_ff_exp=64,
+            n_ff_shexp=96,
+            n_expert=6,
+            n_expert_used=2,
+        ),
         GGMLType.F16,
         False,
     ),

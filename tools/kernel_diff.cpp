@@ -44,7 +44,7 @@ struct Lib {
   gemv_t gemv; axpy_t axpy; glu_t glu; gemm_t gemm; deq_t deq; attn_dec_t attn_dec; ffn_dec_t ffn_dec;
   layers_t layers; ropet_t ropet; rope_t rope; attn_t attn; rms_t rms; swiglu_t swiglu; tune_t tune;
   stream_t stream; simd_t simd; lnorm_t lnorm; gelu_t gelu; attn_ext_t attn_ext; gelut_t gelut;
-  softcap_t softcap;
+  softcap_t softcap; simd_t rec_len;
   explicit Lib(const char* path) {
     h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h) { fprintf(stderr, "%s\n", dlerror()); exit(2); }
@@ -54,7 +54,7 @@ struct Lib {
     S(layers, "pp_decode_layers") S(ropet, "pp_rope_table") S(rope, "pp_rope") S(attn, "pp_attn")
     S(rms, "pp_rms_norm") S(swiglu, "pp_swiglu") S(tune, "pp_set_tuning") S(stream, "pp_stream_read")
     S(simd, "pp_simd_level") S(lnorm, "pp_layer_norm") S(gelu, "pp_gelu") S(attn_ext, "pp_attn_ext")
-    S(gelut, "pp_gelu_table") S(softcap, "pp_softcap")
+    S(gelut, "pp_gelu_table") S(softcap, "pp_softcap") S(rec_len, "pp_layer_record_len")
   }
 };
 
@@ -336,16 +336,27 @@ int main(int argc, char** argv) {
                       check("ffn_decode", ka >= 0 && ka == kb && same(fa.data(), fb.data(), 4 * d), tag);
                     }
               // two layers
-              std::vector<int64_t> recs(2 * R_LEN), rots = {P(rp), P(rp)};
-              for (int l = 0; l < 2; ++l) record(l == 1, l == 1, false, variants.back(), recs.data() + l * R_LEN);
+              // each library's records at its own stride (a later ABI may grow the record with
+              // slots these layouts leave at zero)
+              std::vector<int64_t> rots = {P(rp), P(rp)};
+              auto stacked = [&](const Lib& L) {
+                const int64_t n = L.rec_len();
+                std::vector<int64_t> one(R_LEN), v(2 * n);
+                for (int l = 0; l < 2; ++l) {
+                  record(l == 1, l == 1, false, variants.back(), one.data());
+                  std::copy(one.begin(), one.end(), v.begin() + l * n);
+                }
+                return v;
+              };
+              std::vector<int64_t> recsA = stacked(A), recsB = stacked(B);
               const int64_t lb = (pos + 1) * n_kv * hd * es;
               std::vector<uint8_t> KA(2 * lb), VA(2 * lb);
               for (auto& b : KA) b = (uint8_t)(rng() & 0x3b); for (auto& b : VA) b = (uint8_t)(rng() & 0x3b);
               auto KB = KA, VB = VA;
               auto xa = vecn(d), xb = xa;
               std::vector<int64_t> ca(2, -1), cb(2, -1);
-              sa = A.layers(2, recs.data(), rots.data(), n_head, n_kv, hd, hd, 1e-5f, KA.data(), VA.data(), lb, cdt, pos, 0.0f, xa.data(), ca.data(), act, nt);
-              sb = B.layers(2, recs.data(), rots.data(), n_head, n_kv, hd, hd, 1e-5f, KB.data(), VB.data(), lb, cdt, pos, 0.0f, xb.data(), cb.data(), act, nt);
+              sa = A.layers(2, recsA.data(), rots.data(), n_head, n_kv, hd, hd, 1e-5f, KA.data(), VA.data(), lb, cdt, pos, 0.0f, xa.data(), ca.data(), act, nt);
+              sb = B.layers(2, recsB.data(), rots.data(), n_head, n_kv, hd, hd, 1e-5f, KB.data(), VB.data(), lb, cdt, pos, 0.0f, xb.data(), cb.data(), act, nt);
               check("decode_layers", sa == 0 && sa == sb && same(xa.data(), xb.data(), 4 * d) && ca == cb && KA == KB && VA == VB, tag);
             }
     }

@@ -19,6 +19,7 @@ FAMILIES: dict[str, Family] = {
         qwen.QWEN2,
         qwen.QWEN3,
         qwen.QWEN3MOE,
+        qwen.QWEN2MOE,
         gemma.GEMMA2,
         gemma.GEMMA3,
         phi3.FAMILY,

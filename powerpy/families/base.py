@@ -243,6 +243,11 @@ class Family:
     moe_required: bool = False
     expert_ff_key: str | None = None
 
+    @property
+    def shared_expert(self) -> bool:
+        """The family's mixture has a shared expert (``experts.SHARED_EXPERT`` in its block)."""
+        return any(t.field == "ffn_up_shexp" for t in self.block)
+
     def has_parts(self, field: str) -> bool:
         """Whether the fused matrix ``field`` may come as its parts' own tensors instead."""
         return any(t.part_of == field for t in self.block)

@@ -1,6 +1,7 @@
 """Mixtures of experts as family data: the tensors of a MoE FFN (``EXPERTS``, llama.cpp's names
-and layout) and the hyperparameters that go with them (``ModelArgs``'s ``n_expert``,
-``n_expert_used``, ``n_ff_exp``, ``expert_norm``, ``expert_scale``; docs/moe.md)."""
+and layout), a shared expert's (``SHARED_EXPERT``), and the hyperparameters that go with them
+(``ModelArgs``'s ``n_expert``, ``n_expert_used``, ``n_ff_exp``, ``expert_norm``,
+``expert_scale``, ``n_ff_shexp``; docs/moe.md)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ EXPERTS = (
     LayerTensor("ffn_gate_exps", Names.FFN_GATE_EXPS, ("n_expert", "n_ff_exp", "n_embd")),
     LayerTensor("ffn_up_exps", Names.FFN_UP_EXPS, ("n_expert", "n_ff_exp", "n_embd")),
     LayerTensor("ffn_down_exps", Names.FFN_DOWN_EXPS, ("n_expert", "n_embd", "n_ff_exp")),
+)
+
+# A shared expert (qwen2moe, llama.cpp's "shexp"): a SwiGLU FFN every token runs beside its
+# routed experts, its output scaled by sigmoid(ffn_gate_inp_shexp · x). ``Block`` fields, so the
+# dense pass of a placement moves them like any other matrix.
+SHARED_EXPERT = (
+    LayerTensor("ffn_gate_inp_shexp", Names.FFN_GATE_INP_SHEXP, ("n_embd",)),
+    LayerTensor("ffn_gate_shexp", Names.FFN_GATE_SHEXP, ("n_ff_shexp", "n_embd")),
+    LayerTensor("ffn_up_shexp", Names.FFN_UP_SHEXP, ("n_ff_shexp", "n_embd")),
+    LayerTensor("ffn_down_shexp", Names.FFN_DOWN_SHEXP, ("n_embd", "n_ff_shexp")),
 )
 
 
@@ -54,12 +65,17 @@ def expert_args(fam: Family, n_expert: int, sparse: bool, get, source: str) -> d
     else:  # llama.cpp: n_ff / n_expert_used without the key
         n_ff_exp = get(fam.expert_ff_key, max(get(Keys.FEED_FORWARD_LENGTH) // max(n_used, 1), 0))
     norm = get(Keys.EXPERT_WEIGHTS_NORM, True, bool)
+    shared = {}
+    if fam.shared_expert:  # llama.cpp: n_ff without the key
+        key = Keys.EXPERT_SHARED_FEED_FORWARD_LENGTH
+        shared["n_ff_shexp"] = get(key, get(Keys.FEED_FORWARD_LENGTH))
     return dict(
         n_expert=n_expert,
         n_expert_used=n_used,
         n_ff_exp=n_ff_exp,
         expert_norm=norm,
         expert_scale=get(Keys.EXPERT_WEIGHTS_SCALE, 0.0, float),
+        **shared,
     )
 
 
@@ -76,6 +92,12 @@ def check_experts(a: Any, source: str) -> None:
         raise ModelConfigError(
             f"{source}: the experts' FFN width is {a.n_ff_exp}, it must be > 0; re-convert the "
             "model"
+        )
+    if a.family.shared_expert and a.n_ff_shexp <= 0:
+        key = Keys.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a.arch)
+        raise ModelConfigError(
+            f"{source}: {key} is {a.n_ff_shexp}, the shared expert's width must be > 0; "
+            "re-convert the model"
         )
     if not math.isfinite(a.expert_scale) or a.expert_scale < 0:
         raise ModelConfigError(

@@ -164,6 +164,8 @@ class Keys:
     EXPERT_FEED_FORWARD_LENGTH = "{arch}.expert_feed_forward_length"
     EXPERT_WEIGHTS_NORM = "{arch}.expert_weights_norm"
     EXPERT_WEIGHTS_SCALE = "{arch}.expert_weights_scale"
+    # the shared expert's FFN width (qwen2moe; without the key: feed_forward_length)
+    EXPERT_SHARED_FEED_FORWARD_LENGTH = "{arch}.expert_shared_feed_forward_length"
 
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"  # FLOAT32, PWRI only, no arch prefix
     # powerpy's marker for a SiLU (SwiGLU) model sparsified by magnitude labels (CATS/TEAL-style)
@@ -244,6 +246,12 @@ class Names:
     FFN_GATE_EXPS = "blk.{l}.ffn_gate_exps.weight"
     FFN_UP_EXPS = "blk.{l}.ffn_up_exps.weight"
     FFN_DOWN_EXPS = "blk.{l}.ffn_down_exps.weight"
+    # a shared expert every token runs beside the routed ones (qwen2moe): its gate logit's row
+    # (n_embd,), gate and up (n_ff_shexp, n_embd), down (n_embd, n_ff_shexp)
+    FFN_GATE_INP_SHEXP = "blk.{l}.ffn_gate_inp_shexp.weight"
+    FFN_GATE_SHEXP = "blk.{l}.ffn_gate_shexp.weight"
+    FFN_UP_SHEXP = "blk.{l}.ffn_up_shexp.weight"
+    FFN_DOWN_SHEXP = "blk.{l}.ffn_down_shexp.weight"
 
     # A tensor's bias is its name with ".bias" for ".weight" (:func:`bias_name`).
 

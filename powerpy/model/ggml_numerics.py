@@ -72,10 +72,19 @@ def soft_max(c: ctypes.CDLL, x: Tensor) -> Tensor:
     return y
 
 
+def silu_div(c: ctypes.CDLL, g: Tensor) -> Tensor:
+    """silu(g) / g of each value (a sigmoid as llama.cpp's qwen2moe graph computes a shared
+    expert's gate: ggml's one-value silu, libm's expf; 0.5 at 0): g f32 -> same shape."""
+    g = g.contiguous()
+    y = torch.empty_like(g)
+    c.pp_silu_div(g.data_ptr(), g.numel(), y.data_ptr())
+    return y
+
+
 def gemm_f32(c: ctypes.CDLL, w: Tensor, x: Tensor) -> Tensor | None:
     """``x @ w.T`` for an f32 matrix w (rows, cols) and x (T, cols) in the order of llama.cpp's
-    f32 matmuls (tinyBLAS): (T, rows) f32; None where that order does not apply (cols not a
-    multiple of ggml's vector width, rows not contiguous)."""
+    f32 matmuls (tinyBLAS for a batch where llama.cpp takes it, else ggml_vec_dot_f32): (T,
+    rows) f32; None where w is not an f32 matrix of contiguous rows."""
     if w.dtype is not torch.float32 or w.stride(1) != 1 or x.shape[-1] != w.shape[1]:
         return None
     x = x.float().contiguous()

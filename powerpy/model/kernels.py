@@ -43,7 +43,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 # dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -74,9 +74,9 @@ SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
 RECORD_SLOTS = {
     "attn": 0, "ffn": 20, "attn_norm": 45, "ffn_norm": 47, "post_norm": 49, "qk_norm": 51,
     "bias": 53, "tau": 59, "flags": 60, "variant": 61, "window": 62, "scale": 63, "softcap": 64,
-    "moe": 65,
+    "moe": 65, "shexp": 68,
 }  # fmt: skip
-LAYER_RECORD_LEN = 68  # int64 per record; checked at load
+LAYER_RECORD_LEN = 88  # int64 per record; checked at load
 RECORD_FLAGS = {"layer_norm": 1, "rope": 2, "neox": 4, "parallel": 8, "down_stored": 16,
                 "q_scaled": 32, "moe": 64}  # fmt: skip
 RECORD_LAYOUT = (*RECORD_SLOTS.values(), LAYER_RECORD_LEN, *RECORD_FLAGS.values(), 3, 4, 5, 6)
@@ -137,6 +137,7 @@ _SIGNATURES = {
     "pp_gelu_table": ([_p], None),  # out (65536 f16 bit patterns)
     "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads
     "pp_soft_max": ([_p, _i64, _i64, _p], None),  # x, rows, n, out (the MoE router)
+    "pp_silu_div": ([_p, _i64, _p], None),  # x, n, out (a shared expert's gate)
     # W, ld, nrows, cols, x, T, out, nthreads: f32 rows in tinyBLAS's order (the MoE router)
     "pp_gemm_f32_gw": ([_p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
     # mats (4 x 5), k, norm, scale, tau, resid, norm w, eps, out, ids, wts, act, nthreads

@@ -90,10 +90,13 @@ class _TensorSource:
             )
         return t
 
-    def vector(self, name: str, n: int) -> torch.Tensor:
-        """A 1-D tensor (a norm, a bias, RoPE factors) as f32, checked finite (it is small)."""
-        self.info(name, (n,))
-        v = torch.from_numpy(np.array(self.gf.dequantize(name), dtype=np.float32))
+    def vector(self, name: str, n: int, dims: tuple[str, ...] | None = None) -> torch.Tensor:
+        """A 1-D tensor (a norm, a bias, RoPE factors, a gate's row) as f32, checked finite (it
+        is small). A (1, n) tensor is one too: llama.cpp's loader takes it (converters that do
+        not squeeze a (1, n) checkpoint weight write one)."""
+        t = self.gf.tensors.get(name)
+        self.info(name, (1, n) if t is not None and tuple(t.shape) == (1, n) else (n,), dims)
+        v = torch.from_numpy(np.array(self.gf.dequantize(name), dtype=np.float32).reshape(n))
         if not bool(torch.isfinite(v).all()):
             raise FileFormatError(
                 f"{self.gf.path}: tensor {name!r} holds NaN or infinite values; the file is "
@@ -101,8 +104,11 @@ class _TensorSource:
             )
         return v
 
-    def matrix(self, name: str, shape: tuple[int, int]) -> Weight:
-        t = self.info(name, shape)
+    def matrix(
+        self, name: str, shape: tuple[int, int], dims: tuple[str, ...] | None = None
+    ) -> Weight:
+        """A 2-D tensor of ``shape`` (named ``dims`` in errors) in the chosen weight format."""
+        t = self.info(name, shape, dims)
         if t.ggml_type in _FLOAT_TYPES and not self.f32:
             if t.ggml_type == GGMLType.BF16:
                 raw = self.gf.raw(name).view(np.int16).reshape(shape)
@@ -217,13 +223,13 @@ def load_weights(
                 continue  # absent: None, or the parts are read instead
             shape = tuple(getattr(args, dim) for dim in t.shape)
             if len(shape) == 1:
-                fields[t.field] = src.vector(name, *shape)
+                fields[t.field] = src.vector(name, *shape, t.shape)
                 bias = _bias(src, name, shape[0], t.bias)
                 if bias is not None:
                     fields[t.field + "_b"] = bias
             else:
                 fields[t.field] = _with_bias(
-                    src.matrix(name, shape), _bias(src, name, shape[0], t.bias)
+                    src.matrix(name, shape, t.shape), _bias(src, name, shape[0], t.bias)
                 )
         for t in fam.block:  # fused matrices: row views of their parts
             if t.split and t.field in fields:

@@ -1,5 +1,6 @@
-"""A mixture-of-experts FFN (Mixtral, Qwen3-MoE) as llama.cpp's ``build_moe_ffn`` computes it:
-the router, the routed experts only, the cut inside them, and hot rows on an accelerator.
+"""A mixture-of-experts FFN (Mixtral, Qwen3-MoE, Qwen2-MoE) as llama.cpp's ``build_moe_ffn``
+computes it: the router, the routed experts only, the cut inside them, hot rows on an
+accelerator, and a shared expert.
 
 For one token x (n_embd,), the FFN input after ffn_norm (docs/moe.md):
 
@@ -13,6 +14,9 @@ Only the routed experts' rows are read. Each expert's matrices are views of the 
 tensors (``Experts.gate`` etc. hold them flattened, ``(n_expert · rows, cols)``), so quantized
 blocks stay raw and run in the native kernels. Neuron j of expert e is neuron ``e · n_ff + j``
 of the layer: statistics, the cut and placements count ``n_expert · n_ff`` neurons.
+
+A shared expert (qwen2moe; ``Block.ffn_*_shexp``) adds, for every token,
+``sigmoid(ffn_gate_inp_shexp · x) · (down_s · (silu(gate_s · x) · (up_s · x)))`` to y.
 
 The cut (``powerpy.ffn_down_threshold``) drops neuron j of a routed expert when its share of
 the output is small, ``w_i · |h_j| · ‖down_e[:, j]‖ < t``: ``tau = t / ‖down_e[:, j]‖`` per neuron.
@@ -199,6 +203,23 @@ def spread(ex: Experts, ids: Tensor, w: Tensor) -> Tensor:
     return per_expert.repeat_interleave(ex.n_ff, dim=1)
 
 
+def shared_expert(blk, x: Tensor, accel: Accelerator | None) -> Tensor | None:
+    """A layer's shared expert (qwen2moe, llama.cpp's ``ffn_shexp``): x (T, n_embd) the normed
+    FFN input -> (T, n_embd) f32 on x's device, computed where its matrices are; None without
+    one. Its gate is llama.cpp's silu(g) / g (``ggml_numerics.silu_div``), g summed as an f32
+    router's logits are."""
+    if blk.ffn_up_shexp is None:
+        return None
+    xs = move(accel, x, blk.ffn_up_shexp.device)
+    h = glu(blk.ffn_gate_shexp.linear(xs), blk.ffn_up_shexp.linear(xs), SWIGLU, inplace=True)
+    y = blk.ffn_down_shexp.linear(h)  # (T, n_embd)
+    w = blk.ffn_gate_inp_shexp.float()[None]  # (1, n_embd)
+    g = router_logits(DenseWeight(w), move(accel, xs, w.device))  # (T, 1)
+    c = ggml_numerics.library(g)
+    sig = ggml_numerics.silu_div(c, g) if c is not None else torch.sigmoid(g)
+    return move(accel, y.mul_(move(accel, sig, y.device)), x.device)
+
+
 # ----------------------------------------------------------------------------------- the FFN
 def moe_ffn(l: int, ex: Experts, x: Tensor, opts: RunOptions, accel: Accelerator | None) -> Tensor:
     """The layer's mixture: x (T, n_embd) the normed FFN input (any device) -> (T, n_embd) f32
@@ -229,6 +250,15 @@ def moe_ffn(l: int, ex: Experts, x: Tensor, opts: RunOptions, accel: Accelerator
     )
 
 
+def mixture(l: int, blk, x: Tensor, opts: RunOptions, accel: Accelerator | None) -> Tensor:
+    """A mixture-of-experts layer's FFN: x (T, n_embd) the normed FFN input -> the routed
+    experts' sum (:func:`moe_ffn`) plus its shared expert's output where it has one
+    (:func:`shared_expert`, added as llama.cpp adds it), (T, n_embd) f32 on x's device."""
+    y = moe_ffn(l, blk.moe, x, opts, accel)
+    shared = shared_expert(blk, x, accel)
+    return y if shared is None else y.add_(shared)
+
+
 def _to_host(accel: Accelerator | None, ts: list[Tensor]) -> list[Tensor]:
     """The tensors on the host, with one wait for those on the device."""
     on_dev = [t for t in ts if t.device != HOST]
@@ -240,10 +270,11 @@ def _to_host(accel: Accelerator | None, ts: list[Tensor]) -> list[Tensor]:
 
 
 def moe_kernels(blk, opts: RunOptions):
-    """(library, [router, gate, up, down] matrices, tau) for the native MoE block of one decode
-    step (``pp_moe_decode``), or None where it does not apply: hot rows, profiling, an oracle,
-    f32 activations (the block computes llama.cpp's numerics), a norm or matrix the kernels
-    cannot read."""
+    """(library, [router, gate, up, down, then a shared expert's gate row, gate, up, down or 4
+    None] matrices, tau) for the native MoE block of one decode step (``pp_moe_decode``), or
+    None where it does not apply: hot rows, profiling, an oracle, f32 activations (the block
+    computes llama.cpp's numerics), a norm or matrix the kernels cannot read or that is placed
+    on an accelerator."""
     ex: Experts | None = blk.moe
     if ex is None or ex.hot is not None or opts.observer is not None or opts.oracle is not None:
         return None
@@ -252,25 +283,35 @@ def moe_kernels(blk, opts: RunOptions):
         return None
     if blk.ffn_norm.device.type != "cpu" or not opts.numerics.quantized_activations:
         return None
-    kerns = [m.kernel() for m in (ex.router, ex.gate, ex.up, ex.down)]
-    if None in kerns or kerns[1][1].code != kerns[2][1].code:
+    mats = [ex.router, ex.gate, ex.up, ex.down]
+    if blk.ffn_up_shexp is not None:
+        row = DenseWeight(as_f32(blk.ffn_gate_inp_shexp)[None])  # (1, n_embd)
+        mats += [row, blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp]
+    kerns = [m.kernel() for m in mats]
+    if None in kerns:
         return None
-    return kerns[0][0], [k[1] for k in kerns], scaled_cut(ex.tau, opts)
+    codes = [k[1].code for k in kerns]
+    if codes[1] != codes[2] or codes[5:7] and codes[5] != codes[6]:  # each GLU's gate and up
+        return None
+    return kerns[0][0], [k[1] for k in kerns] + [None] * (8 - len(kerns)), scaled_cut(ex.tau, opts)
 
 
 def moe_part(blk, a, opts: RunOptions) -> layer_record.Part | None:
     """The FFN half of a mixture of experts' layer record for the stack plan (``layer_record``,
-    flag "moe"): the router in fc1's slot, the gate, up and down stacks, the FFN norm, the cut,
-    and the routing (experts per token, renormalised weights, the weights' scale); None where
-    the native block does not apply (:func:`moe_kernels`)."""
+    flag "moe"): the router in fc1's slot, the gate, up and down stacks, a shared expert's
+    matrices, the FFN norm, the cut, and the routing (experts per token, renormalised weights,
+    the weights' scale); None where the native block does not apply (:func:`moe_kernels`)."""
     kern = moe_kernels(blk, opts)
     if kern is None:
         return None
     lib, mats, tau = kern
     p = layer_record.Part(lib, flags=layer_record.layout_flags(a) | RECORD_FLAGS["moe"])
     ffn = RECORD_SLOTS["ffn"]
-    for slot, m in zip((ffn, ffn + 10, ffn + 15, ffn + 20), mats, strict=True):
-        p.matrix(slot, m)
+    sh = RECORD_SLOTS["shexp"]
+    slots = (ffn, ffn + 10, ffn + 15, ffn + 20, sh, sh + 5, sh + 10, sh + 15)
+    for slot, m in zip(slots, mats, strict=True):
+        if m is not None:
+            p.matrix(slot, m)
     if not (p.vec(RECORD_SLOTS["ffn_norm"], blk.ffn_norm) and p.vec(RECORD_SLOTS["tau"], tau)):
         return None
     ex, at = blk.moe, RECORD_SLOTS["moe"]
@@ -280,8 +321,8 @@ def moe_part(blk, a, opts: RunOptions) -> layer_record.Part | None:
 
 
 def moe_decode(l: int, blk, x: OnDevices, a, thr: float, opts: RunOptions) -> Tensor | None:
-    """A decode step's whole MoE block on the host (ffn_norm, router, routed experts, cut,
-    residual) in one native call: x the residual stream -> x + FFN (1, n_embd) on the host;
+    """A decode step's whole MoE block on the host (ffn_norm, router, routed experts, cut, shared
+    expert, residual) in one native call: x the residual stream -> x + FFN (1, n_embd) on the host;
     None where it does not apply (:func:`moe_kernels`). The same bits as :func:`moe_ffn`."""
     kern = moe_kernels(blk, opts)
     if kern is None:

@@ -27,7 +27,7 @@ from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
 from powerpy.model.matrices import Weight
-from powerpy.model.moe import Experts, moe_decode, moe_ffn
+from powerpy.model.moe import Experts, mixture, moe_decode
 from powerpy.model.norms import layer_norm, rms_norm
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
@@ -69,6 +69,11 @@ class Block:
     native: bool = True
     # a mixture of experts in place of the dense FFN (ffn_gate, ffn_up, ffn_down_t None)
     moe: Experts | None = None
+    # its shared expert (qwen2moe; moe.shared_expert): the gate's row, a SwiGLU FFN
+    ffn_gate_inp_shexp: Tensor | None = None  # (n_embd,) f32
+    ffn_gate_shexp: Weight | None = None  # (n_ff_shexp, n_embd)
+    ffn_up_shexp: Weight | None = None  # (n_ff_shexp, n_embd)
+    ffn_down_shexp: Weight | None = None  # (n_embd, n_ff_shexp), as stored
 
     def gates(self, opts: RunOptions) -> bool:
         """Whether the predictor gates this layer's FFN in a run with ``opts``."""
@@ -470,7 +475,7 @@ class Model:
         reads it -> (T, n_embd). Sessions' tokens of one decode step run by ``ffn_mode``."""
         a, acc = self.args, self.accel
         if blk.moe is not None:  # tokens are grouped by expert, whatever the mode
-            return moe_ffn(l, blk.moe, xn, opts, acc)
+            return mixture(l, blk, xn, opts, acc)
         if len(step.lengths) == 1 or not opts.sparse or ffn_mode == "batch":
             return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc)
         if ffn_mode == "union":

@@ -42,7 +42,9 @@ VRAM_RESERVE_BYTES = 256 * MIB  # --vram-budget < 0: free VRAM minus this
 
 # --- categories, in offload order (docs/architecture.md#dense-offload-order) ---------------------
 ATTN = "attn"  # attn_norm(_2), q, k, v, qkv, attn_output, rot_embd, q/k norms (+ biases)
-PREDICTOR = "predictor"  # fc1, fc2; a mixture of experts' router (ffn_gate_inp)
+# fc1, fc2; a mixture of experts' router (ffn_gate_inp) and shared expert (every token's FFN
+# runs them before or beside its sparse part)
+PREDICTOR = "predictor"
 FFN_NORM = "ffn_norm"
 OUTPUT = "output"  # output_norm, output
 KV_V = "kv_v"
@@ -81,6 +83,10 @@ _LAYER_TENSORS: dict[str, tuple[str, int]] = {
     "ffn_gate_exps": (FFN, 19),
     "ffn_down_exps": (FFN, 20),
     "ffn_up_exps": (FFN, 21),
+    "ffn_gate_inp_shexp": (PREDICTOR, 22),  # qwen2moe's shared expert: dense, every token
+    "ffn_gate_shexp": (PREDICTOR, 23),
+    "ffn_down_shexp": (PREDICTOR, 24),
+    "ffn_up_shexp": (PREDICTOR, 25),
 }
 _GLOBAL_TENSORS: dict[str, tuple[str, int]] = {
     "token_embd": (HOST, 0),

@@ -3,7 +3,7 @@
 tensor at a time, so a file of gigabytes needs one tensor's memory. llama.cpp reads them too.
 
     python -m powerpy.testing.moe out.gguf --n-embd 1024 --n-layer 8 --n-ff 1024 \\
-        --n-expert 8 --n-expert-used 2 --dtype q8_0
+        --n-expert 8 --n-expert-used 2 --dtype q8_0 [--arch qwen2moe --n-ff-shexp 2048]
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def _table(spec: TinySpec) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _values(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """tiny_tensors' scales: vectors 1 + 0.1·N(0, 1), matrices N(0, 1) / sqrt(columns)."""
-    if len(shape) == 1:
+    """tiny_tensors' scales: norms 1 + 0.1·N(0, 1), matrices and other vectors (a shared
+    expert's gate row) N(0, 1) / sqrt(columns)."""
+    if len(shape) == 1 and "norm" in name:
         return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
     return rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1]))
 
@@ -81,7 +82,7 @@ def write_moe_model(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="write a synthetic mixture-of-experts GGUF")
     ap.add_argument("output")
-    ap.add_argument("--arch", default="llama", choices=("llama", "qwen3moe"))
+    ap.add_argument("--arch", default="llama", choices=("llama", "qwen3moe", "qwen2moe"))
     ap.add_argument("--n-embd", type=int, default=1024)
     ap.add_argument("--n-layer", type=int, default=8)
     ap.add_argument("--n-head", type=int, default=16)
@@ -89,10 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n-ff", type=int, default=1024, help="each expert's FFN width")
     ap.add_argument("--n-expert", type=int, default=8)
     ap.add_argument("--n-expert-used", type=int, default=2)
+    ap.add_argument("--n-ff-shexp", type=int, default=0, help="qwen2moe: the shared expert's "
+                    "FFN width (0: --n-ff)")  # fmt: skip
     ap.add_argument("--dtype", default="q8_0", choices=("f32", "f16", "q8_0", "q4_0"))
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    experts = dict(n_expert=a.n_expert, n_expert_used=a.n_expert_used, n_ff_exp=a.n_ff)
+    experts = dict(n_expert=a.n_expert, n_expert_used=a.n_expert_used, n_ff_exp=a.n_ff,
+                   n_ff_shexp=a.n_ff_shexp)  # fmt: skip
     spec = TinySpec(a.n_embd, a.n_layer, a.n_ff, a.n_head, a.n_head_kv, arch=a.arch, n_ctx=4096,
                     **experts)  # fmt: skip
     write_moe_model(a.output, spec, GGMLType[a.dtype.upper()], seed=a.seed)

@@ -34,6 +34,7 @@ class TinySpec:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    n_ff_shexp: int = 0  # a shared expert's width, in families with one (0: n_ff)
     n_vocab: int = len(BYTE_VOCAB)  # more than the byte vocabulary: unused filler tokens
     key_length: int = 0  # the head size when not n_embd / n_head (qwen3, gemma)
 
@@ -70,7 +71,10 @@ def tiny_tensors(
             if lt.optional and (lt.part_of or fam.has_parts(lt.field)):
                 continue  # the other layout of a fused matrix, which files seldom have
             name, shape = lt.name.format(l=l), tuple(getattr(args, x) for x in lt.shape)
-            t[name] = norm(*shape) if len(shape) == 1 else mat(*shape)
+            if len(shape) > 1:
+                t[name] = mat(*shape)
+            else:  # a norm's weight near 1; another vector (a gate's row) as a matrix row
+                t[name] = norm(*shape) if "norm" in lt.field else mat(1, *shape)[0]
             if lt.bias == "required":  # optional biases are left out, as most files do
                 t[bias_name(name)] = bias(shape[0])
         if args.moe:  # the router and the experts' stacks, in place of the dense FFN
@@ -117,6 +121,7 @@ def spec_args(spec: TinySpec, n_vocab: int | None = None, *, sparse: bool = True
     """The ``ModelArgs`` of a spec (the GGUF keys are written from them); ``n_vocab`` replaces
     the spec's."""
     head_dim = spec.key_length or spec.n_embd // spec.n_head
+    fam = family(spec.arch)
     return ModelArgs(
         arch=spec.arch,
         n_vocab=n_vocab or spec.n_vocab,
@@ -131,11 +136,13 @@ def spec_args(spec: TinySpec, n_vocab: int | None = None, *, sparse: bool = True
         norm_eps=spec.norm_eps,
         n_ctx_train=spec.n_ctx,
         sparse=sparse,
-        ffn_variant=family(spec.arch).ffn_variant({}, True, "tiny"),  # the family's sparse one
+        ffn_variant=fam.ffn_variant({}, True, "tiny"),  # the family's sparse one
         sparse_threshold=0.0,
         n_expert=spec.n_expert,
         n_expert_used=spec.n_expert_used,
         n_ff_exp=(spec.n_ff_exp or spec.n_ff) if spec.n_expert else 0,
+        expert_norm=dict(fam.key_defaults).get(Keys.EXPERT_WEIGHTS_NORM, True),
+        n_ff_shexp=(spec.n_ff_shexp or spec.n_ff) if spec.n_expert and fam.shared_expert else 0,
     )
 
 

@@ -187,13 +187,14 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
                          int nthreads) {
   if (L.flags & (LF_LAYER_NORM | LF_PARALLEL) || L.ffn_b || L.post_ffn || L.bu || L.bd || !L.ffn_w)
     return -PP_ERR_ARG;
-  int64_t mats[20];
+  int64_t mats[40];
   for (int i = 0; i < 5; ++i) {
     mats[i] = L.rec[REC_FFN + i];           // the router
     mats[5 + i] = L.rec[REC_FFN + 10 + i];  // the gate, up and down stacks
     mats[10 + i] = L.rec[REC_FFN + 15 + i];
     mats[15 + i] = L.rec[REC_FFN + 20 + i];
   }
+  for (int i = 0; i < 20; ++i) mats[20 + i] = L.rec[REC_SHEXP + i];  // a shared expert, or zeros
   return pp_moe_decode(mats, L.rec[REC_MOE], (int)L.rec[REC_MOE + 1], rec_f32(L.rec[REC_MOE + 2]),
                        L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act, nthreads);
 }

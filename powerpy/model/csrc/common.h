@@ -19,7 +19,7 @@
 #endif
 
 // Bumped whenever an export or its meaning changes; kernels.py refuses a library with another.
-#define PP_ABI_VERSION 14
+#define PP_ABI_VERSION 15
 
 // Code that is part of its caller (compile-time loops, the arch headers' block decoders).
 #define PP_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -48,11 +48,13 @@ enum Status { PP_OK = 0, PP_ERR_INDEX = 1, PP_ERR_ARG = 2 };
 // every key), the q·k scale and the score soft-cap (f32 bit patterns; a cap of 0: none); then a
 // mixture of experts' routing (LF_MOE): experts per token, renormalised weights, the weights'
 // scale (f32 bits). An MoE layer's FFN matrices are the router (fc1's slot), the gate, up and
-// down stacks (moe.h pp_moe_decode).
+// down stacks (moe.h pp_moe_decode); a shared expert's 4 matrices (its gate row, gate, up, down;
+// zeros: none) follow at REC_SHEXP.
 enum LayerRecord {
   REC_ATTN = 0, REC_FFN = 20, REC_ATTN_NORM = 45, REC_FFN_NORM = 47, REC_POST_NORM = 49,
   REC_QK_NORM = 51, REC_BIAS = 53, REC_TAU = 59, REC_FLAGS = 60, REC_VARIANT = 61,
-  REC_WINDOW = 62, REC_SCALE = 63, REC_SOFTCAP = 64, REC_MOE = 65, REC_LEN = 68
+  REC_WINDOW = 62, REC_SCALE = 63, REC_SOFTCAP = 64, REC_MOE = 65, REC_SHEXP = 68,
+  REC_LEN = 88
 };
 // REC_FLAGS: LayerNorm (else RMSNorm); RoPE, in NEOX pairs (i, i + n_rot / 2) or adjacent ones;
 // a parallel block (the FFN reads the block's input); the down matrix as a dense file stores it

@@ -5,18 +5,35 @@
 namespace {
 
 // out[r] = dot(W[r], x) for f32 rows W (nrows, cols; rows ld floats apart) in the order of
-// llama.cpp's f32 matmuls (tinyBLAS: one GW-lane FMA accumulator over cols / GW steps, reduced by
-// hsum_gw); cols % GW == 0.
+// llama.cpp's f32 matmuls: a batch's tinyBLAS (one = false: one GW-lane FMA accumulator over
+// cols / GW steps, reduced by hsum_gw) or one token's ggml_vec_dot_f32 (one = true: four GW-lane
+// accumulators over 4 GW-element steps, summed (0 + 2) + (1 + 3), reduced by vreduce_gw, then
+// the rest one rounded product and one add each); one = false needs cols % GW == 0.
 inline void gemv_f32_gw(const float* W, int64_t ld, int64_t r0, int64_t r1, int64_t cols,
-                        const float* x, float* out, int64_t ldo) {
+                        const float* x, float* out, int64_t ldo, bool one) {
   constexpr int LG = GW / VL;
+  const int64_t np = one ? cols & ~(int64_t)(4 * GW - 1) : cols;
   for (int64_t r = r0; r < r1; ++r) {
     const float* w = W + r * ld;
-    vf acc[LG];
-    for (int u = 0; u < LG; ++u) acc[u] = v_zero();
-    for (int64_t i = 0; i < cols; i += GW)
-      for (int u = 0; u < LG; ++u) acc[u] = v_fma(v_load(w + i + u * VL), v_load(x + i + u * VL), acc[u]);
-    out[r * ldo] = lanes_hsum(acc);
+    vf acc[4][LG];
+    for (int j = 0; j < 4; ++j)
+      for (int u = 0; u < LG; ++u) acc[j][u] = v_zero();
+    const int step = one ? 4 * GW : GW;
+    for (int64_t i = 0; i < np; i += step)
+      for (int j = 0; j < step / GW; ++j)
+        for (int u = 0; u < LG; ++u) {
+          const int64_t e = i + GW * j + u * VL;
+          acc[j][u] = v_fma(v_load(w + e), v_load(x + e), acc[j][u]);
+        }
+    if (!one) {
+      out[r * ldo] = lanes_hsum(acc[0]);
+      continue;
+    }
+    for (int u = 0; u < LG; ++u)
+      acc[0][u] = v_add(v_add(acc[0][u], acc[2][u]), v_add(acc[1][u], acc[3][u]));
+    float s = lanes_vreduce(acc[0]);
+    for (int64_t i = np; i < cols; ++i) s += no_contract(w[i] * x[i]);
+    out[r * ldo] = s;
   }
 }
 
@@ -44,6 +61,21 @@ inline void soft_max_row(const float* x, int64_t n, float* y) {
   for (int64_t j = 0; j < n; ++j) y[j] *= inv;
 }
 
+// logits[r] = m[r] · x for every row of a router-like matrix and one token: an f32 one in
+// llama.cpp's one-token f32 order (gemv_f32_gw) with quantized activations, else mat_gemv.
+inline int logits_gemv(const Mat& m, const float* x, float* out, int act, int nthreads) {
+  if (m.dtype == 0 && act) {
+    gemv_f32_gw((const float*)m.w, m.ld / 4, 0, m.nrows, m.cols, x, out, 1, true);
+    return 0;
+  }
+  return mat_gemv(m, x, nullptr, m.nrows, out, act, nthreads);
+}
+
+// The shared expert's gate as llama.cpp's qwen2moe graph computes it: silu(g) / g, with
+// ggml_silu_f32's g / (1 + expf(-g)) (a row of one value: libm's expf); 0.5 at g = 0, where
+// that form is 0/0.
+inline float silu_div(float g) { return g == 0.0f ? 0.5f : (g / (1.0f + expf(-g))) / g; }
+
 // A matrix of rows [r0, r0 + n) of m, as a Mat.
 inline Mat sub_rows(const Mat& m, int64_t r0, int64_t n) {
   const int64_t p[5] = {m.dtype, (int64_t)(intptr_t)(m.w + r0 * m.ld), m.ld, n, m.cols};
@@ -55,16 +87,25 @@ inline Mat sub_rows(const Mat& m, int64_t r0, int64_t n) {
 extern "C" {
 
 // out[t * nrows + r] = dot(W[r], x[t]) for f32 W (nrows, cols; rows ld floats apart) and T
-// tokens x (T, cols), in the order of llama.cpp's f32 matmuls (gemv_f32_gw); cols % GW == 0. The
-// MoE router: its logits decide the routing, so they follow llama.cpp's bits.
+// tokens x (T, cols), in the order of llama.cpp's f32 matmuls (gemv_f32_gw): tinyBLAS's where
+// llama.cpp takes it (T >= 2, nrows % 4 == 0, cols % GW == 0), else ggml_vec_dot_f32's. The MoE
+// router and a shared expert's gate: their values decide the routing and the gate, so they
+// follow llama.cpp's bits.
 int pp_gemm_f32_gw(const float* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
                    int64_t T, float* out, int nthreads) {
-  if (cols % GW || nrows < 1 || T < 1) return PP_ERR_ARG;
+  if (nrows < 1 || T < 1 || cols < 1) return PP_ERR_ARG;
+  const bool one = T < 2 || nrows % 4 || cols % GW;
   const int nt = team_size(nthreads, nrows * cols * 4);
   return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
-    for (int64_t t = 0; t < T; ++t) gemv_f32_gw(W, ld, a, b, cols, x + t * cols, out + t * nrows, 1);
+    for (int64_t t = 0; t < T; ++t)
+      gemv_f32_gw(W, ld, a, b, cols, x + t * cols, out + t * nrows, 1, one);
     return 0;
   });
+}
+
+// y[i] = silu_div(x[i]): the shared expert's gate of n tokens.
+void pp_silu_div(const float* x, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = silu_div(x[i]);
 }
 
 // ggml's soft_max of `rows` rows of n (soft_max_row).
@@ -73,37 +114,40 @@ void pp_soft_max(const float* x, int64_t rows, int64_t n, float* y) {
 }
 
 // One token's mixture-of-experts FFN block in one call (CPU decode, llama.cpp's build_moe_ffn):
-// xn = rms_norm(r) * norm_w; logits = router · xn (an f32 router in gemv_f32_gw's order when
-// cols % GW == 0, else mat_gemv); p = soft_max(logits); the k experts of largest p, largest
-// first (ties: lower id); w_i = p[e_i] / max(sum_i p[e_i] (in double), 2^-14) when `norm`, then
-// w_i *= scale unless scale is 0 or 1; h = silu(gate · xn) * (up · xn) over the routed experts'
-// rows in one pass; with tau (n_expert * n_ff, or null) h_j = 0 where |h_j| * w_i < tau;
-// y_i = down_i · h_i; out = r + ((y_0 w_0 + y_1 w_1) + ...), llama.cpp's order. mats: router,
-// gate and up stacks (n_expert * n_ff, n_embd), down stack (n_expert * n_embd, n_ff), 4 x 5
-// int64. ids and wts (k, or null) receive the routing. Returns the neurons whose down column was
+// xn = rms_norm(r) * norm_w; logits = router · xn (logits_gemv); p = soft_max(logits); the k
+// experts of largest p, largest first (ties: lower id); w_i = p[e_i] / max(sum_i p[e_i] (in
+// double), 2^-14) when `norm`, then w_i *= scale unless scale is 0 or 1; h = silu(gate · xn) *
+// (up · xn) over the routed experts' rows in one pass; with tau (n_expert * n_ff, or null) h_j = 0
+// where |h_j| * w_i < tau; y_i = down_i · h_i; acc = (y_0 w_0 + y_1 w_1) + ..., llama.cpp's order.
+// With a shared expert (qwen2moe): acc += (down_s · (silu(gate_s · xn) * (up_s · xn))) *
+// silu_div(gate_inp_s · xn). out = r + acc. mats: router, gate and up stacks (n_expert * n_ff,
+// n_embd), down stack (n_expert * n_embd, n_ff), then the shared expert's gate row (1, n_embd),
+// gate and up (n_ff_s, n_embd) and down (n_embd, n_ff_s), all zeros without one: 8 x 5 int64.
+// ids and wts (k, or null) receive the routing. Returns the routed neurons whose down column was
 // added (their h nonzero), or -status.
 int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, const float* tau,
                       const float* r, const float* norm_w, float eps, float* out, int64_t* ids,
                       float* wts, int act, int nthreads) {
   const Mat router(mats), gate(mats + 5), up(mats + 10), down(mats + 15);
-  const int64_t E = router.nrows, d = router.cols;
+  const Mat s_inp(mats + 20), s_gate(mats + 25), s_up(mats + 30), s_down(mats + 35);
+  const int64_t E = router.nrows, d = router.cols, ffs = s_up.nrows;
   if (E < 1 || k < 1 || k > E || gate.nrows % E || up.nrows != gate.nrows ||
       down.nrows != E * d || gate.cols != d || down.cols != gate.nrows / E)
     return -PP_ERR_ARG;
+  if (ffs && (s_inp.nrows != 1 || s_inp.cols != d || s_gate.nrows != ffs || s_gate.cols != d ||
+              s_up.cols != d || s_down.nrows != d || s_down.cols != ffs))
+    return -PP_ERR_ARG;
   const int64_t ff = gate.nrows / E;
-  float* buf = (float*)std::malloc(sizeof(float) * (d + 2 * E + k * ff + 2 * d + k) +
+  float* buf = (float*)std::malloc(sizeof(float) * (d + 2 * E + k * ff + 2 * d + k + ffs) +
                                    sizeof(int64_t) * (k * ff + k));
   if (!buf) return -PP_ERR_ARG;
   float *x = buf, *logit = x + d, *p = logit + E, *h = p + E, *y = h + k * ff, *acc = y + d;
-  int64_t* idx = (int64_t*)(acc + d + k);
+  float* hs = acc + d + k;
+  int64_t* idx = (int64_t*)(hs + ffs);
   if (!ids) ids = idx + k * ff;  // the caller does not want the routing: kept here
   if (!wts) wts = acc + d;
   rms_norm(r, norm_w, d, eps, x);
-  int st = 0;
-  if (router.dtype == 0 && act && d % GW == 0)
-    gemv_f32_gw((const float*)router.w, router.ld / 4, 0, E, d, x, logit, 1);
-  else
-    st = mat_gemv(router, x, nullptr, E, logit, act, nthreads);
+  int st = logits_gemv(router, x, logit, act, nthreads);
   if (!st) soft_max_row(logit, E, p);
   double sum = 0.0;
   for (int64_t i = 0; i < k && !st; ++i) {  // selection: largest first, ties to the lower id
@@ -139,6 +183,15 @@ int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, con
     for (int64_t j = 0; j < d; ++j) yi[j] *= wts[i];  // ggml_mul, then ggml_add (no FMA)
     if (i)
       for (int64_t j = 0; j < d; ++j) acc[j] += y[j];
+  }
+  if (ffs && !st) {  // the shared expert: its gate, its SwiGLU FFN, scaled, then added
+    float g = 0.0f;
+    st = logits_gemv(s_inp, x, &g, act, nthreads);
+    if (!st) st = mat_glu(s_gate, s_up, x, nullptr, ffs, V_SWIGLU, hs, act, nthreads);
+    if (!st) st = mat_gemv(s_down, hs, nullptr, d, y, act, nthreads);
+    const float sg = silu_div(g);
+    for (int64_t j = 0; j < d && !st; ++j) y[j] *= sg;
+    for (int64_t j = 0; j < d && !st; ++j) acc[j] += y[j];
   }
   for (int64_t j = 0; j < d && !st; ++j) out[j] = r[j] + acc[j];
   std::free(buf);

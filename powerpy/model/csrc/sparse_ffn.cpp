@@ -271,7 +271,7 @@ int pp_layer_record_len(void) { return REC_LEN; }
 void pp_layer_record_layout(int64_t* out) {
   const int64_t v[] = {REC_ATTN, REC_FFN, REC_ATTN_NORM, REC_FFN_NORM, REC_POST_NORM,
                        REC_QK_NORM, REC_BIAS, REC_TAU, REC_FLAGS, REC_VARIANT, REC_WINDOW,
-                       REC_SCALE, REC_SOFTCAP, REC_MOE, REC_LEN, LF_LAYER_NORM, LF_ROPE,
+                       REC_SCALE, REC_SOFTCAP, REC_MOE, REC_SHEXP, REC_LEN, LF_LAYER_NORM, LF_ROPE,
                        LF_NEOX, LF_PARALLEL, LF_DOWN_STORED, LF_Q_SCALED, LF_MOE, V_GEGLU,
                        V_RELU, V_GELU, V_COUNT};
   for (size_t i = 0; i < sizeof v / sizeof v[0]; ++i) out[i] = v[i];

@@ -1,8 +1,9 @@
 """Mutations of mixture-of-experts files for the load-path fuzzer (family "moe"), and their
 seed cases: what a MoE file adds (expert counts and widths, the router, the expert stacks, the
 routing weights' keys) and what it must not have (a dense FFN beside the experts, experts
-without a count, a PWRI magic). Drafts are tiny Mixtral-style llama files and qwen3moe files
-(``moe_draft``), F32 or with Q8_0 expert stacks. See ``cases``."""
+without a count, a PWRI magic), and a shared expert's tensors and width (qwen2moe). Drafts are
+tiny Mixtral-style llama, qwen3moe and qwen2moe files (``moe_draft``), F32 or with Q8_0 expert
+stacks. See ``cases``."""
 
 from __future__ import annotations
 
@@ -27,13 +28,16 @@ from powerpy.testing.fuzz.files import (
 )  # fmt: skip
 from powerpy.testing.tiny import spec_args
 
-MOE_ARCHS = ("llama", "qwen3moe")
+MOE_ARCHS = ("llama", "qwen3moe", "qwen2moe")
 MOE_SPECS = {
     "llama": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
                       n_expert_used=2),
     "qwen3moe": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
                          n_expert_used=2, n_ff_exp=32, arch="qwen3moe"),
+    "qwen2moe": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
+                         n_expert_used=2, n_ff_exp=32, n_ff_shexp=48, arch="qwen2moe"),
 }  # fmt: skip
+SHARED = (Names.FFN_GATE_INP_SHEXP, Names.FFN_GATE_SHEXP, Names.FFN_UP_SHEXP, Names.FFN_DOWN_SHEXP)
 STACKS = (Names.FFN_GATE_EXPS, Names.FFN_UP_EXPS, Names.FFN_DOWN_EXPS)
 F32, Q8_0 = GGMLType.F32, GGMLType.Q8_0
 
@@ -172,6 +176,40 @@ def routing_keys(d: Draft, rng: np.random.Generator) -> str:
 
 
 @mutation("moe")
+@moe_archs("qwen2moe")
+def shared_expert(d: Draft, rng: np.random.Generator) -> str:
+    """A shared expert's tensor missing, transposed, cut or as a (1, n) row; its width key 0,
+    another width, huge or gone; or its gate row non-finite."""
+    name = pick(rng, SHARED).format(l=_layer(rng))
+    t = d.tensor(name)
+    a = _f32(t)
+    how = int(rng.integers(5))
+    if how == 0:
+        d.tensors.remove(t)
+        return f"no {name}"
+    if how == 1:
+        b = a.T if a.ndim == 2 else a[None]  # a (1, n) gate row is llama.cpp's too: it loads
+        _set(t, np.ascontiguousarray(b))
+        return f"{name} {a.shape} -> {b.shape}"
+    if how == 2:
+        b = a[: max(a.shape[0] // 2, 1)]
+        _set(t, b)
+        return f"{name} {a.shape} -> {b.shape}"
+    if how == 3:
+        key = d.key(Keys.EXPERT_SHARED_FEED_FORWARD_LENGTH)
+        spec = pick(rng, [(0, V.UINT32), (96, V.UINT32), (pick(rng, INTS), V.UINT64), None])
+        if spec is None:
+            d.kv.pop(key, None)  # then feed_forward_length (64), as llama.cpp: a shape error
+            return "no expert_shared_feed_forward_length"
+        d.kv[key] = spec
+        return f"expert_shared_feed_forward_length = {spec[0]!r}"
+    b = a.copy()
+    b.flat[int(rng.integers(b.size))] = pick(rng, (np.nan, np.inf))
+    _set(t, b)
+    return f"{name} holds a non-finite value"
+
+
+@mutation("moe")
 @moe_archs(*MOE_ARCHS)
 def foreign_ffn(d: Draft, rng: np.random.Generator) -> str:
     """A dense FFN beside the experts, expert stacks without expert_count, or a PWRI magic."""
@@ -231,6 +269,11 @@ _MOE_SEEDS: dict[str, tuple[str, Callable[[Draft], None]]] = {
     "moe_gate_missing": ("qwen3moe", _drop(Names.FFN_GATE_EXPS.format(l=0))),
     "moe_without_count": ("llama", lambda d: d.kv.pop(d.key(Keys.EXPERT_COUNT))),
     "moe_norm_not_bool": ("qwen3moe", _kv(Keys.EXPERT_WEIGHTS_NORM, (1, V.UINT32))),
+    "moe_shared_width_zero": (
+        "qwen2moe",
+        _kv(Keys.EXPERT_SHARED_FEED_FORWARD_LENGTH, (0, V.UINT32)),
+    ),
+    "moe_shared_down_missing": ("qwen2moe", _drop(Names.FFN_DOWN_SHEXP.format(l=1))),
 }
 MOE_SEED_CASES = {name: ("moe", fn) for name, (_, fn) in _MOE_SEEDS.items()}
 SEED_MOE_ARCHS = {name: arch for name, (arch, _) in _MOE_SEEDS.items()}
