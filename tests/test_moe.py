@@ -30,6 +30,7 @@ from powerpy.model.timing import PhaseTimer
 from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
 from powerpy.testing import TinySpec, tiny_tensors, write_tiny_model
+from powerpy.testing.moe import write_moe_model
 
 SPEC = TinySpec(n_layer=2, n_ff=128, n_expert=8, n_expert_used=2)
 QWEN = TinySpec(arch="qwen3moe", n_layer=2, n_ff=256, n_ff_exp=64, n_expert=8, n_expert_used=3)
@@ -439,3 +440,12 @@ def test_valid_moe_drafts_run_plain_and_placed(tmp_path, one_thread, arch):
             d.load = load_kw
             p = fz.finish(d, "moe", "base", 0, "base", tmp_path / f"{quantized}{bool(load_kw)}")
             assert fz.run(p) == "ok", (quantized, load_kw, p.errors)
+
+
+@pytest.mark.parametrize("spec", [SPEC, QWEN, SHARED], ids=["mixtral", "qwen3moe", "qwen2moe"])
+def test_the_benchmark_writer_makes_models_that_run(tmp_path, spec):
+    """``python -m powerpy.testing.moe`` (one tensor at a time) writes the tensors the loader
+    wants, in one layout (a fused attn_qkv beside its parts was once written and refused)."""
+    path = write_moe_model(tmp_path / "m.gguf", spec, GGMLType.Q8_0)
+    logits = load(path).logits(TOKENS[:5].tolist())
+    assert logits.shape == (5, spec.n_vocab) and bool(torch.isfinite(logits).all())

@@ -244,6 +244,15 @@ class Family:
     expert_ff_key: str | None = None
 
     @property
+    def usual_block(self) -> tuple[LayerTensor, ...]:
+        """The block's tensors as the family's converter writes them: a fused matrix's other
+        layout (the optional one of ``qkv_block``) left out, the tensors test and benchmark
+        files are made of."""
+        return tuple(
+            t for t in self.block if not (t.optional and (t.part_of or self.has_parts(t.field)))
+        )
+
+    @property
     def shared_expert(self) -> bool:
         """The family's mixture has a shared expert (``experts.SHARED_EXPERT`` in its block)."""
         return any(t.field == "ffn_up_shexp" for t in self.block)

@@ -29,7 +29,7 @@ def _table(spec: TinySpec) -> list[tuple[str, tuple[int, ...]]]:
     fam, d = family(spec.arch), spec.n_embd
     out = [(Names.TOKEN_EMBD, (len(BYTE_VOCAB), d))]
     for l in range(spec.n_layer):
-        for t in fam.block:
+        for t in fam.usual_block:
             if t.field not in DENSE_FFN:
                 out.append((t.name.format(l=l), tuple(getattr(args, x) for x in t.shape)))
         for t in fam.experts:

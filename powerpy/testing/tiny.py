@@ -65,11 +65,9 @@ def tiny_tensors(
     if fam.rope is Rope.LEARNED:
         t[Names.POS_EMBD] = mat(spec.n_ctx + fam.position_offset, d)
     for l in range(spec.n_layer):
-        for lt in fam.block:
+        for lt in fam.usual_block:
             if args.moe and lt.field in DENSE_FFN:
                 continue
-            if lt.optional and (lt.part_of or fam.has_parts(lt.field)):
-                continue  # the other layout of a fused matrix, which files seldom have
             name, shape = lt.name.format(l=l), tuple(getattr(args, x) for x in lt.shape)
             if len(shape) > 1:
                 t[name] = mat(*shape)
