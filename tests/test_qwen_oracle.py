@@ -9,6 +9,8 @@ attention, a byte-level BPE vocabulary.
 - ``llama-swa``: a Mistral-style ``llama.attention.sliding_window`` of 8 under a longer prompt.
   llama.cpp's llama graph never reads the key (its converter never writes it for llama files),
   so every position attends to all before it; powerpy's llama family ignores it too.
+- ``llama-biases``: the optional biases llama.cpp's llama loader reads (HF's ``attention_bias``
+  and ``mlp_bias``) on attn_output and on the FFN's gate, up and down matrices.
 - ``llama3-rope``: llama-3.1's ``rope_freqs.weight``, the per-pair divisors of the RoPE angles
   its converter computes (factor 8; an original context of 64 puts the smooth band among the
   pairs that turn within the prompt).
@@ -60,8 +62,10 @@ def llama3_rope_factors(
 def write_model(
     path: Path, *, arch: str, n_layer: int, tied: bool, dtype: str, seed: int,
     key_length: int = 0, window: int = 0, rope_freqs: bool = False, n_embd: int = N_EMBD,
+    biases: bool = False,
 ) -> Path:  # fmt: skip
-    """A random dense llama/qwen2/qwen3 GGUF as llama.cpp's converters lay them out."""
+    """A random dense llama/qwen2/qwen3 GGUF as llama.cpp's converters lay them out; ``biases``:
+    a llama file's optional biases on attn_output, ffn_gate, ffn_up and ffn_down too."""
     d, ff = n_embd, 2 * n_embd
     hd = key_length or d // N_HEAD
     pre = "qwen2" if arch.startswith("qwen") else "llama-bpe"
@@ -97,6 +101,9 @@ def write_model(
         f.matrix(f"blk.{l}.ffn_gate.weight", ff, d)
         f.matrix(f"blk.{l}.ffn_up.weight", ff, d)
         f.matrix(f"blk.{l}.ffn_down.weight", d, ff, scale=big)
+        for name, rows in (("attn_output", d), ("ffn_gate", ff), ("ffn_up", ff), ("ffn_down", d)):
+            if biases:
+                f.vector(f"blk.{l}.{name}.bias", rows, mean=0.0, std=0.5)
     f.vector("output_norm.weight", d)
     if rope_freqs:
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(hd, base))
@@ -113,6 +120,7 @@ CASES = {
     "qwen3": ("qwen3", 2, False, 0, {"key_length": 256, "n_embd": 512}),
     "llama-swa": ("llama", 2, False, 0, {"window": WINDOW}),
     "llama3-rope": ("llama", 2, False, 0, {"rope_freqs": True}),
+    "llama-biases": ("llama", 2, False, 0, {"biases": True}),
 }
 DTYPES = ("f16", "q8_0", "q4_k_m")
 

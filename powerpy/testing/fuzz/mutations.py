@@ -326,6 +326,27 @@ def shape(d: Draft, rng: np.random.Generator) -> str:
 
 
 @mutation("tensors")
+def optional_bias(d: Draft, rng: np.random.Generator) -> str:
+    """One of llama's optional biases (on attn_output, ffn_gate, ffn_up or the down matrix)
+    added: of its matrix's rows (it must run), of another length, 2-D, or non-finite."""
+    down = Names.FFN_DOWN_T if d.sparse else Names.FFN_DOWN
+    d_, ff = SPEC.n_embd, SPEC.n_ff
+    weight, n = pick(rng, [(Names.ATTN_OUTPUT, d_), (Names.FFN_GATE, ff), (Names.FFN_UP, ff),
+                           (down, d_)])  # fmt: skip
+    name = weight.format(l=int(rng.integers(SPEC.n_layer))).replace(".weight", ".bias")
+    kind = pick(rng, ("rows", "rows", "length", "2d", "values"))
+    a = (0.1 * np.random.default_rng(5).standard_normal(n)).astype(np.float32)
+    if kind == "length":
+        a = np.resize(a, n + pick(rng, (-1, 1, 32)))
+    elif kind == "2d":
+        a = np.stack([a, a])
+    elif kind == "values":
+        a[int(rng.integers(n))] = pick(rng, (math.nan, math.inf, 3e38))
+    d.tensors.append(Tensor(name, np.ascontiguousarray(a), GGMLType.F32, a.shape))
+    return f"{name} added ({kind}, shape {a.shape})"
+
+
+@mutation("tensors")
 def missing_or_renamed(d: Draft, rng: np.random.Generator) -> str:
     """A tensor removed or renamed (possibly to a duplicate name)."""
     t = _some_tensor(d, rng)
