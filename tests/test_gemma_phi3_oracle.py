@@ -1,7 +1,9 @@
-"""Gemma 2, Gemma 3 and Phi-3 against llama.cpp (llama-cpp-python): tiny random GGUFs written
+"""Gemma, Gemma 2, Gemma 3 and Phi-3 against llama.cpp (llama-cpp-python): tiny random GGUFs written
 with gguf-py (``oracle_fixtures``), in F16 and Q8_0, whose contexts (a ~40-token prompt and 16
 greedy steps) run past their sliding windows (8 positions).
 
+- **gemma** (Gemma 1): GeGLU, embeddings scaled by sqrt(n_embd), q scaled before q·k, a head
+  size of its own, a tied output; no post norms, window or soft-caps.
 - **gemma2**: soft-capped attention scores and logits, GeGLU, pre and post norms, a head size of
   its own (``key_length`` 32, not n_embd / n_head = 16), embeddings scaled by sqrt(n_embd),
   every other layer windowed. ``gemma2-defaults`` has none of the optional keys: llama.cpp
@@ -63,9 +65,10 @@ def write_gemma(
     d: int = D,
     post: float = POST,
 ) -> Path:
-    """A random gemma2/gemma3 GGUF as llama.cpp's converter lays it out (separate q/k/v, four
-    RMSNorms per block, gemma3's q/k norms, a tied output); ``keys``: gguf-py ``add_*``
-    methods and values beyond the common keys (window, soft-caps, RoPE)."""
+    """A random gemma/gemma2/gemma3 GGUF as llama.cpp's converter lays it out (separate q/k/v,
+    two RMSNorms per block (gemma) or four, gemma3's q/k norms, a tied output); ``keys``:
+    gguf-py ``add_*`` methods and values beyond the common keys (window, soft-caps, RoPE).
+    Gemma has no post norms: its attention and down matrices are scaled by ``post`` instead."""
     g = TinyGGUF(path, arch, dtype, seed, bpe_vocab(PROMPT), "falcon")
     w = g.w
     w.add_context_length(8192)
@@ -93,13 +96,17 @@ def write_gemma(
         if arch == "gemma3":
             g.vector(f"{b}.attn_q_norm.weight", head)
             g.vector(f"{b}.attn_k_norm.weight", head)
-        g.matrix(f"{b}.attn_output.weight", d, N_HEAD * head)
-        g.vector(f"{b}.post_attention_norm.weight", d, mean=post, std=0.1 * post)
+        g.matrix(
+            f"{b}.attn_output.weight", d, N_HEAD * head, scale=1.0 if arch != "gemma" else post
+        )
+        if arch != "gemma":
+            g.vector(f"{b}.post_attention_norm.weight", d, mean=post, std=0.1 * post)
         g.vector(f"{b}.ffn_norm.weight", d)
         g.matrix(f"{b}.ffn_gate.weight", 2 * d, d)
         g.matrix(f"{b}.ffn_up.weight", 2 * d, d)
-        g.matrix(f"{b}.ffn_down.weight", d, 2 * d)
-        g.vector(f"{b}.post_ffw_norm.weight", d, mean=post, std=0.1 * post)
+        g.matrix(f"{b}.ffn_down.weight", d, 2 * d, scale=1.0 if arch != "gemma" else post)
+        if arch != "gemma":
+            g.vector(f"{b}.post_ffw_norm.weight", d, mean=post, std=0.1 * post)
     g.vector("output_norm.weight", d, mean=out_norm, std=0.1 * out_norm)
     return g.close()
 
@@ -168,6 +175,7 @@ _PHI3_LONG = {"rope_scaling_orig_ctx_len": 256, "rope_scaling_attn_factors": 1.1
 # name: (writer, its keyword arguments, seed, llama.cpp's n_ctx); the seeds give greedy runs
 # whose winner leads by more than 1% of the spread at every step
 CASES = {
+    "gemma": (write_gemma, dict(arch="gemma", n_layer=3, keys={}), 0, 256),
     "gemma2": (write_gemma, dict(arch="gemma2", n_layer=3, keys=_GEMMA2_KEYS), 17, 256),
     "gemma2-defaults": (
         write_gemma,

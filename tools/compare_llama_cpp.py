@@ -8,7 +8,7 @@ Without ``--shape`` both engines run one file (default: SmolLM2-135M Q4_1), powe
 once into ``--work`` (power-law neurons, ~10% predicted active, ``tools/make_synthetic_model.py``)
 together with a dense GGUF of the same weights for llama.cpp; powerpy runs the PWRI file sparse
 and dense; ``--arch falcon`` makes a Falcon-shaped one. ``--shape 0.5b --arch qwen2`` (llama,
-qwen3, gemma2, gemma3, phi3) writes one dense GGUF of that family in a real ~0.5B model's
+qwen3, gemma, gemma2, gemma3, phi3) writes one dense GGUF of that family in a real ~0.5B model's
 dimensions (``FAMILY_SHAPES``), which both engines run. (llama.cpp runs that file as SwiGLU, or
 GELU for falcon, where the synthetic model is ReLU: the same bytes and operations, so speeds
 compare, outputs do not.)
@@ -100,11 +100,14 @@ FAMILY_SHAPES = {
     # Qwen3-0.6B (head size 128, not 1024 / 16)
     "qwen3": dict(n_embd=1024, n_layer=28, n_ff=3072, n_head=16, n_head_kv=8, key_length=128,
                   n_vocab=151936),
-    # gemma-3-270m (head size 256); gemma2 in the same dimensions (its smallest model is 2.6B)
+    # gemma-3-270m (head size 256); gemma and gemma2 in the same dimensions (their smallest
+    # models are 2.5B and 2.6B)
     "gemma3": dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256,
                    n_vocab=262144),
     "gemma2": dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256,
                    n_vocab=256000),
+    "gemma": dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256,
+                  n_vocab=256000),
     # Phi-3's layout (fused qkv and gate+up) in Qwen2.5-0.5B's dimensions, Phi-3's vocabulary
     "phi3": dict(n_embd=896, n_layer=24, n_ff=4864, n_head=14, n_head_kv=14, n_vocab=32064),
 }  # fmt: skip

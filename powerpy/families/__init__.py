@@ -20,6 +20,7 @@ FAMILIES: dict[str, Family] = {
         qwen.QWEN3,
         qwen.QWEN3MOE,
         qwen.QWEN2MOE,
+        gemma.GEMMA,
         gemma.GEMMA2,
         gemma.GEMMA3,
         phi3.FAMILY,

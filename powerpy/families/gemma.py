@@ -1,9 +1,11 @@
-"""Gemma 2 and 3 (GGUF arch ``gemma2``, ``gemma3``): RMSNorm around attention and the FFN (pre
-and post norms; llama.cpp's converter stores Gemma's 1 + w in the norm weights), embeddings
-scaled by sqrt(n_embd), NeoX RoPE, GeGLU (tanh GELU), a head size of its own (``key_length``),
-sliding-window layers in a fixed pattern, and a tied output. Gemma 2 soft-caps the attention
-scores and the logits; Gemma 3 normalises each q and k head and turns its windowed layers by a
-local RoPE base (10000, unscaled) while the global ones keep the file's base and scaling."""
+"""Gemma, Gemma 2 and Gemma 3 (GGUF arch ``gemma``, ``gemma2``, ``gemma3``): RMSNorm before
+attention and the FFN (llama.cpp's converter stores Gemma's 1 + w in the norm weights),
+embeddings scaled by sqrt(n_embd), NeoX RoPE, q scaled by 1/sqrt(head size) before q·k, GeGLU
+(tanh GELU), a head size of its own (``key_length``) and a tied output. Gemma 2 and 3 add post
+norms after attention and the FFN and sliding-window layers in a fixed pattern. Gemma 2
+soft-caps the attention scores and the logits; Gemma 3 normalises each q and k head and turns
+its windowed layers by a local RoPE base (10000, unscaled) while the global ones keep the
+file's base and scaling."""
 
 from __future__ import annotations
 
@@ -46,6 +48,17 @@ def _extra(n_layer_27b: int, local_base: bool) -> Callable[[Callable[..., Any], 
 
     return extra
 
+
+# Gemma (1: gemma-2b/7b, CodeGemma): no post norms, no window, no soft-caps
+GEMMA = Family(
+    arch="gemma",
+    block=tuple(t for t in _BLOCK if not t.field.startswith("post_")),
+    ffn_variant=gated_ffn(FFNVariant.GEGLU),
+    rope=Rope.NEOX,
+    embed_scale=True,
+    scale_q=True,
+    output_tensor=False,
+)
 
 GEMMA2 = Family(
     arch="gemma2",

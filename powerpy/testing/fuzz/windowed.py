@@ -47,8 +47,9 @@ def _archs(*names: str) -> Callable:
 
 
 def windowed_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
-    """The unmutated tiny model of ``arch`` ("gemma2", "gemma3" or "phi3") in ``SPEC``'s
-    dimensions: gemma with a head of 16, a 2-position window, soft-caps (gemma2) or a local
+    """The unmutated tiny model of ``arch`` ("gemma", "gemma2", "gemma3" or "phi3") in ``SPEC``'s
+    dimensions: gemma with a head of 16, a 2-position window (which gemma, as llama.cpp,
+    ignores), soft-caps (gemma2; gemma ignores them too) or a local
     base, linear scaling and a window pattern of 2 (gemma3); phi3 with fused tensors, 6 rotary
     dims, long/short factors, an original context and attn_factor, and a window key that it
     ignores. F32, with predictors when ``sparse``."""
@@ -323,6 +324,10 @@ def _vec(name: str, a: np.ndarray) -> Callable[[Draft], None]:
     return fn
 
 
+def _add(name: str, a: np.ndarray) -> Callable[[Draft], None]:
+    return lambda d: d.tensors.append(Tensor(name, a, F32, a.shape))
+
+
 def _add_output(d: Draft) -> None:
     a = np.zeros((len(d.tensor(Names.TOKEN_EMBD).data), SPEC.n_embd), np.float32)
     d.tensors.append(Tensor(Names.OUTPUT, a, F32, a.shape))
@@ -333,6 +338,8 @@ _SEEDS: dict[str, tuple[str, Callable[[Draft], None]]] = {
     "phi3_ffn_up_rows": ("phi3", _rows("blk.0.ffn_up.weight", SPEC.n_ff)),
     "phi3_qkv_rows": ("phi3", _rows("blk.1.attn_qkv.weight", 3 * SPEC.n_embd)),
     "phi3_rope_factors_zero": ("phi3", _vec(Names.ROPE_FACTORS_LONG, _vector(3, 0.0))),
+    "gemma_post_norm": ("gemma", _add("blk.0.post_ffw_norm.weight", _vector(SPEC.n_embd))),
+    "gemma_output": ("gemma", _add_output),
     "gemma2_no_post_ffw_norm": ("gemma2", _drop("blk.1.post_ffw_norm.weight")),
     "gemma2_output": ("gemma2", _add_output),
     "gemma2_softcap_nan": ("gemma2", _key(Keys.ATTN_SOFTCAP, math.nan, V.FLOAT32)),
