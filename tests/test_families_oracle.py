@@ -1,5 +1,7 @@
-"""Falcon against llama.cpp (llama-cpp-python): tiny random dense falcon GGUFs written with
-gguf-py, in F16 and Q8_0, multi-query (Falcon-7B's layout: one kv head, one norm per block,
+"""Falcon and StableLM against llama.cpp (llama-cpp-python): tiny random dense GGUFs written
+with gguf-py, in F16 and Q8_0. StableLM: LayerNorms with biases, NeoX RoPE over a quarter of
+each head (``rope.dimension_count``), q/k/v biases, SwiGLU, an untied output. Falcon:
+multi-query (Falcon-7B's layout: one kv head, one norm per block,
 output tied to token_embd) and 40B-like (two kv heads, attention's own attn_norm_2, an untied
 output), with a byte-level BPE vocabulary and the "falcon" pre-tokenizer.
 
@@ -91,3 +93,54 @@ def test_falcon_matches_llama_cpp(pair):
     assert ours.model.args.arch == "falcon"
     # Q8_0 matmuls, ggml's GELU: llama.cpp's numerics, all of them
     check(name, compare(name, ref, ours), exact=name.endswith("q8_0"))
+
+
+def write_stablelm(path: Path, *, n_layer: int, dtype: str, seed: int) -> Path:
+    """A random dense stablelm GGUF as llama.cpp's converter lays it out (StableLM 2 1.6B's
+    layout): LayerNorms with biases, q/k/v with biases, rotary dims a quarter of the head."""
+    d, ff, hd, n_kv = N_EMBD, N_FF, N_EMBD // N_HEAD, 2
+    f = TinyGGUF(path, "stablelm", dtype, seed, bpe_vocab(PROMPT), pre="falcon")
+    w = f.w
+    w.add_context_length(256)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ff)
+    w.add_block_count(n_layer)
+    w.add_head_count(N_HEAD)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(hd // 4)
+
+    def norm(name: str) -> None:
+        f.vector(f"{name}.weight", d)
+        f.vector(f"{name}.bias", d, mean=0.0)
+
+    emb = f.matrix("token_embd.weight", f.n_vocab, d, scale=np.sqrt(d))
+    for l in range(n_layer):
+        norm(f"blk.{l}.attn_norm")
+        for name, rows in (("attn_q", d), ("attn_k", n_kv * hd), ("attn_v", n_kv * hd)):
+            f.matrix(f"blk.{l}.{name}.weight", rows, d)
+            f.vector(f"blk.{l}.{name}.bias", rows, mean=0.0, std=0.5)
+        f.matrix(f"blk.{l}.attn_output.weight", d, d)
+        norm(f"blk.{l}.ffn_norm")
+        f.matrix(f"blk.{l}.ffn_gate.weight", ff, d)
+        f.matrix(f"blk.{l}.ffn_up.weight", ff, d)
+        f.matrix(f"blk.{l}.ffn_down.weight", d, ff)
+    norm("output_norm")
+    f.output(emb)
+    return f.close()
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_stablelm_matches_llama_cpp(llama_cpp, tmp_path, dtype):
+    path = write_stablelm(tmp_path / f"stablelm-{dtype}.gguf", n_layer=3, dtype=dtype, seed=1)
+    ref = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, n_threads=2,
+                          verbose=False)  # fmt: skip
+    try:
+        ours = load(path)
+        a = ours.model.args
+        assert (a.arch, a.n_rot, a.head_dim) == ("stablelm", 4, 16)
+        name = f"stablelm/{dtype}"
+        check(name, compare(name, ref, ours), exact=dtype == "q8_0")
+    finally:
+        ref.close()

@@ -112,6 +112,7 @@ WINDOWED_MESSAGES = {
     "phi3_ffn_up_rows": ("tensor 'blk.0.ffn_up.weight' has shape (64, 32)", "(128, 32)"),
     "phi3_qkv_rows": ("tensor 'blk.1.attn_qkv.weight' has shape (96, 32)", "(64, 32)"),
     "phi3_rope_factors_zero": ("tensor 'rope_factors_long.weight'", "must be > 0"),
+    "stablelm_12b_q_norm": ("tensor 'blk.0.attn_q_norm.weight' is not part of a stablelm model",),
     "gemma_post_norm": ("tensor 'blk.0.post_ffw_norm.weight' is not part of a gemma model",),
     "gemma_output": ("tensor 'output.weight' is not part of a gemma model", "token_embd"),
     "gemma2_no_post_ffw_norm": ("tensor 'blk.1.post_ffw_norm.weight' is missing",),
@@ -155,7 +156,7 @@ def test_family_seed_cases_name_what_is_wrong(tmp_path, family, expected):
             assert part in p.errors[0], (name, p.errors[0])
 
 
-@pytest.mark.parametrize("arch", ["falcon", "opt", "gemma", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["falcon", "opt", "gemma", "gemma2", "gemma3", "phi3", "stablelm"])
 def test_valid_arch_models_run(tmp_path, arch):
     """The unmutated Falcon (multi-query and 40B-like), OPT, Gemma and Phi-3 drafts run sparse,
     dense and placed (phi3's fused gate+up is refused a placement by name), so the "arch"

@@ -5,6 +5,7 @@ ships:
   quantizer made from random floats, times activations ggml rounded to Q8_K, give the same float
   bits in powerpy's GEMV, GLU and prompt GEMM as in ggml (super-block kernels in ggml's order,
   ``csrc/k_quants_avx2.h``, on AVX2 builds).
+- LayerNorm's normalisation (``ggml_norm``), row by row.
 - f32 matrices (a MoE router, a shared expert's gate): ``ggml_mul_mat`` in a one-op graph, which
   takes tinyBLAS for some shapes and ``ggml_vec_dot_f32`` for others (one token, fewer than 4
   rows or a multiple of 4, widths off ggml's vector), equals ``ggml_numerics.gemm_f32``."""
@@ -111,36 +112,47 @@ class _InitParams(ctypes.Structure):  # ggml.h: struct ggml_init_params
     ]
 
 
-def _ggml_mul_mat(ggml, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """ggml_mul_mat(w, x) in a graph on 2 threads: w (rows, cols) f32 (one row: a 1-D tensor,
-    as a GGUF vector), x (T, cols) -> (T, rows)."""
+def _ggml_op(ggml, inputs: list[np.ndarray], op) -> np.ndarray:
+    """One ggml op in a graph on 2 threads: f32 ``inputs`` (a 1-D array as a 1-D tensor, as a
+    GGUF vector; 2-D (rows, n) as ggml's (n, rows)), ``op(base, ctx, *tensors)`` -> the op's
+    tensor, read back as f32 (its element count)."""
     base = ctypes.CDLL(os.path.join(os.path.dirname(ggml._name), "libggml-base.so"))
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     for name, args, res in (
         ("ggml_init", [_InitParams], vp), ("ggml_new_tensor_1d", [vp, ctypes.c_int, i64], vp),
         ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp), ("ggml_mul_mat", [vp] * 3, vp),
-        ("ggml_new_graph", [vp], vp), ("ggml_build_forward_expand", [vp, vp], None),
-        ("ggml_get_data", [vp], vp), ("ggml_free", [vp], None),
+        ("ggml_norm", [vp, vp, ctypes.c_float], vp), ("ggml_new_graph", [vp], vp),
+        ("ggml_build_forward_expand", [vp, vp], None), ("ggml_get_data", [vp], vp),
+        ("ggml_nelements", [vp], i64), ("ggml_free", [vp], None),
     ):  # fmt: skip
         getattr(base, name).argtypes, getattr(base, name).restype = args, res
     ggml.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
-    (rows, cols), T = w.shape, x.shape[0]
     ctx = base.ggml_init(_InitParams(16 << 20, None, False))
-    if rows == 1:
-        a = base.ggml_new_tensor_1d(ctx, 0, cols)
-    else:
-        a = base.ggml_new_tensor_2d(ctx, 0, cols, rows)
-    b = base.ggml_new_tensor_2d(ctx, 0, cols, T)
-    c = base.ggml_mul_mat(ctx, a, b)
+    ts = []
+    for a in inputs:
+        a = np.ascontiguousarray(a, np.float32)
+        if a.ndim == 1:
+            t = base.ggml_new_tensor_1d(ctx, 0, a.shape[0])
+        else:
+            t = base.ggml_new_tensor_2d(ctx, 0, a.shape[1], a.shape[0])
+        ctypes.memmove(base.ggml_get_data(t), a.ctypes.data, a.nbytes)
+        ts.append(t)
+    c = op(base, ctx, *ts)
     gf = base.ggml_new_graph(ctx)
     base.ggml_build_forward_expand(gf, c)
-    ctypes.memmove(base.ggml_get_data(a), w.data_ptr(), w.numel() * 4)
-    ctypes.memmove(base.ggml_get_data(b), x.data_ptr(), x.numel() * 4)
     ggml.ggml_graph_compute_with_ctx(ctx, gf, 2)
-    out = (ctypes.c_float * (T * rows)).from_address(base.ggml_get_data(c))
-    y = torch.tensor(np.ctypeslib.as_array(out)).view(T, rows).clone()
+    out = (ctypes.c_float * base.ggml_nelements(c)).from_address(base.ggml_get_data(c))
+    y = np.ctypeslib.as_array(out).copy()
     base.ggml_free(ctx)
     return y
+
+
+def _ggml_mul_mat(ggml, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """ggml_mul_mat(w, x): w (rows, cols) f32 (one row: a 1-D tensor), x (T, cols) -> (T,
+    rows)."""
+    wa = w.numpy()[0] if w.shape[0] == 1 else w.numpy()
+    y = _ggml_op(ggml, [wa, x.numpy()], lambda base, ctx, a, b: base.ggml_mul_mat(ctx, a, b))
+    return torch.from_numpy(y).view(x.shape[0], w.shape[0])
 
 
 def test_f32_matmul_orders_equal_ggmls(ggml):
@@ -158,3 +170,18 @@ def test_f32_matmul_orders_equal_ggmls(ggml):
                 assert torch.equal(got, want), (rows, cols, T)
                 differ += not torch.equal(got, x @ w.T)
     assert differ > 10  # the order matters: torch's sums differ in most cases
+
+
+def test_layer_norm_equals_ggmls(ggml):
+    """LayerNorm (``ggml_norm``, before its weight and bias): each square of the variance's sum
+    rounded before the lane sums. With GCC's fused multiply-add in that sum, rows of a
+    StableLM prompt differed from llama.cpp's by an ulp of the scale."""
+    lib = kernels.library()
+    if lib is None or lib.simd not in ("AVX2", "AVX-512"):
+        pytest.skip("needs the native kernels on an AVX2 (or wider) build")
+    g = np.random.default_rng(5)
+    for n in (64, 72, 2048):
+        x = (g.standard_normal((200, n)) * g.uniform(0.1, 10.0, (200, 1))).astype(np.float32)
+        want = _ggml_op(ggml, [x], lambda base, ctx, t: base.ggml_norm(ctx, t, 1e-5))
+        got = ggml_numerics.layer_norm(lib.cdll, torch.from_numpy(x), torch.ones(n), None, 1e-5)
+        assert np.array_equal(got.numpy().reshape(-1), want), n

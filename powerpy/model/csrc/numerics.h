@@ -28,9 +28,9 @@ static void layer_norm(const float* x, const float* w, const float* b, int64_t n
   if (GW == 8 || GW == 16)
     for (; i + GW <= n; i += GW) {
       float t[16];
-      for (int l = 0; l < GW; ++l) {
-        const float dv = x[i + l] - mean;
-        t[l] = dv * dv;
+      for (int l = 0; l < GW; ++l) {  // each square rounded before the lane sums (GCC would
+        const float dv = x[i + l] - mean;  // fuse it into their first add: ggml multiplies
+        t[l] = no_contract(dv * dv);  // the vector, then adds)
       }
       v += (double)hsum_gw(t);
     }

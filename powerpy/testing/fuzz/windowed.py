@@ -47,12 +47,13 @@ def _archs(*names: str) -> Callable:
 
 
 def windowed_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
-    """The unmutated tiny model of ``arch`` ("gemma", "gemma2", "gemma3" or "phi3") in ``SPEC``'s
-    dimensions: gemma with a head of 16, a 2-position window (which gemma, as llama.cpp,
-    ignores), soft-caps (gemma2; gemma ignores them too) or a local
-    base, linear scaling and a window pattern of 2 (gemma3); phi3 with fused tensors, 6 rotary
-    dims, long/short factors, an original context and attn_factor, and a window key that it
-    ignores. F32, with predictors when ``sparse``."""
+    """The unmutated tiny model of ``arch`` (``WINDOWED_ARCHS``) in ``SPEC``'s dimensions:
+    gemma with a head of 16, a 2-position window (gemma ignores it, as llama.cpp), soft-caps
+    (gemma2; gemma ignores them too) or a local base, linear scaling and a window pattern of 2
+    (gemma3); phi3 with fused tensors, 6 rotary dims, long/short factors, an original context
+    and attn_factor, and a window key that it ignores; stablelm with LayerNorm biases and 4 of
+    16 rotary dims (the window and soft-cap keys ignored). F32, with predictors when
+    ``sparse``."""
     spec = dataclasses.replace(SPEC, arch=arch)
     kv = dict(spec_args(spec, sparse=sparse).to_gguf_kv(name=f"powerpy-fuzz-{arch}"))
     u32, f32 = V.UINT32, V.FLOAT32
@@ -67,6 +68,8 @@ def windowed_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
                  Keys.FINAL_SOFTCAP: (30.0, f32)}  # fmt: skip
     if arch == "gemma2":
         keys[Keys.ATTN_SOFTCAP] = (50.0, f32)
+    if arch == "stablelm":  # a quarter of each head turns (StableLM 2)
+        keys[Keys.ROPE_DIMENSION_COUNT] = (HEAD // 4, u32)
     if arch == "gemma3":
         keys |= {Keys.ROPE_FREQ_BASE: (1e6, f32), Keys.ROPE_FREQ_BASE_SWA: (1e4, f32),
                  Keys.ROPE_SCALING_TYPE: ("linear", V.STRING),
@@ -338,6 +341,10 @@ _SEEDS: dict[str, tuple[str, Callable[[Draft], None]]] = {
     "phi3_ffn_up_rows": ("phi3", _rows("blk.0.ffn_up.weight", SPEC.n_ff)),
     "phi3_qkv_rows": ("phi3", _rows("blk.1.attn_qkv.weight", 3 * SPEC.n_embd)),
     "phi3_rope_factors_zero": ("phi3", _vec(Names.ROPE_FACTORS_LONG, _vector(3, 0.0))),
+    "stablelm_12b_q_norm": (
+        "stablelm",
+        _add("blk.0.attn_q_norm.weight", np.ones((4, HEAD), np.float32)),
+    ),
     "gemma_post_norm": ("gemma", _add("blk.0.post_ffw_norm.weight", _vector(SPEC.n_embd))),
     "gemma_output": ("gemma", _add_output),
     "gemma2_no_post_ffw_norm": ("gemma2", _drop("blk.1.post_ffw_norm.weight")),
