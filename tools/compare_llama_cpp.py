@@ -8,10 +8,10 @@ Without ``--shape`` both engines run one file (default: SmolLM2-135M Q4_1), powe
 once into ``--work`` (power-law neurons, ~10% predicted active, ``tools/make_synthetic_model.py``)
 together with a dense GGUF of the same weights for llama.cpp; powerpy runs the PWRI file sparse
 and dense; ``--arch falcon`` makes a Falcon-shaped one. ``--shape 0.5b --arch qwen2`` (llama,
-qwen3, gemma, gemma2, gemma3, phi3, stablelm) writes one dense GGUF of that family in a real ~0.5B model's
-dimensions (``FAMILY_SHAPES``), which both engines run. (llama.cpp runs that file as SwiGLU, or
-GELU for falcon, where the synthetic model is ReLU: the same bytes and operations, so speeds
-compare, outputs do not.)
+qwen3, gemma, gemma2, gemma3, phi3, stablelm) writes one dense GGUF of that family in a real
+~0.5B model's dimensions (``FAMILY_SHAPES``), which both engines run. (llama.cpp runs that file
+as SwiGLU, or GELU for falcon, where the synthetic model is ReLU: the same bytes and operations,
+so speeds compare, outputs do not.)
 
 The engines run in paired rounds (llama.cpp, then powerpy, back to back); the table gives the
 median of each and the median of the per-round ratios. llama.cpp runs in a process of its own
@@ -117,7 +117,8 @@ FAMILY_SHAPES = {
 
 
 def family_model(arch: str, dtype: str, work: Path) -> Path:
-    """A dense GGUF of ``arch`` in its ``FAMILY_SHAPES`` shape (tied output), written once."""
+    """A dense GGUF of ``arch`` in its ``FAMILY_SHAPES`` shape (the output tied where the family
+    ties it), written once."""
     from powerpy.formats.constants import GGMLType
     from powerpy.testing import TinySpec, write_tiny_model
 

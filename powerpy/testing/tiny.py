@@ -91,7 +91,7 @@ def tiny_tensors(
     t[Names.OUTPUT_NORM] = norm()
     if fam.output_norm_bias:
         t[bias_name(Names.OUTPUT_NORM)] = bias(d)
-    if not spec.tied and fam.output_tensor:
+    if (not spec.tied or not fam.tied_output) and fam.output_tensor:  # tied where it can be
         t[Names.OUTPUT] = mat(n_vocab, d)
     return t
 
