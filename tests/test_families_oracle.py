@@ -15,6 +15,7 @@ spread: llama.cpp rounds the activations of an F16 matmul to f16, powerpy does n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,17 +29,16 @@ pytestmark = pytest.mark.llama_cpp
 N_EMBD, N_FF, N_HEAD = 64, 256, 4
 
 
-def write_falcon(
-    path: Path, *, n_layer: int, n_head_kv: int, norm_2: bool, tied: bool, dtype: str, seed: int
-) -> Path:
-    """A random dense falcon GGUF as llama.cpp's converter lays it out: fused attn_qkv (q heads,
-    then k heads, then v heads), LayerNorms with biases, ffn_up/ffn_down, no matrix biases."""
-    d, ff, hd = N_EMBD, N_FF, N_EMBD // N_HEAD
-    f = TinyGGUF(path, "falcon", dtype, seed, bpe_vocab(PROMPT), pre="falcon")
+def _layer_norm_file(
+    path: Path, arch: str, n_layer: int, n_head_kv: int, dtype: str, seed: int
+) -> tuple[TinyGGUF, Callable[[str], None]]:
+    """A file of ``arch`` being written, with the hyperparameters of this module's models
+    (LayerNorm eps 1e-5, RoPE base 10000), and a writer of a LayerNorm's weight and bias."""
+    f = TinyGGUF(path, arch, dtype, seed, bpe_vocab(PROMPT), pre="falcon")
     w = f.w
     w.add_context_length(256)
-    w.add_embedding_length(d)
-    w.add_feed_forward_length(ff)
+    w.add_embedding_length(N_EMBD)
+    w.add_feed_forward_length(N_FF)
     w.add_block_count(n_layer)
     w.add_head_count(N_HEAD)
     w.add_head_count_kv(n_head_kv)
@@ -46,8 +46,19 @@ def write_falcon(
     w.add_rope_freq_base(10000.0)
 
     def norm(name: str) -> None:
-        f.vector(f"{name}.weight", d)
-        f.vector(f"{name}.bias", d, mean=0.0)
+        f.vector(f"{name}.weight", N_EMBD)
+        f.vector(f"{name}.bias", N_EMBD, mean=0.0)
+
+    return f, norm
+
+
+def write_falcon(
+    path: Path, *, n_layer: int, n_head_kv: int, norm_2: bool, tied: bool, dtype: str, seed: int
+) -> Path:
+    """A random dense falcon GGUF as llama.cpp's converter lays it out: fused attn_qkv (q heads,
+    then k heads, then v heads), LayerNorms with biases, ffn_up/ffn_down, no matrix biases."""
+    d, ff, hd = N_EMBD, N_FF, N_EMBD // N_HEAD
+    f, norm = _layer_norm_file(path, "falcon", n_layer, n_head_kv, dtype, seed)
 
     emb = f.matrix("token_embd.weight", f.n_vocab, d, scale=np.sqrt(d))  # (n_vocab, d), std 1
     big = 3.0 if tied else 1.0  # tied: sublayers that outweigh the embedding, so the output
@@ -99,21 +110,8 @@ def write_stablelm(path: Path, *, n_layer: int, dtype: str, seed: int) -> Path:
     """A random dense stablelm GGUF as llama.cpp's converter lays it out (StableLM 2 1.6B's
     layout): LayerNorms with biases, q/k/v with biases, rotary dims a quarter of the head."""
     d, ff, hd, n_kv = N_EMBD, N_FF, N_EMBD // N_HEAD, 2
-    f = TinyGGUF(path, "stablelm", dtype, seed, bpe_vocab(PROMPT), pre="falcon")
-    w = f.w
-    w.add_context_length(256)
-    w.add_embedding_length(d)
-    w.add_feed_forward_length(ff)
-    w.add_block_count(n_layer)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(n_kv)
-    w.add_layer_norm_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(hd // 4)
-
-    def norm(name: str) -> None:
-        f.vector(f"{name}.weight", d)
-        f.vector(f"{name}.bias", d, mean=0.0)
+    f, norm = _layer_norm_file(path, "stablelm", n_layer, n_kv, dtype, seed)
+    f.w.add_rope_dimension_count(hd // 4)
 
     emb = f.matrix("token_embd.weight", f.n_vocab, d, scale=np.sqrt(d))
     for l in range(n_layer):
