@@ -1,9 +1,13 @@
-"""Falcon and StableLM against llama.cpp (llama-cpp-python): tiny random dense GGUFs written
-with gguf-py, in F16 and Q8_0. StableLM: LayerNorms with biases, NeoX RoPE over a quarter of
-each head (``rope.dimension_count``), q/k/v biases, SwiGLU, an untied output. Falcon:
-multi-query (Falcon-7B's layout: one kv head, one norm per block,
-output tied to token_embd) and 40B-like (two kv heads, attention's own attn_norm_2, an untied
-output), with a byte-level BPE vocabulary and the "falcon" pre-tokenizer.
+"""Falcon, StableLM and Phi-2 against llama.cpp (llama-cpp-python): tiny random dense GGUFs
+written with gguf-py, in F16 and Q8_0. StableLM: LayerNorms with biases, NeoX RoPE over a
+quarter of each head (``rope.dimension_count``), q/k/v biases, SwiGLU, an untied output. Phi-2:
+falcon's parallel block with one LayerNorm, 6 of 16 rotary dims, q scaled before q·k, biases on
+every matrix, the output's included; a parallel block adds attention and FFN first, then the
+block's input, as llama.cpp does (the other order was an ulp off in 5 of 42 rows of phi2's seed
+0; falcon's fixtures pass either way). Falcon: multi-query (Falcon-7B's layout: one kv head, one
+norm per block, output tied to token_embd) and 40B-like (two kv heads, attention's own
+attn_norm_2, an untied output). All with a byte-level BPE vocabulary and the "falcon"
+pre-tokenizer.
 
 Both engines tokenize the prompt alike, then decode 16 greedy tokens each (end of text is not
 special here; ``oracle_fixtures.compare``); the tokens must be the same, and every logit of the
@@ -139,6 +143,46 @@ def test_stablelm_matches_llama_cpp(llama_cpp, tmp_path, dtype):
         a = ours.model.args
         assert (a.arch, a.n_rot, a.head_dim) == ("stablelm", 4, 16)
         name = f"stablelm/{dtype}"
+        check(name, compare(name, ref, ours), exact=dtype == "q8_0")
+    finally:
+        ref.close()
+
+
+def write_phi2(path: Path, *, n_layer: int, dtype: str, seed: int) -> Path:
+    """A random dense phi2 GGUF as llama.cpp's converter lays it out: one LayerNorm per block
+    (weight, bias), q/k/v, attn_output, ffn_up, ffn_down and output each with a bias."""
+    d, ff, hd = N_EMBD, N_FF, N_EMBD // N_HEAD
+    f, norm = _layer_norm_file(path, "phi2", n_layer, N_HEAD, dtype, seed)
+    f.w.add_rope_dimension_count(6)
+
+    def mat(name: str, rows: int, cols: int) -> None:
+        f.matrix(f"{name}.weight", rows, cols)
+        f.vector(f"{name}.bias", rows, mean=0.0, std=0.5)
+
+    emb = f.matrix("token_embd.weight", f.n_vocab, d, scale=np.sqrt(d))
+    for l in range(n_layer):
+        norm(f"blk.{l}.attn_norm")
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            mat(f"blk.{l}.{name}", N_HEAD * hd, d)
+        mat(f"blk.{l}.ffn_up", ff, d)
+        mat(f"blk.{l}.ffn_down", d, ff)
+    norm("output_norm")
+    f.output(emb)
+    f.vector("output.bias", f.n_vocab, mean=0.0, std=0.5)
+    return f.close()
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_phi2_matches_llama_cpp(llama_cpp, tmp_path, dtype):
+    path = write_phi2(tmp_path / f"phi2-{dtype}.gguf", n_layer=3, dtype=dtype, seed=9)
+    ref = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, n_threads=2,
+                          verbose=False)  # fmt: skip
+    try:
+        ours = load(path)
+        a = ours.model.args
+        assert (a.arch, a.n_rot, a.head_dim) == ("phi2", 6, 16)
+        assert ours.model.weights.output.bias is not None
+        name = f"phi2/{dtype}"
         check(name, compare(name, ref, ours), exact=dtype == "q8_0")
     finally:
         ref.close()

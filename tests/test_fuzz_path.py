@@ -113,6 +113,7 @@ WINDOWED_MESSAGES = {
     "phi3_qkv_rows": ("tensor 'blk.1.attn_qkv.weight' has shape (96, 32)", "(64, 32)"),
     "phi3_rope_factors_zero": ("tensor 'rope_factors_long.weight'", "must be > 0"),
     "stablelm_12b_q_norm": ("tensor 'blk.0.attn_q_norm.weight' is not part of a stablelm model",),
+    "phi2_no_output_bias": ("tensor 'output.bias' is missing",),
     "gemma_post_norm": ("tensor 'blk.0.post_ffw_norm.weight' is not part of a gemma model",),
     "gemma_output": ("tensor 'output.weight' is not part of a gemma model", "token_embd"),
     "gemma2_no_post_ffw_norm": ("tensor 'blk.1.post_ffw_norm.weight' is missing",),

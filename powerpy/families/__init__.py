@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from powerpy.errors import ModelConfigError, shown
-from powerpy.families import bamboo, falcon, gemma, llama, opt, phi3, qwen, stablelm
+from powerpy.families import bamboo, falcon, gemma, llama, opt, phi2, phi3, qwen, stablelm
 from powerpy.families.base import Family, FFNVariant, LayerTensor, Norm, Residual, Rope
 
 FAMILIES: dict[str, Family] = {
@@ -24,6 +24,7 @@ FAMILIES: dict[str, Family] = {
         gemma.GEMMA2,
         gemma.GEMMA3,
         phi3.FAMILY,
+        phi2.FAMILY,
         stablelm.FAMILY,
     )
 }

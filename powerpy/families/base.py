@@ -59,6 +59,25 @@ class FFNVariant(str, enum.Enum):
         return table[gated, act]
 
 
+def ungated_ffn(kv: Mapping[str, Any], sparse: bool, source: str) -> FFNVariant:
+    """``Family.ffn_variant`` of an ungated family (falcon, phi2): a dense file runs GELU
+    (llama.cpp's), a PWRI file ReLU (ReluFalcon), unless it carries
+    ``powerpy.sparse_activation`` "gelu".
+
+    Raises:
+        ModelConfigError: the key holds something other than "relu" or "gelu".
+    """
+    if not sparse:
+        return FFNVariant.GELU
+    act = kv.get(Keys.SPARSE_ACTIVATION, "relu")
+    if not isinstance(act, str) or act not in ("relu", "gelu"):
+        raise ModelConfigError(
+            f'{source}: key {Keys.SPARSE_ACTIVATION!r} is {shown(act)}; an ungated FFN runs "relu" '
+            'or "gelu": fix or remove the key'
+        )
+    return FFNVariant.of(act, gated=False)
+
+
 def gated_ffn(dense: FFNVariant) -> Callable[[Mapping[str, Any], bool, str], FFNVariant]:
     """``Family.ffn_variant`` of a gated family: a dense file runs ``dense``; a PWRI file ReGLU
     unless it carries ``powerpy.sparse_activation`` ("silu" or "gelu": that activation, gated).
@@ -216,6 +235,7 @@ class Family:
     gated: bool = True  # the FFN has ffn_gate
     down_bias: str = "none"  # the down matrix's bias: "none", "optional", "required"
     output_norm_bias: bool = False  # output_norm.bias (LayerNorm families)
+    output_bias: bool = False  # output.bias, added to the logits (phi2)
     position_offset: int = 0  # Rope.LEARNED: position p reads row p + offset (OPT: 2)
     embed_scale: bool = False  # the embeddings are scaled by sqrt(n_embd) (gemma)
     # llama.cpp's graph scales q (then rounded to f16 for the cache's dot products), not the

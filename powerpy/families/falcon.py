@@ -7,20 +7,16 @@ multi-query (one kv head), 40B grouped with its own attention norm (``attn_norm_
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-from powerpy.errors import ModelConfigError, shown
 from powerpy.families.base import (
     QKV_SPLIT,
     Family,
-    FFNVariant,
     LayerTensor,
     Norm,
     Residual,
     Rope,
+    ungated_ffn,
 )
-from powerpy.formats.constants import Keys, Names
+from powerpy.formats.constants import Names
 
 BLOCK = (
     LayerTensor("attn_norm", Names.ATTN_NORM, ("n_embd",), bias="required"),
@@ -33,28 +29,10 @@ BLOCK = (
 )
 
 
-def ffn_variant(kv: Mapping[str, Any], sparse: bool, source: str) -> FFNVariant:
-    """A dense file runs GELU (llama.cpp's falcon), a PWRI file ReLU (ReluFalcon), unless it
-    carries ``powerpy.sparse_activation`` "gelu".
-
-    Raises:
-        ModelConfigError: the key holds something other than "relu" or "gelu".
-    """
-    if not sparse:
-        return FFNVariant.GELU
-    act = kv.get(Keys.SPARSE_ACTIVATION, "relu")
-    if not isinstance(act, str) or act not in ("relu", "gelu"):
-        raise ModelConfigError(
-            f'{source}: key {Keys.SPARSE_ACTIVATION!r} is {shown(act)}; falcon runs "relu" '
-            'or "gelu": fix or remove the key'
-        )
-    return FFNVariant.of(act, gated=False)
-
-
 FAMILY = Family(
     arch="falcon",
     block=BLOCK,
-    ffn_variant=ffn_variant,
+    ffn_variant=ungated_ffn,
     ffn_acts=("relu", "gelu"),
     norm=Norm.LAYER,
     rope=Rope.NEOX,

@@ -151,8 +151,8 @@ def attention_block(
     layout (``layer_record``: norm, q/k/v with their biases, q/k norms, RoPE, cache row, the
     window, scale and soft-cap, GQA softmax, output and its bias, post norm, residual): x (1,
     n_embd) the residual stream, rot the step's (1, n_rot/2) complex rotations (None: learned
-    positions) -> x + attention (1, n_embd); None when a matrix or the cache is not for the
-    kernels."""
+    positions) -> x + attention (1, n_embd), or the attention alone in a parallel block (its
+    FFN block adds both to x); None when a matrix or the cache is not for the kernels."""
     k, v = cache.k[l], cache.v[l]  # (n_ctx, n_kv, head_dim)
     host = k.device.type == "cpu" and x.device.type == "cpu"
     if not host or k.dtype not in kernels.CACHE_CODES or not blk.native:

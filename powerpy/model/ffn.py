@@ -356,7 +356,8 @@ def fused_decode(
     (``layer_record``: norm, predictor, gated or ungated rows with the up bias, cut, down rows
     and bias, post norm, residual): x (1, n_embd) the residual stream, taken to the host; src
     (1, n_embd) the FFN's input before its norm where it is not x (a parallel block's input;
-    the predictor reads it too) -> x + FFN (1, n_embd) on the host; None when it does not apply
+    the predictor reads it too; x is then the attention's output) -> x + FFN, or (x + FFN) +
+    src in a parallel block, (1, n_embd) on the host; None when it does not apply
     (a matrix the kernels cannot read, hot rows, profiling, an oracle)."""
     part = layer_record.ffn_part(blk, a, opts)
     if part is None:

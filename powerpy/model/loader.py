@@ -197,6 +197,8 @@ def load_weights(
     output = token_embd
     if Names.OUTPUT in gf.tensors or not fam.tied_output:
         output = src.matrix(Names.OUTPUT, (args.n_vocab, d))
+        rule = "required" if fam.output_bias else "none"  # added to the logits (phi2)
+        output = _with_bias(output, _bias(src, Names.OUTPUT, args.n_vocab, rule))
     position_embd = None
     if fam.rope is Rope.LEARNED:
         pe, off = gf.tensors.get(Names.POS_EMBD), fam.position_offset

@@ -404,28 +404,28 @@ class Model:
         check: bool,
         last_row: bool = False,
     ) -> Tensor:
-        """x + attn(norm2(x)) + ffn(norm(x)): attn_norm feeds the FFN, and attention too
-        unless the block has its own attn_norm_2; the predictor reads x (T, n_embd)
-        (``last_row``: see :meth:`_block`)."""
+        """(attn(norm2(x)) + ffn(norm(x))) + x, added in llama.cpp's order: attn_norm feeds the
+        FFN, and attention too unless the block has its own attn_norm_2; the predictor reads x
+        (T, n_embd) (``last_row``: see :meth:`_block`)."""
         a, one, x = self.args, x.shape[0] == 1, self._to(x, blk.attn_norm.device)
         with phase(opts.timer, "attention"):  # one token on the host: native blocks
-            h = attention_block(l, blk, x, step.caches[0], rot, a) if one else None  # x + att
-            if h is None:
+            att = attention_block(l, blk, x, step.caches[0], rot, a) if one else None
+            if att is None:
                 xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
                 norm_2 = blk.attn_norm_2
                 xa = xn if norm_2 is None else self.norm(x, norm_2, blk.attn_norm_2_b)
-                h = x + self._to(self.attention(l, blk, xa, step, rot), x.device)
+                att = self._to(self.attention(l, blk, xa, step, rot), x.device)
         if last_row:
-            x, h = x[-1:], h[-1:]
+            x, att = x[-1:], att[-1:]
         if check:
-            _check_finite(h, f"blk.{l}", "attention (attn_norm(_2), attn_qkv/output)")
+            _check_finite(att, f"blk.{l}", "attention (attn_norm(_2), attn_qkv/output)")
         with phase(opts.timer, "ffn"):
             src = OnDevices(self.accel, x)
-            y = fused_decode(l, blk, OnDevices(self.accel, h), a, thr, opts, src) if one else None
+            y = fused_decode(l, blk, OnDevices(self.accel, att), a, thr, opts, src) if one else None
             if y is None:
                 xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
                 f = self._ffn(l, blk, xn, blk.predictor_input(src, opts), step, thr, opts, ffn_mode)
-                y = h + self._down_bias(blk, self._to(f, x.device))
+                y = (att + self._down_bias(blk, self._to(f, x.device))) + x
         if check:
             _check_finite(y, f"blk.{l}", "the FFN (attn_norm, ffn_up/down, fc1/fc2)")
         return y

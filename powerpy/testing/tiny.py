@@ -93,6 +93,8 @@ def tiny_tensors(
         t[bias_name(Names.OUTPUT_NORM)] = bias(d)
     if (not spec.tied or not fam.tied_output) and fam.output_tensor:  # tied where it can be
         t[Names.OUTPUT] = mat(n_vocab, d)
+        if fam.output_bias:
+            t[bias_name(Names.OUTPUT)] = bias(n_vocab)
     return t
 
 

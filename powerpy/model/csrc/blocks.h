@@ -113,7 +113,8 @@ static int attn_f32(const float* q, const void* kc, const void* vc, int cdt, int
 // the scale where the layer scales q (LF_Q_SCALED, gemma) rather than the scores; k and v written
 // to the cache row pos (f32 or f16: cdt 0 / 1, rows of n_kv * hd); query head h reads kv head
 // h / (n_head / n_kv) over the window (llama.cpp's f16 numerics with act and an f16 cache, else
-// attn_f32); y = W_o · attention + bias, post-normed; out = x + y. Returns 0 or a status.
+// attn_f32); y = W_o · attention + bias, post-normed; out = x + y, or y alone in a parallel
+// block (LF_PARALLEL: ffn_block adds both to x in llama.cpp's order). Returns 0 or a status.
 static int attn_block(const Layer& L, const Heads& H, const float* rot, const float* x, void* kc,
                       void* vc, int cdt, int64_t pos, float* out, int act, int nthreads) {
   const int64_t hd = H.hd, nq = H.n_head * hd, nkv = H.n_kv * hd, S = pos + 1;
@@ -175,7 +176,10 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
   if (!st) {
     add_bias(y, L.bo, d);
     if (L.post_attn) L.norm(y, L.post_attn, nullptr, d, H.eps, y);
-    for (int64_t i = 0; i < d; ++i) out[i] = x[i] + y[i];
+    if (L.flags & LF_PARALLEL)
+      std::memcpy(out, y, sizeof(float) * d);
+    else
+      for (int64_t i = 0; i < d; ++i) out[i] = x[i] + y[i];
   }
   std::free(buf);
   return st;
@@ -200,13 +204,13 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
 }
 
 // One token's FFN block: r the residual stream it adds to, xs its source (r in a sequential
-// block; the block's input in a parallel one). With a predictor (fc1, fc2) the neurons j with
+// block; in a parallel one the block's input, and r the attention's output alone). With a predictor (fc1, fc2) the neurons j with
 // fc2·relu(fc1·xs) >= thr, else all of them; xn = the layer's FFN norm of xs; h_j =
 // act(gate_j·xn, up_j·xn) (gated, no up bias), or act(up_j·xn + bias_j) (ungated: RELU, GELU);
 // with tau, a computed neuron with |h_j| < tau[j] is dropped before its down row is read; y =
 // sum_j h_j down_t[j] (or, with LF_DOWN_STORED, a dense file's ffn_down (n_embd, n_ff) times h:
-// no predictor, no cut) plus the down bias, post-normed; out = r + y (out may be xs). Returns
-// the neurons whose down rows were added, or -status.
+// no predictor, no cut) plus the down bias, post-normed; out = r + y, or (r + y) + xs in a
+// parallel block (out may be xs). Returns the neurons whose down rows were added, or -status.
 static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, const float* xs,
                          float* out, int act, int nthreads) {
   if (L.flags & LF_MOE) return moe_block(L, eps, r, out, act, nthreads);
@@ -262,7 +266,10 @@ static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, c
   if (!st) {
     add_bias(y, L.bd, nd);
     if (L.post_ffn) L.norm(y, L.post_ffn, nullptr, nd, eps, y);
-    for (int64_t i = 0; i < nd; ++i) out[i] = r[i] + y[i];
+    if (L.flags & LF_PARALLEL)  // (attention + FFN) + input, as llama.cpp's parallel graphs add
+      for (int64_t i = 0; i < nd; ++i) out[i] = (r[i] + y[i]) + xs[i];
+    else
+      for (int64_t i = 0; i < nd; ++i) out[i] = r[i] + y[i];
   }
   std::free(buf);
   return st ? -st : kept;

@@ -27,8 +27,9 @@ FAMILIES = (
 # the families that mutate the model file itself (a second mutation on top is drawn from these)
 MODEL_FAMILIES = ("kv", "hparams", "tokenizer", "tensors", "alignment", "predictor")
 ARCHS = ("falcon", "opt")  # the families of ``arch_draft`` built by ``synthetic``
-# … and by ``windowed.windowed_draft`` (gemma's and phi3's keys; stablelm's partial rotary)
-WINDOWED_ARCHS = ("gemma", "gemma2", "gemma3", "phi3", "stablelm")
+# … and by ``windowed.windowed_draft`` (gemma's and phi3's keys; stablelm's and phi2's partial
+# rotary)
+WINDOWED_ARCHS = ("gemma", "gemma2", "gemma3", "phi3", "stablelm", "phi2")
 # arch -> (arch, sparse, seed) -> Draft: the builders of other modules (``windowed``)
 DRAFTS: dict[str, Callable[[str, bool, int], Draft]] = {}
 SPEC = TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_pred_hidden=16)

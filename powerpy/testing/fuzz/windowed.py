@@ -51,8 +51,8 @@ def windowed_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
     gemma with a head of 16, a 2-position window (gemma ignores it, as llama.cpp), soft-caps
     (gemma2; gemma ignores them too) or a local base, linear scaling and a window pattern of 2
     (gemma3); phi3 with fused tensors, 6 rotary dims, long/short factors, an original context
-    and attn_factor, and a window key that it ignores; stablelm with LayerNorm biases and 4 of
-    16 rotary dims (the window and soft-cap keys ignored). F32, with predictors when
+    and attn_factor, and a window key that it ignores; stablelm and phi2 with LayerNorm biases
+    and 4 of 16 rotary dims (the window and soft-cap keys ignored). F32, with predictors when
     ``sparse``."""
     spec = dataclasses.replace(SPEC, arch=arch)
     kv = dict(spec_args(spec, sparse=sparse).to_gguf_kv(name=f"powerpy-fuzz-{arch}"))
@@ -68,7 +68,7 @@ def windowed_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
                  Keys.FINAL_SOFTCAP: (30.0, f32)}  # fmt: skip
     if arch == "gemma2":
         keys[Keys.ATTN_SOFTCAP] = (50.0, f32)
-    if arch == "stablelm":  # a quarter of each head turns (StableLM 2)
+    if arch in ("stablelm", "phi2"):  # a quarter of each head turns (StableLM 2; phi-2: 0.4)
         keys[Keys.ROPE_DIMENSION_COUNT] = (HEAD // 4, u32)
     if arch == "gemma3":
         keys |= {Keys.ROPE_FREQ_BASE: (1e6, f32), Keys.ROPE_FREQ_BASE_SWA: (1e4, f32),
@@ -345,6 +345,7 @@ _SEEDS: dict[str, tuple[str, Callable[[Draft], None]]] = {
         "stablelm",
         _add("blk.0.attn_q_norm.weight", np.ones((4, HEAD), np.float32)),
     ),
+    "phi2_no_output_bias": ("phi2", _drop("output.bias")),
     "gemma_post_norm": ("gemma", _add("blk.0.post_ffw_norm.weight", _vector(SPEC.n_embd))),
     "gemma_output": ("gemma", _add_output),
     "gemma2_no_post_ffw_norm": ("gemma2", _drop("blk.1.post_ffw_norm.weight")),

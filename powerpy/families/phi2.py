@@ -1,0 +1,42 @@
+"""Phi-2 (GGUF arch ``phi2``: microsoft/phi-2, phi-1.5): falcon's parallel block,
+``x + attn(norm(x)) + mlp(norm(x))`` with one LayerNorm (weight and bias), NeoX RoPE over the
+first ``rope.dimension_count`` dims of each head (32 of 80), q scaled by 1/sqrt(head size) before
+q·k (llama.cpp's graph), biases on q, k, v, the attention output, ``ffn_up``, the down matrix
+and the output matrix, and an ungated GELU MLP."""
+
+from __future__ import annotations
+
+from powerpy.families.base import (
+    Family,
+    LayerTensor,
+    Norm,
+    Residual,
+    Rope,
+    qkv_block,
+    ungated_ffn,
+)
+from powerpy.formats.constants import Names
+
+BLOCK = (
+    LayerTensor("attn_norm", Names.ATTN_NORM, ("n_embd",), bias="required"),
+    *qkv_block(),
+    LayerTensor("attn_output", Names.ATTN_OUTPUT, ("n_embd", "n_embd_q"), bias="required"),
+    LayerTensor("ffn_up", Names.FFN_UP, ("n_ff", "n_embd"), bias="required"),
+)
+
+FAMILY = Family(
+    arch="phi2",
+    block=BLOCK,
+    ffn_variant=ungated_ffn,
+    ffn_acts=("relu", "gelu"),
+    norm=Norm.LAYER,
+    rope=Rope.NEOX,
+    residual=Residual.PARALLEL,
+    gated=False,
+    scale_q=True,
+    down_bias="required",
+    output_norm_bias=True,
+    tied_output=False,
+    output_bias=True,
+    notes="phi2's MLP has no gate: --ffn-act relu or gelu",
+)
