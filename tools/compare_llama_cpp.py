@@ -8,7 +8,7 @@ Without ``--shape`` both engines run one file (default: SmolLM2-135M Q4_1), powe
 once into ``--work`` (power-law neurons, ~10% predicted active, ``tools/make_synthetic_model.py``)
 together with a dense GGUF of the same weights for llama.cpp; powerpy runs the PWRI file sparse
 and dense; ``--arch falcon`` makes a Falcon-shaped one. ``--shape 0.5b --arch qwen2`` (llama,
-qwen3, gemma, gemma2, gemma3, phi3, stablelm) writes one dense GGUF of that family in a real
+qwen3, gemma, gemma2, gemma3, phi2, phi3, stablelm) writes one dense GGUF of that family in a real
 ~0.5B model's dimensions (``FAMILY_SHAPES``), which both engines run. (llama.cpp runs that file
 as SwiGLU, or GELU for falcon, where the synthetic model is ReLU: the same bytes and operations,
 so speeds compare, outputs do not.)
@@ -108,6 +108,8 @@ FAMILY_SHAPES = {
                    n_vocab=256000),
     "gemma": dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256,
                   n_vocab=256000),
+    # phi-2's layout (parallel block, biases everywhere) and vocabulary in half its width
+    "phi2": dict(n_embd=1280, n_layer=24, n_ff=5120, n_head=20, n_head_kv=20, n_vocab=51200),
     # StableLM 2 1.6B's layout and vocabulary in half its width (LayerNorms with biases)
     "stablelm": dict(n_embd=1024, n_layer=24, n_ff=2816, n_head=16, n_head_kv=16,
                      n_vocab=100352),
