@@ -6,15 +6,10 @@ and the output matrix, and an ungated GELU MLP."""
 
 from __future__ import annotations
 
-from powerpy.families.base import (
-    Family,
-    LayerTensor,
-    Norm,
-    Residual,
-    Rope,
-    qkv_block,
-    ungated_ffn,
-)
+from dataclasses import replace
+
+from powerpy.families import falcon
+from powerpy.families.base import LayerTensor, qkv_block
 from powerpy.formats.constants import Names
 
 BLOCK = (
@@ -24,18 +19,13 @@ BLOCK = (
     LayerTensor("ffn_up", Names.FFN_UP, ("n_ff", "n_embd"), bias="required"),
 )
 
-FAMILY = Family(
+# falcon's LayerNorm, NeoX RoPE, parallel residual and ungated FFN, with phi2's tensors
+FAMILY = replace(
+    falcon.FAMILY,
     arch="phi2",
     block=BLOCK,
-    ffn_variant=ungated_ffn,
-    ffn_acts=("relu", "gelu"),
-    norm=Norm.LAYER,
-    rope=Rope.NEOX,
-    residual=Residual.PARALLEL,
-    gated=False,
     scale_q=True,
     down_bias="required",
-    output_norm_bias=True,
     tied_output=False,
     output_bias=True,
     notes="phi2's MLP has no gate: --ffn-act relu or gelu",
