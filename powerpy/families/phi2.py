@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from powerpy.families import falcon
 from powerpy.families.base import LayerTensor, qkv_block
+from powerpy.families.falcon import FAMILY as FALCON
 from powerpy.formats.constants import Names
 
 BLOCK = (
@@ -21,7 +21,7 @@ BLOCK = (
 
 # falcon's LayerNorm, NeoX RoPE, parallel residual and ungated FFN, with phi2's tensors
 FAMILY = replace(
-    falcon.FAMILY,
+    FALCON,
     arch="phi2",
     block=BLOCK,
     scale_q=True,
