@@ -4,7 +4,8 @@ ships:
 - K-quants (llama.cpp's ``vec_dot`` of the weight type): Q4_K, Q5_K and Q6_K rows that ggml's
   quantizer made from random floats, times activations ggml rounded to Q8_K, give the same float
   bits in powerpy's GEMV, GLU and prompt GEMM as in ggml (super-block kernels in ggml's order,
-  ``csrc/k_quants_avx2.h``, on AVX2 builds).
+  ``csrc/k_quants_avx2.h``, on AVX2 builds). From 8 tokens on, ggml's ``ggml_mul_mat`` takes
+  its tiled K-quant GEMM, whose float steps powerpy's prompt GEMM takes from 8 tokens on too.
 - LayerNorm's normalisation (``ggml_norm``), row by row.
 - f32 matrices (a MoE router, a shared expert's gate): ``ggml_mul_mat`` in a one-op graph, which
   takes tinyBLAS for some shapes and ``ggml_vec_dot_f32`` for others (one token, fewer than 4
@@ -18,6 +19,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from quant_fixtures import random_blocks
 
 from powerpy.families.base import FFNVariant
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
@@ -170,6 +172,38 @@ def test_f32_matmul_orders_equal_ggmls(ggml):
                 assert torch.equal(got, want), (rows, cols, T)
                 differ += not torch.equal(got, x @ w.T)
     assert differ > 10  # the order matters: torch's sums differ in most cases
+
+
+def _ggml_quant_mul_mat(ggml, raw: np.ndarray, qtype: GGMLType, x: np.ndarray) -> np.ndarray:
+    """ggml_mul_mat(W, x) in a one-op graph: W the raw blocks (rows, row_bytes) of a quantized
+    matrix, x (T, cols) f32 -> (T, rows)."""
+    cols = x.shape[1]
+
+    def op(base, ctx, xt):
+        w = base.ggml_new_tensor_2d(ctx, int(qtype), cols, raw.shape[0])
+        ctypes.memmove(base.ggml_get_data(w), raw.ctypes.data, raw.nbytes)
+        return base.ggml_mul_mat(ctx, w, xt)
+
+    return _ggml_op(ggml, [x], op).reshape(x.shape[0], raw.shape[0])
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K])
+def test_k_quant_matmuls_equal_ggmls(ggml, qtype):
+    """Every token count of a K-quant matrix's product: vec_dot's order under 8 tokens, the
+    tiled GEMM's from 8 (one integer sum per super-block, scaled by d, less dmin times the
+    mins' sum, times d_x into the accumulator)."""
+    lib = kernels.library()
+    if lib is None or lib.simd not in ("AVX2", "AVX-512"):
+        pytest.skip("needs the native kernels on an AVX2 (or wider) build")
+    rng = np.random.default_rng(int(qtype) + 40)
+    cols, rows = 768, 40
+    raw = np.ascontiguousarray(random_blocks(rng, qtype, rows, cols // 256))
+    m = Matrix.of_quant(torch.from_numpy(raw), qtype, cols)
+    for T in (1, 3, 7, 8, 21):
+        x = (rng.standard_normal((T, cols)) * 2).astype(np.float32)
+        want = _ggml_quant_mul_mat(ggml, raw, qtype, x)
+        got = lib.gemm(m, torch.from_numpy(x)).numpy()
+        assert got.tobytes() == want.tobytes(), (qtype.name, T, np.abs(got - want).max())
 
 
 def test_layer_norm_equals_ggmls(ggml):

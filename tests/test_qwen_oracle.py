@@ -16,12 +16,12 @@ attention, a byte-level BPE vocabulary.
   pairs that turn within the prompt).
 
 Each case runs a prompt and 16 greedy steps (``oracle_fixtures.compare``): the same tokens, and
-every logit within 1% of its row's spread. Q8_0 files are bit-identical to llama.cpp: powerpy
-rounds the activations of their matmuls as ggml does and computes the norms, biases, RoPE (its
-angles, the factors' divisions), f16-cache attention and SwiGLU in ggml's order. F16 files are
-not (~2e-4 of the spread): ggml rounds an F16 matmul's activations to f16, powerpy keeps them
-f32. Q4_K_M files are not either (~0.4-0.8%): the K-quant dot products sum in another order
-than ggml's (see ``test_matches_llama_cpp``).
+every logit within 1% of its row's spread. Q8_0 and Q4_K_M files are bit-identical to
+llama.cpp: powerpy rounds the activations of their matmuls as ggml does, takes each K-quant
+product in the order llama.cpp's CPU backend takes it (``test_matches_llama_cpp``), and computes
+the norms, biases, RoPE (its angles, the factors' divisions), f16-cache attention and SwiGLU in
+ggml's order. F16 files are not (~2e-4 of the spread): ggml rounds an F16 matmul's activations
+to f16, powerpy keeps them f32.
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def test_matches_llama_cpp(pair):
     if name.startswith("llama-swa"):  # llama.cpp's llama graph reads no window
         assert len(ours.tokenize(PROMPT)) > 3 * WINDOW
         assert ours.model.args.sliding_window == WINDOW and ours.model.args.swa_layers == ()
-    # Q8_0: llama.cpp's numerics, all of them. Q4_K_M: powerpy's K-quant dot products sum
-    # each 32-element chunk in f32 where ggml's AVX2 vec_dot (and its repacked 8x8 Q4_K
-    # kernels) sum a 256-element super-block in int32 lanes; the last bits differ, and ggml's
-    # Q8_K and f16 roundings carry that to ~0.4-0.8% of the spread over the run
-    check(name, compare(name, ref, ours), exact=name.endswith("q8_0"))
+    # Q8_0 and Q4_K_M: llama.cpp's numerics, all of them. Q4_K matrices of 8k rows run
+    # interleaved in the order of ggml's repacked kernels (4 prompt tokens at a time, the rest
+    # and decode one by one), Q6_K ones in vec_dot's order under 8 tokens and the tiled GEMM's
+    # from 8 (docs/kernels.md); before that, Q4_K_M files were ~0.4-0.8% of the spread off
+    check(name, compare(name, ref, ours), exact=name.endswith(("q8_0", "q4_k_m")))

@@ -42,15 +42,16 @@ class Part:
     keep: list = field(default_factory=list)
     flags: int = 0
 
-    def mat(self, slot: int, w) -> Tensor | None | bool:
-        """Put matrix ``w`` (None: leave zeros) at ``slot``; returns its row bias (None: none),
-        or False when the kernels cannot read it."""
+    def mat(self, slot: int, w, dense: bool = True) -> Tensor | None | bool:
+        """Put matrix ``w`` (None: leave zeros) at ``slot``, in its layout for whole-matrix
+        products when ``dense``; returns its row bias (None: none), or False when the kernels
+        cannot read it."""
         if w is None:
             return None
         bias = None
         if isinstance(w, BiasedWeight):
             w, bias = w.inner, w.bias
-        k = w.kernel()
+        k = getattr(w, "dense_kernel", w.kernel)() if dense else w.kernel()
         if k is None or k[0] is not self.lib:
             return False
         self.matrix(slot, k[1])
@@ -144,7 +145,9 @@ def ffn_part(blk, a: ModelArgs, opts: RunOptions) -> Part | None:
     gated = blk.gates(opts) and not stored
     tau = None if stored else blk.cut(opts)
     mats = (blk.fc1 if gated else None, blk.fc2 if gated else None, blk.ffn_gate, blk.ffn_up, down)
-    biases = [p.mat(S["ffn"] + 5 * i, w) for i, w in enumerate(mats)]
+    dense = (True, True, not gated, not gated, stored)  # row gathers and sums read rows
+    pairs = enumerate(zip(mats, dense, strict=True))
+    biases = [p.mat(S["ffn"] + 5 * i, w, d) for i, (w, d) in pairs]
     if any(b is False for b in biases) or any(b is not None for b in (*biases[:3], biases[4])):
         return None  # a matrix the kernels cannot read; a bias other than up's (none has one)
     if biases[3] is not None and blk.ffn_gate is not None:

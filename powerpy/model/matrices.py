@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
-from powerpy.model import kernels, numerics
+from powerpy.model import interleave, kernels, numerics
 from powerpy.model.block_decode import dequantize_rows_torch
 
 # Batches up to this size use the native multi-vector GEMM (weights read once, decoded in
@@ -42,10 +42,8 @@ _scratch = threading.local()
 
 
 def _scratch_rows(k: int, cols: int, dtype: torch.dtype) -> Tensor:
-    """A reused CPU ``(k, cols)`` buffer (per thread and dtype); valid until the next call.
-
-    Fresh multi-MB allocations page-fault on every call (docs/kernels.md#buffers-and-page-faults).
-    """
+    """A reused CPU ``(k, cols)`` buffer (per thread and dtype) until the next call: fresh
+    multi-MB allocations page-fault on every call (docs/kernels.md#buffers-and-page-faults)."""
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = {}
@@ -75,8 +73,7 @@ def _kernel_axpy(
     return out.add_(lib.gather_axpy(m, h, idx).to(out.device))
 
 
-def _as_x(x: Tensor, cols: int) -> Tensor:
-    # x: (cols,) or (1, cols) -> (cols,)
+def _as_x(x: Tensor, cols: int) -> Tensor:  # x: (cols,) or (1, cols) -> (cols,)
     if x.numel() != cols:
         raise ValueError(f"x has {x.numel()} elements, the matrix has {cols} columns")
     return x.reshape(cols)
@@ -266,6 +263,7 @@ class QuantWeight:
         self.cols = cols
         self._kernel_ok = ggml_type in _KERNEL_QUANTS and _kernel_ok(raw)
         self._mat: kernels.Matrix | None = None
+        self._x8: kernels.Matrix | None | bool = None  # interleaved rows (False: none)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -289,6 +287,12 @@ class QuantWeight:
             self._mat = kernels.Matrix.of_quant(self.raw, self.ggml_type, self.cols)
         return lib, self._mat
 
+    def dense_kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
+        """``kernel()`` for whole-matrix products: Q4_K rows interleaved (``interleave``)."""
+        if (k := self.kernel()) is not None and self._x8 is None:
+            self._x8 = interleave.interleaved(*k) or False  # built once
+        return k if k is None or not self._x8 else (k[0], self._x8)
+
     def _rows_f32(self, raw: Tensor) -> Tensor:
         # raw (n, row_bytes) -> (n, cols) f32
         return dequantize_rows_torch(raw, self.ggml_type, self.cols)
@@ -297,23 +301,19 @@ class QuantWeight:
         return max(16, TILE_ELEMENTS // max(self.cols, 1))
 
     def linear(self, x: Tensor, need: Tensor | None = None) -> Tensor:
-        """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)).
-
-        The native GEMM reads the blocks once (with llama.cpp's activation rounding, an
-        integer GEMM at any batch size); with f32 activations larger batches (and the torch
-        fallback) decode tiles of rows to f32 and multiply with BLAS, so no full f32 copy of
-        the matrix ever exists. ``need`` (T, rows) bool, optional: the entries the caller uses
-        (the others may come back 0, see ``KernelLibrary.gemm``).
-        """
+        """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)). With llama.cpp's
+        activation rounding one integer GEMM reads the blocks once (:meth:`dense_kernel`'s);
+        with f32 activations larger batches and the torch fallback decode tiles of rows for
+        BLAS (never a full f32 copy). ``need`` (T, rows) bool, optional: the entries the caller
+        uses (the others may come back 0, see ``KernelLibrary.gemm``)."""
         if x.dim() == 1:
             return self.linear(x[None])[0]
         x = x.float()
         rows, T = self.raw.shape[0], x.shape[0]
-        kern = self.kernel()
-        if kern is not None and (
-            T <= KERNEL_GEMM_MAX_T or numerics.current().quantized_activations
-        ):
-            return kern[0].gemm(kern[1], x, need=need)  # llama.cpp's rounding: integer GEMM
+        q = numerics.current().quantized_activations  # llama.cpp's rounding: integer GEMM
+        kern = self.dense_kernel() if q else self.kernel()
+        if kern is not None and (q or T <= KERNEL_GEMM_MAX_T):
+            return kern[0].gemm(kern[1], x, need=need)
         if kern is not None:
             return _tiled_linear(kern[0], kern[1], x)
         out = self.raw.new_empty((T, rows), dtype=torch.float32)  # (T, rows)

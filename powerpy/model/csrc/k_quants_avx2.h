@@ -11,6 +11,13 @@ namespace {
 
 #if defined(__AVX2__)
 
+// The sum of an int32 vector's lanes (exact: integers).
+inline int32_t i8_hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
 // The 6-bit scales and mins of a Q4_K/Q5_K super-block's 8 sub-blocks (its 12 bytes at p), as
 // 16-bit lanes 0..7 and 8..15 (ggml's bit shuffle).
 inline __m256i scales_mins_k4(const uint8_t* p) {
@@ -37,7 +44,7 @@ inline __m256i scales_mins_k4(const uint8_t* p) {
 template <bool Q5>
 struct DotQ45K {
   static constexpr int TS = Q5 ? 176 : 144, QS = Q5 ? 48 : 16;
-  template <int N>
+  template <int N, bool TILED>
   static void run(const uint8_t* w, const QAct* const* a0, const int16_t* const* b0, int64_t nsb,
                   const uint8_t* nx, float* out, int64_t ldo) {
     const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
@@ -46,9 +53,11 @@ struct DotQ45K {
     __m256 acc[N];
     __m128 acc_m[N];  // Q4_K
     float summs[N];   // Q5_K
+    float tiled[N];   // TILED
+    int32_t mins_i[N];
     for (int t = 0; t < N; ++t) {
       a[t] = a0[t], bs[t] = b0[t];
-      acc[t] = _mm256_setzero_ps(), acc_m[t] = _mm_setzero_ps(), summs[t] = 0.0f;
+      acc[t] = _mm256_setzero_ps(), acc_m[t] = _mm_setzero_ps(), summs[t] = tiled[t] = 0.0f;
     }
     for (int64_t i = 0; i < nsb; ++i, w += TS) {
       if (nx)
@@ -60,7 +69,10 @@ struct DotQ45K {
         const __m128i q8s =
             _mm_hadd_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
         const __m128i mq = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), q8s);
-        if constexpr (Q5) {
+        if constexpr (TILED) {
+          const __m128i m2 = _mm_add_epi32(mq, _mm_shuffle_epi32(mq, 0x4e));
+          mins_i[t] = _mm_cvtsi128_si32(_mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xb1)));
+        } else if constexpr (Q5) {
           const __m128i z = _mm_setzero_si128();
           const int s = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(mq, z), z));
           summs[t] = std::fma(-a[t][0].d * wm, (float)s, summs[t]);
@@ -97,12 +109,21 @@ struct DotQ45K {
         }
       }
       for (int t = 0; t < N; ++t) {
-        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(a[t][0].d * wd), _mm256_cvtepi32_ps(sumi[t]),
-                                 acc[t]);
+        if constexpr (TILED) {
+          const float res = std::fma(-wm, (float)mins_i[t], wd * (float)i8_hsum(sumi[t]));
+          tiled[t] = std::fma(res, a[t][0].d, tiled[t]);
+        } else {
+          acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(a[t][0].d * wd), _mm256_cvtepi32_ps(sumi[t]),
+                                   acc[t]);
+        }
         a[t] += 8, bs[t] += 16;
       }
     }
     for (int t = 0; t < N; ++t) {
+      if constexpr (TILED) {
+        out[t * ldo] = tiled[t];
+        continue;
+      }
       float mins = summs[t];
       if constexpr (!Q5) {
         __m128 m = _mm_add_ps(acc_m[t], _mm_movehl_ps(acc_m[t], acc_m[t]));
@@ -117,14 +138,16 @@ struct DotQ45K {
 // the 6-bit values comes off the super-block's int32 lanes at the end, as 32 sc_b (sums of the
 // 16-element groups 2 l, 2 l + 1 in lane l): ggml's lanes, so its rounding.
 struct DotQ6K {
-  template <int N>
+  template <int N, bool TILED>
   static void run(const uint8_t* w, const QAct* const* a0, const int16_t* const* b0, int64_t nsb,
                   const uint8_t* nx, float* out, int64_t ldo) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
     const QAct* a[N];
     const int16_t* bs[N];
     __m256 acc[N];
-    for (int t = 0; t < N; ++t) a[t] = a0[t], bs[t] = b0[t], acc[t] = _mm256_setzero_ps();
+    float tiled[N];  // TILED
+    for (int t = 0; t < N; ++t)
+      a[t] = a0[t], bs[t] = b0[t], acc[t] = _mm256_setzero_ps(), tiled[t] = 0.0f;
     for (int64_t i = 0; i < nsb; ++i, w += 210) {
       if (nx)
         for (int b = 0; b < 210; b += 64) prefetch_l2(nx + 210 * i + b);
@@ -168,11 +191,14 @@ struct DotQ6K {
         const __m256i sums16 = _mm256_loadu_si256((const __m256i*)bs[t]);
         const __m256i offset = _mm256_slli_epi32(_mm256_madd_epi16(sums16, scales16), 5);
         const __m256i s = _mm256_sub_epi32(sumi[t], offset);
-        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(a[t][0].d * wd), _mm256_cvtepi32_ps(s), acc[t]);
+        if constexpr (TILED)
+          tiled[t] = std::fma(wd * (float)i8_hsum(s), a[t][0].d, tiled[t]);
+        else
+          acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(a[t][0].d * wd), _mm256_cvtepi32_ps(s), acc[t]);
         a[t] += 8, bs[t] += 16;
       }
     }
-    for (int t = 0; t < N; ++t) out[t * ldo] = f8_hsum(acc[t]);
+    for (int t = 0; t < N; ++t) out[t * ldo] = TILED ? tiled[t] : f8_hsum(acc[t]);
   }
 };
 
@@ -199,7 +225,7 @@ struct RowsK : RowsBase<DT> {
     const QAct* a = xa.p;
     const int16_t* b = (const int16_t*)xa.g;
     float r;
-    K::template run<1>(w, &a, &b, cols / 256, nx, &r, 0);
+    K::template run<1, false>(w, &a, &b, cols / 256, nx, &r, 0);
     return r;
   }
   static float dot(const uint8_t* w, const float* x, const ActBuf<DT>& xa, int64_t cols,
@@ -232,8 +258,11 @@ struct RowsK : RowsBase<DT> {
               ap[i] = xa.p + (t + i) * nch;
               bp[i] = bs + 2 * nch * (t + i);
             }
-            K::template run<N>(w, ap, bp, cols / 256, t == t0 ? nx : nullptr, out + t * ldo + r,
-                               ldo);
+            const uint8_t* p = t == t0 ? nx : nullptr;
+            if (T >= 8)  // llama.cpp's tiled K-quant GEMM (batches of 8 tokens or more)
+              K::template run<N, true>(w, ap, bp, cols / 256, p, out + t * ldo + r, ldo);
+            else
+              K::template run<N, false>(w, ap, bp, cols / 256, p, out + t * ldo + r, ldo);
           });
         }
       }

@@ -29,6 +29,7 @@
 #include "wide_avx512.h"     // AVX-512 VNNI prompt tiles
 #include "q4_0_avx512.h"     // Q4_0's own AVX-512 kernels
 #include "k_quants_avx2.h"    // Q4_K, Q5_K and Q6_K dots in ggml's order
+#include "q4_k_x8.h"          // Q4_K rows interleaved 8 at a time: GEMV and GEMM
 #include "numerics.h"        // attention, and llama.cpp's float steps
 // (after the Mat helpers below: blocks.h, the decode blocks of every family's layout)
 
@@ -69,10 +70,20 @@ struct Mat {  // one matrix as Python describes it: 5 int64s (dtype, data, ld, n
   int64_t ld, nrows, cols;
   explicit Mat(const int64_t* p)
       : dtype((int)p[0]), w((const uint8_t*)(intptr_t)p[1]), ld(p[2]), nrows(p[3]), cols(p[4]) {}
+  Mat(int dt, const void* p, int64_t ld_, int64_t n, int64_t c)
+      : dtype(dt), w((const uint8_t*)p), ld(ld_), nrows(n), cols(c) {}
 };
+
+// An interleaved matrix takes whole-matrix products only: every row, in order.
+static int x8_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
+                   int act, int nt) {
+  if (idx || k != m.nrows) return PP_ERR_ARG;
+  return x8_gemm(m.w, m.nrows, m.cols, x, m.cols, 1, out, m.nrows, act, nt);
+}
 
 static int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
                     int act, int nt) {
+  if (m.dtype == DT_Q4_KX8) return x8_gemv(m, x, idx, k, out, act, nt);
   if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
   PP_DISPATCH(m.dtype, gemv_impl, m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt)
 }
@@ -82,6 +93,12 @@ static int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* ou
                           int nt) {
   const uint8_t* w[4];
   int64_t ld[4], nrows[4];
+  if (nm >= 1 && m[0].dtype == DT_Q4_KX8) {  // one call per matrix
+    int st = 0;
+    for (int i = 0; i < nm && !st; ++i)
+      st = mat_gemv(m[i], x, nullptr, m[i].nrows, out[i], act, nt);
+    return st;
+  }
   if (nm < 1 || nm > 4 || !valid_shape(m[0].dtype, m[0].cols)) return PP_ERR_ARG;
   for (int i = 0; i < nm; ++i) {
     if (m[i].dtype != m[0].dtype || m[i].cols != m[0].cols) return PP_ERR_ARG;
@@ -92,8 +109,23 @@ static int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* ou
   PP_DISPATCH(m[0].dtype, gemv_multi_impl, w, ld, nrows, nm, m[0].cols, x, out, act, nt)
 }
 
+// Every row's act(gate . x, up . x) for interleaved gate and up matrices.
+static int x8_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
+                  int variant, float* out, int act, int nt) {
+  if (g.dtype != DT_Q4_KX8 || g.nrows != u.nrows || g.cols != u.cols) return PP_ERR_ARG;
+  float* gv = (float*)std::malloc(sizeof(float) * (size_t)(k > 0 ? k : 1));
+  if (!gv) return PP_ERR_ARG;
+  int st = x8_gemv(g, x, idx, k, gv, act, nt);
+  if (!st) st = x8_gemv(u, x, idx, k, out, act, nt);
+  const uint16_t* gt = variant == V_GEGLU ? gelu_lut(act) : nullptr;
+  for (int64_t j = 0; j < k && !st; ++j) out[j] = activate(variant, gv[j], out[j], gt);
+  std::free(gv);
+  return st;
+}
+
 static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
                    int variant, float* out, int act, int nt) {
+  if (u.dtype == DT_Q4_KX8) return x8_glu(g, u, x, idx, k, variant, out, act, nt);
   if (!valid_shape(u.dtype, u.cols) || g.dtype != u.dtype) return PP_ERR_ARG;
   PP_DISPATCH(u.dtype, glu_impl, g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out,
               act, nt)
@@ -298,6 +330,8 @@ void pp_set_tuning(int64_t prefetch_bytes, int64_t min_bytes_per_thread) {
 int pp_gather_gemv(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
                    const float* x, const int64_t* idx, int64_t k, float* out, int act,
                    int nthreads) {
+  if (dtype == DT_Q4_KX8)
+    return x8_gemv(Mat(dtype, W, ld, nrows, cols), x, idx, k, out, act, nthreads);
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, gemv_impl, (const uint8_t*)W, ld, nrows, cols, x, idx, k, out, act, nthreads)
 }
@@ -315,7 +349,11 @@ int pp_gather_axpy(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t 
 int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ldu, int64_t nrows,
                 int64_t cols, const float* x, const int64_t* idx, int64_t k, int variant,
                 float* out, int act, int nthreads) {
-  if (!valid_shape(dtype, cols) || variant < V_REGLU || variant > V_GEGLU || !G) return PP_ERR_ARG;
+  if (variant < V_REGLU || variant > V_GEGLU || !G) return PP_ERR_ARG;
+  if (dtype == DT_Q4_KX8)
+    return x8_glu(Mat(dtype, G, ldg, nrows, cols), Mat(dtype, U, ldu, nrows, cols), x, idx, k,
+                  variant, out, act, nthreads);
+  if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   const uint8_t* g = (const uint8_t*)G;
   PP_DISPATCH(dtype, glu_impl, g, ldg, (const uint8_t*)U, ldu, nrows, cols, x, idx, k, variant,
               out, act, nthreads)
@@ -327,6 +365,8 @@ int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ld
 int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
             int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need, int act,
             int nthreads) {
+  if (dtype == DT_Q4_KX8)
+    return x8_gemm((const uint8_t*)W, nrows, cols, x, ldx, T, out, ldo, act, nthreads);
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need,
               act, nthreads)
@@ -359,8 +399,30 @@ double pp_stream_read(const void* p, int64_t bytes, int nthreads) {
 // out[j, :] = W[idx[j], :] as f32 (idx == NULL: rows 0..k-1); out is (k, cols) contiguous.
 int pp_dequant_rows(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
                     const int64_t* idx, int64_t k, float* out, int nthreads) {
+  if (dtype == DT_Q4_KX8) return x8_dequant((const uint8_t*)W, nrows, cols, idx, k, out, nthreads);
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, dequant_impl, (const uint8_t*)W, ld, nrows, cols, idx, k, out, nthreads)
+}
+
+// Q4_K rows (raw, ld bytes apart; nrows a multiple of 8, cols of 256) interleaved 8 at a time
+// into out (nrows / 8 groups of cols / 256 * 1184 bytes; q4_k_x8.h); back with unpack != 0
+// (then W is the interleaved matrix and out the rows, nsb * 144 bytes each). Returns the
+// layout's dtype code, or -1 where the kernels have no interleaved GEMM (no AVX2) or the shape
+// does not fit.
+int pp_repack_q4_k_x8(const void* W, int64_t ld, int64_t nrows, int64_t cols, void* out,
+                      int unpack, int nthreads) {
+  if (!X8_KERNELS || nrows % 8 || cols % 256 || cols <= 0 || nrows <= 0) return -1;
+  const int64_t nsb = cols / 256, gb = x8_group_bytes(cols), rb = nsb * 144;
+  run_partitioned(nthreads, nrows / 8, [&](int64_t a, int64_t b) -> int {
+    for (int64_t g = a; g < b; ++g) {
+      if (unpack)
+        x8_unpack((const uint8_t*)W + g * gb, nsb, (uint8_t*)out + 8 * g * rb);
+      else
+        x8_pack((const uint8_t*)W + 8 * g * ld, ld, nsb, (uint8_t*)out + g * gb);
+    }
+    return 0;
+  });
+  return DT_Q4_KX8;
 }
 
 }  // extern "C"

@@ -1,0 +1,65 @@
+"""Q4_K matrices with their rows interleaved 8 at a time, for whole-matrix products.
+
+llama.cpp's CPU backend repacks every Q4_K matrix of 8k rows at load and multiplies it with
+kernels of its own order. powerpy does the same for the products that read a matrix whole (the
+prompt GEMM, a dense layer's decode GEMV): :func:`interleaved` builds the layout of
+``csrc/q4_k_x8.h`` once, and those products run its kernels, at llama.cpp's bits and about its
+prompt speed. Row gathers and row sums (the sparse FFN) keep the file's rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+
+import torch
+
+from powerpy.formats.constants import GGMLType
+from powerpy.model import kernels
+
+logger = logging.getLogger(__name__)
+
+X8_SB = 1184  # bytes of 8 rows' super-block (csrc/q4_k_x8.h)
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages (file pages are read back on use)
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def interleaved(lib: kernels.KernelLibrary, m: kernels.Matrix) -> kernels.Matrix | None:
+    """``m``'s rows interleaved 8 at a time, in a new buffer; None where ``m`` is not a Q4_K
+    matrix of 8k rows or the kernels have no interleaved products (no AVX2).
+
+    The pages of ``m``'s own rows are handed back to the kernel afterwards (a file mapping
+    reads them again if a row gather needs them), so a dense model stays near its file's size
+    in memory.
+    """
+    if m.code != kernels.DTYPE_CODES[GGMLType.Q4_K] or m.nrows % 8 or m.cols % 256:
+        return None
+    gb = m.cols // 256 * X8_SB
+    out = torch.empty(m.nrows // 8, gb, dtype=torch.uint8)  # (groups, group bytes)
+    fn = lib.cdll.pp_repack_q4_k_x8
+    code = fn(m.ptr, m.ld, m.nrows, m.cols, out.data_ptr(), 0, torch.get_num_threads())
+    if code < 0:
+        return None
+    release(m.ptr, m.ld * m.nrows)
+    return kernels.Matrix(out, code, m.nrows, m.cols, gb)
+
+
+def rows_of(lib: kernels.KernelLibrary, m: kernels.Matrix) -> torch.Tensor:
+    """An interleaved matrix's Q4_K rows again, (nrows, row bytes) uint8 (for tests)."""
+    rb = m.cols // 256 * 144
+    out = torch.empty(m.nrows, rb, dtype=torch.uint8)
+    if lib.cdll.pp_repack_q4_k_x8(m.ptr, m.ld, m.nrows, m.cols, out.data_ptr(), 1, 1) < 0:
+        raise ValueError("not an interleaved Q4_K matrix")
+    return out
+
+
+def release(ptr: int, nbytes: int) -> None:
+    """Ask the kernel to reclaim the whole pages of ``[ptr, ptr + nbytes)``; never loses data
+    (an anonymous page without swap stays), and a failure is only logged."""
+    start = -(-ptr // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (ptr + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start and _libc.madvise(start, end - start, _MADV_PAGEOUT) != 0:
+        logger.debug("madvise(MADV_PAGEOUT) failed: errno %d", ctypes.get_errno())

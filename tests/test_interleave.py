@@ -1,0 +1,85 @@
+"""Q4_K matrices with their rows interleaved 8 at a time (``powerpy.model.interleave``,
+``csrc/q4_k_x8.h``): the layout holds the same blocks, its products are the ones llama.cpp's
+repacked Q4_K kernels compute (the oracle tests: every Q4_K_M file is bit-identical), and the
+rows they were built from stay readable.
+
+- Packing and unpacking give back every byte of random Q4_K blocks (all scale bit patterns).
+- The GEMM's token groups: 4 tokens in the GEMM's order, the last T % 4 each in the GEMV's, so a
+  prompt's tail token equals that token alone; its values agree with the row layout's within
+  the two orders' rounding.
+- With f32 activations the products are the row layout's own, bit for bit.
+- Only whole-matrix products take the layout: a row gather is refused with a clear error.
+- Interleaving hands the source rows' pages back to the kernel without losing them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from quant_fixtures import random_blocks
+
+from powerpy.formats.constants import GGMLType
+from powerpy.model import interleave, kernels, numerics
+from powerpy.model.matrices import QuantWeight
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = kernels.built()
+    if lib is None or lib.simd not in ("AVX2", "AVX-512"):
+        pytest.skip("needs the native kernels on an AVX2 (or wider) build")
+    return lib
+
+
+def _weight(rows: int, cols: int, seed: int = 0, t: GGMLType = GGMLType.Q4_K) -> QuantWeight:
+    raw = random_blocks(np.random.default_rng(seed), t, rows, cols // 256)
+    return QuantWeight(torch.from_numpy(np.ascontiguousarray(raw)), t, cols)
+
+
+def test_pack_unpack_round_trip(lib):
+    w = _weight(48, 768)
+    want = w.raw.clone()
+    x8 = w.dense_kernel()[1]
+    assert x8.code != w.kernel()[1].code and x8.nrows == 48 and x8.ld == 3 * interleave.X8_SB
+    assert torch.equal(interleave.rows_of(lib, x8), want)
+    assert torch.equal(w.raw, want)  # the source rows: handed back, not lost
+    every = lib.dequant_rows(w.kernel()[1], None)
+    assert torch.equal(lib.dequant_rows(x8, torch.arange(48)), every)
+
+
+def test_token_groups_and_agreement(lib):
+    w = _weight(64, 512, seed=1)
+    x8, rows = w.dense_kernel()[1], w.kernel()[1]
+    x = torch.randn(7, 512)
+    got = lib.gemm(x8, x)  # tokens 0-3: the GEMM's order; 4-6: the GEMV's, each alone
+    for t in (4, 5, 6):
+        assert torch.equal(got[t], lib.gemm(x8, x[t : t + 1])[0])
+    want = lib.gemm(rows, x)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6 * float(want.abs().max()))
+    assert not torch.equal(got, want)  # two orders: the last bits differ somewhere
+
+
+def test_f32_activations_are_the_row_layouts(lib):
+    w = _weight(32, 512, seed=2)
+    x = torch.randn(512)
+    with numerics.using(numerics.Numerics(quantized_activations=False)):
+        want = lib.gather_gemv(w.kernel()[1], x, torch.arange(32))
+        got = lib.gather_gemv(w.dense_kernel()[1], x, None)
+        assert torch.equal(got, want)
+        assert torch.equal(w.linear(x[None])[0], want)  # linear keeps the rows for f32
+
+
+def test_only_whole_matrix_products(lib):
+    w = _weight(16, 256, seed=3)
+    x8 = w.dense_kernel()[1]
+    with pytest.raises(ValueError, match="invalid arguments"):
+        lib.gather_gemv(x8, torch.randn(256), torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match="invalid arguments"):
+        lib.gather_axpy(x8, torch.ones(2), torch.tensor([3, 1]))
+
+
+@pytest.mark.parametrize(("rows", "t"), [(12, GGMLType.Q4_K), (16, GGMLType.Q6_K)])
+def test_other_matrices_keep_their_rows(lib, rows, t):
+    w = _weight(rows, 256, seed=4, t=t)  # 12 rows: not a multiple of 8
+    assert w.dense_kernel()[1] is w.kernel()[1]
