@@ -83,3 +83,34 @@ def test_only_whole_matrix_products(lib):
 def test_other_matrices_keep_their_rows(lib, rows, t):
     w = _weight(rows, 256, seed=4, t=t)  # 12 rows: not a multiple of 8
     assert w.dense_kernel()[1] is w.kernel()[1]
+
+
+def _gguf_with(path, raw: np.ndarray) -> None:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("w", raw, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_release_keeps_every_byte(tmp_path):
+    """A file read into memory (the default load): the released pages become the file's same
+    bytes; once the file has changed, they stay as they are."""
+    from powerpy.formats.gguf_reader import GGUFFile, file_range
+
+    raw = random_blocks(np.random.default_rng(6), GGMLType.Q4_K, 256, 4)  # 576 KiB
+    _gguf_with(tmp_path / "m.gguf", raw)
+    f = GGUFFile(tmp_path / "m.gguf", in_memory=True)
+    view = f.raw("w")
+    ptr = view.ctypes.data
+    assert file_range(ptr, view.nbytes) is not None
+    interleave.release(ptr, view.nbytes)
+    assert np.array_equal(view.reshape(raw.shape), raw)
+    (tmp_path / "m.gguf").write_bytes((tmp_path / "m.gguf").read_bytes())  # same bytes, new mtime
+    assert file_range(ptr, view.nbytes) is None  # changed since read: pages stay
+    interleave.release(ptr, view.nbytes)
+    assert np.array_equal(view.reshape(raw.shape), raw)
+    f.close()

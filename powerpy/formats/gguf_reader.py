@@ -50,6 +50,28 @@ log = logging.getLogger(__name__)
 _OPEN_FILES: weakref.WeakSet[GGUFFile] = weakref.WeakSet()
 
 
+# Files read into memory whose pages may become file pages of the same bytes again
+# (powerpy.model.interleave hands back the rows it has copied): id(buffer) -> (address, size,
+# a descriptor of the file, its (size, mtime) when read).
+_FILE_PAGES: dict[int, tuple[int, int, int, tuple[int, int]]] = {}
+
+
+def _forget(key: int) -> None:
+    entry = _FILE_PAGES.pop(key, None)
+    if entry is not None:
+        os.close(entry[2])
+
+
+def file_range(ptr: int, nbytes: int) -> tuple[int, int] | None:
+    """(file descriptor, file offset of ``ptr``) when ``[ptr, ptr + nbytes)`` lies in a file read
+    into memory that has not changed since, else None."""
+    for addr, size, fd, when in list(_FILE_PAGES.values()):
+        if addr <= ptr and ptr + nbytes <= addr + size:
+            st = os.fstat(fd)
+            return (fd, ptr - addr) if (st.st_size, st.st_mtime_ns) == when else None
+    return None
+
+
 def mapped_by(path: str | os.PathLike[str]) -> GGUFFile | None:
     """An open ``GGUFFile`` that maps ``path`` (the same file, by inode), or None."""
     path = Path(path)
@@ -94,6 +116,7 @@ class GGUFFile:
         self.path = Path(path)
         self._mm: mmap.mmap | None = None
         self._data: np.ndarray | None = None  # (file_size,) uint8 view of _mm
+        self._pages = 0  # its key in _FILE_PAGES (read into memory)
         self.in_memory = False
         layout = self._open(writable, in_memory, progress)
         self.magic: bytes = layout.magic
@@ -149,6 +172,16 @@ class GGUFFile:
         self._data = np.frombuffer(self._mm, dtype=np.uint8)
         if self.in_memory and not writable:
             self._data.flags.writeable = False
+            fd = os.open(path, os.O_RDONLY)
+            st = os.fstat(fd)
+            self._pages = id(buf)
+            _FILE_PAGES[self._pages] = (
+                self._data.ctypes.data,
+                size,
+                fd,
+                (st.st_size, st.st_mtime_ns),
+            )
+            weakref.finalize(buf, _forget, self._pages)  # with the buffer, not this object
         return layout
 
     # --- access
@@ -245,6 +278,7 @@ class GGUFFile:
         if mm is not None:
             with contextlib.suppress(BufferError):  # views still exported: freed with them
                 mm.close()
+                _forget(self._pages)
         _OPEN_FILES.discard(self)
 
     def __enter__(self) -> GGUFFile:

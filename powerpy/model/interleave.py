@@ -16,6 +16,7 @@ import mmap
 
 import torch
 
+from powerpy.formats import gguf_reader
 from powerpy.formats.constants import GGMLType
 from powerpy.model import kernels
 
@@ -23,8 +24,12 @@ logger = logging.getLogger(__name__)
 
 X8_SB = 1184  # bytes of 8 rows' super-block (csrc/q4_k_x8.h)
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages (file pages are read back on use)
+_PROT_RW, _MAP_PRIVATE_FIXED = 0x1 | 0x2, 0x02 | 0x10
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]  # fmt: skip
+_libc.mmap.restype = ctypes.c_void_p
 
 
 def interleaved(lib: kernels.KernelLibrary, m: kernels.Matrix) -> kernels.Matrix | None:
@@ -57,9 +62,18 @@ def rows_of(lib: kernels.KernelLibrary, m: kernels.Matrix) -> torch.Tensor:
 
 
 def release(ptr: int, nbytes: int) -> None:
-    """Ask the kernel to reclaim the whole pages of ``[ptr, ptr + nbytes)``; never loses data
-    (an anonymous page without swap stays), and a failure is only logged."""
+    """Hand the whole pages of ``[ptr, ptr + nbytes)`` back to the kernel without changing a
+    byte: in a file read into memory (the default load), the same bytes of the file are mapped
+    over them (read back from the file if a row is needed again); in a file mapping, the kernel
+    reclaims them. Any other memory keeps its pages. A failure is only logged."""
     start = -(-ptr // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (ptr + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start and _libc.madvise(start, end - start, _MADV_PAGEOUT) != 0:
+    if end <= start:
+        return
+    at = gguf_reader.file_range(start, end - start)
+    if at is not None:
+        got = _libc.mmap(start, end - start, _PROT_RW, _MAP_PRIVATE_FIXED, *at)
+        if got != start:
+            logger.debug("mmap(MAP_FIXED) over a loaded file failed: errno %d", ctypes.get_errno())
+    elif _libc.madvise(start, end - start, _MADV_PAGEOUT) != 0:
         logger.debug("madvise(MADV_PAGEOUT) failed: errno %d", ctypes.get_errno())
