@@ -21,7 +21,7 @@ from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names
 from powerpy.formats.gguf_reader import read_gguf
 from powerpy.formats.gpuidx import GpuIndex
 from powerpy.formats.stats import save_activation_stats
-from powerpy.model import moe, transformer
+from powerpy.model import interleave, moe, transformer
 from powerpy.model.device import Accelerator
 from powerpy.model.matrices import QuantWeight
 from powerpy.model.numerics import Numerics
@@ -180,6 +180,27 @@ def test_decode_equals_prefill_and_stats_count_the_routed_share(tmp_path):
     stats = SparsityStats.empty(SPEC.n_layer, llm.model.args.ffn_neurons)
     _run(llm.model, RunOptions(stats=stats))
     np.testing.assert_allclose(stats.active_fraction(), 2 / 8)
+
+
+def test_q4_k_experts_interleaved_run_alike_in_every_path(tmp_path):
+    """Q4_K stacks of experts interleaved as llama.cpp repacks them: the native decode block
+    and the Python path (an observer turns the native block off) give the same bits, and the
+    prompt's experts run every token by the GEMV, so a prefill of any length equals decode."""
+    spec = TinySpec(n_embd=256, n_layer=2, n_ff=256, n_expert=4, n_expert_used=2)
+    write_gguf_py(tmp_path / "q.gguf", spec, GGMLType.Q4_K, seed=3)
+    model = load(tmp_path / "q.gguf").model
+    seen: list[int] = []
+    native = _run(model)
+    traced = _run(model, RunOptions(observer=lambda l, x, h: seen.append(l)))
+    assert seen and torch.equal(native, traced)
+    ex = model.weights.blk[0].moe
+    assert all(m is not None and m.code == interleave.X8 for m in ex.interleaved()[1:])
+    x = torch.randn(5, 256)
+    ids, w = torch.tensor([[0, 3]] * 5), torch.full((5, 2), 0.5)
+    many = moe.experts_host(0, ex, x, ids, w, None, RunOptions())[0]
+    one = torch.cat([moe.experts_host(0, ex, x[i : i + 1], ids[:1], w[:1], None, RunOptions())[0]
+                     for i in range(5)])  # fmt: skip
+    assert torch.equal(many, one)
 
 
 # ------------------------------------------------------------------------------ the cut

@@ -23,6 +23,7 @@ from powerpy.model import kernels
 logger = logging.getLogger(__name__)
 
 X8_SB = 1184  # bytes of 8 rows' super-block (csrc/q4_k_x8.h)
+X8, X8_GEMV = 11, 12  # dtype codes: GEMM tokens 4 at a time; every token by the GEMV (experts)
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages (file pages are read back on use)
 _PROT_RW, _MAP_PRIVATE_FIXED = 0x1 | 0x2, 0x02 | 0x10
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -48,8 +49,16 @@ def interleaved(lib: kernels.KernelLibrary, m: kernels.Matrix) -> kernels.Matrix
     code = fn(m.ptr, m.ld, m.nrows, m.cols, out.data_ptr(), 0, torch.get_num_threads())
     if code < 0:
         return None
+    assert code == X8, code
     release(m.ptr, m.ld * m.nrows)
     return kernels.Matrix(out, code, m.nrows, m.cols, gb)
+
+
+def expert_rows(m: kernels.Matrix, start: int, n: int) -> kernels.Matrix:
+    """Rows ``start .. start + n`` (multiples of 8) of an interleaved stack of experts, every
+    token multiplied in the GEMV's order, as llama.cpp multiplies its experts."""
+    assert m.code in (X8, X8_GEMV) and start % 8 == 0 and n % 8 == 0
+    return kernels.Matrix(m.data[start // 8 : (start + n) // 8], X8_GEMV, n, m.cols, m.ld)
 
 
 def rows_of(lib: kernels.KernelLibrary, m: kernels.Matrix) -> torch.Tensor:

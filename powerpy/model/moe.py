@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from powerpy.config import FFNVariant
-from powerpy.model import ggml_numerics, layer_record
+from powerpy.model import ggml_numerics, interleave, layer_record, numerics
 from powerpy.model.biased import row_slices
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import glu, glu_rows, rows_sum, scaled_cut
@@ -102,6 +102,7 @@ class Experts:
     hot: ExpertHot | None = None
     _views: list = field(default_factory=list, repr=False)  # per expert (gate, up, down)
     _ids: Tensor | None = field(default=None, repr=False)  # (n_expert, n_ff) neuron ids
+    _x8: tuple | None = field(default=None, repr=False)  # interleave.stacks' result
 
     @property
     def n_expert(self) -> int:
@@ -140,6 +141,30 @@ class Experts:
     def rows(self, e: int) -> slice:
         """Expert e's neurons among the layer's ``n_expert · n_ff``."""
         return slice(e * self.n_ff, (e + 1) * self.n_ff)
+
+    def interleaved(self) -> tuple:
+        """(library, gate, up, down): the Q4_K stacks interleaved as llama.cpp repacks them
+        (``interleave``; None: a stack that keeps its rows, gate and up alike), built once."""
+        if self._x8 is None and (k := self.gate.kernel()) is not None:
+            mats = []
+            for m, step in ((self.gate, self.n_ff), (self.up, self.n_ff), (self.down, self.n_embd)):
+                dk = getattr(m, "dense_kernel", m.kernel)() if step % 8 == 0 else None
+                mats.append(dk[1] if dk is not None and dk[1].code == interleave.X8 else None)
+            if (mats[0] is None) != (mats[1] is None):
+                mats[:2] = [None, None]
+            self._x8 = (k[0], *mats)
+        return self._x8 or (None, None, None, None)
+
+    def x8(self, e: int) -> tuple:
+        """(library, gate, up, down) of expert e from :meth:`interleaved` (all None in a call
+        without the native kernels or llama.cpp's rounding)."""
+        num = numerics.current()
+        if not (num.native and num.quantized_activations):
+            return (None, None, None, None)
+        lib, *mats = self.interleaved()
+        rows = (self.n_ff, self.n_ff, self.n_embd)
+        subs = (m and interleave.expert_rows(m, e * n, n) for m, n in zip(mats, rows, strict=True))
+        return (lib, *subs)
 
     def down_norms(self, chunk: int = 256) -> Tensor:
         """‖down_e[:, j]‖ of every neuron: (n_expert · n_ff,) f32, ``chunk`` rows of one
@@ -287,9 +312,14 @@ def moe_kernels(blk, opts: RunOptions):
     if blk.ffn_up_shexp is not None:
         row = DenseWeight(as_f32(blk.ffn_gate_inp_shexp)[None])  # (1, n_embd)
         mats += [row, blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp]
-    kerns = [m.kernel() for m in mats]
+    kerns = [m.kernel() for m in mats[:4]] + [
+        getattr(m, "dense_kernel", m.kernel)() for m in mats[4:]
+    ]
     if None in kerns:
         return None
+    for i, m in enumerate(ex.interleaved()[1:], start=1):
+        if m is not None:
+            kerns[i] = (kerns[i][0], m)
     codes = [k[1].code for k in kerns]
     if codes[1] != codes[2] or codes[5:7] and codes[5] != codes[6]:  # each GLU's gate and up
         return None
@@ -369,7 +399,11 @@ def experts_host(
             continue  # every neuron of e is hot
         t, s = (ids == e).nonzero(as_tuple=True)  # tokens routing to e, and their slots
         gate, up, _ = ex.expert(e)
-        h = _activations(x, gate, up, t, mask)  # (T_e, n_ff) f32
+        x8 = ex.x8(e)
+        if x8[1] is not None and mask is None:  # interleaved: every token by the GEMV
+            h = _x8_glu(x8, x.index_select(0, t))
+        else:
+            h = _activations(x, gate, up, t, mask)  # (T_e, n_ff) f32
         we = w[t, s]
         if tau is not None:
             h.masked_fill_(h.abs() * we[:, None] < tau[ex.rows(e)], 0.0)
@@ -388,7 +422,7 @@ def experts_host(
     kept = torch.zeros(T, dtype=torch.int64)
     for e, t, s, h, we in parts:
         kept.index_add_(0, t, (h != 0).sum(1))
-        outs[t, s] = ex.expert(e)[2].linear(h) * we[:, None]
+        outs[t, s] = _down(ex, e, h) * we[:, None]
     y = outs[:, 0]
     for i in range(1, k):
         y = y + outs[:, i]
@@ -402,16 +436,30 @@ def _one_token(
     experts' gate and up rows in one fused native call, then one down product per expert."""
     es = ids.tolist()
     idx = torch.cat([ex.neurons(e) for e in es])  # (k · n_ff,)
-    h = glu_rows(x, ex.gate, ex.up, idx, SWIGLU)  # (k · n_ff,)
+    if ex.x8(0)[1] is not None:  # interleaved: each expert's whole gate and up
+        h = torch.cat([_x8_glu(ex.x8(e), x[None])[0] for e in es])
+    else:
+        h = glu_rows(x, ex.gate, ex.up, idx, SWIGLU)  # (k · n_ff,)
     ff = ex.n_ff
     if tau is not None:
         h.masked_fill_(h.abs() * w.repeat_interleave(ff) < tau[idx], 0.0)
     y = None
     for i, e in enumerate(es):
-        y_e = ex.expert(e)[2].linear(h[i * ff : (i + 1) * ff][None]).mul_(w[i])  # (1, n_embd)
+        y_e = _down(ex, e, h[i * ff : (i + 1) * ff][None]).mul_(w[i])  # (1, n_embd)
         y = y_e if y is None else y + y_e
     kept = int((h != 0).sum()) if tau is not None else h.numel()
     return y, torch.tensor([kept])
+
+
+def _x8_glu(x8: tuple, x: Tensor) -> Tensor:
+    """silu(gate · x) · (up · x) of an expert's interleaved (library, gate, up, ...)."""
+    return glu(x8[0].gemm(x8[1], x), x8[0].gemm(x8[2], x), SWIGLU, inplace=True)
+
+
+def _down(ex: Experts, e: int, h: Tensor) -> Tensor:
+    """Expert e's down product: h (T, n_ff) -> (T, n_embd) f32."""
+    lib, _, _, m = ex.x8(e)
+    return ex.expert(e)[2].linear(h) if m is None else lib.gemm(m, h)
 
 
 def _activations(x: Tensor, gate: Weight, up: Weight, t: Tensor, mask: Tensor | None) -> Tensor:

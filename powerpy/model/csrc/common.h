@@ -30,10 +30,11 @@ namespace {
 enum DType {
   DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q8_0 = 3, DT_Q4_0 = 4,
   DT_Q4_1 = 5, DT_Q5_0 = 6, DT_Q5_1 = 7, DT_Q4_K = 8, DT_Q5_K = 9, DT_Q6_K = 10,
-  DT_Q4_KX8 = 11, DT_COUNT = 12  // Q4_KX8: Q4_K rows interleaved 8 at a time (q4_k_x8.h)
-};
+  DT_Q4_KX8 = 11, DT_Q4_KX8V = 12, DT_COUNT = 13
+};  // Q4_KX8: Q4_K rows interleaved 8 at a time (q4_k_x8.h); V: every token in its GEMV's order
 // ggml's type id of each DType (powerpy.formats.constants.GGMLType), by DType code.
-constexpr int GGML_TYPE_OF[DT_COUNT] = {0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14, -1};
+constexpr int GGML_TYPE_OF[DT_COUNT] = {0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14, -1, -1};
+inline bool is_x8(int dtype) { return dtype == DT_Q4_KX8 || dtype == DT_Q4_KX8V; }
 // FFN activations: the gated ones h = act(gate·x, up·x), then the ungated h = act(up·x).
 enum Variant {
   V_REGLU = 0, V_DRELU = 1, V_SWIGLU = 2, V_GEGLU = 3, V_RELU = 4, V_GELU = 5, V_COUNT = 6

@@ -77,8 +77,9 @@ inline int logits_gemv(const Mat& m, const float* x, float* out, int act, int nt
 inline float silu_div(float g) { return g == 0.0f ? 0.5f : (g / (1.0f + expf(-g))) / g; }
 
 // A matrix of rows [r0, r0 + n) of m, as a Mat.
-inline Mat sub_rows(const Mat& m, int64_t r0, int64_t n) {
-  const int64_t p[5] = {m.dtype, (int64_t)(intptr_t)(m.w + r0 * m.ld), m.ld, n, m.cols};
+inline Mat sub_rows(const Mat& m, int64_t r0, int64_t n) {  // interleaved: r0 % 8 == 0
+  const uint8_t* w = is_x8(m.dtype) ? m.w + r0 / 8 * m.ld : m.w + r0 * m.ld;
+  const int64_t p[5] = {m.dtype, (int64_t)(intptr_t)w, m.ld, n, m.cols};
   return Mat(p);
 }
 
@@ -138,6 +139,9 @@ int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, con
               s_up.cols != d || s_down.nrows != d || s_down.cols != ffs))
     return -PP_ERR_ARG;
   const int64_t ff = gate.nrows / E;
+  if ((is_x8(gate.dtype) && ff % 8) || (is_x8(down.dtype) && d % 8) ||
+      is_x8(gate.dtype) != is_x8(up.dtype))
+    return -PP_ERR_ARG;  // an interleaved stack's experts start at whole groups
   float* buf = (float*)std::malloc(sizeof(float) * (d + 2 * E + k * ff + 2 * d + k + ffs) +
                                    sizeof(int64_t) * (k * ff + k));
   if (!buf) return -PP_ERR_ARG;
@@ -170,15 +174,35 @@ int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, con
     for (int64_t i = 0; i < k; ++i) wts[i] = wts[i] * scale;
   for (int64_t i = 0; i < k; ++i)
     for (int64_t j = 0; j < ff; ++j) idx[i * ff + j] = ids[i] * ff + j;
-  if (!st) st = mat_glu(gate, up, x, idx, k * ff, V_SWIGLU, h, act, nthreads);
+  if (!st && is_x8(gate.dtype) && act) {  // interleaved stacks: every routed expert's rows
+    float* g = (float*)std::malloc(sizeof(float) * (size_t)(k * ff));
+    st = g ? x8_experts(gate.w, gate.ld, ff, d, ids, k, x, 0, g, act, nthreads) : PP_ERR_ARG;
+    if (!st) st = x8_experts(up.w, up.ld, ff, d, ids, k, x, 0, h, act, nthreads);
+    for (int64_t j = 0; j < k * ff && !st; ++j) h[j] = activate(V_SWIGLU, g[j], h[j], nullptr);
+    std::free(g);
+  } else if (is_x8(gate.dtype)) {
+    for (int64_t i = 0; i < k && !st; ++i)
+      st = mat_glu(sub_rows(gate, ids[i] * ff, ff), sub_rows(up, ids[i] * ff, ff), x, nullptr, ff,
+                   V_SWIGLU, h + i * ff, act, nthreads);
+  } else if (!st) {
+    st = mat_glu(gate, up, x, idx, k * ff, V_SWIGLU, h, act, nthreads);
+  }
   int64_t kept = 0;
   for (int64_t i = 0; i < k * ff && !st; ++i) {
     if (tau && std::fabs(h[i]) * wts[i / ff] < tau[idx[i]]) h[i] = 0.0f;
     kept += h[i] != 0.0f;
   }
+  float* ys = nullptr;  // interleaved down stacks: all k products in one call, then as below
+  if (!st && is_x8(down.dtype) && act) {
+    ys = (float*)std::malloc(sizeof(float) * (size_t)(k * d));
+    st = ys ? x8_experts(down.w, down.ld, d, ff, ids, k, h, ff, ys, act, nthreads) : PP_ERR_ARG;
+  }
   for (int64_t i = 0; i < k && !st; ++i) {
-    st = mat_gemv(sub_rows(down, ids[i] * d, d), h + i * ff, nullptr, d, i ? y : acc, act,
-                  nthreads);
+    if (ys)
+      std::memcpy(i ? y : acc, ys + i * d, sizeof(float) * d);
+    else
+      st = mat_gemv(sub_rows(down, ids[i] * d, d), h + i * ff, nullptr, d, i ? y : acc, act,
+                    nthreads);
     float* yi = i ? y : acc;  // y_i w_i rounded in a loop of its own, then added: llama.cpp's
     for (int64_t j = 0; j < d; ++j) yi[j] *= wts[i];  // ggml_mul, then ggml_add (no FMA)
     if (i)
@@ -194,6 +218,7 @@ int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, con
     for (int64_t j = 0; j < d && !st; ++j) acc[j] += y[j];
   }
   for (int64_t j = 0; j < d && !st; ++j) out[j] = r[j] + acc[j];
+  std::free(ys);
   std::free(buf);
   return st ? -st : kept;
 }

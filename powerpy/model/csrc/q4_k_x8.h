@@ -152,17 +152,18 @@ inline void x8_dot(const uint8_t* g, const QAct* const* a0, int64_t nsb, float* 
 }
 
 // The groups [a, b) of G times T tokens of quantized activations (xa, nch chunks each): 4 tokens
-// at a time, the last T % 4 together in the GEMV's order, in tiles of 32 tokens (their int8 rows
+// at a time, the last T % 4 together in the GEMV's order (every token there with gemv: a
+// mixture's experts, as llama.cpp's MUL_MAT_ID runs them), in tiles of 32 tokens (their int8 rows
 // stay in cache).
 inline void x8_groups(const uint8_t* G, int64_t gb, int64_t nsb, int64_t a, int64_t b,
-                      const QAct* xa, int64_t nch, int64_t T, float* out, int64_t ldo) {
-  const int64_t T4 = T - T % 4;
+                      const QAct* xa, int64_t nch, int64_t T, float* out, int64_t ldo, bool gemv) {
+  const int64_t T4 = gemv ? 0 : T - T % 4;
   for (int64_t t0 = 0; t0 < T; t0 += 32) {
     const int64_t t1 = t0 + 32 < T ? t0 + 32 : T;
     for (int64_t g = a; g < b; ++g) {
       const uint8_t* w = G + g * gb;
       for (int64_t t = t0; t < t1;) {
-        const int n = t < T4 ? 4 : (int)(t1 - t);
+        const int n = t < T4 ? 4 : (int)(t1 - t < 3 ? t1 - t : 3);
         const QAct* ap[4];
         for (int i = 0; i < n; ++i) ap[i] = xa + (t + i) * nch;
         float* o = out + t * ldo + 8 * g;
@@ -182,14 +183,15 @@ inline void x8_groups(const uint8_t* G, int64_t gb, int64_t nsb, int64_t a, int6
 #else
 constexpr bool X8_KERNELS = false;
 inline void x8_groups(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const QAct*, int64_t,
-                      int64_t, float*, int64_t) {}
+                      int64_t, float*, int64_t, bool) {}
 #endif
 
 // out[t * ldo + r] = W[r] . x_t for every row of an interleaved Q4_K matrix (nrows a multiple of
-// 8) and T tokens x + t * ldx. With f32 activations (act 0) each group is unpacked to Q4_K rows
-// and every dot is Rows<DT_Q4_K>'s own, so the bits are the row layout's.
+// 8) and T tokens x + t * ldx; gemv: every token in the GEMV's order. With f32 activations (act
+// 0) each group is unpacked to Q4_K rows and every dot is Rows<DT_Q4_K>'s own, so the bits are
+// the row layout's.
 inline int x8_gemm(const uint8_t* G, int64_t nrows, int64_t cols, const float* x, int64_t ldx,
-                   int64_t T, float* out, int64_t ldo, int act, int nthreads) {
+                   int64_t T, float* out, int64_t ldo, int act, int nthreads, bool gemv) {
   if (nrows % 8 || cols % 256 || cols <= 0 || T < 0) return PP_ERR_ARG;
   const int64_t ng = nrows / 8, nsb = cols / 256, gb = x8_group_bytes(cols), nch = cols / 32;
   const int nt = T > 1 ? nthreads : team_size(nthreads, nrows * nsb * 144);
@@ -198,11 +200,11 @@ inline int x8_gemm(const uint8_t* G, int64_t nrows, int64_t cols, const float* x
     if (xa.failed(act)) return PP_ERR_ARG;
     if (T == 1)
       return run_partitioned(nt, ng, [&](int64_t a, int64_t b) -> int {
-        x8_groups(G, gb, nsb, a, b, xa.p, nch, T, out, ldo);
+        x8_groups(G, gb, nsb, a, b, xa.p, nch, T, out, ldo, gemv);
         return 0;
       });
     return run_dynamic(nt, ng, 1, [&](int64_t a, int64_t b) -> int {
-      x8_groups(G, gb, nsb, a, b, xa.p, nch, T, out, ldo);
+      x8_groups(G, gb, nsb, a, b, xa.p, nch, T, out, ldo, gemv);
       return 0;
     });
   }
@@ -218,6 +220,26 @@ inline int x8_gemm(const uint8_t* G, int64_t nrows, int64_t cols, const float* x
               Rows<DT_Q4_K>::dot(rows + r * nsb * 144, x + t * ldx, xf, cols, nullptr);
     }
     std::free(rows);
+    return 0;
+  });
+}
+
+// The routed experts' products of one token in one thread team: for i < k, out[i * n ..] =
+// W_i . x_i with W_i the n rows (a multiple of 8) of interleaved stack W starting at ids[i] * n,
+// and x_i = x + i * ldx (one x for every expert: ldx 0, rounded once); each in the GEMV's order.
+inline int x8_experts(const uint8_t* W, int64_t ld, int64_t n, int64_t cols, const int64_t* ids,
+                      int64_t k, const float* x, int64_t ldx, float* out, int act, int nthreads) {
+  if (n % 8 || cols % 256 || cols <= 0 || k < 1 || !act || !X8_KERNELS) return PP_ERR_ARG;
+  const int64_t nx = ldx ? k : 1, nsb = cols / 256, nch = cols / 32, gpe = n / 8;
+  ActBuf<DT_Q4_K> xa(act, x, ldx, nx, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  const int nt = team_size(nthreads, k * n * nsb * 144);
+  return run_partitioned(nt, k * gpe, [&](int64_t a, int64_t b) -> int {
+    for (int64_t q = a; q < b; ++q) {
+      const int64_t i = q / gpe, g = ids[i] * gpe + q % gpe;
+      const QAct* ap = xa.p + (ldx ? i : 0) * nch;
+      x8_groups(W + g * ld, 0, nsb, 0, 1, ap, nch, 1, out + i * n + 8 * (q % gpe), 0, true);
+    }
     return 0;
   });
 }

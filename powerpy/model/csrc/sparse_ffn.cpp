@@ -78,12 +78,12 @@ struct Mat {  // one matrix as Python describes it: 5 int64s (dtype, data, ld, n
 static int x8_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
                    int act, int nt) {
   if (idx || k != m.nrows) return PP_ERR_ARG;
-  return x8_gemm(m.w, m.nrows, m.cols, x, m.cols, 1, out, m.nrows, act, nt);
+  return x8_gemm(m.w, m.nrows, m.cols, x, m.cols, 1, out, m.nrows, act, nt, true);
 }
 
 static int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
                     int act, int nt) {
-  if (m.dtype == DT_Q4_KX8) return x8_gemv(m, x, idx, k, out, act, nt);
+  if (is_x8(m.dtype)) return x8_gemv(m, x, idx, k, out, act, nt);
   if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
   PP_DISPATCH(m.dtype, gemv_impl, m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt)
 }
@@ -93,7 +93,7 @@ static int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* ou
                           int nt) {
   const uint8_t* w[4];
   int64_t ld[4], nrows[4];
-  if (nm >= 1 && m[0].dtype == DT_Q4_KX8) {  // one call per matrix
+  if (nm >= 1 && is_x8(m[0].dtype)) {  // one call per matrix
     int st = 0;
     for (int i = 0; i < nm && !st; ++i)
       st = mat_gemv(m[i], x, nullptr, m[i].nrows, out[i], act, nt);
@@ -112,7 +112,7 @@ static int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* ou
 // Every row's act(gate . x, up . x) for interleaved gate and up matrices.
 static int x8_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
                   int variant, float* out, int act, int nt) {
-  if (g.dtype != DT_Q4_KX8 || g.nrows != u.nrows || g.cols != u.cols) return PP_ERR_ARG;
+  if (!is_x8(g.dtype) || g.nrows != u.nrows || g.cols != u.cols) return PP_ERR_ARG;
   float* gv = (float*)std::malloc(sizeof(float) * (size_t)(k > 0 ? k : 1));
   if (!gv) return PP_ERR_ARG;
   int st = x8_gemv(g, x, idx, k, gv, act, nt);
@@ -125,7 +125,7 @@ static int x8_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx
 
 static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
                    int variant, float* out, int act, int nt) {
-  if (u.dtype == DT_Q4_KX8) return x8_glu(g, u, x, idx, k, variant, out, act, nt);
+  if (is_x8(u.dtype)) return x8_glu(g, u, x, idx, k, variant, out, act, nt);
   if (!valid_shape(u.dtype, u.cols) || g.dtype != u.dtype) return PP_ERR_ARG;
   PP_DISPATCH(u.dtype, glu_impl, g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out,
               act, nt)
@@ -330,8 +330,7 @@ void pp_set_tuning(int64_t prefetch_bytes, int64_t min_bytes_per_thread) {
 int pp_gather_gemv(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
                    const float* x, const int64_t* idx, int64_t k, float* out, int act,
                    int nthreads) {
-  if (dtype == DT_Q4_KX8)
-    return x8_gemv(Mat(dtype, W, ld, nrows, cols), x, idx, k, out, act, nthreads);
+  if (is_x8(dtype)) return x8_gemv(Mat(dtype, W, ld, nrows, cols), x, idx, k, out, act, nthreads);
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, gemv_impl, (const uint8_t*)W, ld, nrows, cols, x, idx, k, out, act, nthreads)
 }
@@ -350,7 +349,7 @@ int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ld
                 int64_t cols, const float* x, const int64_t* idx, int64_t k, int variant,
                 float* out, int act, int nthreads) {
   if (variant < V_REGLU || variant > V_GEGLU || !G) return PP_ERR_ARG;
-  if (dtype == DT_Q4_KX8)
+  if (is_x8(dtype))
     return x8_glu(Mat(dtype, G, ldg, nrows, cols), Mat(dtype, U, ldu, nrows, cols), x, idx, k,
                   variant, out, act, nthreads);
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
@@ -365,8 +364,9 @@ int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ld
 int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
             int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need, int act,
             int nthreads) {
-  if (dtype == DT_Q4_KX8)
-    return x8_gemm((const uint8_t*)W, nrows, cols, x, ldx, T, out, ldo, act, nthreads);
+  if (is_x8(dtype))
+    return x8_gemm((const uint8_t*)W, nrows, cols, x, ldx, T, out, ldo, act, nthreads,
+                   dtype == DT_Q4_KX8V);
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need,
               act, nthreads)
@@ -399,7 +399,7 @@ double pp_stream_read(const void* p, int64_t bytes, int nthreads) {
 // out[j, :] = W[idx[j], :] as f32 (idx == NULL: rows 0..k-1); out is (k, cols) contiguous.
 int pp_dequant_rows(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
                     const int64_t* idx, int64_t k, float* out, int nthreads) {
-  if (dtype == DT_Q4_KX8) return x8_dequant((const uint8_t*)W, nrows, cols, idx, k, out, nthreads);
+  if (is_x8(dtype)) return x8_dequant((const uint8_t*)W, nrows, cols, idx, k, out, nthreads);
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, dequant_impl, (const uint8_t*)W, ld, nrows, cols, idx, k, out, nthreads)
 }
