@@ -159,6 +159,17 @@ int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
             continue;
           }
         }
+      if constexpr (DT >= DT_Q8_0 && DT <= DT_Q5_1 && !E::PAIRS)
+        if (xa.p && j + 1 < b) {  // two rows side by side: two FMA chains, each row's own order
+          const uint8_t* w[2] = {row(j), row(j + 1)};
+          if (w[0] && w[1]) {
+            const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
+            float* o[2] = {out + j, out + j + 1};
+            tile<QDot<DT>, 2, 1>(w, nx, {xa.p, cols / 32}, o, 0);
+            ++j;
+            continue;
+          }
+        }
       const uint8_t* w = row(j);
       if (!w) {
         out[j] = NAN;
