@@ -133,21 +133,6 @@ def write_stablelm(path: Path, *, n_layer: int, dtype: str, seed: int) -> Path:
     return f.close()
 
 
-@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
-def test_stablelm_matches_llama_cpp(llama_cpp, tmp_path, dtype):
-    path = write_stablelm(tmp_path / f"stablelm-{dtype}.gguf", n_layer=3, dtype=dtype, seed=1)
-    ref = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, n_threads=2,
-                          verbose=False)  # fmt: skip
-    try:
-        ours = load(path)
-        a = ours.model.args
-        assert (a.arch, a.n_rot, a.head_dim) == ("stablelm", 4, 16)
-        name = f"stablelm/{dtype}"
-        check(name, compare(name, ref, ours), exact=dtype == "q8_0")
-    finally:
-        ref.close()
-
-
 def write_phi2(path: Path, *, n_layer: int, dtype: str, seed: int) -> Path:
     """A random dense phi2 GGUF as llama.cpp's converter lays it out: one LayerNorm per block
     (weight, bias), q/k/v, attn_output, ffn_up, ffn_down and output each with a bias."""
@@ -172,17 +157,26 @@ def write_phi2(path: Path, *, n_layer: int, dtype: str, seed: int) -> Path:
     return f.close()
 
 
+# the LayerNorm families: writer, seed, (arch, n_rot, head_dim)
+LAYER_NORM_CASES = {
+    "stablelm": (write_stablelm, 1, ("stablelm", 4, 16)),
+    "phi2": (write_phi2, 9, ("phi2", 6, 16)),  # every matrix's bias, the output's included
+}
+
+
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
-def test_phi2_matches_llama_cpp(llama_cpp, tmp_path, dtype):
-    path = write_phi2(tmp_path / f"phi2-{dtype}.gguf", n_layer=3, dtype=dtype, seed=9)
+@pytest.mark.parametrize("arch", list(LAYER_NORM_CASES))
+def test_layer_norm_families_match_llama_cpp(llama_cpp, tmp_path, arch, dtype):
+    writer, seed, want = LAYER_NORM_CASES[arch]
+    path = writer(tmp_path / f"{arch}-{dtype}.gguf", n_layer=3, dtype=dtype, seed=seed)
     ref = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, n_threads=2,
                           verbose=False)  # fmt: skip
     try:
         ours = load(path)
         a = ours.model.args
-        assert (a.arch, a.n_rot, a.head_dim) == ("phi2", 6, 16)
-        assert ours.model.weights.output.bias is not None
-        name = f"phi2/{dtype}"
+        assert (a.arch, a.n_rot, a.head_dim) == want
+        assert (getattr(ours.model.weights.output, "bias", None) is not None) == (arch == "phi2")
+        name = f"{arch}/{dtype}"
         check(name, compare(name, ref, ours), exact=dtype == "q8_0")
     finally:
         ref.close()

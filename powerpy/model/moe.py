@@ -102,7 +102,8 @@ class Experts:
     hot: ExpertHot | None = None
     _views: list = field(default_factory=list, repr=False)  # per expert (gate, up, down)
     _ids: Tensor | None = field(default=None, repr=False)  # (n_expert, n_ff) neuron ids
-    _x8: tuple | None = field(default=None, repr=False)  # interleave.stacks' result
+    _x8: tuple | None = field(default=None, repr=False)  # interleaved()'s result
+    _row: tuple | None = field(default=None, repr=False)  # (shared gate row, its (1, n_embd))
 
     @property
     def n_expert(self) -> int:
@@ -295,11 +296,10 @@ def _to_host(accel: Accelerator | None, ts: list[Tensor]) -> list[Tensor]:
 
 
 def moe_kernels(blk, opts: RunOptions):
-    """(library, [router, gate, up, down, then a shared expert's gate row, gate, up, down or 4
-    None] matrices, tau) for the native MoE block of one decode step (``pp_moe_decode``), or
-    None where it does not apply: hot rows, profiling, an oracle, f32 activations (the block
-    computes llama.cpp's numerics), a norm or matrix the kernels cannot read or that is placed
-    on an accelerator."""
+    """(library, [router, gate, up, down, a shared expert's gate row, gate, up, down or 4 None]
+    matrices, tau) for the native MoE block of a decode step (``pp_moe_decode``); None for hot
+    rows, profiling, an oracle, f32 activations (it computes llama.cpp's numerics), a norm or
+    matrix the kernels cannot read or placed on an accelerator."""
     ex: Experts | None = blk.moe
     if ex is None or ex.hot is not None or opts.observer is not None or opts.oracle is not None:
         return None
@@ -310,16 +310,15 @@ def moe_kernels(blk, opts: RunOptions):
         return None
     mats = [ex.router, ex.gate, ex.up, ex.down]
     if blk.ffn_up_shexp is not None:
-        row = DenseWeight(as_f32(blk.ffn_gate_inp_shexp)[None])  # (1, n_embd)
-        mats += [row, blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp]
-    kerns = [m.kernel() for m in mats[:4]] + [
-        getattr(m, "dense_kernel", m.kernel)() for m in mats[4:]
-    ]
+        if ex._row is None or ex._row[0] is not blk.ffn_gate_inp_shexp:  # built once
+            ex._row = (blk.ffn_gate_inp_shexp, DenseWeight(as_f32(blk.ffn_gate_inp_shexp)[None]))
+        mats += [ex._row[1], blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp]
+    dense = [getattr(m, "dense_kernel", m.kernel) for m in mats[4:]]  # whole matrices
+    kerns = [m.kernel() for m in mats[:4]] + [k() for k in dense]
     if None in kerns:
         return None
-    for i, m in enumerate(ex.interleaved()[1:], start=1):
-        if m is not None:
-            kerns[i] = (kerns[i][0], m)
+    x8 = ex.interleaved()[1:]  # the stacks interleaved, or None
+    kerns[1:4] = [k if m is None else (k[0], m) for k, m in zip(kerns[1:4], x8, strict=True)]
     codes = [k[1].code for k in kerns]
     if codes[1] != codes[2] or codes[5:7] and codes[5] != codes[6]:  # each GLU's gate and up
         return None

@@ -204,13 +204,14 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
 }
 
 // One token's FFN block: r the residual stream it adds to, xs its source (r in a sequential
-// block; in a parallel one the block's input, and r the attention's output alone). With a predictor (fc1, fc2) the neurons j with
-// fc2·relu(fc1·xs) >= thr, else all of them; xn = the layer's FFN norm of xs; h_j =
-// act(gate_j·xn, up_j·xn) (gated, no up bias), or act(up_j·xn + bias_j) (ungated: RELU, GELU);
-// with tau, a computed neuron with |h_j| < tau[j] is dropped before its down row is read; y =
-// sum_j h_j down_t[j] (or, with LF_DOWN_STORED, a dense file's ffn_down (n_embd, n_ff) times h:
-// no predictor, no cut) plus the down bias, post-normed; out = r + y, or (r + y) + xs in a
-// parallel block (out may be xs). Returns the neurons whose down rows were added, or -status.
+// block; in a parallel one the block's input, and r the attention's output alone). With a
+// predictor (fc1, fc2) the neurons j with fc2·relu(fc1·xs) >= thr, else all of them; xn = the
+// layer's FFN norm of xs; h_j = act(gate_j·xn, up_j·xn) (gated, no up bias), or
+// act(up_j·xn + bias_j) (ungated: RELU, GELU); with tau, a computed neuron with |h_j| < tau[j]
+// is dropped before its down row is read; y = sum_j h_j down_t[j] (or, with LF_DOWN_STORED, a
+// dense file's ffn_down (n_embd, n_ff) times h: no predictor, no cut) plus the down bias,
+// post-normed; out = r + y, or (r + y) + xs in a parallel block (out may be xs). Returns the
+// neurons whose down rows were added, or -status.
 static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, const float* xs,
                          float* out, int act, int nthreads) {
   if (L.flags & LF_MOE) return moe_block(L, eps, r, out, act, nthreads);
