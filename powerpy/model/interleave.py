@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
+import sys
 
 import torch
 
@@ -26,11 +28,22 @@ X8_SB = 1184  # bytes of 8 rows' super-block (csrc/q4_k_x8.h)
 X8, X8_GEMV = 11, 12  # dtype codes: GEMM tokens 4 at a time; every token by the GEMV (experts)
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages (file pages are read back on use)
 _PROT_RW, _MAP_PRIVATE_FIXED = 0x1 | 0x2, 0x02 | 0x10
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]  # fmt: skip
-_libc.mmap.restype = ctypes.c_void_p
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library's madvise and mmap on Linux (their flags are Linux's), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.mmap.restype = ctypes.c_void_p
+    except (OSError, TypeError, AttributeError):
+        return None
+    return libc
 
 
 def interleaved(lib: kernels.KernelLibrary, m: kernels.Matrix) -> kernels.Matrix | None:
@@ -77,12 +90,13 @@ def release(ptr: int, nbytes: int) -> None:
     reclaims them. Any other memory keeps its pages. A failure is only logged."""
     start = -(-ptr // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (ptr + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end <= start:
+    libc = _libc()
+    if end <= start or libc is None:
         return
     at = gguf_reader.file_range(start, end - start)
     if at is not None:
-        got = _libc.mmap(start, end - start, _PROT_RW, _MAP_PRIVATE_FIXED, *at)
+        got = libc.mmap(start, end - start, _PROT_RW, _MAP_PRIVATE_FIXED, *at)
         if got != start:
             logger.debug("mmap(MAP_FIXED) over a loaded file failed: errno %d", ctypes.get_errno())
-    elif _libc.madvise(start, end - start, _MADV_PAGEOUT) != 0:
+    elif libc.madvise(start, end - start, _MADV_PAGEOUT) != 0:
         logger.debug("madvise(MADV_PAGEOUT) failed: errno %d", ctypes.get_errno())
