@@ -67,6 +67,12 @@ def interleaved(lib: kernels.KernelLibrary, m: kernels.Matrix) -> kernels.Matrix
     return kernels.Matrix(out, code, m.nrows, m.cols, gb)
 
 
+def dense_kernel(w) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
+    """Weight ``w``'s (library, matrix) for whole-matrix products: a Q4_K matrix's interleaved
+    rows (``QuantWeight.dense_kernel``), any other weight's ``kernel()``."""
+    return getattr(w, "dense_kernel", w.kernel)()
+
+
 def expert_rows(m: kernels.Matrix, start: int, n: int) -> kernels.Matrix:
     """Rows ``start .. start + n`` (multiples of 8) of an interleaved stack of experts, every
     token multiplied in the GEMV's order, as llama.cpp multiplies its experts."""

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.families import Norm, Residual, Rope
-from powerpy.model import kernels
+from powerpy.model import interleave, kernels
 from powerpy.model.biased import BiasedWeight
 from powerpy.model.kernels import LAYER_RECORD_LEN, RECORD_FLAGS, RECORD_SLOTS, KernelLibrary
 from powerpy.model.matrices import TransposedWeight
@@ -51,7 +51,7 @@ class Part:
         bias = None
         if isinstance(w, BiasedWeight):
             w, bias = w.inner, w.bias
-        k = getattr(w, "dense_kernel", w.kernel)() if dense else w.kernel()
+        k = interleave.dense_kernel(w) if dense else w.kernel()
         if k is None or k[0] is not self.lib:
             return False
         self.matrix(slot, k[1])

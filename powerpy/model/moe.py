@@ -149,7 +149,7 @@ class Experts:
         if self._x8 is None and (k := self.gate.kernel()) is not None:
             mats = []
             for m, step in ((self.gate, self.n_ff), (self.up, self.n_ff), (self.down, self.n_embd)):
-                dk = getattr(m, "dense_kernel", m.kernel)() if step % 8 == 0 else None
+                dk = interleave.dense_kernel(m) if step % 8 == 0 else None
                 mats.append(dk[1] if dk is not None and dk[1].code == interleave.X8 else None)
             if (mats[0] is None) != (mats[1] is None):
                 mats[:2] = [None, None]
@@ -313,8 +313,7 @@ def moe_kernels(blk, opts: RunOptions):
         if ex._row is None or ex._row[0] is not blk.ffn_gate_inp_shexp:  # built once
             ex._row = (blk.ffn_gate_inp_shexp, DenseWeight(as_f32(blk.ffn_gate_inp_shexp)[None]))
         mats += [ex._row[1], blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp]
-    dense = [getattr(m, "dense_kernel", m.kernel) for m in mats[4:]]  # whole matrices
-    kerns = [m.kernel() for m in mats[:4]] + [k() for k in dense]
+    kerns = [m.kernel() for m in mats[:4]] + [interleave.dense_kernel(m) for m in mats[4:]]
     if None in kerns:
         return None
     x8 = ex.interleaved()[1:]  # the stacks interleaved, or None

@@ -11,11 +11,13 @@ namespace {
 
 #if defined(__AVX2__)
 
-// The sum of an int32 vector's lanes (exact: integers).
+// The sum of an int32 vector's lanes (exact: integers, so any order).
+inline int32_t i4_hsum(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1)));
+}
 inline int32_t i8_hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+  return i4_hsum(_mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
 }
 
 // The 6-bit scales and mins of a Q4_K/Q5_K super-block's 8 sub-blocks (its 12 bytes at p), as
@@ -70,12 +72,9 @@ struct DotQ45K {
             _mm_hadd_epi16(_mm256_castsi256_si128(b16), _mm256_extracti128_si256(b16, 1));
         const __m128i mq = _mm_madd_epi16(_mm256_extracti128_si256(sm, 1), q8s);
         if constexpr (TILED) {
-          const __m128i m2 = _mm_add_epi32(mq, _mm_shuffle_epi32(mq, 0x4e));
-          mins_i[t] = _mm_cvtsi128_si32(_mm_add_epi32(m2, _mm_shuffle_epi32(m2, 0xb1)));
+          mins_i[t] = i4_hsum(mq);
         } else if constexpr (Q5) {
-          const __m128i z = _mm_setzero_si128();
-          const int s = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(mq, z), z));
-          summs[t] = std::fma(-a[t][0].d * wm, (float)s, summs[t]);
+          summs[t] = std::fma(-a[t][0].d * wm, (float)i4_hsum(mq), summs[t]);
         } else {
           acc_m[t] = _mm_fmadd_ps(_mm_set1_ps(-a[t][0].d * wm), _mm_cvtepi32_ps(mq), acc_m[t]);
         }
