@@ -22,7 +22,7 @@ from powerpy.config import ModelArgs
 from powerpy.errors import TokenizerError
 from powerpy.formats.gguf_reader import GGUFFile, read_gguf
 from powerpy.generate import Response, generate, stream_generate
-from powerpy.model import numerics
+from powerpy.model import numerics, stack_decode
 from powerpy.model.loader import load_weights
 from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions, SparsityStats
@@ -436,6 +436,7 @@ def load(
         llm.runtime = place(model, gf, vram_budget, device=device, n_ctx=n_ctx, **placement_options)
         if llm.runtime is not None:
             llm.model = llm.runtime.model
+    stack_decode.prepare(llm.model, opts)  # the layouts decode reads, as llama.cpp repacks
     llm.load_seconds = time.perf_counter() - t0
     log.debug("loaded %s in %.2f s", path, llm.load_seconds)
     return llm

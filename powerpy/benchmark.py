@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from powerpy._fs import huge_page_buffer
+from powerpy.model import stack_decode
 from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
 from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions, SparsityStats
@@ -190,6 +191,7 @@ def bench_mode(
     """pp and tg rows for one mode ("sparse" or "dense"); best of ``repetitions``."""
     sparse = mode == "sparse" and model.can_gate
     opts = RunOptions(sparse=sparse, threshold=threshold, cut_scale=cut_scale, numerics=numerics)
+    stack_decode.prepare(model, opts)  # the mode's layouts (a sparse file's dense FFN) untimed
     rows = []
     if n_prompt > 0:
         secs = min(run_pp(model, n_prompt, opts) for _ in range(repetitions))

@@ -23,7 +23,7 @@ from quant_fixtures import random_blocks
 
 from powerpy.families.base import FFNVariant
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
-from powerpy.model import ggml_numerics, kernels
+from powerpy.model import ggml_numerics, interleave, kernels
 from powerpy.model.kernels import Matrix
 
 pytestmark = pytest.mark.llama_cpp
@@ -204,6 +204,56 @@ def test_k_quant_matmuls_equal_ggmls(ggml, qtype):
         want = _ggml_quant_mul_mat(ggml, raw, qtype, x)
         got = lib.gemm(m, torch.from_numpy(x)).numpy()
         assert got.tobytes() == want.tobytes(), (qtype.name, T, np.abs(got - want).max())
+
+
+def _ggml_repacked_mul_mat(ggml, raw: np.ndarray, qtype: GGMLType, x: np.ndarray) -> np.ndarray:
+    """ggml_mul_mat(W, x) with W in llama.cpp's CPU repack buffer (what a model's Q4_0 and Q4_K
+    matrices of 8k rows get at load): x (T, cols) f32 -> (T, rows)."""
+    base = ctypes.CDLL(os.path.join(os.path.dirname(ggml._name), "libggml-base.so"))
+    vp, i64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
+    for name, args, res in (
+        ("ggml_init", [_InitParams], vp), ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp),
+        ("ggml_backend_alloc_ctx_tensors_from_buft", [vp, vp], vp),
+        ("ggml_backend_tensor_set", [vp, vp, sz, sz], None),
+        ("ggml_backend_buffer_free", [vp], None), ("ggml_free", [vp], None),
+    ):  # fmt: skip
+        getattr(base, name).argtypes, getattr(base, name).restype = args, res
+    repack = ggml._Z35ggml_backend_cpu_repack_buffer_typev  # ggml_backend_cpu_repack_buffer_type
+    repack.restype = vp
+    wctx = base.ggml_init(_InitParams(1 << 20, None, True))
+    w = base.ggml_new_tensor_2d(wctx, int(qtype), x.shape[1], raw.shape[0])
+    buf = base.ggml_backend_alloc_ctx_tensors_from_buft(wctx, repack())
+    base.ggml_backend_tensor_set(w, raw.ctypes.data, 0, raw.nbytes)  # repacks
+    try:
+        y = _ggml_op(ggml, [x], lambda base, ctx, xt: base.ggml_mul_mat(ctx, w, xt))
+    finally:
+        base.ggml_backend_buffer_free(buf)
+        base.ggml_free(wctx)
+    return y.reshape(x.shape[0], raw.shape[0])
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_K])
+def test_interleaved_matmuls_equal_ggmls_repacked(ggml, qtype):
+    """A Q4_0 or Q4_K matrix of 8k rows, interleaved (``interleave``), against llama.cpp's
+    repacked kernels at every token count: the same bits (Q4_0: one FMA per block of each row
+    and token; Q4_K: the GEMM's order 4 tokens at a time, the GEMV's for the rest). The row
+    layout's products differ from them."""
+    lib = kernels.library()
+    if lib is None or lib.simd not in ("AVX2", "AVX-512"):
+        pytest.skip("needs the native kernels on an AVX2 (or wider) build")
+    rng = np.random.default_rng(int(qtype) + 50)
+    cols, rows = (512, 40) if qtype == GGMLType.Q4_0 else (768, 40)
+    qk = 32 if qtype == GGMLType.Q4_0 else 256
+    raw = np.ascontiguousarray(random_blocks(rng, qtype, rows, cols // qk))
+    m = interleave.interleaved(lib, Matrix.of_quant(torch.from_numpy(raw.copy()), qtype, cols))
+    assert m is not None and m.code in interleave.STACKS
+    rows_layout = Matrix.of_quant(torch.from_numpy(raw), qtype, cols)
+    for T in (1, 3, 4, 7, 8, 21):
+        x = (rng.standard_normal((T, cols)) * 2).astype(np.float32)
+        want = _ggml_repacked_mul_mat(ggml, raw, qtype, x)
+        got = lib.gemm(m, torch.from_numpy(x)).numpy()
+        assert got.tobytes() == want.tobytes(), (qtype.name, T, np.abs(got - want).max())
+        assert lib.gemm(rows_layout, torch.from_numpy(x)).numpy().tobytes() != want.tobytes()
 
 
 def test_layer_norm_equals_ggmls(ggml):

@@ -1,9 +1,9 @@
-"""Q4_K matrices with their rows interleaved 8 at a time (``powerpy.model.interleave``,
-``csrc/q4_k_x8.h``): the layout holds the same blocks, its products are the ones llama.cpp's
-repacked Q4_K kernels compute (the oracle tests: every Q4_K_M file is bit-identical), and the
-rows they were built from stay readable.
+"""Q4_K and Q4_0 matrices with their rows interleaved 8 at a time (``powerpy.model.interleave``,
+``csrc/q4_k_x8.h``, ``csrc/q4_0_x8.h``): the layout holds the same blocks, its products are the
+ones llama.cpp's repacked kernels compute (``test_ggml_vec_dot``, and the oracle tests: every
+Q4_K_M and Q4_0 file is bit-identical), and the rows they were built from stay readable.
 
-- Packing and unpacking give back every byte of random Q4_K blocks (all scale bit patterns).
+- Packing and unpacking give back every byte of random blocks (all scale bit patterns).
 - The GEMM's token groups: 4 tokens in the GEMM's order, the last T % 4 each in the GEMV's, so a
   prompt's tail token equals that token alone; its values agree with the row layout's within
   the two orders' rounding.
@@ -19,7 +19,7 @@ import pytest
 import torch
 from quant_fixtures import random_blocks
 
-from powerpy.formats.constants import GGMLType
+from powerpy.formats.constants import TYPE_TRAITS, GGMLType
 from powerpy.model import interleave, kernels, numerics
 from powerpy.model.matrices import QuantWeight
 
@@ -33,15 +33,17 @@ def lib():
 
 
 def _weight(rows: int, cols: int, seed: int = 0, t: GGMLType = GGMLType.Q4_K) -> QuantWeight:
-    raw = random_blocks(np.random.default_rng(seed), t, rows, cols // 256)
+    raw = random_blocks(np.random.default_rng(seed), t, rows, cols // TYPE_TRAITS[t].block_size)
     return QuantWeight(torch.from_numpy(np.ascontiguousarray(raw)), t, cols)
 
 
-def test_pack_unpack_round_trip(lib):
-    w = _weight(48, 768)
+@pytest.mark.parametrize(("t", "ld"), [(GGMLType.Q4_K, 3 * interleave.X8_SB),
+                                       (GGMLType.Q4_0, 24 * interleave.X8Q40_B)])  # fmt: skip
+def test_pack_unpack_round_trip(lib, t, ld):
+    w = _weight(48, 768, t=t)
     want = w.raw.clone()
     x8 = w.dense_kernel()[1]
-    assert x8.code != w.kernel()[1].code and x8.nrows == 48 and x8.ld == 3 * interleave.X8_SB
+    assert x8.code != w.kernel()[1].code and x8.nrows == 48 and x8.ld == ld
     assert torch.equal(interleave.rows_of(lib, x8), want)
     assert torch.equal(w.raw, want)  # the source rows: handed back, not lost
     every = lib.dequant_rows(w.kernel()[1], None)
@@ -60,8 +62,9 @@ def test_token_groups_and_agreement(lib):
     assert not torch.equal(got, want)  # two orders: the last bits differ somewhere
 
 
-def test_f32_activations_are_the_row_layouts(lib):
-    w = _weight(32, 512, seed=2)
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q4_0])
+def test_f32_activations_are_the_row_layouts(lib, t):
+    w = _weight(32, 512, seed=2, t=t)
     x = torch.randn(512)
     with numerics.using(numerics.Numerics(quantized_activations=False)):
         want = lib.gather_gemv(w.kernel()[1], x, torch.arange(32))
@@ -79,7 +82,8 @@ def test_only_whole_matrix_products(lib):
         lib.gather_axpy(x8, torch.ones(2), torch.tensor([3, 1]))
 
 
-@pytest.mark.parametrize(("rows", "t"), [(12, GGMLType.Q4_K), (16, GGMLType.Q6_K)])
+@pytest.mark.parametrize(("rows", "t"), [(12, GGMLType.Q4_K), (12, GGMLType.Q4_0),
+                                       (16, GGMLType.Q6_K), (16, GGMLType.Q8_0)])  # fmt: skip
 def test_other_matrices_keep_their_rows(lib, rows, t):
     w = _weight(rows, 256, seed=4, t=t)  # 12 rows: not a multiple of 8
     assert w.dense_kernel()[1] is w.kernel()[1]
@@ -107,10 +111,36 @@ def test_release_keeps_every_byte(tmp_path):
     view = f.raw("w")
     ptr = view.ctypes.data
     assert file_range(ptr, view.nbytes) is not None
-    interleave.release(ptr, view.nbytes)
+    interleave.release_pages(ptr, view.nbytes)
     assert np.array_equal(view.reshape(raw.shape), raw)
     (tmp_path / "m.gguf").write_bytes((tmp_path / "m.gguf").read_bytes())  # same bytes, new mtime
     assert file_range(ptr, view.nbytes) is None  # changed since read: pages stay
-    interleave.release(ptr, view.nbytes)
+    interleave.release_pages(ptr, view.nbytes)
     assert np.array_equal(view.reshape(raw.shape), raw)
     f.close()
+
+
+def test_gathered_rows_stay_in_place(lib, tmp_path, monkeypatch):
+    """A sparse file's gate and up are read row by row: a dense run interleaves them but keeps
+    their rows where they are (no page release), and the sparse run after it gives the same
+    logits as a fresh load's."""
+    import powerpy
+    from powerpy.model.options import RunOptions
+    from powerpy.testing.synthetic import write_synthetic_model
+
+    released = []
+    monkeypatch.setattr(interleave, "release_pages", lambda p, n: released.append(p))
+    path = write_synthetic_model(tmp_path / "m.powerinfer.gguf", "tiny", "q4_0", stats=False)
+    ours, fresh = powerpy.load(path), powerpy.load(path)
+    blk = ours.model.weights.blk[0]
+    assert blk.ffn_up.gathered and blk.ffn_gate.gathered and not blk.attn_q.gathered
+    tok = torch.tensor([5])
+
+    def step(llm, sparse: bool) -> torch.Tensor:
+        return llm.model.forward(tok, llm.model.new_cache(4), RunOptions(sparse=sparse))
+
+    step(ours, sparse=False)
+    assert blk.ffn_up._x8 and blk.ffn_gate._x8 and blk.attn_q._x8  # the whole-matrix layouts
+    kept = {w.raw.data_ptr() for w in (blk.ffn_up, blk.ffn_gate)}
+    assert released and not kept & set(released)  # attention's rows went back, the FFN's stay
+    assert torch.equal(step(ours, sparse=True), step(fresh, sparse=True))

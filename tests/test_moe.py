@@ -182,19 +182,20 @@ def test_decode_equals_prefill_and_stats_count_the_routed_share(tmp_path):
     np.testing.assert_allclose(stats.active_fraction(), 2 / 8)
 
 
-def test_q4_k_experts_interleaved_run_alike_in_every_path(tmp_path):
-    """Q4_K stacks of experts interleaved as llama.cpp repacks them: the native decode block
-    and the Python path (an observer turns the native block off) give the same bits, and the
-    prompt's experts run every token by the GEMV, so a prefill of any length equals decode."""
+@pytest.mark.parametrize("dtype", [GGMLType.Q4_K, GGMLType.Q4_0])
+def test_interleaved_experts_run_alike_in_every_path(tmp_path, dtype):
+    """Q4_K and Q4_0 stacks of experts interleaved as llama.cpp repacks them: the native decode
+    block and the Python path (an observer turns the native block off) give the same bits, and
+    the prompt's experts run every token by the GEMV, so a prefill of any length equals decode."""
     spec = TinySpec(n_embd=256, n_layer=2, n_ff=256, n_expert=4, n_expert_used=2)
-    write_gguf_py(tmp_path / "q.gguf", spec, GGMLType.Q4_K, seed=3)
+    write_gguf_py(tmp_path / "q.gguf", spec, dtype, seed=3)
     model = load(tmp_path / "q.gguf").model
     seen: list[int] = []
     native = _run(model)
     traced = _run(model, RunOptions(observer=lambda l, x, h: seen.append(l)))
     assert seen and torch.equal(native, traced)
     ex = model.weights.blk[0].moe
-    assert all(m is not None and m.code == interleave.X8 for m in ex.interleaved()[1:])
+    assert all(m is not None and m.code in interleave.STACKS for m in ex.interleaved()[1:])
     x = torch.randn(5, 256)
     ids, w = torch.tensor([[0, 3]] * 5), torch.full((5, 2), 0.5)
     many = moe.experts_host(0, ex, x, ids, w, None, RunOptions())[0]

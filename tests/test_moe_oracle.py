@@ -9,9 +9,10 @@ decoded token is bit-identical. With F16 weights llama.cpp rounds activations to
 f16 before each matmul and powerpy keeps them f32 (``docs/kernels.md``): logits agree within
 1% of their spread except where a token's routing is a near-tie (two experts' probabilities
 closer than that rounding), where the engines may pick different experts; the test checks that
-every larger difference sits on such a tie. Q4_K files are bit-identical: llama.cpp interleaves
-Q4_K stacks of experts as it does 2-D matrices, and multiplies every (token, expert) pair in
-its one-token GEMV's order, prompts included; powerpy does the same (``Experts.interleaved``).
+every larger difference sits on such a tie. Q4_K and Q4_0 files are bit-identical: llama.cpp
+interleaves their stacks of experts as it does 2-D matrices, and multiplies every (token,
+expert) pair in its one-token GEMV's order, prompts included; powerpy does the same
+(``Experts.interleaved``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,11 @@ CASES = {  # name: (spec, matrix type, bit-identical)
     "mixtral-q4_k": (
         TinySpec(n_embd=256, n_layer=2, n_ff=256, n_expert=4, n_expert_used=2),
         GGMLType.Q4_K,
+        True,
+    ),
+    "mixtral-q4_0": (
+        TinySpec(n_embd=256, n_layer=2, n_ff=256, n_expert=4, n_expert_used=2),
+        GGMLType.Q4_0,
         True,
     ),
 }

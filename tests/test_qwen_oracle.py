@@ -122,7 +122,8 @@ CASES = {
     "llama3-rope": ("llama", 2, False, 0, {"rope_freqs": True}),
     "llama-biases": ("llama", 2, False, 0, {"biases": True}),
 }
-DTYPES = ("f16", "q8_0", "q4_k_m")
+DTYPES = ("f16", "q8_0", "q4_k_m", "q4_0")
+REQUANTIZED = {"q4_k_m": "Q4_K_M", "q4_0": "Q4_0"}  # by llama.cpp's quantizer, from f16
 
 
 @pytest.fixture(scope="module", params=[f"{c}/{t}" for c in CASES for t in DTYPES])
@@ -130,11 +131,12 @@ def pair(request, llama_cpp, tmp_path_factory):
     case, dtype = request.param.split("/")
     arch, n_layer, tied, seed, extra = CASES[case]
     tmp = tmp_path_factory.mktemp(case)
-    written = "f16" if dtype == "q4_k_m" else dtype
+    written = "f16" if dtype in REQUANTIZED else dtype
     path = write_model(tmp / f"{case}-{written}.gguf", arch=arch, n_layer=n_layer, tied=tied,
                        dtype=written, seed=seed, **extra)  # fmt: skip
-    if dtype == "q4_k_m":
-        path = quantize_with_llama_cpp(llama_cpp, path, tmp / f"{case}-q4_k_m.gguf")
+    if dtype in REQUANTIZED:
+        path = quantize_with_llama_cpp(llama_cpp, path, tmp / f"{case}-{dtype}.gguf",
+                                       REQUANTIZED[dtype])  # fmt: skip
     ref = llama_cpp.Llama(
         model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
     )
@@ -147,8 +149,9 @@ def test_matches_llama_cpp(pair):
     if name.startswith("llama-swa"):  # llama.cpp's llama graph reads no window
         assert len(ours.tokenize(PROMPT)) > 3 * WINDOW
         assert ours.model.args.sliding_window == WINDOW and ours.model.args.swa_layers == ()
-    # Q8_0 and Q4_K_M: llama.cpp's numerics, all of them. Q4_K matrices of 8k rows run
-    # interleaved in the order of ggml's repacked kernels (4 prompt tokens at a time, the rest
-    # and decode one by one), Q6_K ones in vec_dot's order under 8 tokens and the tiled GEMM's
-    # from 8 (docs/kernels.md); before that, Q4_K_M files were ~0.4-0.8% of the spread off
-    check(name, compare(name, ref, ours), exact=name.endswith(("q8_0", "q4_k_m")))
+    # Q8_0, Q4_K_M and Q4_0: llama.cpp's numerics, all of them. Q4_K and Q4_0 matrices of 8k
+    # rows run interleaved in the order of ggml's repacked kernels (Q4_K: 4 prompt tokens at a
+    # time, the rest and decode one by one), Q6_K ones in vec_dot's order under 8 tokens and the
+    # tiled GEMM's from 8 (docs/kernels.md); before that, Q4_K_M files were ~0.4-0.8% of the
+    # spread off
+    check(name, compare(name, ref, ours), exact=name.endswith(("q8_0", "q4_k_m", "q4_0")))

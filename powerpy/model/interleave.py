@@ -1,10 +1,11 @@
-"""Q4_K matrices with their rows interleaved 8 at a time, for whole-matrix products.
+"""Q4_K and Q4_0 matrices with their rows interleaved 8 at a time, for whole-matrix products.
 
-llama.cpp's CPU backend repacks every Q4_K matrix of 8k rows at load and multiplies it with
-kernels of its own order. powerpy does the same for the products that read a matrix whole (the
-prompt GEMM, a dense layer's decode GEMV): :func:`interleaved` builds the layout of
-``csrc/q4_k_x8.h`` once, and those products run its kernels, at llama.cpp's bits and about its
-prompt speed. Row gathers and row sums (the sparse FFN) keep the file's rows.
+llama.cpp's CPU backend repacks every Q4_K and Q4_0 matrix of 8k rows at load (on AVX2 hosts)
+and multiplies it with kernels of its own order. powerpy does the same for the products that
+read a matrix whole (the prompt GEMM, a dense layer's decode GEMV, attention's projections):
+:func:`interleaved` builds the layout of ``csrc/q4_k_x8.h`` or ``csrc/q4_0_x8.h`` once, and those
+products run its kernels, at llama.cpp's bits and speed. Row gathers and row sums (the sparse
+FFN) keep the file's rows.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ from powerpy.model import kernels
 
 logger = logging.getLogger(__name__)
 
-X8_SB = 1184  # bytes of 8 rows' super-block (csrc/q4_k_x8.h)
-X8, X8_GEMV = 11, 12  # dtype codes: GEMM tokens 4 at a time; every token by the GEMV (experts)
+X8_SB = 1184  # bytes of 8 Q4_K rows' super-block (csrc/q4_k_x8.h)
+X8Q40_B = 144  # bytes of 8 Q4_0 rows' block (csrc/q4_0_x8.h)
+# dtype codes (csrc/common.h): Q4_K, GEMM tokens 4 at a time; Q4_K, every token by the GEMV (a
+# mixture's experts); Q4_0 (one order for both)
+X8, X8_GEMV, X8_Q4_0 = 11, 12, 13
+STACKS = (X8, X8_Q4_0)  # the codes :func:`interleaved` builds
+_LAYOUTS = {GGMLType.Q4_K: (256, X8_SB, X8), GGMLType.Q4_0: (32, X8Q40_B, X8_Q4_0)}
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim the range's pages (file pages are read back on use)
 _PROT_RW, _MAP_PRIVATE_FIXED = 0x1 | 0x2, 0x02 | 0x10
 
@@ -46,50 +52,64 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def interleaved(lib: kernels.KernelLibrary, m: kernels.Matrix) -> kernels.Matrix | None:
-    """``m``'s rows interleaved 8 at a time, in a new buffer; None where ``m`` is not a Q4_K
-    matrix of 8k rows or the kernels have no interleaved products (no AVX2).
+def interleaved(
+    lib: kernels.KernelLibrary, m: kernels.Matrix, release: bool = True
+) -> kernels.Matrix | None:
+    """``m``'s rows interleaved 8 at a time, in a new buffer; None where ``m`` is not a Q4_K or
+    Q4_0 matrix of 8k rows or the kernels have no interleaved products (no AVX2).
 
-    The pages of ``m``'s own rows are handed back to the kernel afterwards (a file mapping
-    reads them again if a row gather needs them), so a dense model stays near its file's size
-    in memory.
+    With ``release`` the pages of ``m``'s own rows are handed back to the kernel afterwards (a
+    file mapping reads them again if a row gather needs them), so a dense model stays near its
+    file's size in memory; a matrix whose rows a sparse FFN gathers keeps them where they are.
     """
-    if m.code != kernels.DTYPE_CODES[GGMLType.Q4_K] or m.nrows % 8 or m.cols % 256:
+    layout = next((v for t, v in _LAYOUTS.items() if kernels.DTYPE_CODES[t] == m.code), None)
+    if layout is None or m.nrows % 8 or m.cols % layout[0]:
         return None
-    gb = m.cols // 256 * X8_SB
+    qk, block_bytes, want = layout
+    gb = m.cols // qk * block_bytes
     out = torch.empty(m.nrows // 8, gb, dtype=torch.uint8)  # (groups, group bytes)
-    fn = lib.cdll.pp_repack_q4_k_x8
-    code = fn(m.ptr, m.ld, m.nrows, m.cols, out.data_ptr(), 0, torch.get_num_threads())
+    fn = lib.cdll.pp_repack_x8
+    code = fn(m.code, m.ptr, m.ld, m.nrows, m.cols, out.data_ptr(), 0, torch.get_num_threads())
     if code < 0:
         return None
-    assert code == X8, code
-    release(m.ptr, m.ld * m.nrows)
+    assert code == want, code
+    if release:
+        release_pages(m.ptr, m.ld * m.nrows)
     return kernels.Matrix(out, code, m.nrows, m.cols, gb)
 
 
+def keep_rows(*weights) -> None:
+    """Mark quantized ``weights`` (None, or a biased weight's matrix) as read row by row too (a
+    sparse FFN's gate and up): interleaving them keeps their rows where they are."""
+    for w in weights:
+        if hasattr(w := getattr(w, "inner", w), "gathered"):
+            w.gathered = True
+
+
 def dense_kernel(w) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
-    """Weight ``w``'s (library, matrix) for whole-matrix products: a Q4_K matrix's interleaved
-    rows (``QuantWeight.dense_kernel``), any other weight's ``kernel()``."""
+    """Weight ``w``'s (library, matrix) for whole-matrix products: a Q4_K or Q4_0 matrix's
+    interleaved rows (``QuantWeight.dense_kernel``), any other weight's ``kernel()``."""
     return getattr(w, "dense_kernel", w.kernel)()
 
 
 def expert_rows(m: kernels.Matrix, start: int, n: int) -> kernels.Matrix:
     """Rows ``start .. start + n`` (multiples of 8) of an interleaved stack of experts, every
     token multiplied in the GEMV's order, as llama.cpp multiplies its experts."""
-    assert m.code in (X8, X8_GEMV) and start % 8 == 0 and n % 8 == 0
-    return kernels.Matrix(m.data[start // 8 : (start + n) // 8], X8_GEMV, n, m.cols, m.ld)
+    assert m.code in (X8, X8_GEMV, X8_Q4_0) and start % 8 == 0 and n % 8 == 0
+    code = X8_Q4_0 if m.code == X8_Q4_0 else X8_GEMV  # Q4_0: one order for every token count
+    return kernels.Matrix(m.data[start // 8 : (start + n) // 8], code, n, m.cols, m.ld)
 
 
 def rows_of(lib: kernels.KernelLibrary, m: kernels.Matrix) -> torch.Tensor:
-    """An interleaved matrix's Q4_K rows again, (nrows, row bytes) uint8 (for tests)."""
-    rb = m.cols // 256 * 144
+    """An interleaved matrix's rows again, (nrows, row bytes) uint8 (for tests)."""
+    rb = m.cols // 32 * 18 if m.code == X8_Q4_0 else m.cols // 256 * 144
     out = torch.empty(m.nrows, rb, dtype=torch.uint8)
-    if lib.cdll.pp_repack_q4_k_x8(m.ptr, m.ld, m.nrows, m.cols, out.data_ptr(), 1, 1) < 0:
-        raise ValueError("not an interleaved Q4_K matrix")
+    if lib.cdll.pp_repack_x8(m.code, m.ptr, m.ld, m.nrows, m.cols, out.data_ptr(), 1, 1) < 0:
+        raise ValueError("not an interleaved matrix")
     return out
 
 
-def release(ptr: int, nbytes: int) -> None:
+def release_pages(ptr: int, nbytes: int) -> None:
     """Hand the whole pages of ``[ptr, ptr + nbytes)`` back to the kernel without changing a
     byte: in a file read into memory (the default load), the same bytes of the file are mapped
     over them (read back from the file if a row is needed again); in a file mapping, the kernel

@@ -43,7 +43,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 # dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -107,7 +107,7 @@ _SIGNATURES = {
     "pp_dequant_rows": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
     "pp_stream_read": ([_p, _i64, _i32], ctypes.c_double),  # buffer, bytes, nthreads
     # W, ld, nrows, cols, out, unpack, nthreads -> the interleaved dtype code or -1
-    "pp_repack_q4_k_x8": ([_p, _i64, _i64, _i64, _p, _i32, _i32], _i32),
+    "pp_repack_x8": ([_i32, _p, _i64, _i64, _i64, _p, _i32, _i32], _i32),
     # record, n_head, n_kv, head_dim, n_rot, eps, rot, x, k, v, cache dtype, pos, out, act, nthr
     "pp_attn_decode": (
         [_p, _i64, _i64, _i64, _i64, _f, _p, _p, _p, _p, _i32, _i64, _p, _i32, _i32],

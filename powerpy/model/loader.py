@@ -26,6 +26,7 @@ from powerpy.families.base import DENSE_FFN
 from powerpy.formats import quants
 from powerpy.formats.constants import GGMLType, Keys, Names, bias_name
 from powerpy.formats.gguf_reader import GGUFFile
+from powerpy.model import interleave
 from powerpy.model.biased import BiasedWeight, row_slices
 from powerpy.model.ffn import cut_taus
 from powerpy.model.kernels import QUANT_TYPES
@@ -250,8 +251,8 @@ def load_weights(
                     f"{gf.path}: PWRI model lacks predictor {n1!r}/{n2!r}; "
                     "rebuild it with `powerpy convert MODEL PREDICTOR_DIR`"
                 )
-            h = gf.tensors[n1].shape[0]
-            fc1, fc2 = src.matrix(n1, (h, d)), src.matrix(n2, (ff, h))
+            fc1, fc2 = src.matrix(n1, (h := gf.tensors[n1].shape[0], d)), src.matrix(n2, (ff, h))
+            interleave.keep_rows(fields.get("ffn_gate"), fields.get("ffn_up"))  # gathered
         if Names.FFN_DOWN_T.format(l=l) in gf.tensors:
             down = Names.FFN_DOWN_T.format(l=l)
             down_t = src.matrix(down, (ff, d))

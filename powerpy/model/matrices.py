@@ -264,6 +264,7 @@ class QuantWeight:
         self._kernel_ok = ggml_type in _KERNEL_QUANTS and _kernel_ok(raw)
         self._mat: kernels.Matrix | None = None
         self._x8: kernels.Matrix | None | bool = None  # interleaved rows (False: none)
+        self.gathered = False  # also read row by row (a sparse FFN): interleaving keeps the rows
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -288,9 +289,9 @@ class QuantWeight:
         return lib, self._mat
 
     def dense_kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
-        """``kernel()`` for whole-matrix products: Q4_K rows interleaved (``interleave``)."""
-        if (k := self.kernel()) is not None and self._x8 is None:
-            self._x8 = interleave.interleaved(*k) or False  # built once
+        """``kernel()`` for whole-matrix products: Q4_K/Q4_0 rows interleaved (``interleave``)."""
+        if (k := self.kernel()) is not None and self._x8 is None:  # built once
+            self._x8 = interleave.interleaved(*k, release=not self.gathered) or False
         return k if k is None or not self._x8 else (k[0], self._x8)
 
     def _rows_f32(self, raw: Tensor) -> Tensor:
@@ -302,16 +303,16 @@ class QuantWeight:
 
     def linear(self, x: Tensor, need: Tensor | None = None) -> Tensor:
         """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)). With llama.cpp's
-        activation rounding one integer GEMM reads the blocks once (:meth:`dense_kernel`'s);
-        with f32 activations larger batches and the torch fallback decode tiles of rows for
-        BLAS (never a full f32 copy). ``need`` (T, rows) bool, optional: the entries the caller
-        uses (the others may come back 0, see ``KernelLibrary.gemm``)."""
+        rounding one integer GEMM reads the blocks once (:meth:`dense_kernel`'s; the rows' with
+        ``need``); with f32 activations larger batches and the torch fallback decode tiles of
+        rows for BLAS (never a full f32 copy). ``need`` (T, rows) bool, optional: the entries
+        the caller uses (the others may come back 0, see ``KernelLibrary.gemm``)."""
         if x.dim() == 1:
             return self.linear(x[None])[0]
         x = x.float()
         rows, T = self.raw.shape[0], x.shape[0]
         q = numerics.current().quantized_activations  # llama.cpp's rounding: integer GEMM
-        kern = self.dense_kernel() if q else self.kernel()
+        kern = self.dense_kernel() if q and need is None else self.kernel()
         if kern is not None and (q or T <= KERNEL_GEMM_MAX_T):
             return kern[0].gemm(kern[1], x, need=need)
         if kern is not None:
@@ -441,8 +442,7 @@ class TransposedWeight:
         return self.dequantize().index_select(0, _as_idx(idx)) @ x.float()
 
     def linear(self, x: Tensor, need: Tensor | None = None) -> Tensor:
-        """``x @ W_t.T``: x (T, n_embd) -> (T, n_ff) f32 (decodes the matrix; ``need`` is
-        ignored)."""
+        """``x @ W_t.T``: x (T, n_embd) -> (T, n_ff) f32 (decodes the matrix; no ``need``)."""
         return x.float() @ self.inner.dequantize()
 
     def take_rows(self, idx: Tensor) -> DenseWeight:

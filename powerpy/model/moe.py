@@ -144,13 +144,14 @@ class Experts:
         return slice(e * self.n_ff, (e + 1) * self.n_ff)
 
     def interleaved(self) -> tuple:
-        """(library, gate, up, down): the Q4_K stacks interleaved as llama.cpp repacks them
-        (``interleave``; None: a stack that keeps its rows, gate and up alike), built once."""
+        """(library, gate, up, down): the Q4_K and Q4_0 stacks interleaved as llama.cpp repacks
+        them (``interleave``; None: a stack that keeps its rows, gate and up alike), built once."""
         if self._x8 is None and (k := self.gate.kernel()) is not None:
             mats = []
             for m, step in ((self.gate, self.n_ff), (self.up, self.n_ff), (self.down, self.n_embd)):
                 dk = interleave.dense_kernel(m) if step % 8 == 0 else None
-                mats.append(dk[1] if dk is not None and dk[1].code == interleave.X8 else None)
+                ok = dk is not None and dk[1].code in interleave.STACKS
+                mats.append(dk[1] if ok else None)
             if (mats[0] is None) != (mats[1] is None):
                 mats[:2] = [None, None]
             self._x8 = (k[0], *mats)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from powerpy.model import kernels, layer_record
+from powerpy.model import interleave, kernels, layer_record, numerics
 from powerpy.model.cache import KVCache
 from powerpy.model.device import HOST
 from powerpy.model.kernels import CACHE_CODES, LAYER_RECORD_LEN, KernelLibrary, as_f32
@@ -124,6 +124,20 @@ def plan_for(model, opts: RunOptions) -> StackPlan | None:
             plan = StackPlan.build(blocks[first:], model.args, opts, first)
         plans[key] = plan
     return plans[key]
+
+
+def prepare(model, opts: RunOptions) -> None:
+    """Build now what decoding under ``opts`` builds on first use: its plan, with the
+    interleaved layouts its matrices take, and the output matrix's layout (at load, as
+    llama.cpp repacks its weights, rather than in the first prompt). Only with the native
+    kernels and llama.cpp's rounding, the numerics those layouts serve."""
+    num = opts.numerics
+    if not (num.native and num.quantized_activations):
+        return
+    with numerics.using(num):
+        plan_for(model, opts)
+        if model.weights.output.device.type == "cpu":
+            interleave.dense_kernel(model.weights.output)
 
 
 def _ffn_part(blk, args, opts: RunOptions) -> layer_record.Part | None:

@@ -176,8 +176,9 @@ int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, con
     for (int64_t j = 0; j < ff; ++j) idx[i * ff + j] = ids[i] * ff + j;
   if (!st && is_x8(gate.dtype) && act) {  // interleaved stacks: every routed expert's rows
     float* g = (float*)std::malloc(sizeof(float) * (size_t)(k * ff));
-    st = g ? x8_experts(gate.w, gate.ld, ff, d, ids, k, x, 0, g, act, nthreads) : PP_ERR_ARG;
-    if (!st) st = x8_experts(up.w, up.ld, ff, d, ids, k, x, 0, h, act, nthreads);
+    st = g ? x8_experts(gate.dtype, gate.w, gate.ld, ff, d, ids, k, x, 0, g, act, nthreads)
+           : PP_ERR_ARG;
+    if (!st) st = x8_experts(up.dtype, up.w, up.ld, ff, d, ids, k, x, 0, h, act, nthreads);
     for (int64_t j = 0; j < k * ff && !st; ++j) h[j] = activate(V_SWIGLU, g[j], h[j], nullptr);
     std::free(g);
   } else if (is_x8(gate.dtype)) {
@@ -195,7 +196,8 @@ int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, con
   float* ys = nullptr;  // interleaved down stacks: all k products in one call, then as below
   if (!st && is_x8(down.dtype) && act) {
     ys = (float*)std::malloc(sizeof(float) * (size_t)(k * d));
-    st = ys ? x8_experts(down.w, down.ld, d, ff, ids, k, h, ff, ys, act, nthreads) : PP_ERR_ARG;
+    st = ys ? x8_experts(down.dtype, down.w, down.ld, d, ff, ids, k, h, ff, ys, act, nthreads)
+            : PP_ERR_ARG;
   }
   for (int64_t i = 0; i < k && !st; ++i) {
     if (ys)

@@ -134,52 +134,58 @@ struct Rows : RowsBase<DT> {};
 
 // ---- kernels ----------------------------------------------------------------------------------
 
-template <int DT>
-int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
-              const int64_t* idx, int64_t k, float* out, int act, int nthreads) {
+// The GEMV's loop over list positions [0, k): row(j) is position j's weight row (null: an index
+// out of range, whose result is NaN), dst(j) where its result goes. Rows go to the threads in
+// chunks as each finishes its last (on a shared host one thread may run slower), two side by
+// side where the kernels have a pair form; each row prefetches the one dist positions ahead.
+template <int DT, class RowF, class DstF>
+int gemv_rows(int nt, int64_t k, int64_t dist, const float* x, const ActBuf<DT>& xa, int64_t cols,
+              RowF row_of, DstF dst) {
   using E = Rows<DT>;
-  const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
-  const int nt = team_size(nthreads, k * rb);
-  ActBuf<DT> xa(act, x, cols, 1, cols);
-  if (xa.failed(act)) return PP_ERR_ARG;
-  return run_partitioned(nt, k, [&](int64_t a, int64_t b) -> int {
+  return run_dynamic(nt, k, 2, [&](int64_t a, int64_t b) -> int {
     int err = 0;
-    auto row = [&](int64_t j) -> const uint8_t* {  // list position j's row; null past b
-      const int64_t r = j < b ? row_at(idx, j, nrows) : -1;
-      return r >= 0 ? W + r * ld : nullptr;
-    };
+    auto row = [&](int64_t j) -> const uint8_t* { return j < b ? row_of(j) : nullptr; };
     for (int64_t j = a; j < b; ++j) {
-      if constexpr (E::PAIRS)
-        if (xa.g && j + 1 < b) {  // two rows side by side
-          const uint8_t* w[2] = {row(j), row(j + 1)};
-          if (w[0] && w[1]) {
-            const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
-            E::dot_pair(w, nx, xa, out + j);
+      const uint8_t* w[2] = {row(j), j + 1 < b ? row(j + 1) : nullptr};
+      if (w[0] && w[1]) {
+        const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
+        float* o[2] = {dst(j), dst(j + 1)};
+        if constexpr (E::PAIRS)
+          if (xa.g && o[1] == o[0] + 1) {  // two rows side by side
+            E::dot_pair(w, nx, xa, o[0]);
             ++j;
             continue;
           }
-        }
-      if constexpr (DT >= DT_Q8_0 && DT <= DT_Q5_1 && !E::PAIRS)
-        if (xa.p && j + 1 < b) {  // two rows side by side: two FMA chains, each row's own order
-          const uint8_t* w[2] = {row(j), row(j + 1)};
-          if (w[0] && w[1]) {
-            const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
-            float* o[2] = {out + j, out + j + 1};
+        if constexpr (DT >= DT_Q8_0 && DT <= DT_Q5_1 && !E::PAIRS)
+          if (xa.p) {  // two rows side by side: two FMA chains, each row's own order
             tile<QDot<DT>, 2, 1>(w, nx, {xa.p, cols / 32}, o, 0);
             ++j;
             continue;
           }
-        }
-      const uint8_t* w = row(j);
-      if (!w) {
-        out[j] = NAN;
+      }
+      if (!w[0]) {
+        *dst(j) = NAN;
         err = 1;
         continue;
       }
-      out[j] = E::dot(w, x, xa, cols, row(j + dist));
+      *dst(j) = E::dot(w[0], x, xa, cols, row(j + dist));
     }
     return err;
   });
+}
+
+template <int DT>
+int gemv_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
+              const int64_t* idx, int64_t k, float* out, int act, int nthreads) {
+  const int64_t rb = row_bytes<DT>(cols);
+  ActBuf<DT> xa(act, x, cols, 1, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  auto row = [&](int64_t j) -> const uint8_t* {
+    const int64_t r = row_at(idx, j, nrows);
+    return r >= 0 ? W + r * ld : nullptr;
+  };
+  return gemv_rows<DT>(team_size(nthreads, k * rb), k, prefetch_dist(rb), x, xa, cols, row,
+                       [&](int64_t j) { return out + j; });
 }
 
 // out[i] = W_i x for nm (at most 4) matrices of one type and width, as one GEMV over their
@@ -190,29 +196,28 @@ int gemv_multi_impl(const uint8_t* const* W, const int64_t* ld, const int64_t* n
                     int64_t cols, const float* x, float* const* out, int act, int nthreads) {
   int64_t start[5] = {0, 0, 0, 0, 0};
   for (int i = 0; i < nm; ++i) start[i + 1] = start[i] + nrows[i];
-  const int64_t total = start[nm], rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
-  const int nt = team_size(nthreads, total * rb);
+  const int64_t rb = row_bytes<DT>(cols);
   ActBuf<DT> xa(act, x, cols, 1, cols);
   if (xa.failed(act)) return PP_ERR_ARG;
-  return run_partitioned(nt, total, [&](int64_t a, int64_t b) -> int {
-    int i = 0, k = 0;  // the matrices of rows j and j + dist
-    for (int64_t j = a; j < b; ++j) {
-      while (j >= start[i + 1]) ++i;
-      const int64_t jn = j + dist;
-      const uint8_t* nx = nullptr;
-      if (jn < b) {
-        while (jn >= start[k + 1]) ++k;
-        nx = W[k] + (jn - start[k]) * ld[k];
-      }
-      const int64_t r = j - start[i];
-      out[i][r] = Rows<DT>::dot(W[i] + r * ld[i], x, xa, cols, nx);
-    }
-    return 0;
-  });
+  auto which = [&](int64_t j) {  // the matrix of concatenated row j
+    int i = 0;
+    while (i + 1 < nm && j >= start[i + 1]) ++i;
+    return i;
+  };
+  auto row = [&](int64_t j) -> const uint8_t* {
+    const int i = which(j);
+    return W[i] + (j - start[i]) * ld[i];
+  };
+  auto dst = [&](int64_t j) {
+    const int i = which(j);
+    return out[i] + (j - start[i]);
+  };
+  return gemv_rows<DT>(team_size(nthreads, start[nm] * rb), start[nm], prefetch_dist(rb), x, xa,
+                       cols, row, dst);
 }
 
 // gt: the GELU table of GEGLU under llama.cpp's numerics (gelu_lut; null: the tanh form).
-inline float activate(int variant, float g, float u, const uint16_t* gt) {
+PP_ALWAYS_INLINE float activate(int variant, float g, float u, const uint16_t* gt) {
   switch (variant) {
     case V_REGLU:
       return (g > 0.0f ? g : 0.0f) * u;

@@ -1,5 +1,5 @@
 // Q4_K matrices with their rows interleaved 8 at a time (DT_Q4_KX8), the layout a dense Q4_K
-// matrix of 8k rows takes at load (pp_repack_q4_k_x8), and its GEMV and GEMM in the order of
+// matrix of 8k rows takes at load (pp_repack_x8), and its GEMV and GEMM in the order of
 // llama.cpp's own repacked Q4_K kernels: the same float bits (tests/test_ggml_vec_dot.py).
 //
 // One group (8 rows) holds, per super-block of 256 columns, X8_SB bytes:
@@ -43,230 +43,123 @@ inline void k4_pack_scales(const uint8_t* sc, const uint8_t* m, uint8_t* q) {
   }
 }
 
-// Group g: 8 Q4_K rows (ld bytes apart, nsb super-blocks each) -> the interleaved layout.
-inline void x8_pack(const uint8_t* W, int64_t ld, int64_t nsb, uint8_t* g) {
-  for (int64_t i = 0; i < nsb; ++i, g += X8_SB) {
-    for (int r = 0; r < 8; ++r) {
-      const uint8_t* b = W + r * ld + 144 * i;
-      uint8_t sc[8], m[8];
-      std::memcpy(g + 2 * r, b, 2);
-      std::memcpy(g + 16 + 2 * r, b + 2, 2);
-      k4_scales(b + 4, sc, m);
-      for (int k = 0; k < 8; ++k) g[32 + 8 * k + r] = sc[k];
-      for (int p = 0; p < 4; ++p) {
-        g[96 + 16 * p + 2 * r] = m[2 * p];
-        g[96 + 16 * p + 2 * r + 1] = m[2 * p + 1];
-      }
-      for (int j = 0; j < 4; ++j)
-        for (int e = 0; e < 8; ++e)
-          std::memcpy(g + 160 + 256 * j + 32 * e + 4 * r, b + 16 + 32 * j + 4 * e, 4);
-    }
-  }
-}
-
-// The inverse of x8_pack: a group's 8 rows as Q4_K rows of nsb * 144 bytes each, at rows.
-inline void x8_unpack(const uint8_t* g, int64_t nsb, uint8_t* rows) {
-  const int64_t rb = nsb * 144;
-  for (int64_t i = 0; i < nsb; ++i, g += X8_SB) {
-    for (int r = 0; r < 8; ++r) {
-      uint8_t* b = rows + r * rb + 144 * i;
-      uint8_t sc[8], m[8];
-      std::memcpy(b, g + 2 * r, 2);
-      std::memcpy(b + 2, g + 16 + 2 * r, 2);
-      for (int k = 0; k < 8; ++k) sc[k] = g[32 + 8 * k + r];
-      for (int p = 0; p < 4; ++p) {
-        m[2 * p] = g[96 + 16 * p + 2 * r];
-        m[2 * p + 1] = g[96 + 16 * p + 2 * r + 1];
-      }
-      k4_pack_scales(sc, m, b + 4);
-      for (int j = 0; j < 4; ++j)
-        for (int e = 0; e < 8; ++e)
-          std::memcpy(b + 16 + 32 * j + 4 * e, g + 160 + 256 * j + 32 * e + 4 * r, 4);
-    }
-  }
-}
-
 #if defined(__AVX2__)
-constexpr bool X8_KERNELS = true;
-
-// out[t * ldo + r] = row r . x_t for a group's 8 rows and N tokens (a[t]: their Q8_K chunks);
-// N == 4 in the GEMM's order, else each token in the GEMV's.
-template <int N>
-inline void x8_dot(const uint8_t* g, const QAct* const* a0, int64_t nsb, float* out, int64_t ldo) {
-  constexpr bool GEMM = N == 4;
-  const __m256i m4 = _mm256_set1_epi8(0xF);
-  const QAct* a[N];
-  __m256 acc[N], acc_m[N];
-  for (int t = 0; t < N; ++t) a[t] = a0[t], acc[t] = acc_m[t] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < nsb; ++i, g += X8_SB) {
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
-    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
-    __m256i isum[N], msum[N];
-    for (int t = 0; t < N; ++t) isum[t] = msum[t] = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      __m256i plo[N], phi[N];
-      for (int t = 0; t < N; ++t) plo[t] = phi[t] = _mm256_setzero_si256();
-      for (int e = 0; e < 8; ++e) {
-        const __m256i q = _mm256_loadu_si256((const __m256i*)(g + 160 + 256 * j + 32 * e));
-        const __m256i lo = _mm256_and_si256(q, m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        for (int t = 0; t < N; ++t) {
-          int32_t yl, yh;
-          std::memcpy(&yl, a[t][2 * j].qs + 4 * e, 4);
-          std::memcpy(&yh, a[t][2 * j + 1].qs + 4 * e, 4);
-          plo[t] = _mm256_add_epi16(plo[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(yl)));
-          phi[t] = _mm256_add_epi16(phi[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(yh)));
-        }
-      }
-      const __m128i s0 = _mm_loadl_epi64((const __m128i*)(g + 32 + 16 * j));
-      const __m128i s1 = _mm_loadl_epi64((const __m128i*)(g + 40 + 16 * j));
-      const __m256i slo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s0, s0));  // each row's twice
-      const __m256i shi = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s1, s1));
-      const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(g + 96 + 16 * j)));
-      for (int t = 0; t < N; ++t) {
-        const __m256i I =
-            _mm256_add_epi32(_mm256_madd_epi16(plo[t], slo), _mm256_madd_epi16(phi[t], shi));
-        const QAct &c0 = a[t][2 * j], &c1 = a[t][2 * j + 1];
-        const uint32_t b0 = (uint32_t)(c0.s0 + c0.s1) & 0xFFFF, b1 = (uint32_t)(c1.s0 + c1.s1);
-        const __m256i M = _mm256_madd_epi16(mn, _mm256_set1_epi32((int32_t)(b0 | (b1 << 16))));
-        if constexpr (GEMM) {
-          const __m256 dx = _mm256_set1_ps(a[t][0].d);
-          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(dw, dx), acc[t]);
-          acc_m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(dm, dx), acc_m[t]);
-        } else {
-          isum[t] = _mm256_add_epi32(isum[t], I);
-          msum[t] = _mm256_add_epi32(msum[t], M);
-        }
-      }
-    }
-    for (int t = 0; t < N; ++t) {
-      if constexpr (!GEMM) {
-        const __m256 dx = _mm256_set1_ps(a[t][0].d);
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(dw, dx), acc[t]);
-        acc_m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum[t]), _mm256_mul_ps(dm, dx), acc_m[t]);
-      }
-      a[t] += 8;
-    }
-  }
-  for (int t = 0; t < N; ++t) _mm256_storeu_ps(out + t * ldo, _mm256_sub_ps(acc[t], acc_m[t]));
-}
-
-// The groups [a, b) of G times T tokens of quantized activations (xa, nch chunks each): 4 tokens
-// at a time, the last T % 4 together in the GEMV's order (every token there with gemv: a
-// mixture's experts, as llama.cpp's MUL_MAT_ID runs them), in tiles of 32 tokens (their int8 rows
-// stay in cache).
-inline void x8_groups(const uint8_t* G, int64_t gb, int64_t nsb, int64_t a, int64_t b,
-                      const QAct* xa, int64_t nch, int64_t T, float* out, int64_t ldo, bool gemv) {
-  const int64_t T4 = gemv ? 0 : T - T % 4;
-  for (int64_t t0 = 0; t0 < T; t0 += 32) {
-    const int64_t t1 = t0 + 32 < T ? t0 + 32 : T;
-    for (int64_t g = a; g < b; ++g) {
-      const uint8_t* w = G + g * gb;
-      for (int64_t t = t0; t < t1;) {
-        const int n = t < T4 ? 4 : (int)(t1 - t < 3 ? t1 - t : 3);
-        const QAct* ap[4];
-        for (int i = 0; i < n; ++i) ap[i] = xa + (t + i) * nch;
-        float* o = out + t * ldo + 8 * g;
-        if (n == 4)
-          x8_dot<4>(w, ap, nsb, o, ldo);
-        else if (n == 3)
-          x8_dot<3>(w, ap, nsb, o, ldo);
-        else if (n == 2)
-          x8_dot<2>(w, ap, nsb, o, ldo);
-        else
-          x8_dot<1>(w, ap, nsb, o, ldo);
-        t += n;
-      }
-    }
-  }
-}
+constexpr bool X8_KERNELS = true;  // the interleaved layouts' products (x8.h) need AVX2
 #else
 constexpr bool X8_KERNELS = false;
-inline void x8_groups(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const QAct*, int64_t,
-                      int64_t, float*, int64_t, bool) {}
 #endif
 
-// out[t * ldo + r] = W[r] . x_t for every row of an interleaved Q4_K matrix (nrows a multiple of
-// 8) and T tokens x + t * ldx; gemv: every token in the GEMV's order. With f32 activations (act
-// 0) each group is unpacked to Q4_K rows and every dot is Rows<DT_Q4_K>'s own, so the bits are
-// the row layout's.
-inline int x8_gemm(const uint8_t* G, int64_t nrows, int64_t cols, const float* x, int64_t ldx,
-                   int64_t T, float* out, int64_t ldo, int act, int nthreads, bool gemv) {
-  if (nrows % 8 || cols % 256 || cols <= 0 || T < 0) return PP_ERR_ARG;
-  const int64_t ng = nrows / 8, nsb = cols / 256, gb = x8_group_bytes(cols), nch = cols / 32;
-  const int nt = T > 1 ? nthreads : team_size(nthreads, nrows * nsb * 144);
-  if (act && X8_KERNELS) {
-    ActBuf<DT_Q4_K> xa(act, x, ldx, T, cols, nthreads);
-    if (xa.failed(act)) return PP_ERR_ARG;
-    if (T == 1)
-      return run_partitioned(nt, ng, [&](int64_t a, int64_t b) -> int {
-        x8_groups(G, gb, nsb, a, b, xa.p, nch, T, out, ldo, gemv);
-        return 0;
-      });
-    return run_dynamic(nt, ng, 1, [&](int64_t a, int64_t b) -> int {
-      x8_groups(G, gb, nsb, a, b, xa.p, nch, T, out, ldo, gemv);
-      return 0;
-    });
-  }
-  ActBuf<DT_Q4_K> xf(0, x, ldx, T, cols);
-  return run_partitioned(nt, ng, [&](int64_t a, int64_t b) -> int {
-    uint8_t* rows = (uint8_t*)std::malloc((size_t)(8 * nsb * 144));
-    if (!rows) return PP_ERR_ARG;
-    for (int64_t g = a; g < b; ++g) {
-      x8_unpack(G + g * gb, nsb, rows);
-      for (int64_t t = 0; t < T; ++t)
-        for (int r = 0; r < 8; ++r)
-          out[t * ldo + 8 * g + r] =
-              Rows<DT_Q4_K>::dot(rows + r * nsb * 144, x + t * ldx, xf, cols, nullptr);
-    }
-    std::free(rows);
-    return 0;
-  });
-}
+// The Q4_K layout (X for x8.h's drivers).
+struct X8K4 {
+  static constexpr int ROW = DT_Q4_K, ACT = DT_Q4_K, CODE = DT_Q4_KX8;  // rows, activations, code
+  static constexpr int64_t QK = 256, RB = 144, GB = X8_SB;  // columns, row bytes, group bytes
 
-// The routed experts' products of one token in one thread team: for i < k, out[i * n ..] =
-// W_i . x_i with W_i the n rows (a multiple of 8) of interleaved stack W starting at ids[i] * n,
-// and x_i = x + i * ldx (one x for every expert: ldx 0, rounded once); each in the GEMV's order.
-inline int x8_experts(const uint8_t* W, int64_t ld, int64_t n, int64_t cols, const int64_t* ids,
-                      int64_t k, const float* x, int64_t ldx, float* out, int act, int nthreads) {
-  if (n % 8 || cols % 256 || cols <= 0 || k < 1 || !act || !X8_KERNELS) return PP_ERR_ARG;
-  const int64_t nx = ldx ? k : 1, nsb = cols / 256, nch = cols / 32, gpe = n / 8;
-  ActBuf<DT_Q4_K> xa(act, x, ldx, nx, cols);
-  if (xa.failed(act)) return PP_ERR_ARG;
-  const int nt = team_size(nthreads, k * n * nsb * 144);
-  return run_partitioned(nt, k * gpe, [&](int64_t a, int64_t b) -> int {
-    for (int64_t q = a; q < b; ++q) {
-      const int64_t i = q / gpe, g = ids[i] * gpe + q % gpe;
-      const QAct* ap = xa.p + (ldx ? i : 0) * nch;
-      x8_groups(W + g * ld, 0, nsb, 0, 1, ap, nch, 1, out + i * n + 8 * (q % gpe), 0, true);
-    }
-    return 0;
-  });
-}
-
-// out[j, :] = row idx[j] as f32 (idx null: rows 0..k-1), through the Q4_K rows of its group.
-inline int x8_dequant(const uint8_t* G, int64_t nrows, int64_t cols, const int64_t* idx,
-                      int64_t k, float* out, int nthreads) {
-  if (nrows % 8 || cols % 256 || cols <= 0) return PP_ERR_ARG;
-  const int64_t nsb = cols / 256, gb = x8_group_bytes(cols), rb = nsb * 144;
-  return run_partitioned(nthreads, k, [&](int64_t a, int64_t b) -> int {
-    uint8_t* rows = (uint8_t*)std::malloc((size_t)(8 * rb));
-    if (!rows) return PP_ERR_ARG;
-    int err = 0;
-    int64_t have = -1;
-    for (int64_t j = a; j < b; ++j) {
-      const int64_t r = row_at(idx, j, nrows);
-      if (r < 0) {
-        for (int64_t c = 0; c < cols; ++c) out[j * cols + c] = NAN;
-        err = PP_ERR_INDEX;
-        continue;
+  // Group g: 8 Q4_K rows (ld bytes apart, nsb super-blocks each) -> the interleaved layout.
+  static void pack(const uint8_t* W, int64_t ld, int64_t nsb, uint8_t* g) {
+    for (int64_t i = 0; i < nsb; ++i, g += X8_SB) {
+      for (int r = 0; r < 8; ++r) {
+        const uint8_t* b = W + r * ld + 144 * i;
+        uint8_t sc[8], m[8];
+        std::memcpy(g + 2 * r, b, 2);
+        std::memcpy(g + 16 + 2 * r, b + 2, 2);
+        k4_scales(b + 4, sc, m);
+        for (int k = 0; k < 8; ++k) g[32 + 8 * k + r] = sc[k];
+        for (int p = 0; p < 4; ++p) {
+          g[96 + 16 * p + 2 * r] = m[2 * p];
+          g[96 + 16 * p + 2 * r + 1] = m[2 * p + 1];
+        }
+        for (int j = 0; j < 4; ++j)
+          for (int e = 0; e < 8; ++e)
+            std::memcpy(g + 160 + 256 * j + 32 * e + 4 * r, b + 16 + 32 * j + 4 * e, 4);
       }
-      if (r / 8 != have) x8_unpack(G + (r / 8) * gb, nsb, rows), have = r / 8;
-      row_decode<DT_Q4_K>(rows + (r % 8) * rb, out + j * cols, cols);
     }
-    std::free(rows);
-    return err;
-  });
-}
+  }
+
+  // The inverse of pack: a group's 8 rows as Q4_K rows of nsb * 144 bytes each, at rows.
+  static void unpack(const uint8_t* g, int64_t nsb, uint8_t* rows) {
+    const int64_t rb = nsb * 144;
+    for (int64_t i = 0; i < nsb; ++i, g += X8_SB) {
+      for (int r = 0; r < 8; ++r) {
+        uint8_t* b = rows + r * rb + 144 * i;
+        uint8_t sc[8], m[8];
+        std::memcpy(b, g + 2 * r, 2);
+        std::memcpy(b + 2, g + 16 + 2 * r, 2);
+        for (int k = 0; k < 8; ++k) sc[k] = g[32 + 8 * k + r];
+        for (int p = 0; p < 4; ++p) {
+          m[2 * p] = g[96 + 16 * p + 2 * r];
+          m[2 * p + 1] = g[96 + 16 * p + 2 * r + 1];
+        }
+        k4_pack_scales(sc, m, b + 4);
+        for (int j = 0; j < 4; ++j)
+          for (int e = 0; e < 8; ++e)
+            std::memcpy(b + 16 + 32 * j + 4 * e, g + 160 + 256 * j + 32 * e + 4 * r, 4);
+      }
+    }
+  }
+
+#if defined(__AVX2__)
+  // out[t * ldo + r] = row r . x_t for a group's 8 rows and N tokens (a[t]: their Q8_K chunks);
+  // N == 4 in the GEMM's order, else each token in the GEMV's.
+  template <int N>
+  static void dot(const uint8_t* g, const QAct* const* a0, int64_t nsb, float* out, int64_t ldo) {
+    constexpr bool GEMM = N == 4;
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    const QAct* a[N];
+    __m256 acc[N], acc_m[N];
+    for (int t = 0; t < N; ++t) a[t] = a0[t], acc[t] = acc_m[t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nsb; ++i, g += X8_SB) {
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)g));
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(g + 16)));
+      __m256i isum[N], msum[N];
+      for (int t = 0; t < N; ++t) isum[t] = msum[t] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        __m256i plo[N], phi[N];
+        for (int t = 0; t < N; ++t) plo[t] = phi[t] = _mm256_setzero_si256();
+        for (int e = 0; e < 8; ++e) {
+          const __m256i q = _mm256_loadu_si256((const __m256i*)(g + 160 + 256 * j + 32 * e));
+          const __m256i lo = _mm256_and_si256(q, m4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+          for (int t = 0; t < N; ++t) {
+            int32_t yl, yh;
+            std::memcpy(&yl, a[t][2 * j].qs + 4 * e, 4);
+            std::memcpy(&yh, a[t][2 * j + 1].qs + 4 * e, 4);
+            plo[t] = _mm256_add_epi16(plo[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(yl)));
+            phi[t] = _mm256_add_epi16(phi[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(yh)));
+          }
+        }
+        const __m128i s0 = _mm_loadl_epi64((const __m128i*)(g + 32 + 16 * j));
+        const __m128i s1 = _mm_loadl_epi64((const __m128i*)(g + 40 + 16 * j));
+        const __m256i slo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s0, s0));  // each row's twice
+        const __m256i shi = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s1, s1));
+        const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(g + 96 + 16 * j)));
+        for (int t = 0; t < N; ++t) {
+          const __m256i I =
+              _mm256_add_epi32(_mm256_madd_epi16(plo[t], slo), _mm256_madd_epi16(phi[t], shi));
+          const QAct &c0 = a[t][2 * j], &c1 = a[t][2 * j + 1];
+          const uint32_t b0 = (uint32_t)(c0.s0 + c0.s1) & 0xFFFF, b1 = (uint32_t)(c1.s0 + c1.s1);
+          const __m256i M = _mm256_madd_epi16(mn, _mm256_set1_epi32((int32_t)(b0 | (b1 << 16))));
+          if constexpr (GEMM) {
+            const __m256 dx = _mm256_set1_ps(a[t][0].d);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(dw, dx), acc[t]);
+            acc_m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_mul_ps(dm, dx), acc_m[t]);
+          } else {
+            isum[t] = _mm256_add_epi32(isum[t], I);
+            msum[t] = _mm256_add_epi32(msum[t], M);
+          }
+        }
+      }
+      for (int t = 0; t < N; ++t) {
+        if constexpr (!GEMM) {
+          const __m256 dx = _mm256_set1_ps(a[t][0].d);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(dw, dx), acc[t]);
+          acc_m[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum[t]), _mm256_mul_ps(dm, dx), acc_m[t]);
+        }
+        a[t] += 8;
+      }
+    }
+    for (int t = 0; t < N; ++t) _mm256_storeu_ps(out + t * ldo, _mm256_sub_ps(acc[t], acc_m[t]));
+  }
+#endif
+};
 
 }  // namespace

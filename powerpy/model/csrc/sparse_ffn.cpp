@@ -29,7 +29,9 @@
 #include "wide_avx512.h"     // AVX-512 VNNI prompt tiles
 #include "q4_0_avx512.h"     // Q4_0's own AVX-512 kernels
 #include "k_quants_avx2.h"    // Q4_K, Q5_K and Q6_K dots in ggml's order
-#include "q4_k_x8.h"          // Q4_K rows interleaved 8 at a time: GEMV and GEMM
+#include "q4_k_x8.h"          // Q4_K rows interleaved 8 at a time: layout and kernel
+#include "q4_0_x8.h"          // the same for Q4_0
+#include "x8.h"              // the interleaved layouts' GEMV, GEMM, experts, dequant
 #include "numerics.h"        // attention, and llama.cpp's float steps
 // (after the Mat helpers below: blocks.h, the decode blocks of every family's layout)
 
@@ -78,7 +80,9 @@ struct Mat {  // one matrix as Python describes it: 5 int64s (dtype, data, ld, n
 static int x8_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
                    int act, int nt) {
   if (idx || k != m.nrows) return PP_ERR_ARG;
-  return x8_gemm(m.w, m.nrows, m.cols, x, m.cols, 1, out, m.nrows, act, nt, true);
+  return x8_layout(m.dtype, [&](auto X) {
+    return x8_gemm<decltype(X)>(m.w, m.nrows, m.cols, x, m.cols, 1, out, m.nrows, act, nt, true);
+  });
 }
 
 static int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
@@ -93,19 +97,18 @@ static int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* ou
                           int nt) {
   const uint8_t* w[4];
   int64_t ld[4], nrows[4];
-  if (nm >= 1 && is_x8(m[0].dtype)) {  // one call per matrix
-    int st = 0;
-    for (int i = 0; i < nm && !st; ++i)
-      st = mat_gemv(m[i], x, nullptr, m[i].nrows, out[i], act, nt);
-    return st;
-  }
-  if (nm < 1 || nm > 4 || !valid_shape(m[0].dtype, m[0].cols)) return PP_ERR_ARG;
+  if (nm < 1 || nm > 4) return PP_ERR_ARG;
   for (int i = 0; i < nm; ++i) {
     if (m[i].dtype != m[0].dtype || m[i].cols != m[0].cols) return PP_ERR_ARG;
     w[i] = m[i].w;
     ld[i] = m[i].ld;
     nrows[i] = m[i].nrows;
   }
+  if (is_x8(m[0].dtype))
+    return x8_layout(m[0].dtype, [&](auto X) {
+      return x8_gemv_multi<decltype(X)>(w, nrows, nm, m[0].cols, x, out, act, nt);
+    });
+  if (!valid_shape(m[0].dtype, m[0].cols)) return PP_ERR_ARG;
   PP_DISPATCH(m[0].dtype, gemv_multi_impl, w, ld, nrows, nm, m[0].cols, x, out, act, nt)
 }
 
@@ -365,8 +368,10 @@ int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, c
             int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need, int act,
             int nthreads) {
   if (is_x8(dtype))
-    return x8_gemm((const uint8_t*)W, nrows, cols, x, ldx, T, out, ldo, act, nthreads,
-                   dtype == DT_Q4_KX8V);
+    return x8_layout(dtype, [&](auto X) {
+      return x8_gemm<decltype(X)>((const uint8_t*)W, nrows, cols, x, ldx, T, out, ldo, act,
+                                  nthreads, dtype == DT_Q4_KX8V);
+    });
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need,
               act, nthreads)
@@ -399,30 +404,27 @@ double pp_stream_read(const void* p, int64_t bytes, int nthreads) {
 // out[j, :] = W[idx[j], :] as f32 (idx == NULL: rows 0..k-1); out is (k, cols) contiguous.
 int pp_dequant_rows(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
                     const int64_t* idx, int64_t k, float* out, int nthreads) {
-  if (is_x8(dtype)) return x8_dequant((const uint8_t*)W, nrows, cols, idx, k, out, nthreads);
+  if (is_x8(dtype))
+    return x8_layout(dtype, [&](auto X) {
+      return x8_dequant<decltype(X)>((const uint8_t*)W, nrows, cols, idx, k, out, nthreads);
+    });
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, dequant_impl, (const uint8_t*)W, ld, nrows, cols, idx, k, out, nthreads)
 }
 
-// Q4_K rows (raw, ld bytes apart; nrows a multiple of 8, cols of 256) interleaved 8 at a time
-// into out (nrows / 8 groups of cols / 256 * 1184 bytes; q4_k_x8.h); back with unpack != 0
-// (then W is the interleaved matrix and out the rows, nsb * 144 bytes each). Returns the
-// layout's dtype code, or -1 where the kernels have no interleaved GEMM (no AVX2) or the shape
-// does not fit.
-int pp_repack_q4_k_x8(const void* W, int64_t ld, int64_t nrows, int64_t cols, void* out,
-                      int unpack, int nthreads) {
-  if (!X8_KERNELS || nrows % 8 || cols % 256 || cols <= 0 || nrows <= 0) return -1;
-  const int64_t nsb = cols / 256, gb = x8_group_bytes(cols), rb = nsb * 144;
-  run_partitioned(nthreads, nrows / 8, [&](int64_t a, int64_t b) -> int {
-    for (int64_t g = a; g < b; ++g) {
-      if (unpack)
-        x8_unpack((const uint8_t*)W + g * gb, nsb, (uint8_t*)out + 8 * g * rb);
-      else
-        x8_pack((const uint8_t*)W + 8 * g * ld, ld, nsb, (uint8_t*)out + g * gb);
-    }
-    return 0;
-  });
-  return DT_Q4_KX8;
+// Rows of dtype Q4_K or Q4_0 (raw, ld bytes apart; nrows a multiple of 8) interleaved 8 at a time
+// into out (q4_k_x8.h, q4_0_x8.h); back with unpack != 0 (dtype then the interleaved code, W the
+// interleaved matrix and out the rows). Returns the layout's dtype code, or -1 where the kernels
+// have no interleaved products (no AVX2), the dtype has no layout or the shape does not fit.
+int pp_repack_x8(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, void* out,
+                 int unpack, int nthreads) {
+  const uint8_t* w = (const uint8_t*)W;
+  uint8_t* o = (uint8_t*)out;
+  if (unpack ? is_x8(dtype) && dtype != DT_Q4_0X8 : dtype == DT_Q4_K)
+    return x8_repack<X8K4>(w, ld, nrows, cols, o, unpack, nthreads);
+  if (unpack ? dtype == DT_Q4_0X8 : dtype == DT_Q4_0)
+    return x8_repack<X8Q40>(w, ld, nrows, cols, o, unpack, nthreads);
+  return -1;
 }
 
 }  // extern "C"

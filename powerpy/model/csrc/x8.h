@@ -1,0 +1,200 @@
+// Matrices with their rows interleaved 8 at a time: the products over the layouts of q4_k_x8.h
+// (DT_Q4_KX8, and DT_Q4_KX8V whose every token takes the GEMV's order) and q4_0_x8.h
+// (DT_Q4_0X8). A layout X describes itself: its row type (ROW), activation type (ACT), code,
+// columns per block (QK), a row's bytes per block (RB), a group's bytes per block (GB), pack and
+// unpack, and dot<N>(group, N tokens' activations, blocks, out, ldo).
+
+namespace {
+
+// return f(X()) for an interleaved dtype's layout (PP_ERR_ARG for any other dtype).
+template <class F>
+inline int x8_layout(int dtype, F f) {
+  if (dtype == DT_Q4_KX8 || dtype == DT_Q4_KX8V) return f(X8K4());
+  if (dtype == DT_Q4_0X8) return f(X8Q40());
+  return PP_ERR_ARG;
+}
+
+template <class X>
+inline int64_t x8_bytes(int64_t cols) {  // a group's bytes
+  return cols / X::QK * X::GB;
+}
+
+template <class X>
+inline bool x8_shape(int64_t nrows, int64_t cols) {
+  return nrows % 8 == 0 && cols % X::QK == 0 && cols > 0;
+}
+
+// The groups [a, b) of G times T tokens of quantized activations (xa, nch chunks each): 4 tokens
+// at a time, the last T % 4 together in the GEMV's order (every token there with gemv: a
+// mixture's experts, as llama.cpp's MUL_MAT_ID runs them), in tiles of 32 tokens (their int8 rows
+// stay in cache).
+template <class X>
+inline void x8_groups(const uint8_t* G, int64_t gb, int64_t nb, int64_t a, int64_t b,
+                      const QAct* xa, int64_t nch, int64_t T, float* out, int64_t ldo, bool gemv) {
+#if defined(__AVX2__)
+  const int64_t T4 = gemv ? 0 : T - T % 4;
+  for (int64_t t0 = 0; t0 < T; t0 += 32) {
+    const int64_t t1 = t0 + 32 < T ? t0 + 32 : T;
+    for (int64_t g = a; g < b; ++g) {
+      const uint8_t* w = G + g * gb;
+      for (int64_t t = t0; t < t1;) {
+        const int n = t < T4 ? 4 : (int)(t1 - t < 3 ? t1 - t : 3);
+        const QAct* ap[4];
+        for (int i = 0; i < n; ++i) ap[i] = xa + (t + i) * nch;
+        float* o = out + t * ldo + 8 * g;
+        if (n == 4)
+          X::template dot<4>(w, ap, nb, o, ldo);
+        else if (n == 3)
+          X::template dot<3>(w, ap, nb, o, ldo);
+        else if (n == 2)
+          X::template dot<2>(w, ap, nb, o, ldo);
+        else
+          X::template dot<1>(w, ap, nb, o, ldo);
+        t += n;
+      }
+    }
+  }
+#endif
+}
+
+// out[t * ldo + r] = W[r] . x_t for every row of an interleaved matrix (nrows a multiple of 8)
+// and T tokens x + t * ldx; gemv: every token in the GEMV's order. With f32 activations (act 0)
+// each group is unpacked to rows and every dot is Rows<X::ROW>'s own, so the bits are the row
+// layout's.
+template <class X>
+inline int x8_gemm(const uint8_t* G, int64_t nrows, int64_t cols, const float* x, int64_t ldx,
+                   int64_t T, float* out, int64_t ldo, int act, int nthreads, bool gemv) {
+  if (!x8_shape<X>(nrows, cols) || T < 0) return PP_ERR_ARG;
+  const int64_t ng = nrows / 8, nb = cols / X::QK, gb = x8_bytes<X>(cols), nch = cols / 32;
+  const int nt = T > 1 ? nthreads : team_size(nthreads, nrows * nb * X::RB);
+  if (act && X8_KERNELS) {
+    ActBuf<X::ACT> xa(act, x, ldx, T, cols, nthreads);
+    if (xa.failed(act)) return PP_ERR_ARG;
+    return run_dynamic(nt, ng, 1, [&](int64_t a, int64_t b) -> int {
+      x8_groups<X>(G, gb, nb, a, b, xa.p, nch, T, out, ldo, gemv);
+      return 0;
+    });
+  }
+  ActBuf<X::ROW> xf(0, x, ldx, T, cols);
+  return run_partitioned(nt, ng, [&](int64_t a, int64_t b) -> int {
+    uint8_t* rows = (uint8_t*)std::malloc((size_t)(8 * nb * X::RB));
+    if (!rows) return PP_ERR_ARG;
+    for (int64_t g = a; g < b; ++g) {
+      X::unpack(G + g * gb, nb, rows);
+      for (int64_t t = 0; t < T; ++t)
+        for (int r = 0; r < 8; ++r)
+          out[t * ldo + 8 * g + r] =
+              Rows<X::ROW>::dot(rows + r * nb * X::RB, x + t * ldx, xf, cols, nullptr);
+    }
+    std::free(rows);
+    return 0;
+  });
+}
+
+// out[i] = W_i x for nm (at most 4) interleaved matrices of one layout and width, each in the
+// GEMV's order, as one GEMV over their groups: x is rounded once and one thread team splits all
+// the groups (attention's q, k and v).
+template <class X>
+inline int x8_gemv_multi(const uint8_t* const* W, const int64_t* nrows, int nm, int64_t cols,
+                         const float* x, float* const* out, int act, int nthreads) {
+  int64_t start[5] = {0, 0, 0, 0, 0};  // each matrix's first group
+  if (nm < 1 || nm > 4) return PP_ERR_ARG;
+  for (int i = 0; i < nm; ++i) {
+    if (!x8_shape<X>(nrows[i], cols)) return PP_ERR_ARG;
+    start[i + 1] = start[i] + nrows[i] / 8;
+  }
+  if (!act || !X8_KERNELS) {  // f32 activations: the row layout's dots, matrix by matrix
+    int st = 0;
+    for (int i = 0; i < nm && !st; ++i)
+      st = x8_gemm<X>(W[i], nrows[i], cols, x, cols, 1, out[i], nrows[i], act, nthreads, true);
+    return st;
+  }
+  const int64_t nb = cols / X::QK, gb = x8_bytes<X>(cols), nch = cols / 32;
+  ActBuf<X::ACT> xa(act, x, cols, 1, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  const int nt = team_size(nthreads, 8 * start[nm] * nb * X::RB);
+  return run_dynamic(nt, start[nm], 1, [&](int64_t a, int64_t b) -> int {
+    for (int i = 0; i < nm; ++i) {  // [a, b) cut at the matrices' bounds
+      const int64_t lo = a > start[i] ? a : start[i], hi = b < start[i + 1] ? b : start[i + 1];
+      if (lo < hi)
+        x8_groups<X>(W[i], gb, nb, lo - start[i], hi - start[i], xa.p, nch, 1, out[i], 0, true);
+    }
+    return 0;
+  });
+}
+
+// The routed experts' products of one token in one thread team: for i < k, out[i * n ..] =
+// W_i . x_i with W_i the n rows (a multiple of 8) of interleaved stack W starting at ids[i] * n,
+// and x_i = x + i * ldx (one x for every expert: ldx 0, rounded once); each in the GEMV's order.
+template <class X>
+inline int x8_experts(const uint8_t* W, int64_t ld, int64_t n, int64_t cols, const int64_t* ids,
+                      int64_t k, const float* x, int64_t ldx, float* out, int act, int nthreads) {
+  if (!x8_shape<X>(n, cols) || k < 1 || !act || !X8_KERNELS) return PP_ERR_ARG;
+  const int64_t nx = ldx ? k : 1, nb = cols / X::QK, nch = cols / 32, gpe = n / 8;
+  ActBuf<X::ACT> xa(act, x, ldx, nx, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  const int nt = team_size(nthreads, k * n * nb * X::RB);
+  return run_partitioned(nt, k * gpe, [&](int64_t a, int64_t b) -> int {
+    for (int64_t q = a; q < b; ++q) {
+      const int64_t i = q / gpe, g = ids[i] * gpe + q % gpe;
+      const QAct* ap = xa.p + (ldx ? i : 0) * nch;
+      x8_groups<X>(W + g * ld, 0, nb, 0, 1, ap, nch, 1, out + i * n + 8 * (q % gpe), 0, true);
+    }
+    return 0;
+  });
+}
+
+inline int x8_experts(int dtype, const uint8_t* W, int64_t ld, int64_t n, int64_t cols,
+                      const int64_t* ids, int64_t k, const float* x, int64_t ldx, float* out,
+                      int act, int nthreads) {
+  return x8_layout(dtype, [&](auto X) {
+    return x8_experts<decltype(X)>(W, ld, n, cols, ids, k, x, ldx, out, act, nthreads);
+  });
+}
+
+// out[j, :] = row idx[j] as f32 (idx null: rows 0..k-1), through the rows of its group.
+template <class X>
+inline int x8_dequant(const uint8_t* G, int64_t nrows, int64_t cols, const int64_t* idx,
+                      int64_t k, float* out, int nthreads) {
+  if (!x8_shape<X>(nrows, cols)) return PP_ERR_ARG;
+  const int64_t nb = cols / X::QK, gb = x8_bytes<X>(cols), rb = nb * X::RB;
+  return run_partitioned(nthreads, k, [&](int64_t a, int64_t b) -> int {
+    uint8_t* rows = (uint8_t*)std::malloc((size_t)(8 * rb));
+    if (!rows) return PP_ERR_ARG;
+    int err = 0;
+    int64_t have = -1;
+    for (int64_t j = a; j < b; ++j) {
+      const int64_t r = row_at(idx, j, nrows);
+      if (r < 0) {
+        for (int64_t c = 0; c < cols; ++c) out[j * cols + c] = NAN;
+        err = PP_ERR_INDEX;
+        continue;
+      }
+      if (r / 8 != have) X::unpack(G + (r / 8) * gb, nb, rows), have = r / 8;
+      row_decode<X::ROW>(rows + (r % 8) * rb, out + j * cols, cols);
+    }
+    std::free(rows);
+    return err;
+  });
+}
+
+// Rows (ld bytes apart) -> the interleaved layout at out, or back (unpack: W is the layout and
+// out the rows). Returns the layout's code, or -1 (no AVX2 kernels, or a shape it cannot take).
+template <class X>
+inline int x8_repack(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, uint8_t* out,
+                     int unpack, int nthreads) {
+  if (!X8_KERNELS || !x8_shape<X>(nrows, cols)) return -1;
+  const int64_t nb = cols / X::QK, gb = x8_bytes<X>(cols), rb = nb * X::RB;
+  run_partitioned(nthreads, nrows / 8, [&](int64_t a, int64_t b) -> int {
+    for (int64_t g = a; g < b; ++g) {
+      if (unpack)
+        X::unpack(W + g * gb, nb, out + 8 * g * rb);
+      else
+        X::pack(W + 8 * g * ld, ld, nb, out + g * gb);
+    }
+    return 0;
+  });
+  return X::CODE;
+}
+
+}  // namespace
