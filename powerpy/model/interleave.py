@@ -78,14 +78,6 @@ def interleaved(
     return kernels.Matrix(out, code, m.nrows, m.cols, gb)
 
 
-def keep_rows(*weights) -> None:
-    """Mark quantized ``weights`` (None, or a biased weight's matrix) as read row by row too (a
-    sparse FFN's gate and up): interleaving them keeps their rows where they are."""
-    for w in weights:
-        if hasattr(w := getattr(w, "inner", w), "gathered"):
-            w.gathered = True
-
-
 def dense_kernel(w) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
     """Weight ``w``'s (library, matrix) for whole-matrix products: a Q4_K or Q4_0 matrix's
     interleaved rows (``QuantWeight.dense_kernel``), any other weight's ``kernel()``."""

@@ -26,7 +26,6 @@ from powerpy.families.base import DENSE_FFN
 from powerpy.formats import quants
 from powerpy.formats.constants import GGMLType, Keys, Names, bias_name
 from powerpy.formats.gguf_reader import GGUFFile
-from powerpy.model import interleave
 from powerpy.model.biased import BiasedWeight, row_slices
 from powerpy.model.ffn import cut_taus
 from powerpy.model.kernels import QUANT_TYPES
@@ -106,9 +105,10 @@ class _TensorSource:
         return v
 
     def matrix(
-        self, name: str, shape: tuple[int, int], dims: tuple[str, ...] | None = None
+        self, name: str, shape: tuple[int, int], dims: tuple | None = None, gathered: bool = False
     ) -> Weight:
-        """A 2-D tensor of ``shape`` (named ``dims`` in errors) in the chosen weight format."""
+        """A 2-D tensor of ``shape`` (named ``dims`` in errors) in the chosen weight format;
+        ``gathered``: a sparse FFN also reads its rows one by one (``QuantWeight``)."""
         t = self.info(name, shape, dims)
         if t.ggml_type in _FLOAT_TYPES and not self.f32:
             if t.ggml_type == GGMLType.BF16:
@@ -116,7 +116,7 @@ class _TensorSource:
                 return DenseWeight(_torch_view(raw).view(torch.bfloat16))
             return DenseWeight(_torch_view(self.gf.array(name)))
         if t.ggml_type in QUANT_TYPES and self.keep_raw:
-            return QuantWeight(_torch_view(self.gf.raw(name)), t.ggml_type, shape[1])
+            return QuantWeight(_torch_view(self.gf.raw(name)), t.ggml_type, shape[1], gathered)
         return DenseWeight(self._dequantized(name))
 
     def stack(self, name: str, shape: tuple[int, int, int], dims: tuple[str, ...]) -> Weight:
@@ -230,9 +230,10 @@ def load_weights(
                 bias = _bias(src, name, shape[0], t.bias)
                 if bias is not None:
                     fields[t.field + "_b"] = bias
-            else:
+            else:  # a sparse file's gate and up are gathered row by row
+                gathered = args.sparse and t.field in ("ffn_gate", "ffn_up")
                 fields[t.field] = _with_bias(
-                    src.matrix(name, shape, t.shape), _bias(src, name, shape[0], t.bias)
+                    src.matrix(name, shape, t.shape, gathered), _bias(src, name, shape[0], t.bias)
                 )
         for t in fam.block:  # fused matrices: row views of their parts
             if t.split and t.field in fields:
@@ -252,7 +253,6 @@ def load_weights(
                     "rebuild it with `powerpy convert MODEL PREDICTOR_DIR`"
                 )
             fc1, fc2 = src.matrix(n1, (h := gf.tensors[n1].shape[0], d)), src.matrix(n2, (ff, h))
-            interleave.keep_rows(fields.get("ffn_gate"), fields.get("ffn_up"))  # gathered
         if Names.FFN_DOWN_T.format(l=l) in gf.tensors:
             down = Names.FFN_DOWN_T.format(l=l)
             down_t = src.matrix(down, (ff, d))

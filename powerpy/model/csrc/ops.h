@@ -142,26 +142,29 @@ template <int DT, class RowF, class DstF>
 int gemv_rows(int nt, int64_t k, int64_t dist, const float* x, const ActBuf<DT>& xa, int64_t cols,
               RowF row_of, DstF dst) {
   using E = Rows<DT>;
+  // a pair form: the row engine's own (dot_pair, its packed activations), or, for the 32-element
+  // block types with quantized activations, two FMA chains side by side, each row's own order
+  constexpr bool PAIRED = E::PAIRS || (DT >= DT_Q8_0 && DT <= DT_Q5_1);
+  const bool paired = PAIRED && (E::PAIRS ? xa.g != nullptr : xa.p != nullptr);
   return run_dynamic(nt, k, 2, [&](int64_t a, int64_t b) -> int {
     int err = 0;
     auto row = [&](int64_t j) -> const uint8_t* { return j < b ? row_of(j) : nullptr; };
     for (int64_t j = a; j < b; ++j) {
-      const uint8_t* w[2] = {row(j), j + 1 < b ? row(j + 1) : nullptr};
+      const uint8_t* w[2] = {row(j), paired ? row(j + 1) : nullptr};
       if (w[0] && w[1]) {
         const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
         float* o[2] = {dst(j), dst(j + 1)};
-        if constexpr (E::PAIRS)
-          if (xa.g && o[1] == o[0] + 1) {  // two rows side by side
+        if constexpr (E::PAIRS) {
+          if (o[1] == o[0] + 1) {  // dot_pair writes two adjacent results
             E::dot_pair(w, nx, xa, o[0]);
             ++j;
             continue;
           }
-        if constexpr (DT >= DT_Q8_0 && DT <= DT_Q5_1 && !E::PAIRS)
-          if (xa.p) {  // two rows side by side: two FMA chains, each row's own order
-            tile<QDot<DT>, 2, 1>(w, nx, {xa.p, cols / 32}, o, 0);
-            ++j;
-            continue;
-          }
+        } else if constexpr (PAIRED) {
+          tile<QDot<DT>, 2, 1>(w, nx, {xa.p, cols / 32}, o, 0);
+          ++j;
+          continue;
+        }
       }
       if (!w[0]) {
         *dst(j) = NAN;

@@ -418,13 +418,13 @@ int pp_dequant_rows(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t
 // have no interleaved products (no AVX2), the dtype has no layout or the shape does not fit.
 int pp_repack_x8(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, void* out,
                  int unpack, int nthreads) {
-  const uint8_t* w = (const uint8_t*)W;
-  uint8_t* o = (uint8_t*)out;
-  if (unpack ? is_x8(dtype) && dtype != DT_Q4_0X8 : dtype == DT_Q4_K)
-    return x8_repack<X8K4>(w, ld, nrows, cols, o, unpack, nthreads);
-  if (unpack ? dtype == DT_Q4_0X8 : dtype == DT_Q4_0)
-    return x8_repack<X8Q40>(w, ld, nrows, cols, o, unpack, nthreads);
-  return -1;
+  const int of_rows = dtype == DT_Q4_K ? DT_Q4_KX8 : dtype == DT_Q4_0 ? DT_Q4_0X8 : -1;
+  const int code = unpack ? dtype : of_rows;  // the layout's
+  if (!is_x8(code)) return -1;
+  return x8_layout(code, [&](auto X) {
+    return x8_repack<decltype(X)>((const uint8_t*)W, ld, nrows, cols, (uint8_t*)out, unpack,
+                                  nthreads);
+  });
 }
 
 }  // extern "C"
