@@ -36,8 +36,12 @@ class BenchRow:
     gb_s: float = 0.0  # effective bandwidth: bytes_per_token * tok_s
     ceiling_share: float = 0.0  # gb_s / measured memory bandwidth
     active_fraction: float = 1.0  # mean predicted-active FFN neurons
-    # tg: ms per token per phase, from a timed run of per-layer calls
+    # tg: ms per token per phase, from one more timed run (the native phase clock where a
+    # token is one native call, else the per-layer calls' timers)
     phases_ms: dict[str, float] = field(default_factory=dict)
+    # tg: the attention projections' weight bytes over their phase's time (0: not timed apart)
+    attention_gb_s: float = 0.0
+    attention_share: float = 0.0  # attention_gb_s / measured memory bandwidth
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,6 +86,12 @@ def _ffn_layer_bytes(model: Model, l: int) -> int:
     return _nbytes(b.ffn_gate, b.ffn_up, b.ffn_down_t)
 
 
+def attention_weight_bytes(model: Model, first: int = 0) -> int:
+    """Bytes of the q, k, v and output matrices (the attention projections) of layers first.."""
+    blocks = model.weights.blk[first:]
+    return sum(m.nbytes for b in blocks for m in (b.attn_q, b.attn_k, b.attn_v, b.attn_output))
+
+
 def bytes_per_token(
     model: Model, n_past: float, active: np.ndarray | None, down_read: np.ndarray | None = None
 ) -> dict[str, float]:
@@ -96,9 +106,9 @@ def bytes_per_token(
             (a ReLU FFN: a zero's down row is skipped); None: all of them.
     """
     w, a = model.weights, model.args
-    out: dict[str, float] = {"attention": 0.0, "norms": 0.0, "ffn": 0.0, "predictor": 0.0}
+    out: dict[str, float] = {"attention": float(attention_weight_bytes(model)), "norms": 0.0,
+                             "ffn": 0.0, "predictor": 0.0}  # fmt: skip
     for l, b in enumerate(w.blk):
-        out["attention"] += sum(m.nbytes for m in (b.attn_q, b.attn_k, b.attn_v, b.attn_output))
         out["norms"] += _nbytes(b.attn_norm, b.attn_norm_b, b.attn_norm_2, b.attn_norm_2_b,
                                 b.ffn_norm, b.ffn_norm_b, b.ffn_down_b)  # fmt: skip
         frac = 1.0 if active is None else float(active[l])
@@ -203,8 +213,8 @@ def bench_mode(
             secs = run_tg(model, n_gen, dataclasses.replace(opts, stats=stats), first_token)
             if secs < best:
                 best, best_active = secs, stats.active_fraction() if sparse else None
-        # The phases come from one more run with a timer, which takes the per-layer calls
-        # (the timed speed above may decode all layers in one native call per token).
+        # The phases come from one more run with a timer: where a token is one native call, the
+        # native phase clock times that call's blocks; else the per-layer calls are timed.
         timer = PhaseTimer()
         timed = run_tg(model, n_gen, dataclasses.replace(opts, timer=timer), first_token)
         down = None if sparse else down_rows_read(model, n_gen, opts, first_token)
@@ -213,6 +223,10 @@ def bench_mode(
         phases = {k: 1e3 * v / n_gen for k, v in timer.seconds.items()}
         inner = sum(v for k, v in phases.items() if k in ("attention", "ffn", "output"))
         phases["other"] = max(0.0, 1e3 * timed / n_gen - inner)
+        proj, plan = phases.get("attention_proj", 0.0), stack_decode.plan_for(model, opts)
+        attn_gb_s = 0.0  # timed apart in the native step, which runs layers plan.first..
+        if proj > 0 and plan is not None:
+            attn_gb_s = attention_weight_bytes(model, plan.first) / proj / 1e6
         rows.append(
             BenchRow(
                 mode,
@@ -225,6 +239,8 @@ def bench_mode(
                 ceiling_share=b * tps / 1e9 / bandwidth,
                 active_fraction=1.0 if best_active is None else float(np.mean(best_active)),
                 phases_ms=phases,
+                attention_gb_s=attn_gb_s,
+                attention_share=attn_gb_s / bandwidth,
             )
         )
     return rows
@@ -314,7 +330,10 @@ class BenchResult:
         for r in (s, d):
             if r is not None:
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r.phases_ms.items()))
-                out.append(f"{r.mode} tg ms/token, timed per layer: {parts}")
+                out.append(f"{r.mode} tg ms/token by phase: {parts}")
+                if r.attention_gb_s:
+                    out.append(f"{r.mode} attention projections: {r.attention_gb_s:.2f} GB/s, "
+                               f"{100 * r.attention_share:.1f}% of BW")  # fmt: skip
         if self.dispatch_ms:
             out.append(
                 f"python/dispatch floor (same depth, tiny matrices): {self.dispatch_ms:.2f} "

@@ -369,6 +369,46 @@ def test_fused_decode_ffn_equals_the_general_path(sparse_path, monkeypatch, dens
         assert np.all((s1 > 0.05) & (s1 < 0.95)), s1
 
 
+def test_a_timed_step_reads_the_native_phase_clock(sparse_path, monkeypatch):
+    """A per-phase timer keeps a token in one native call: the step's phase clock times its
+    blocks (the projections inside attention, the predictor and the down pass inside the FFN)
+    and the logits are the untimed step's bits; ``powerpy bench`` reports the projections'
+    bandwidth from it."""
+    from powerpy import benchmark
+    from powerpy.model import kernels, stack_decode
+    from powerpy.model.options import RunOptions
+    from powerpy.model.timing import PhaseTimer
+
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    llm = load(sparse_path[0], threshold=0.0)
+    calls = []
+    run = stack_decode.StackPlan.run
+    monkeypatch.setattr(stack_decode.StackPlan, "run", lambda *a: calls.append(1) or run(*a))
+    logits = []
+    for timer in (None, PhaseTimer()):
+        cache = llm.model.new_cache(16, dtype=torch.float32)
+        opts = RunOptions(threshold=0.0, timer=timer)
+        logits.append([llm.model.forward(torch.tensor([t]), cache, opts) for t in TOKENS[:5]])
+    assert len(calls) == 10  # every step, timed or not, was one native call
+    for a, b in zip(*logits, strict=True):
+        assert torch.equal(a, b)
+    ms = timer.seconds
+    assert set(stack_decode.PHASES) <= set(ms) and all(ms[k] > 0 for k in stack_decode.PHASES)
+    assert ms["attention_proj"] < ms["attention"]
+    assert ms["predictor"] + ms["ffn_down"] < ms["ffn"]
+    with pytest.raises(ValueError, match="status"):  # a clock of the wrong length is refused
+        monkeypatch.setattr(stack_decode, "PHASES", stack_decode.PHASES[:-1])
+        llm.model.forward(torch.tensor([1]), cache, opts)
+    monkeypatch.undo()
+    (row,) = benchmark.bench_mode(llm.model, "sparse", 0, 4, bandwidth=10.0)
+    assert set(stack_decode.PHASES) <= set(row.phases_ms)
+    want = benchmark.attention_weight_bytes(llm.model) / row.phases_ms["attention_proj"] / 1e6
+    assert (
+        row.attention_gb_s == pytest.approx(want) and row.attention_share == row.attention_gb_s / 10
+    )
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_fused_decode_attention_equals_the_torch_path(dense_path, monkeypatch, cache_dtype):
     """CPU-only decode runs attention (q/k/v, RoPE, cache write, GQA softmax, output) as one

@@ -21,12 +21,11 @@ from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names
 from powerpy.formats.gguf_reader import read_gguf
 from powerpy.formats.gpuidx import GpuIndex
 from powerpy.formats.stats import save_activation_stats
-from powerpy.model import interleave, moe, transformer
+from powerpy.model import interleave, moe, stack_decode, transformer
 from powerpy.model.device import Accelerator
 from powerpy.model.matrices import QuantWeight
 from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions, SparsityStats
-from powerpy.model.timing import PhaseTimer
 from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
 from powerpy.testing import TinySpec, tiny_tensors, write_tiny_model
@@ -160,9 +159,9 @@ def test_only_the_routed_experts_are_read(q8, monkeypatch):
     # every layer's attention and experts in pp_decode_layers
     assert stats.active.tolist() == [2 * SPEC.n_ff] * SPEC.n_layer  # per layer: 2 experts' rows
     assert not routed and not touched  # the native block ran
-    monkeypatch.setattr(transformer, "moe_decode", lambda *a: None)  # the per-op path (a
-    timed = RunOptions(timer=PhaseTimer())  # timer keeps the per-layer loop)
-    per_op = llm.model.forward(TOKENS[6:7], cache, timed)
+    monkeypatch.setattr(transformer, "moe_decode", lambda *a: None)  # the per-op path
+    monkeypatch.setattr(stack_decode, "usable", lambda *a: False)  # in the per-layer loop
+    per_op = llm.model.forward(TOKENS[6:7], cache)
     assert torch.equal(per_op, native)  # the same bits
     for l in range(SPEC.n_layer):
         ids = routed[l][0].tolist()

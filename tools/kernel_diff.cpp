@@ -25,6 +25,8 @@ typedef int (*deq_t)(int, const void*, int64_t, int64_t, int64_t, const int64_t*
 typedef int (*attn_dec_t)(const int64_t*, int64_t, int64_t, int64_t, int64_t, float, const float*, const float*, void*, void*, int, int64_t, float*, int, int);
 typedef int64_t (*ffn_dec_t)(const int64_t*, float, float, const float*, const float*, float*, int, int);
 typedef int (*layers_t)(int64_t, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float, void*, void*, int64_t, int, int64_t, float, float*, int64_t*, int, int);
+// ABI 18 on: pp_decode_layers takes the phase clock (phases, n_phases) before act
+typedef int (*layers18_t)(int64_t, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float, void*, void*, int64_t, int, int64_t, float, float*, int64_t*, double*, int64_t, int, int);
 typedef void (*ropet_t)(const int64_t*, int64_t, int64_t, float, float*);
 typedef void (*rope_t)(float*, int64_t, int64_t, int64_t, int64_t, const float*, int);
 typedef int (*attn_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, int);
@@ -44,7 +46,15 @@ struct Lib {
   gemv_t gemv; axpy_t axpy; glu_t glu; gemm_t gemm; deq_t deq; attn_dec_t attn_dec; ffn_dec_t ffn_dec;
   layers_t layers; ropet_t ropet; rope_t rope; attn_t attn; rms_t rms; swiglu_t swiglu; tune_t tune;
   stream_t stream; simd_t simd; lnorm_t lnorm; gelu_t gelu; attn_ext_t attn_ext; gelut_t gelut;
-  softcap_t softcap; simd_t rec_len;
+  softcap_t softcap; simd_t rec_len; simd_t abi;
+  // one decode step through n layers, in either ABI's signature (a clock where it takes one)
+  int decode_layers(int64_t n, const int64_t* recs, const int64_t* rots, int64_t n_head, int64_t n_kv,
+                    int64_t hd, float eps, void* k, void* v, int64_t lb, int cdt, int64_t pos, float* x,
+                    int64_t* counts, int act, int nt) {
+    if (abi() < 18) return layers(n, recs, rots, n_head, n_kv, hd, hd, eps, k, v, lb, cdt, pos, 0.0f, x, counts, act, nt);
+    double clock[5] = {0};
+    return ((layers18_t)layers)(n, recs, rots, n_head, n_kv, hd, hd, eps, k, v, lb, cdt, pos, 0.0f, x, counts, clock, 5, act, nt);
+  }
   explicit Lib(const char* path) {
     h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h) { fprintf(stderr, "%s\n", dlerror()); exit(2); }
@@ -55,6 +65,7 @@ struct Lib {
     S(rms, "pp_rms_norm") S(swiglu, "pp_swiglu") S(tune, "pp_set_tuning") S(stream, "pp_stream_read")
     S(simd, "pp_simd_level") S(lnorm, "pp_layer_norm") S(gelu, "pp_gelu") S(attn_ext, "pp_attn_ext")
     S(gelut, "pp_gelu_table") S(softcap, "pp_softcap") S(rec_len, "pp_layer_record_len")
+    S(abi, "pp_abi_version")
   }
 };
 
@@ -355,8 +366,8 @@ int main(int argc, char** argv) {
               auto KB = KA, VB = VA;
               auto xa = vecn(d), xb = xa;
               std::vector<int64_t> ca(2, -1), cb(2, -1);
-              sa = A.layers(2, recsA.data(), rots.data(), n_head, n_kv, hd, hd, 1e-5f, KA.data(), VA.data(), lb, cdt, pos, 0.0f, xa.data(), ca.data(), act, nt);
-              sb = B.layers(2, recsB.data(), rots.data(), n_head, n_kv, hd, hd, 1e-5f, KB.data(), VB.data(), lb, cdt, pos, 0.0f, xb.data(), cb.data(), act, nt);
+              sa = A.decode_layers(2, recsA.data(), rots.data(), n_head, n_kv, hd, 1e-5f, KA.data(), VA.data(), lb, cdt, pos, xa.data(), ca.data(), act, nt);
+              sb = B.decode_layers(2, recsB.data(), rots.data(), n_head, n_kv, hd, 1e-5f, KB.data(), VB.data(), lb, cdt, pos, xb.data(), cb.data(), act, nt);
               check("decode_layers", sa == 0 && sa == sb && same(xa.data(), xb.data(), 4 * d) && ca == cb && KA == KB && VA == VB, tag);
             }
     }

@@ -43,7 +43,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 17
+ABI_VERSION = 18
 
 # dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -116,9 +116,10 @@ _SIGNATURES = {
     # record, eps, thr, residual, source, out, act, nthreads
     "pp_ffn_decode": ([_p, _f, _f, _p, _p, _p, _i32, _i32], _i64),
     # layers, records, rots, n_head, n_kv, head_dim, n_rot, eps, k, v, layer bytes, cache dtype,
-    # pos, thr, x, counts, act, nthreads (powerpy.model.stack_decode: one token, all blocks)
+    # pos, thr, x, counts, phases, n_phases, act, nthreads (powerpy.model.stack_decode: one
+    # token, all blocks)
     "pp_decode_layers": (
-        [_i64, _p, _p, *[_i64] * 4, _f, _p, _p, _i64, _i32, _i64, _f, _p, _p, _i32, _i32],
+        [_i64, _p, _p, *[_i64] * 4, _f, _p, _p, _i64, _i32, _i64, _f, _p, _p, _p, _i64, _i32, _i32],
         _i32,
     ),
     "pp_layer_record_layout": ([_p], None),

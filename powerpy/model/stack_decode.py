@@ -90,19 +90,29 @@ class StackPlan:
         else:
             ptrs = np.array([0 if r is None else table(r) for r in rs], dtype=np.int64)
         counts = np.zeros(n_layer, dtype=np.int64)
+        clock = np.zeros(len(PHASES)) if opts.timer is not None else None
         st = self.lib.cdll.pp_decode_layers(
             n_layer, self.records.ctypes.data, ptrs.ctypes.data, *layer_record.heads(args),
             k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), CACHE_CODES[k.dtype],
-            cache.pos, thr, out.data_ptr(), counts.ctypes.data, kernels.act_code(),
+            cache.pos, thr, out.data_ptr(), counts.ctypes.data,
+            None if clock is None else clock.ctypes.data, len(PHASES), kernels.act_code(),
             torch.get_num_threads(),
         )  # fmt: skip
         if st:
             raise ValueError(f"decode_layers: invalid arguments (status {st})")
+        if clock is not None:
+            for name, secs in zip(PHASES, clock.tolist(), strict=True):
+                opts.timer.add(name, secs)
         rows = self.gated if opts.sparse else self.experts
         if opts.stats is not None and rows.size:
             opts.stats.record_step(rows + self.first, counts[rows])
         return out[None]
 
+
+# The native phase clock's phases, in blocks.h's Phase order: "attention_proj" (the q, k, v and
+# output products) is timed inside "attention", "predictor" and "ffn_down" inside "ffn", as the
+# per-layer path times the predictor inside the FFN.
+PHASES = ("attention", "attention_proj", "ffn", "predictor", "ffn_down")
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mode: plan}
 
@@ -157,11 +167,10 @@ def _native(blk, args, l: int, opts: RunOptions) -> bool:
 
 def usable(cache: KVCache, opts: RunOptions) -> bool:
     """Whether a step with this cache and these options may take the one-call path: kernels
-    on, a host cache of a kernel type, no per-phase timer (it times the per-layer calls), no
-    observer or oracle (they need every neuron)."""
+    on, a host cache of a kernel type, no observer or oracle (they need every neuron). A
+    per-phase timer reads the native phase clock (``PHASES``)."""
     return (
         opts.numerics.native
-        and opts.timer is None
         and opts.observer is None
         and opts.oracle is None
         and cache.k.device.type == "cpu"

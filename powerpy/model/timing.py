@@ -22,6 +22,10 @@ class PhaseTimer:
         finally:
             self.seconds[name] += time.perf_counter() - t0
 
+    def add(self, name: str, seconds: float) -> None:
+        """Add seconds measured elsewhere (the native decode's phase clock) to a phase."""
+        self.seconds[name] += seconds
+
     def reset(self) -> None:
         self.seconds.clear()
 

@@ -49,6 +49,24 @@ struct Layer {
   }
 };
 
+// Wall-clock seconds per decode phase, summed by the thread that runs the blocks (the teams
+// of each matrix product start and join inside a phase, so a phase's time is all of its work).
+// Nested: PH_ATTN_PROJ (the q, k, v and output products) inside PH_ATTENTION (the whole block);
+// PH_PREDICTOR (fc1, fc2 and the selection) and PH_FFN_DOWN (the down pass) inside PH_FFN.
+// powerpy.model.stack_decode.PHASES names them in this order.
+enum Phase { PH_ATTENTION, PH_ATTN_PROJ, PH_FFN, PH_PREDICTOR, PH_FFN_DOWN, PH_COUNT };
+
+// Adds the seconds of its scope to ph[i] (ph null: untimed, no clock read).
+struct Lap {
+  double* ph;
+  int i;
+  double t0;
+  Lap(double* p, int phase) : ph(p), i(phase), t0(p ? omp_get_wtime() : 0.0) {}
+  ~Lap() {
+    if (ph) ph[i] += omp_get_wtime() - t0;
+  }
+};
+
 // The model's heads: n_head query heads of hd, n_kv key/value heads, the first n_rot dims of
 // each head rotated; the norms' eps.
 struct Heads {
@@ -114,9 +132,11 @@ static int attn_f32(const float* q, const void* kc, const void* vc, int cdt, int
 // to the cache row pos (f32 or f16: cdt 0 / 1, rows of n_kv * hd); query head h reads kv head
 // h / (n_head / n_kv) over the window (llama.cpp's f16 numerics with act and an f16 cache, else
 // attn_f32); y = W_o · attention + bias, post-normed; out = x + y, or y alone in a parallel
-// block (LF_PARALLEL: ffn_block adds both to x in llama.cpp's order). Returns 0 or a status.
+// block (LF_PARALLEL: ffn_block adds both to x in llama.cpp's order). ph: the phase clock (null:
+// untimed). Returns 0 or a status.
 static int attn_block(const Layer& L, const Heads& H, const float* rot, const float* x, void* kc,
-                      void* vc, int cdt, int64_t pos, float* out, int act, int nthreads) {
+                      void* vc, int cdt, int64_t pos, float* out, int act, int nthreads,
+                      double* ph = nullptr) {
   const int64_t hd = H.hd, nq = H.n_head * hd, nkv = H.n_kv * hd, S = pos + 1;
   const int64_t d = L.q.cols;
   const bool rope = L.flags & LF_ROPE;
@@ -133,8 +153,10 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
   if (L.q.dtype == L.k.dtype && L.q.dtype == L.v.dtype) {
     const Mat qkv[3] = {L.q, L.k, L.v};
     float* const outs[3] = {q, k, v};
+    const Lap lap(ph, PH_ATTN_PROJ);
     st = mat_gemv_multi(qkv, 3, xn, outs, act, nthreads);
   } else {
+    const Lap lap(ph, PH_ATTN_PROJ);
     st = mat_gemv(L.q, xn, nullptr, nq, q, act, nthreads);
     if (!st) st = mat_gemv(L.k, xn, nullptr, nkv, k, act, nthreads);
     if (!st) st = mat_gemv(L.v, xn, nullptr, nkv, v, act, nthreads);
@@ -172,7 +194,10 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
     const AttnOpts ao{q_scaled ? 1.0f : L.scale, L.softcap, L.window};
     st = attn_f32(q, kc, vc, cdt, pos, H, ao, sc, att, nthreads);
   }
-  if (!st) st = mat_gemv(L.o, att, nullptr, d, y, act, nthreads);
+  if (!st) {
+    const Lap lap(ph, PH_ATTN_PROJ);
+    st = mat_gemv(L.o, att, nullptr, d, y, act, nthreads);
+  }
   if (!st) {
     add_bias(y, L.bo, d);
     if (L.post_attn) L.norm(y, L.post_attn, nullptr, d, H.eps, y);
@@ -210,10 +235,10 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
 // act(up_j·xn + bias_j) (ungated: RELU, GELU); with tau, a computed neuron with |h_j| < tau[j]
 // is dropped before its down row is read; y = sum_j h_j down_t[j] (or, with LF_DOWN_STORED, a
 // dense file's ffn_down (n_embd, n_ff) times h: no predictor, no cut) plus the down bias,
-// post-normed; out = r + y, or (r + y) + xs in a parallel block (out may be xs). Returns the
-// neurons whose down rows were added, or -status.
+// post-normed; out = r + y, or (r + y) + xs in a parallel block (out may be xs). ph: the phase
+// clock (null: untimed). Returns the neurons whose down rows were added, or -status.
 static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, const float* xs,
-                         float* out, int act, int nthreads) {
+                         float* out, int act, int nthreads, double* ph = nullptr) {
   if (L.flags & LF_MOE) return moe_block(L, eps, r, out, act, nthreads);
   const bool gated = L.gate.w != nullptr, stored = L.flags & LF_DOWN_STORED;
   const Mat &fc1 = L.fc1, &fc2 = L.fc2, &up = L.up, &down = L.down;
@@ -235,6 +260,7 @@ static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, c
   int st = 0;
   const int64_t* sel = nullptr;
   if (fc1.w) {
+    const Lap lap(ph, PH_PREDICTOR);
     if (fc2.nrows != n_ff || fc2.cols != H) st = PP_ERR_ARG;
     if (!st) st = mat_gemv(fc1, xs, nullptr, H, z, act, nthreads);
     for (int64_t i = 0; i < H && !st; ++i) z[i] = z[i] > 0.0f ? z[i] : 0.0f;
@@ -255,6 +281,7 @@ static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, c
   }
   int64_t kept = k;  // with a cut: the rows the down pass really adds
   if (!st) {
+    const Lap lap(ph, PH_FFN_DOWN);
     if (stored) {
       st = mat_gemv(down, h, nullptr, down.nrows, y, act, nthreads);
     } else if (k) {

@@ -20,8 +20,8 @@ struct Dec<DT_F32> {
   static constexpr int64_t BB = 128;
   static constexpr bool QUANT = false;
   static constexpr int64_t QK = 32, TS = BB;
-  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
-  static inline void block(const uint8_t* p, vf* w) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
+  static PP_ALWAYS_INLINE void block(const uint8_t* p, vf* w) {
     for (int u = 0; u < NV; ++u) w[u] = v_load((const float*)p + u * VL);
   }
   static inline float one(const uint8_t* row, int64_t i) {
@@ -36,8 +36,8 @@ struct Dec<DT_F16> {
   static constexpr int64_t BB = 64;
   static constexpr bool QUANT = false;
   static constexpr int64_t QK = 32, TS = BB;
-  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
-  static inline void block(const uint8_t* p, vf* w) { dec_f16(p, w); }
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
+  static PP_ALWAYS_INLINE void block(const uint8_t* p, vf* w) { dec_f16(p, w); }
   static inline float one(const uint8_t* row, int64_t i) { return half_to_float(load_u16(row + 2 * i)); }
 };
 
@@ -46,8 +46,8 @@ struct Dec<DT_BF16> {
   static constexpr int64_t BB = 64;
   static constexpr bool QUANT = false;
   static constexpr int64_t QK = 32, TS = BB;
-  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
-  static inline void block(const uint8_t* p, vf* w) { dec_bf16(p, w); }
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
+  static PP_ALWAYS_INLINE void block(const uint8_t* p, vf* w) { dec_bf16(p, w); }
   static inline float one(const uint8_t* row, int64_t i) { return bf16_to_float(load_u16(row + 2 * i)); }
 };
 
@@ -57,8 +57,8 @@ struct Dec<DT_Q8_0> {
   static constexpr int64_t BB = 34;
   static constexpr bool QUANT = true;
   static constexpr int64_t QK = 32, TS = BB;
-  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
-  static inline void block(const uint8_t* p, vf* w) { dec_q8_0(p + 2, half_to_float(load_u16(p)), w); }
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
+  static PP_ALWAYS_INLINE void block(const uint8_t* p, vf* w) { dec_q8_0(p + 2, half_to_float(load_u16(p)), w); }
   static inline float one(const uint8_t*, int64_t) { return 0.0f; }  // never called (QUANT)
 };
 
@@ -68,8 +68,8 @@ struct Dec<DT_Q4_0> {
   static constexpr int64_t BB = 18;
   static constexpr bool QUANT = true;
   static constexpr int64_t QK = 32, TS = BB;
-  static inline void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
-  static inline void block(const uint8_t* p, vf* w) { dec_q4_0(p + 2, half_to_float(load_u16(p)), w); }
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, vf* w) { block(row + c * BB, w); }
+  static PP_ALWAYS_INLINE void block(const uint8_t* p, vf* w) { dec_q4_0(p + 2, half_to_float(load_u16(p)), w); }
   static inline float one(const uint8_t*, int64_t) { return 0.0f; }  // never called (QUANT)
 };
 
@@ -109,7 +109,7 @@ struct UDec;
 // Q8_0 (34 B / 32): f16 d, int8 qs[32].
 template <>
 struct UDec<DT_Q8_0> : Layout<32, 34, true, 0> {
-  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p));
     f = {d, d, 0.0f, 0.0f};
@@ -120,7 +120,7 @@ struct UDec<DT_Q8_0> : Layout<32, 34, true, 0> {
 // Q4_0 (18 B / 32): f16 d, qs[16]; y = (q - 8) d.
 template <>
 struct UDec<DT_Q4_0> : Layout<32, 18, false, 8> {
-  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p));
     f = {d, d, -8.0f * d, -8.0f * d};
@@ -131,7 +131,7 @@ struct UDec<DT_Q4_0> : Layout<32, 18, false, 8> {
 // Q4_1 (20 B / 32): f16 d, f16 m, qs[16]; y = q d + m.
 template <>
 struct UDec<DT_Q4_1> : Layout<32, 20, false, 0> {
-  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p)), m = half_to_float(load_u16(p + 2));
     f = {d, d, m, m};
@@ -142,7 +142,7 @@ struct UDec<DT_Q4_1> : Layout<32, 20, false, 0> {
 // Q5_0 (22 B / 32): f16 d, u32 qh, qs[16]; q = nibble | bit << 4, y = (q - 16) d.
 template <>
 struct UDec<DT_Q5_0> : Layout<32, 22, false, 16> {
-  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p));
     f = {d, d, -16.0f * d, -16.0f * d};
@@ -154,7 +154,7 @@ struct UDec<DT_Q5_0> : Layout<32, 22, false, 16> {
 // Q5_1 (24 B / 32): f16 d, f16 m, u32 qh, qs[16]; y = q d + m.
 template <>
 struct UDec<DT_Q5_1> : Layout<32, 24, false, 0> {
-  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + c * TS;
     const float d = half_to_float(load_u16(p)), m = half_to_float(load_u16(p + 2));
     f = {d, d, m, m};
@@ -167,7 +167,7 @@ struct UDec<DT_Q5_1> : Layout<32, 24, false, 0> {
 // y = d sc_s q - dmin m_s, q the low (s even) or high nibbles of qs[32 (s / 2) ...].
 template <>
 struct UDec<DT_Q4_K> : Layout<256, 144, false, 0> {
-  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + (c >> 3) * TS;
     const int s = (int)(c & 7);
     f = affine_k4(p, s);
@@ -178,7 +178,7 @@ struct UDec<DT_Q4_K> : Layout<256, 144, false, 0> {
 // Q5_K (176 B / 256): f16 d, f16 dmin, scales[12], qh[32], qs[128]; as Q4_K plus bit s of qh.
 template <>
 struct UDec<DT_Q5_K> : Layout<256, 176, false, 0> {
-  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + (c >> 3) * TS;
     const int s = (int)(c & 7);
     f = affine_k4(p, s);
@@ -192,7 +192,7 @@ struct UDec<DT_Q5_K> : Layout<256, 176, false, 0> {
 // y = d sc (q - 32) with sc = scales[8 n + 2 k] for elements 0..15, scales[8 n + 2 k + 1] after.
 template <>
 struct UDec<DT_Q6_K> : Layout<256, 210, false, 0> {
-  static inline void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, U8x32& q, Affine& f) {
     const uint8_t* p = row + (c >> 3) * TS;
     const int s = (int)(c & 7), n = s >> 2, k = s & 3;
     const float d = half_to_float(load_u16(p + 208));
@@ -210,7 +210,7 @@ struct Dec {
   using U = UDec<DT>;
   static constexpr int64_t QK = U::QK, TS = U::TS, BB = TS * 32 / QK;  // BB: prefetch pacing
   static constexpr bool QUANT = true;
-  static inline void chunk(const uint8_t* row, int64_t c, vf* w) {
+  static PP_ALWAYS_INLINE void chunk(const uint8_t* row, int64_t c, vf* w) {
     U8x32 q;
     Affine f;
     U::chunk(row, c, q, f);

@@ -58,17 +58,18 @@ PP_ALWAYS_INLINE void dec_q8_0(const uint8_t* qs, float d, vf* w) {
   }
 }
 
-// Q4_0: (nibble - 8) d.
+// Q4_0: (nibble - 8) d, as nibble·d - 8d in one FMA: both products are exact (4 and 11
+// significant bits), and so is the difference, so these are the bits of (nibble - 8)·d. Each
+// byte zero-extended to its own lane gives its low nibble by a mask and its high one by a shift.
 PP_ALWAYS_INLINE void dec_q4_0(const uint8_t* qs, float d, vf* w) {
-  const __m128i q = _mm_loadu_si128((const __m128i*)qs);
-  const __m128i m4 = _mm_set1_epi8(15), k8 = _mm_set1_epi8(8);
-  const __m128i lo = _mm_sub_epi8(_mm_and_si128(q, m4), k8);                     // elements 0..15
-  const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(q, 4), m4), k8);  // 16..31
-  const vf vd = v_set1(d);
-  w[0] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), vd);
-  w[1] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))), vd);
-  w[2] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vd);
-  w[3] = v_mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi))), vd);
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)qs));  // bytes 0..7
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(qs + 8)));
+  const __m256i m4 = _mm256_set1_epi32(15);
+  const vf vd = v_set1(d), off = v_set1(-8.0f * d);
+  w[0] = v_fma(_mm256_cvtepi32_ps(_mm256_and_si256(b0, m4)), vd, off);  // elements 0..7
+  w[1] = v_fma(_mm256_cvtepi32_ps(_mm256_and_si256(b1, m4)), vd, off);  // 8..15
+  w[2] = v_fma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), vd, off);  // 16..23
+  w[3] = v_fma(_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), vd, off);  // 24..31
 }
 
 // Unsigned bytes q through their affine maps: y = a_h q + b_h.

@@ -168,12 +168,14 @@ int64_t pp_ffn_decode(const int64_t* rec, float eps, float thr, const float* r, 
 // per layer the attention block then the FFN block, x (n_embd) updated in place. layers: n_layer
 // records of REC_LEN int64 (common.h); rots[l]: layer l's (cos, sin) table (0: no RoPE). Layer
 // l's keys and values are at kc/vc + l * layer_bytes; counts[l] receives the number of neurons
-// whose down rows layer l added. Returns 0 or the first failing status.
+// whose down rows layer l added. phases (n_phases = PH_COUNT doubles, or null: untimed): the
+// seconds of each blocks.h Phase are added to it. Returns 0 or the first failing status.
 int pp_decode_layers(int64_t n_layer, const int64_t* layers, const int64_t* rots, int64_t n_head,
                      int64_t n_kv, int64_t hd, int64_t n_rot, float eps, void* kc, void* vc,
                      int64_t layer_bytes, int cdt, int64_t pos, float thr, float* x,
-                     int64_t* counts, int act, int nthreads) {
+                     int64_t* counts, double* phases, int64_t n_phases, int act, int nthreads) {
   if (n_layer <= 0) return 0;
+  if (phases && n_phases != PH_COUNT) return PP_ERR_ARG;
   const int64_t d = layers[REC_ATTN + 4];  // attn_q's cols
   const Heads H{n_head, n_kv, hd, n_rot, eps};
   float* y = (float*)std::malloc(sizeof(float) * d);
@@ -185,10 +187,15 @@ int pp_decode_layers(int64_t n_layer, const int64_t* layers, const int64_t* rots
       st = PP_ERR_ARG;
       break;
     }
-    st = attn_block(L, H, rec_ptr(rots[l]), x, (char*)kc + l * layer_bytes,
-                    (char*)vc + l * layer_bytes, cdt, pos, y, act, nthreads);
+    {
+      const Lap lap(phases, PH_ATTENTION);
+      st = attn_block(L, H, rec_ptr(rots[l]), x, (char*)kc + l * layer_bytes,
+                      (char*)vc + l * layer_bytes, cdt, pos, y, act, nthreads, phases);
+    }
     if (st) break;
-    const int64_t k = ffn_block(L, eps, thr, y, L.flags & LF_PARALLEL ? x : y, x, act, nthreads);
+    const Lap lap(phases, PH_FFN);
+    const int64_t k =
+        ffn_block(L, eps, thr, y, L.flags & LF_PARALLEL ? x : y, x, act, nthreads, phases);
     if (k < 0) st = (int)-k;
     else counts[l] = k;
   }

@@ -255,16 +255,20 @@ struct AxpyBlock {
   PP_ALWAYS_INLINE void set(const float* h, std::integer_sequence<int, r...>) {
     ((hv[r] = v_set1(h[r])), ...);
   }
+  // Row by row into the loaded slice (each row's decode is used at once: R rows decoded
+  // together would not fit the 16 AVX2 registers); each element adds the rows in order.
   template <int... r>
   PP_ALWAYS_INLINE void add(const uint8_t* const* w, int64_t b, float* ab,
                             std::integer_sequence<int, r...>) const {
-    vf wv[R][NV];
-    (Dec<DT>::chunk(w[r], b, wv[r]), ...);
-    for (int u = 0; u < NV; ++u) {
-      vf a = v_load(ab + u * VL);
-      ((a = v_fma(wv[r][u], hv[r], a)), ...);
-      v_store(ab + u * VL, a);
-    }
+    vf a[NV];
+    for (int u = 0; u < NV; ++u) a[u] = v_load(ab + u * VL);
+    (fma_row(w[r], b, hv[r], a), ...);
+    for (int u = 0; u < NV; ++u) v_store(ab + u * VL, a[u]);
+  }
+  static PP_ALWAYS_INLINE void fma_row(const uint8_t* w, int64_t b, vf h, vf* a) {
+    vf wv[NV];
+    Dec<DT>::chunk(w, b, wv);
+    for (int u = 0; u < NV; ++u) a[u] = v_fma(wv[u], h, a[u]);
   }
 };
 
