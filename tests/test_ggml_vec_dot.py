@@ -256,6 +256,43 @@ def test_interleaved_matmuls_equal_ggmls_repacked(ggml, qtype):
         assert lib.gemm(rows_layout, torch.from_numpy(x)).numpy().tobytes() != want.tobytes()
 
 
+def test_gathered_q4_0_rows_equal_ggmls_repacked(ggml):
+    """Q4_0 rows in the file's layout, gathered (a sparse step's gate and up) or masked by need
+    (a sparse prompt), in any order and at any token count: the bits of llama.cpp's repacked
+    product, row by row, as the interleaved matrix gives them (a group of 8 rows is built in
+    registers). A whole-matrix product of the row layout keeps ggml's row order."""
+    lib = kernels.library()
+    if lib is None or lib.simd not in ("AVX2", "AVX-512"):
+        pytest.skip("needs the native kernels on an AVX2 (or wider) build")
+    rng = np.random.default_rng(77)
+    cols, rows = 512, 40
+    raw = np.ascontiguousarray(random_blocks(rng, GGMLType.Q4_0, rows, cols // 32))
+    m = Matrix.of_quant(torch.from_numpy(raw), GGMLType.Q4_0, cols)
+    half = rows // 2
+    gate = Matrix.of_quant(torch.from_numpy(raw[:half].copy()), GGMLType.Q4_0, cols)
+    up = Matrix.of_quant(torch.from_numpy(raw[half:].copy()), GGMLType.Q4_0, cols)
+    for T in (1, 3, 4, 7):
+        x = (rng.standard_normal((T, cols)) * 2).astype(np.float32)
+        want = _ggml_repacked_mul_mat(ggml, raw, GGMLType.Q4_0, x)  # (T, rows)
+        for n in (1, 5, 8, 9, 17, rows):  # a partial last group, one group, several
+            idx = torch.from_numpy(rng.permutation(rows)[:n].astype(np.int64))
+            got = lib.gather_gemv(m, torch.from_numpy(x[0]), idx).numpy()
+            assert got.tobytes() == want[0, idx.numpy()].tobytes(), n
+            need = torch.zeros(T, rows, dtype=torch.uint8)
+            for t in range(0, T, 2):  # some tokens need a few of the rows, the last all
+                need[t, idx[: max(1, n // 2)]] = 1
+            need[T - 1, idx] = 1
+            prompt = lib.gemm(m, torch.from_numpy(x), need=need).numpy()
+            mask = need.numpy().astype(bool)
+            assert prompt[mask].tobytes() == want[mask].tobytes(), (T, n)
+        j = torch.from_numpy(rng.permutation(half)[:11].astype(np.int64))
+        h = lib.glu(gate, up, torch.from_numpy(x[0]), j, FFNVariant.REGLU).numpy()
+        expect = np.maximum(want[0, j.numpy()], 0) * want[0, half + j.numpy()]
+        assert h.tobytes() == expect.astype(np.float32).tobytes()
+    whole = lib.gather_gemv(m, torch.from_numpy(x[0]), None).numpy()
+    assert whole.tobytes() != want[0].tobytes()  # ggml's vec_dot order, as llama.cpp's rows
+
+
 def test_layer_norm_equals_ggmls(ggml):
     """LayerNorm (``ggml_norm``, before its weight and bias): each square of the variance's sum
     rounded before the lane sums. With GCC's fused multiply-add in that sum, rows of a

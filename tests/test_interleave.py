@@ -144,3 +144,33 @@ def test_gathered_rows_stay_in_place(lib, tmp_path, monkeypatch):
     kept = {w.raw.data_ptr() for w in (blk.ffn_up, blk.ffn_gate)}
     assert released and not kept & set(released)  # attention's rows went back, the FFN's stay
     assert torch.equal(step(ours, sparse=True), step(fresh, sparse=True))
+
+
+def test_a_sparse_q4_0_step_keeping_every_neuron_is_the_dense_step(lib, tmp_path):
+    """A sparse Q4_0 file's FFN block whose predictor keeps every neuron (a threshold of -1e30):
+    its gathered gate and up rows are multiplied in the interleaved layout's order (``x8.h``
+    ``x8_rows_*``), so the block's output is the dense block's bits (gate and up interleaved).
+    The blocks are compared, not the logits: each next product rounds its input to 8 bits,
+    which hides a last-bit difference."""
+    import ctypes
+
+    import powerpy
+    from powerpy.model import stack_decode
+    from powerpy.model.kernels import LAYER_RECORD_LEN
+    from powerpy.model.options import RunOptions
+    from powerpy.testing import TinySpec, write_tiny_model
+
+    path = tmp_path / "m.powerinfer.gguf"
+    spec = TinySpec(n_embd=256, n_ff=512, n_layer=2, n_head=4, n_head_kv=2)
+    write_tiny_model(path, spec, dtype=GGMLType.Q4_0, seed=4)  # random weights, random d
+    model = powerpy.load(path).model
+    outs = []
+    for sparse in (True, False):
+        plan = stack_decode.plan_for(model, RunOptions(sparse=sparse))
+        rec = (ctypes.c_int64 * LAYER_RECORD_LEN)(*plan.records[1].tolist())
+        r = torch.randn(spec.n_embd, generator=torch.Generator().manual_seed(1))
+        out, k = lib.ffn_decode(rec, spec.norm_eps, -1e30, r)
+        assert k == spec.n_ff
+        outs.append(out)
+    assert model.weights.blk[1].ffn_up._x8  # the dense record's gate and up are interleaved
+    assert torch.equal(outs[0], outs[1])

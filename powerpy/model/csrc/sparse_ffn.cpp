@@ -85,10 +85,25 @@ static int x8_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, 
   });
 }
 
+// Gathered (or need-masked) Q4_0 rows under llama.cpp's rounding are multiplied in the
+// interleaved layout's order (x8.h x8_rows_*), so a sparse step's gate and up products carry the
+// bits of the dense step's interleaved ones, and a sparse prompt's those of its decode.
+inline bool rows_as_x8(int dtype, int act) {
+#if defined(__AVX2__)
+  return dtype == DT_Q4_0 && act && X8_KERNELS;
+#else
+  return (void)dtype, (void)act, false;
+#endif
+}
+
 static int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
                     int act, int nt) {
   if (is_x8(m.dtype)) return x8_gemv(m, x, idx, k, out, act, nt);
   if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
+#if defined(__AVX2__)
+  if (idx && rows_as_x8(m.dtype, act))
+    return x8_rows_gemv<X8Q40>(m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt);
+#endif
   PP_DISPATCH(m.dtype, gemv_impl, m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt)
 }
 
@@ -130,6 +145,11 @@ static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* id
                    int variant, float* out, int act, int nt) {
   if (is_x8(u.dtype)) return x8_glu(g, u, x, idx, k, variant, out, act, nt);
   if (!valid_shape(u.dtype, u.cols) || g.dtype != u.dtype) return PP_ERR_ARG;
+#if defined(__AVX2__)
+  if (idx && rows_as_x8(u.dtype, act))
+    return x8_rows_glu<X8Q40>(g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out, act,
+                              nt);
+#endif
   PP_DISPATCH(u.dtype, glu_impl, g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out,
               act, nt)
 }
@@ -340,7 +360,8 @@ void pp_set_tuning(int64_t prefetch_bytes, int64_t min_bytes_per_thread) {
 int pp_gather_gemv(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
                    const float* x, const int64_t* idx, int64_t k, float* out, int act,
                    int nthreads) {
-  if (is_x8(dtype)) return x8_gemv(Mat(dtype, W, ld, nrows, cols), x, idx, k, out, act, nthreads);
+  if (is_x8(dtype) || idx)
+    return mat_gemv(Mat(dtype, W, ld, nrows, cols), x, idx, k, out, act, nthreads);
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, gemv_impl, (const uint8_t*)W, ld, nrows, cols, x, idx, k, out, act, nthreads)
 }
@@ -359,13 +380,8 @@ int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ld
                 int64_t cols, const float* x, const int64_t* idx, int64_t k, int variant,
                 float* out, int act, int nthreads) {
   if (variant < V_REGLU || variant > V_GEGLU || !G) return PP_ERR_ARG;
-  if (is_x8(dtype))
-    return x8_glu(Mat(dtype, G, ldg, nrows, cols), Mat(dtype, U, ldu, nrows, cols), x, idx, k,
-                  variant, out, act, nthreads);
-  if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
-  const uint8_t* g = (const uint8_t*)G;
-  PP_DISPATCH(dtype, glu_impl, g, ldg, (const uint8_t*)U, ldu, nrows, cols, x, idx, k, variant,
-              out, act, nthreads)
+  return mat_glu(Mat(dtype, G, ldg, nrows, cols), Mat(dtype, U, ldu, nrows, cols), x, idx, k,
+                 variant, out, act, nthreads);
 }
 
 // out[t * ldo + r] = dot(W[r], x[t * ldx : t * ldx + cols]) for r < nrows, t < T. need (may be
@@ -380,6 +396,11 @@ int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, c
                                   nthreads, dtype == DT_Q4_KX8V);
     });
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
+#if defined(__AVX2__)
+  if (need && rows_as_x8(dtype, act))
+    return x8_rows_gemm<X8Q40>((const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need, act,
+                               nthreads);
+#endif
   PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need,
               act, nthreads)
 }

@@ -152,6 +152,121 @@ inline int x8_experts(int dtype, const uint8_t* W, int64_t ld, int64_t n, int64_
   });
 }
 
+// ---- rows in the file's layout, multiplied in a layout's order (X::gdot) ---------------------
+// A sparse step's gathered rows (a few neurons a token) and a sparse prompt's needed rows cannot
+// take a copy interleaved at load; gdot builds each block of 8 rows' group in registers and
+// multiplies it as dot does, so these products carry the bits of the interleaved matrix's.
+
+// Group g (positions 8 g ..) of a row list (idx, or rows 0..k-1 when null): rows[r] = its row's
+// start (positions past k repeat the last row); bad[r]: the index was out of range (row 0 read).
+inline bool group_rows(const uint8_t* W, int64_t ld, int64_t nrows, const int64_t* idx,
+                       int64_t k, int64_t g, const uint8_t** rows, bool* bad) {
+  bool any = false;
+  for (int r = 0; r < 8; ++r) {
+    const int64_t row = row_at(idx, 8 * g + r < k ? 8 * g + r : k - 1, nrows);
+    bad[r] = row < 0;
+    any |= bad[r];
+    rows[r] = W + (row < 0 ? 0 : row) * ld;
+  }
+  return any;
+}
+
+// out[j] = f(j, W_0[idx[j]] . x, ..., W_{M-1}[idx[j]] . x) for j < k and M (1 or 2) matrices of
+// one width (a row gather, or a GLU's gate and up): 8 rows at a time, the next group's rows
+// prefetched meanwhile; an index out of range gives NaN and PP_ERR_INDEX.
+template <class X, int M, class F>
+inline int x8_rows_gather(const uint8_t* const* W, const int64_t* ld, int64_t nrows, int64_t cols,
+                          const float* x, const int64_t* idx, int64_t k, float* out, int act,
+                          int nthreads, F f) {
+  if (!X8_KERNELS || !act || cols % X::QK || k < 0) return PP_ERR_ARG;
+  if (k == 0) return 0;
+  const int64_t nb = cols / X::QK, ng = (k + 7) / 8;
+  ActBuf<X::ACT> xa(act, x, cols, 1, cols);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  const QAct* ap = xa.p;
+  const int nt = team_size(nthreads, M * k * nb * X::RB);
+  return run_dynamic(nt, ng, 1, [&](int64_t a, int64_t b) -> int {
+    int err = 0;
+    const uint8_t *rows[2][M][8], *none[8] = {};
+    bool bad[2][8];
+    for (int m = 0; m < M; ++m) group_rows(W[m], ld[m], nrows, idx, k, a, rows[a & 1][m], bad[a & 1]);
+    for (int64_t g = a; g < b; ++g) {
+      const int c = g & 1, n = c ^ 1;
+      if (g + 1 < b)
+        for (int m = 0; m < M; ++m) group_rows(W[m], ld[m], nrows, idx, k, g + 1, rows[n][m], bad[n]);
+      float o[M][8];
+      for (int m = 0; m < M; ++m)
+        X::template gdot<1>(rows[c][m], g + 1 < b ? rows[n][m] : none, &ap, nb, o[m], 0);
+      for (int r = 0; r < 8 && 8 * g + r < k; ++r) {
+        if (bad[c][r]) err = PP_ERR_INDEX;
+        out[8 * g + r] = bad[c][r] ? NAN : f(o[0][r], o[M - 1][r]);
+      }
+    }
+    return err;
+  });
+}
+
+// out[j] = W[idx[j]] . x (idx null: rows 0..k-1).
+template <class X>
+inline int x8_rows_gemv(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
+                        const int64_t* idx, int64_t k, float* out, int act, int nthreads) {
+  return x8_rows_gather<X, 1>(&W, &ld, nrows, cols, x, idx, k, out, act, nthreads,
+                              [](float v, float) { return v; });
+}
+
+// out[j] = act(G[idx[j]] . x, U[idx[j]] . x), a GLU's rows.
+template <class X>
+inline int x8_rows_glu(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu,
+                       int64_t nrows, int64_t cols, const float* x, const int64_t* idx, int64_t k,
+                       int variant, float* out, int act, int nthreads) {
+  const uint8_t* W[2] = {G, U};
+  const int64_t ld[2] = {ldg, ldu};
+  const uint16_t* gt = variant == V_GEGLU ? gelu_lut(act) : nullptr;
+  return x8_rows_gather<X, 2>(W, ld, nrows, cols, x, idx, k, out, act, nthreads,
+                              [&](float g, float u) { return activate(variant, g, u, gt); });
+}
+
+// out[t * ldo + r] = W[r] . x_t for every row and T tokens, only where need (T, nrows; null:
+// everywhere) asks for some row of a group of 8 in a tile of up to 4 tokens.
+template <class X>
+inline int x8_rows_gemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
+                        int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need,
+                        int act, int nthreads) {
+  if (!X8_KERNELS || !act || cols % X::QK || nrows < 1 || T < 0) return PP_ERR_ARG;
+  const int64_t nb = cols / X::QK, ng = (nrows + 7) / 8, nch = cols / 32;
+  ActBuf<X::ACT> xa(act, x, ldx, T, cols, nthreads);
+  if (xa.failed(act)) return PP_ERR_ARG;
+  const int nt = T > 1 ? nthreads : team_size(nthreads, nrows * nb * X::RB);
+  return run_dynamic(nt, ng, 1, [&](int64_t a, int64_t b) -> int {
+    const uint8_t *rows[8], *none[8] = {};
+    bool bad[8];
+    for (int64_t g = a; g < b; ++g) {
+      const int nr = (int)(nrows - 8 * g < 8 ? nrows - 8 * g : 8);
+      group_rows(W, ld, nrows, nullptr, nrows, g, rows, bad);
+      for (int64_t t = 0; t < T;) {
+        const int n = (int)(T - t < 4 ? T - t : 4);
+        if (!need || any_needed(need, nrows, 8 * g, nr, t, n)) {
+          const QAct* ap[4];
+          for (int i = 0; i < n; ++i) ap[i] = xa.p + (t + i) * nch;
+          float o[4 * 8];
+          if (n == 4)
+            X::template gdot<4>(rows, none, ap, nb, o, 8);
+          else if (n == 3)
+            X::template gdot<3>(rows, none, ap, nb, o, 8);
+          else if (n == 2)
+            X::template gdot<2>(rows, none, ap, nb, o, 8);
+          else
+            X::template gdot<1>(rows, none, ap, nb, o, 8);
+          for (int i = 0; i < n; ++i)
+            for (int r = 0; r < nr; ++r) out[(t + i) * ldo + 8 * g + r] = o[i * 8 + r];
+        }
+        t += n;
+      }
+    }
+    return 0;
+  });
+}
+
 // out[j, :] = row idx[j] as f32 (idx null: rows 0..k-1), through the rows of its group.
 template <class X>
 inline int x8_dequant(const uint8_t* G, int64_t nrows, int64_t cols, const int64_t* idx,
