@@ -226,8 +226,8 @@ inline int x8_rows_glu(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t 
                               [&](float g, float u) { return activate(variant, g, u, gt); });
 }
 
-// out[t * ldo + r] = W[r] . x_t for every row and T tokens, only where need (T, nrows; null:
-// everywhere) asks for some row of a group of 8 in a tile of up to 4 tokens.
+// out[t * ldo + r] = W[r] . x_t for every row and T tokens, where need (T, nrows; null:
+// everywhere) asks for some row of a group of 8 in a tile of up to 4 tokens; 0 elsewhere.
 template <class X>
 inline int x8_rows_gemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
                         int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need,
@@ -245,7 +245,10 @@ inline int x8_rows_gemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t col
       group_rows(W, ld, nrows, nullptr, nrows, g, rows, bad);
       for (int64_t t = 0; t < T;) {
         const int n = (int)(T - t < 4 ? T - t : 4);
-        if (!need || any_needed(need, nrows, 8 * g, nr, t, n)) {
+        if (need && !any_needed(need, nrows, 8 * g, nr, t, n)) {  // 0, as the row tiles give
+          for (int i = 0; i < n; ++i)
+            for (int r = 0; r < nr; ++r) out[(t + i) * ldo + 8 * g + r] = 0.0f;
+        } else {
           const QAct* ap[4];
           for (int i = 0; i < n; ++i) ap[i] = xa.p + (t + i) * nch;
           float o[4 * 8];
