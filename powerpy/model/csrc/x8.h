@@ -159,19 +159,16 @@ inline int x8_experts(int dtype, const uint8_t* W, int64_t ld, int64_t n, int64_
 
 // Group g (positions 8 g ..) of a row list (idx, or rows 0..k-1 when null): rows[r] = its row's
 // start (positions past k repeat the last row); bad[r]: the index was out of range (row 0 read).
-inline bool group_rows(const uint8_t* W, int64_t ld, int64_t nrows, const int64_t* idx,
+inline void group_rows(const uint8_t* W, int64_t ld, int64_t nrows, const int64_t* idx,
                        int64_t k, int64_t g, const uint8_t** rows, bool* bad) {
-  bool any = false;
   for (int r = 0; r < 8; ++r) {
     const int64_t row = row_at(idx, 8 * g + r < k ? 8 * g + r : k - 1, nrows);
     bad[r] = row < 0;
-    any |= bad[r];
     rows[r] = W + (row < 0 ? 0 : row) * ld;
   }
-  return any;
 }
 
-// out[j] = f(j, W_0[idx[j]] . x, ..., W_{M-1}[idx[j]] . x) for j < k and M (1 or 2) matrices of
+// out[j] = f(W_0[idx[j]] . x, W_{M-1}[idx[j]] . x) for j < k and M (1 or 2) matrices of
 // one width (a row gather, or a GLU's gate and up): 8 rows at a time, the next group's rows
 // prefetched meanwhile; an index out of range gives NaN and PP_ERR_INDEX.
 template <class X, int M, class F>
@@ -189,11 +186,14 @@ inline int x8_rows_gather(const uint8_t* const* W, const int64_t* ld, int64_t nr
     int err = 0;
     const uint8_t *rows[2][M][8], *none[8] = {};
     bool bad[2][8];
-    for (int m = 0; m < M; ++m) group_rows(W[m], ld[m], nrows, idx, k, a, rows[a & 1][m], bad[a & 1]);
+    auto fill = [&](int64_t g) {  // group g's rows into slot g & 1
+      for (int m = 0; m < M; ++m)
+        group_rows(W[m], ld[m], nrows, idx, k, g, rows[g & 1][m], bad[g & 1]);
+    };
+    fill(a);
     for (int64_t g = a; g < b; ++g) {
       const int c = g & 1, n = c ^ 1;
-      if (g + 1 < b)
-        for (int m = 0; m < M; ++m) group_rows(W[m], ld[m], nrows, idx, k, g + 1, rows[n][m], bad[n]);
+      if (g + 1 < b) fill(g + 1);
       float o[M][8];
       for (int m = 0; m < M; ++m)
         X::template gdot<1>(rows[c][m], g + 1 < b ? rows[n][m] : none, &ap, nb, o[m], 0);
