@@ -88,22 +88,14 @@ static int x8_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, 
 // Gathered (or need-masked) Q4_0 rows under llama.cpp's rounding are multiplied in the
 // interleaved layout's order (x8.h x8_rows_*), so a sparse step's gate and up products carry the
 // bits of the dense step's interleaved ones, and a sparse prompt's those of its decode.
-inline bool rows_as_x8(int dtype, int act) {
-#if defined(__AVX2__)
-  return dtype == DT_Q4_0 && act && X8_KERNELS;
-#else
-  return (void)dtype, (void)act, false;
-#endif
-}
+inline bool rows_as_x8(int dtype, int act) { return dtype == DT_Q4_0 && act && X8_KERNELS; }
 
 static int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
                     int act, int nt) {
   if (is_x8(m.dtype)) return x8_gemv(m, x, idx, k, out, act, nt);
   if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
-#if defined(__AVX2__)
   if (idx && rows_as_x8(m.dtype, act))
     return x8_rows_gemv<X8Q40>(m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt);
-#endif
   PP_DISPATCH(m.dtype, gemv_impl, m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt)
 }
 
@@ -145,11 +137,9 @@ static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* id
                    int variant, float* out, int act, int nt) {
   if (is_x8(u.dtype)) return x8_glu(g, u, x, idx, k, variant, out, act, nt);
   if (!valid_shape(u.dtype, u.cols) || g.dtype != u.dtype) return PP_ERR_ARG;
-#if defined(__AVX2__)
   if (idx && rows_as_x8(u.dtype, act))
     return x8_rows_glu<X8Q40>(g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out, act,
                               nt);
-#endif
   PP_DISPATCH(u.dtype, glu_impl, g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out,
               act, nt)
 }
@@ -360,10 +350,7 @@ void pp_set_tuning(int64_t prefetch_bytes, int64_t min_bytes_per_thread) {
 int pp_gather_gemv(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
                    const float* x, const int64_t* idx, int64_t k, float* out, int act,
                    int nthreads) {
-  if (is_x8(dtype) || idx)
-    return mat_gemv(Mat(dtype, W, ld, nrows, cols), x, idx, k, out, act, nthreads);
-  if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
-  PP_DISPATCH(dtype, gemv_impl, (const uint8_t*)W, ld, nrows, cols, x, idx, k, out, act, nthreads)
+  return mat_gemv(Mat(dtype, W, ld, nrows, cols), x, idx, k, out, act, nthreads);
 }
 
 // out (+)= sum_{j: h[j] != 0} h[j] * W[idx[j]]; out is zeroed first unless accumulate.
@@ -396,11 +383,9 @@ int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, c
                                   nthreads, dtype == DT_Q4_KX8V);
     });
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
-#if defined(__AVX2__)
   if (need && rows_as_x8(dtype, act))
     return x8_rows_gemm<X8Q40>((const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need, act,
                                nthreads);
-#endif
   PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need,
               act, nthreads)
 }

@@ -31,30 +31,22 @@ inline bool x8_shape(int64_t nrows, int64_t cols) {
 template <class X>
 inline void x8_groups(const uint8_t* G, int64_t gb, int64_t nb, int64_t a, int64_t b,
                       const QAct* xa, int64_t nch, int64_t T, float* out, int64_t ldo, bool gemv) {
-#if defined(__AVX2__)
-  const int64_t T4 = gemv ? 0 : T - T % 4;
-  for (int64_t t0 = 0; t0 < T; t0 += 32) {
-    const int64_t t1 = t0 + 32 < T ? t0 + 32 : T;
-    for (int64_t g = a; g < b; ++g) {
-      const uint8_t* w = G + g * gb;
-      for (int64_t t = t0; t < t1;) {
-        const int n = t < T4 ? 4 : (int)(t1 - t < 3 ? t1 - t : 3);
-        const QAct* ap[4];
-        for (int i = 0; i < n; ++i) ap[i] = xa + (t + i) * nch;
-        float* o = out + t * ldo + 8 * g;
-        if (n == 4)
-          X::template dot<4>(w, ap, nb, o, ldo);
-        else if (n == 3)
-          X::template dot<3>(w, ap, nb, o, ldo);
-        else if (n == 2)
-          X::template dot<2>(w, ap, nb, o, ldo);
+  if constexpr (X8_KERNELS)
+    for (int64_t t0 = 0; t0 < T; t0 += 32) {
+      const int64_t t1 = t0 + 32 < T ? t0 + 32 : T;
+      for (int64_t g = a; g < b; ++g) {
+        auto tile = [&](auto NT, int64_t t) {
+          constexpr int N = decltype(NT)::value;
+          const QAct* ap[N];
+          for (int i = 0; i < N; ++i) ap[i] = xa + (t + i) * nch;
+          X::template dot<N>(G + g * gb, ap, nb, out + t * ldo + 8 * g, ldo);
+        };
+        if (gemv)
+          token_tiles(TileSizes<3, 2, 1>(), t0, t1, tile);
         else
-          X::template dot<1>(w, ap, nb, o, ldo);
-        t += n;
+          token_tiles(TileSizes<4, 3, 2, 1>(), t0, t1, tile);
       }
     }
-  }
-#endif
 }
 
 // out[t * ldo + r] = W[r] . x_t for every row of an interleaved matrix (nrows a multiple of 8)
@@ -196,7 +188,8 @@ inline int x8_rows_gather(const uint8_t* const* W, const int64_t* ld, int64_t nr
       if (g + 1 < b) fill(g + 1);
       float o[M][8];
       for (int m = 0; m < M; ++m)
-        X::template gdot<1>(rows[c][m], g + 1 < b ? rows[n][m] : none, &ap, nb, o[m], 0);
+        if constexpr (X8_KERNELS)
+          X::template gdot<1>(rows[c][m], g + 1 < b ? rows[n][m] : none, &ap, nb, o[m], 0);
       for (int r = 0; r < 8 && 8 * g + r < k; ++r) {
         if (bad[c][r]) err = PP_ERR_INDEX;
         out[8 * g + r] = bad[c][r] ? NAN : f(o[0][r], o[M - 1][r]);
@@ -243,28 +236,17 @@ inline int x8_rows_gemm(const uint8_t* W, int64_t ld, int64_t nrows, int64_t col
     for (int64_t g = a; g < b; ++g) {
       const int nr = (int)(nrows - 8 * g < 8 ? nrows - 8 * g : 8);
       group_rows(W, ld, nrows, nullptr, nrows, g, rows, bad);
-      for (int64_t t = 0; t < T;) {
-        const int n = (int)(T - t < 4 ? T - t : 4);
-        if (need && !any_needed(need, nrows, 8 * g, nr, t, n)) {  // 0, as the row tiles give
-          for (int i = 0; i < n; ++i)
-            for (int r = 0; r < nr; ++r) out[(t + i) * ldo + 8 * g + r] = 0.0f;
-        } else {
-          const QAct* ap[4];
-          for (int i = 0; i < n; ++i) ap[i] = xa.p + (t + i) * nch;
-          float o[4 * 8];
-          if (n == 4)
-            X::template gdot<4>(rows, none, ap, nb, o, 8);
-          else if (n == 3)
-            X::template gdot<3>(rows, none, ap, nb, o, 8);
-          else if (n == 2)
-            X::template gdot<2>(rows, none, ap, nb, o, 8);
-          else
-            X::template gdot<1>(rows, none, ap, nb, o, 8);
-          for (int i = 0; i < n; ++i)
-            for (int r = 0; r < nr; ++r) out[(t + i) * ldo + 8 * g + r] = o[i * 8 + r];
+      token_tiles(TileSizes<4, 3, 2, 1>(), 0, T, [&](auto NT, int64_t t) {
+        constexpr int N = decltype(NT)::value;
+        float o[N * 8] = {};  // 0 where no token of the tile needs a row of the group
+        if (!need || any_needed(need, nrows, 8 * g, nr, t, N)) {
+          const QAct* ap[N];
+          for (int i = 0; i < N; ++i) ap[i] = xa.p + (t + i) * nch;
+          if constexpr (X8_KERNELS) X::template gdot<N>(rows, none, ap, nb, o, 8);
         }
-        t += n;
-      }
+        for (int i = 0; i < N; ++i)
+          for (int r = 0; r < nr; ++r) out[(t + i) * ldo + 8 * g + r] = o[i * 8 + r];
+      });
     }
     return 0;
   });
