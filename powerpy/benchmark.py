@@ -34,21 +34,24 @@ class BenchRow:
     tok_s: float
     bytes_per_token: float = 0.0  # tg only: weight + KV bytes touched per token
     gb_s: float = 0.0  # effective bandwidth: bytes_per_token * tok_s
-    ceiling_share: float = 0.0  # gb_s / measured memory bandwidth
+    ceiling_share: float = 0.0  # gb_s / bandwidth_gb_s
     active_fraction: float = 1.0  # mean predicted-active FFN neurons
     # tg: ms per token per phase, from one more timed run (the native phase clock where a
     # token is one native call, else the per-layer calls' timers)
     phases_ms: dict[str, float] = field(default_factory=dict)
     # tg: the attention projections' weight bytes over their phase's time (0: not timed apart)
     attention_gb_s: float = 0.0
-    attention_share: float = 0.0  # attention_gb_s / measured memory bandwidth
+    attention_share: float = 0.0  # attention_gb_s / bandwidth_gb_s
+    # tg: the read bandwidth this row is judged against (the best probe next to its run)
+    bandwidth_gb_s: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
-    """Memory read bandwidth in GB/s: the best of ``repeats`` reads of an ``n_bytes`` buffer.
+class BandwidthProbe:
+    """Memory read bandwidth in GB/s, probed as often as the host drifts: each call returns the
+    best of ``repeats`` reads of one ``n_bytes`` buffer, kept between calls.
 
     Two readers alternate, on ``torch.get_num_threads()`` threads: ``torch.sum`` and, when
     built, the native library's read loop (the GEMV kernels' SIMD loads and prefetch); the
@@ -56,18 +59,29 @@ def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
     is written first (its pages are resident) and is much larger than any cache. It lives in
     huge pages where the kernel allows them, as the weights ``load`` reads into memory do.
     """
-    from powerpy.model import kernels
 
-    mem = huge_page_buffer(n_bytes // 4 * 4)
-    buf = torch.frombuffer(mem, dtype=torch.float32).fill_(1.0)
-    lib = kernels.library()
-    readers = [buf.sum] + ([lambda: lib.stream_read(buf)] if lib is not None else [])
-    best = float("inf")
-    for i in range(repeats * len(readers)):
-        t0 = time.perf_counter()
-        readers[i % len(readers)]()
-        best = min(best, time.perf_counter() - t0)
-    return n_bytes / best / 1e9
+    def __init__(self, n_bytes: int = 1 << 30) -> None:
+        from powerpy.model import kernels
+
+        self.n_bytes = n_bytes // 4 * 4
+        self._mem = huge_page_buffer(self.n_bytes)
+        buf = torch.frombuffer(self._mem, dtype=torch.float32).fill_(1.0)
+        lib = kernels.library()
+        self._readers = [buf.sum] + ([lambda: lib.stream_read(buf)] if lib is not None else [])
+
+    def __call__(self, repeats: int = 7) -> float:
+        best = float("inf")
+        for i in range(repeats * len(self._readers)):
+            t0 = time.perf_counter()
+            self._readers[i % len(self._readers)]()
+            best = min(best, time.perf_counter() - t0)
+        return self.n_bytes / best / 1e9
+
+
+def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
+    """Memory read bandwidth in GB/s: one ``BandwidthProbe`` of ``n_bytes``, best of
+    ``repeats`` reads per reader."""
+    return BandwidthProbe(n_bytes)(repeats)
 
 
 def _nbytes(*mats) -> int:
@@ -185,6 +199,84 @@ def down_rows_read(
     return nonzero / np.maximum(seen, 1)
 
 
+@dataclass
+class _Run:
+    """One mode's tests in one round: seconds of the pp and tg runs (inf: not run), the tg
+    run's active FFN fractions, the round's timed run's ms per token by phase, and the best
+    read probe taken next to the runs (GB/s)."""
+
+    pp: float
+    tg: float
+    active: np.ndarray | None
+    phases: dict[str, float]
+    ceiling: float = 0.0
+
+
+class _ModeBench:
+    """One mode ("sparse" or "dense") of a model: its options, built layouts and runs."""
+
+    def __init__(self, model: Model, mode: str, **opts) -> None:
+        self.model, self.mode = model, mode
+        self.sparse = mode == "sparse" and model.can_gate
+        self.opts = RunOptions(sparse=self.sparse, **opts)
+        stack_decode.prepare(model, self.opts)  # the mode's layouts (a sparse file's dense FFN)
+        self.runs: list[_Run] = []
+
+    def run(self, n_prompt: int, n_gen: int, first_token: int) -> _Run:
+        """One pp run, one tg run and one more timed tg run (the phases)."""
+        model, opts = self.model, self.opts
+        pp = run_pp(model, n_prompt, opts) if n_prompt > 0 else float("inf")
+        tg, active, phases = float("inf"), None, {}
+        if n_gen > 0:
+            stats = SparsityStats.empty(model.args.n_layer, model.args.ffn_neurons)
+            tg = run_tg(model, n_gen, dataclasses.replace(opts, stats=stats), first_token)
+            active = stats.active_fraction() if self.sparse else None
+            # Where a token is one native call, the native phase clock times that call's
+            # blocks; else the per-layer calls are timed (a sync and Python between them).
+            timer = PhaseTimer()
+            timed = run_tg(model, n_gen, dataclasses.replace(opts, timer=timer), first_token)
+            phases = {k: 1e3 * v / n_gen for k, v in timer.seconds.items()}
+            inner = sum(v for k, v in phases.items() if k in ("attention", "ffn", "output"))
+            phases["other"] = max(0.0, 1e3 * timed / n_gen - inner)
+        self.runs.append(_Run(pp, tg, active, phases))
+        return self.runs[-1]
+
+    def rows(self, n_prompt: int, n_gen: int, first_token: int) -> list[BenchRow]:
+        """The mode's pp and tg rows: each test's fastest run, judged against its own probes."""
+        model, opts, mode = self.model, self.opts, self.mode
+        rows = []
+        if n_prompt > 0:
+            secs = min(r.pp for r in self.runs)
+            rows.append(BenchRow(mode, f"pp{n_prompt}", n_prompt, secs, n_prompt / secs))
+        if n_gen > 0:
+            best = min(self.runs, key=lambda r: r.tg)
+            down = None if self.sparse else down_rows_read(model, n_gen, opts, first_token)
+            b = sum(bytes_per_token(model, n_gen / 2, best.active, down).values())
+            tps = n_gen / best.tg
+            proj, plan = best.phases.get("attention_proj", 0.0), stack_decode.plan_for(model, opts)
+            attn_gb_s = 0.0  # timed apart in the native step, which runs layers plan.first..
+            if proj > 0 and plan is not None:
+                attn_gb_s = attention_weight_bytes(model, plan.first) / proj / 1e6
+            rows.append(
+                BenchRow(
+                    mode,
+                    f"tg{n_gen}",
+                    n_gen,
+                    best.tg,
+                    tps,
+                    bytes_per_token=b,
+                    gb_s=b * tps / 1e9,
+                    ceiling_share=b * tps / 1e9 / best.ceiling,
+                    active_fraction=1.0 if best.active is None else float(np.mean(best.active)),
+                    phases_ms=best.phases,
+                    attention_gb_s=attn_gb_s,
+                    attention_share=attn_gb_s / best.ceiling,
+                    bandwidth_gb_s=best.ceiling,
+                )
+            )
+        return rows
+
+
 def bench_mode(
     model: Model,
     mode: str,
@@ -198,52 +290,12 @@ def bench_mode(
     first_token: int = 0,
     numerics: Numerics = DEFAULT_NUMERICS,
 ) -> list[BenchRow]:
-    """pp and tg rows for one mode ("sparse" or "dense"); best of ``repetitions``."""
-    sparse = mode == "sparse" and model.can_gate
-    opts = RunOptions(sparse=sparse, threshold=threshold, cut_scale=cut_scale, numerics=numerics)
-    stack_decode.prepare(model, opts)  # the mode's layouts (a sparse file's dense FFN) untimed
-    rows = []
-    if n_prompt > 0:
-        secs = min(run_pp(model, n_prompt, opts) for _ in range(repetitions))
-        rows.append(BenchRow(mode, f"pp{n_prompt}", n_prompt, secs, n_prompt / secs))
-    if n_gen > 0:
-        best, best_active = float("inf"), None
-        for _ in range(repetitions):
-            stats = SparsityStats.empty(model.args.n_layer, model.args.ffn_neurons)
-            secs = run_tg(model, n_gen, dataclasses.replace(opts, stats=stats), first_token)
-            if secs < best:
-                best, best_active = secs, stats.active_fraction() if sparse else None
-        # The phases come from one more run with a timer: where a token is one native call, the
-        # native phase clock times that call's blocks; else the per-layer calls are timed.
-        timer = PhaseTimer()
-        timed = run_tg(model, n_gen, dataclasses.replace(opts, timer=timer), first_token)
-        down = None if sparse else down_rows_read(model, n_gen, opts, first_token)
-        b = sum(bytes_per_token(model, n_gen / 2, best_active, down).values())
-        tps = n_gen / best
-        phases = {k: 1e3 * v / n_gen for k, v in timer.seconds.items()}
-        inner = sum(v for k, v in phases.items() if k in ("attention", "ffn", "output"))
-        phases["other"] = max(0.0, 1e3 * timed / n_gen - inner)
-        proj, plan = phases.get("attention_proj", 0.0), stack_decode.plan_for(model, opts)
-        attn_gb_s = 0.0  # timed apart in the native step, which runs layers plan.first..
-        if proj > 0 and plan is not None:
-            attn_gb_s = attention_weight_bytes(model, plan.first) / proj / 1e6
-        rows.append(
-            BenchRow(
-                mode,
-                f"tg{n_gen}",
-                n_gen,
-                best,
-                tps,
-                bytes_per_token=b,
-                gb_s=b * tps / 1e9,
-                ceiling_share=b * tps / 1e9 / bandwidth,
-                active_fraction=1.0 if best_active is None else float(np.mean(best_active)),
-                phases_ms=phases,
-                attention_gb_s=attn_gb_s,
-                attention_share=attn_gb_s / bandwidth,
-            )
-        )
-    return rows
+    """pp and tg rows for one mode ("sparse" or "dense"), best of ``repetitions``, judged
+    against a given read ``bandwidth`` (GB/s)."""
+    m = _ModeBench(model, mode, threshold=threshold, cut_scale=cut_scale, numerics=numerics)
+    for _ in range(repetitions):
+        m.run(n_prompt, n_gen, first_token).ceiling = bandwidth
+    return m.rows(n_prompt, n_gen, first_token)
 
 
 def dispatch_overhead_ms(
@@ -280,10 +332,14 @@ class BenchResult:
     Attributes:
         model: the model's name.
         rows: pp and tg rows per mode, sparse first.
-        bandwidth_gb_s: measured memory read bandwidth (the ceiling of ``ceiling_share``).
+        bandwidth_gb_s: the best read probe of the run (each tg row's own ceiling is the
+            best probe next to its run: ``BenchRow.bandwidth_gb_s``).
         threads: CPU threads.
         size_bytes: the model file's size.
         dispatch_ms: per-token time of a same-depth model with tiny matrices (0: not measured).
+        probes: every read probe's GB/s, in the order taken (one before the first round, one
+            after each mode's runs).
+        tg_ratios: sparse over dense tg speed in each round (empty: not both measured).
     """
 
     model: str
@@ -292,6 +348,8 @@ class BenchResult:
     threads: int
     size_bytes: int = 0
     dispatch_ms: float = 0.0
+    probes: list[float] = field(default_factory=list)
+    tg_ratios: list[float] = field(default_factory=list)
 
     def tg(self, mode: str) -> BenchRow | None:
         """The token-generation row of ``mode`` ("sparse" or "dense"), if measured."""
@@ -304,8 +362,23 @@ class BenchResult:
             "threads": self.threads,
             "bandwidth_gb_s": self.bandwidth_gb_s,
             "python_overhead_ms_per_token": self.dispatch_ms,
+            "probes_gb_s": self.probes,
+            "sparse_dense_tg_ratios": self.tg_ratios,
             "rows": [r.to_dict() for r in self.rows],
         }
+
+    def speedup(self) -> str | None:
+        """The sparse/dense tg line: the median of the rounds' ratios (their range where there
+        are several), and the ratio of bytes read; None without both modes' tg rows."""
+        s, d = self.tg("sparse"), self.tg("dense")
+        if s is None or d is None:
+            return None
+        rs = self.tg_ratios or [s.tok_s / d.tok_s]
+        spread = ""
+        if len(rs) > 1:
+            spread = f", median of {len(rs)} paired rounds, {min(rs):.2f}-{max(rs):.2f}"
+        return (f"sparse/dense tg speed: {float(np.median(rs)):.2f}x{spread} (bytes read: "
+                f"{d.bytes_per_token / s.bytes_per_token:.2f}x)")  # fmt: skip
 
     def table(self) -> str:
         """The llama-bench-style table ``powerpy bench`` prints, with the phase breakdown."""
@@ -323,11 +396,13 @@ class BenchResult:
             else:
                 tail = f"{'':6} | {'':9} | {'':6} | {'':6} |"
             out.append(f"| {r.mode:6} | {r.test:6} | {r.tok_s:9.2f} | " + tail)
-        s, d = self.tg("sparse"), self.tg("dense")
-        if s is not None and d is not None:
-            out.append(f"sparse/dense tg speed: {s.tok_s / d.tok_s:.2f}x (bytes read: "
-                       f"{d.bytes_per_token / s.bytes_per_token:.2f}x)")  # fmt: skip
-        for r in (s, d):
+        tgs = [r for r in (self.tg("sparse"), self.tg("dense")) if r and r.bandwidth_gb_s]
+        if tgs:
+            out.append("of BW: against the best read probe next to the run (" + ", ".join(
+                f"{r.mode} {r.bandwidth_gb_s:.1f} GB/s" for r in tgs) + ")")  # fmt: skip
+        if (line := self.speedup()) is not None:
+            out.append(line)
+        for r in (self.tg("sparse"), self.tg("dense")):
             if r is not None:
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r.phases_ms.items()))
                 out.append(f"{r.mode} tg ms/token by phase: {parts}")
@@ -359,10 +434,8 @@ class BenchResult:
                  _html.pct(r.ceiling_share) if tg else "")
             )  # fmt: skip
         notes = [f"{self.threads} threads, measured read bandwidth {self.bandwidth_gb_s:.1f} GB/s"]
-        s, d = self.tg("sparse"), self.tg("dense")
-        if s is not None and d is not None:
-            notes.append(f"sparse/dense tg speed: {s.tok_s / d.tok_s:.2f}x (bytes read: "
-                         f"{d.bytes_per_token / s.bytes_per_token:.2f}x)")  # fmt: skip
+        if (line := self.speedup()) is not None:
+            notes.append(line)
         return _html.table(
             f"{self.model}: speed",
             ("mode", "test", "tok/s", "active", "MB/token", "GB/s", "of BW"),
@@ -386,14 +459,19 @@ def run_bench(
     floor: bool = True,
     numerics: Numerics = DEFAULT_NUMERICS,
 ) -> BenchResult:
-    """Measure pp and tg speed per mode (``bench_mode``), with the bandwidth ceiling: the best
-    of read probes (``measure_bandwidth``) taken before the first mode and after each one.
+    """Measure pp and tg speed per mode in paired rounds: each round runs every mode once, in
+    turn, with a read probe (``BandwidthProbe``) after each, so that a shared host's drift
+    falls on both modes of a round alike.
+
+    Each row is its test's fastest run, and its share of the bandwidth is judged against the
+    best probe next to that run (before or after it). The sparse/dense ratios
+    (``BenchResult.tg_ratios``) are per round.
 
     Args:
         model: the model.
         name: its name, for tables and plots.
         n_prompt, n_gen: tokens of the pp and tg tests (0 skips a test).
-        repetitions: best of this many runs.
+        repetitions: rounds (each mode's best of this many runs).
         modes: ("sparse", "dense") by default for a model with predictors, else ("dense",).
         threshold: the predictor threshold (None: the file's).
         cut_scale: the scale of the file's FFN cuts in sparse runs (``RunOptions.cut_scale``).
@@ -415,18 +493,25 @@ def run_bench(
     bad = [m for m in modes if m not in ("sparse", "dense")]
     if bad:
         raise ValueError(f"unknown bench mode {bad[0]!r}: use 'sparse' or 'dense'")
-    probes = [measure_bandwidth()]
-    rows = []
-    for mode in modes:
-        rows += bench_mode(
-            model, mode, n_prompt, n_gen, probes[0], repetitions,
-            threshold=threshold, cut_scale=cut_scale, first_token=first_token, numerics=numerics,
-        )  # fmt: skip
-        probes.append(measure_bandwidth())  # a shared host drifts: the best probe is the ceiling
-    bw = max(probes)
-    for r in rows:
-        r.ceiling_share, r.attention_share = r.gb_s / bw, r.attention_gb_s / bw
+    benches = [
+        _ModeBench(model, m, threshold=threshold, cut_scale=cut_scale, numerics=numerics)
+        for m in modes
+    ]
+    probe = BandwidthProbe()
+    probes = [probe()]
+    for _ in range(repetitions):
+        for m in benches:
+            run = m.run(n_prompt, n_gen, first_token)
+            probes.append(probe(repeats=2))
+            run.ceiling = max(probes[-2:])
+    rows = [row for m in benches for row in m.rows(n_prompt, n_gen, first_token)]
+    by_mode = {m.mode: m.runs for m in benches}
+    ratios = []
+    if n_gen > 0 and "sparse" in by_mode and "dense" in by_mode:
+        ratios = [d.tg / s.tg for s, d in zip(by_mode["sparse"], by_mode["dense"], strict=True)]
     dispatch = 0.0
     if floor and n_gen > 0:
         dispatch = dispatch_overhead_ms(model, modes[0] == "sparse", numerics=numerics)
-    return BenchResult(name, rows, bw, torch.get_num_threads(), size_bytes, dispatch)
+    return BenchResult(
+        name, rows, max(probes), torch.get_num_threads(), size_bytes, dispatch, probes, ratios
+    )

@@ -409,6 +409,40 @@ def test_a_timed_step_reads_the_native_phase_clock(sparse_path, monkeypatch):
     )
 
 
+def test_bench_runs_the_modes_in_paired_rounds_beside_read_probes(sparse_path, monkeypatch):
+    """``run_bench`` runs sparse and dense in turn each round, with a read probe after each:
+    a tg row is its fastest run, judged against the best probe next to that run, and the
+    sparse/dense line is the median of the rounds' own ratios."""
+    from powerpy import benchmark
+
+    llm = load(sparse_path[0], threshold=0.0)
+    probes = iter([10.0, 20.0, 5.0, 40.0, 8.0])  # before; after sparse, dense; sparse, dense
+    monkeypatch.setattr(benchmark.BandwidthProbe, "__init__", lambda self: None)
+    monkeypatch.setattr(benchmark.BandwidthProbe, "__call__", lambda self, repeats=7: next(probes))
+    secs = {True: iter([1.0, 0.5]), False: iter([2.0, 2.5])}  # the untimed tg runs, per round
+    order, run_tg = [], benchmark.run_tg
+
+    def fake(model, n_gen, opts, first_token=0):
+        took = run_tg(model, n_gen, opts, first_token)
+        if opts.stats is None:  # the timed run, or the dense run counting the down rows read
+            return took
+        order.append(opts.sparse)
+        return next(secs[opts.sparse])
+
+    monkeypatch.setattr(benchmark, "run_tg", fake)
+    res = benchmark.run_bench(llm.model, n_prompt=0, n_gen=4, repetitions=2, floor=False)
+    assert order == [True, False, True, False]
+    assert res.probes == [10.0, 20.0, 5.0, 40.0, 8.0] and res.bandwidth_gb_s == 40.0
+    s, d = res.tg("sparse"), res.tg("dense")
+    assert (s.seconds, s.bandwidth_gb_s, d.seconds, d.bandwidth_gb_s) == (0.5, 40.0, 2.0, 20.0)
+    assert s.ceiling_share == pytest.approx(s.gb_s / 40) and d.ceiling_share == d.gb_s / 20
+    assert s.attention_share == pytest.approx(s.attention_gb_s / 40)
+    assert res.tg_ratios == [2.0, 5.0]
+    assert "3.50x, median of 2 paired rounds, 2.00-5.00" in res.speedup()
+    assert "sparse 40.0 GB/s, dense 20.0 GB/s" in res.table()
+    assert res.to_dict()["sparse_dense_tg_ratios"] == [2.0, 5.0]
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_fused_decode_attention_equals_the_torch_path(dense_path, monkeypatch, cache_dtype):
     """CPU-only decode runs attention (q/k/v, RoPE, cache write, GQA softmax, output) as one

@@ -20,7 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(p, generate=True)
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (pp test)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (tg test)")
-    p.add_argument("-r", "--repetitions", type=int, default=1, help="best of N runs")
+    p.add_argument(
+        "-r", "--repetitions", type=int, default=1,
+        help="rounds: each mode runs once per round, in turn; a row is its best run",
+    )  # fmt: skip
     p.add_argument("--sparse-only", action="store_true", help="skip the dense comparison")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     add_plot_arg(p, "ms per token by phase, sparse vs dense")
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"model {llm.path.name}: {a.arch}, {a.n_layer} layers, {res.size_bytes / 1e9:.2f} "
             f"GB, threads {res.threads}, measured read bandwidth {res.bandwidth_gb_s:.1f} GB/s"
+            + (f" (probes {min(res.probes):.1f}-{max(res.probes):.1f})" if res.probes else "")
         )
         print(res.table())
     if args.plot:
