@@ -366,6 +366,32 @@ def test_weight_methods(dtype, path, threads) -> None:
         assert torch.equal(wobj.take_rows(idx).dequantize().double(), w[idx])
 
 
+@pytest.mark.parametrize("dtype", ["f16", "q4_0", "q8_0"])
+def test_a_batch_of_mostly_zero_rows_is_summed_token_by_token(dtype, path, monkeypatch) -> None:
+    """A prompt's down pass over a ReLU FFN's h (most entries exactly 0) adds each token's
+    nonzero rows with the one-token row sum: every token gets the decode step's bits. A batch
+    with few zeros takes the tiled product; both are h @ W."""
+    from powerpy.model.ffn import rows_sum
+
+    wobj, w = make_weight(dtype, 96, 64, seed=3)
+    calls = []
+    axpy = type(wobj).gather_axpy
+    monkeypatch.setattr(type(wobj), "gather_axpy", lambda *a, **k: calls.append(1) or axpy(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(16, 96, generator=g).clamp_(min=1.0) - 1.0  # about 84% exact zeros
+    for batch in (h, torch.randn(16, 96, generator=g)):
+        calls.clear()
+        got = rows_sum(batch, wobj)
+        eps = 4 * (EPS if path == "kernel" else fallback_eps(dtype))
+        close(got, batch.double() @ w, batch.double().abs() @ w.abs(), eps)
+        if batch is h:
+            assert len(calls) == 16  # one row sum per token
+            for t in range(16):
+                assert torch.equal(got[t], rows_sum(batch[t : t + 1], wobj)[0])
+        else:
+            assert calls == []  # the tiled product
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_glu_rows(dtype, variant, path, threads) -> None:
