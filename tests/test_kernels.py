@@ -367,29 +367,39 @@ def test_weight_methods(dtype, path, threads) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q4_0", "q8_0"])
-def test_a_batch_of_mostly_zero_rows_is_summed_token_by_token(dtype, path, monkeypatch) -> None:
-    """A prompt's down pass over a ReLU FFN's h (most entries exactly 0) adds each token's
-    nonzero rows with the one-token row sum: every token gets the decode step's bits. A batch
-    with few zeros takes the tiled product; both are h @ W."""
+def test_a_batch_of_mostly_zero_rows_reads_only_its_nonzero_rows(
+    dtype, path, threads, monkeypatch
+) -> None:
+    """A prompt's down pass over a ReLU FFN's h (most entries exactly 0) sums each token's
+    nonzero rows with the row-sum kernel: one call whose threads take whole tokens, so each
+    token's row is the one-token, one-thread sum's bits, at any thread count. A batch with few
+    zeros takes the tiled product; both are h @ W."""
     from powerpy.model.ffn import rows_sum
 
+    lib = kernels.library()
     wobj, w = make_weight(dtype, 96, 64, seed=3)
-    calls = []
-    axpy = type(wobj).gather_axpy
-    monkeypatch.setattr(type(wobj), "gather_axpy", lambda *a, **k: calls.append(1) or axpy(*a, **k))
+    tiled, tiles = [], type(wobj).rows_sum
+    monkeypatch.setattr(type(wobj), "rows_sum", lambda *a: tiled.append(1) or tiles(*a))
+    if path == "kernel":  # tiny rows: let two threads take them
+        lib.set_tuning(min_bytes_per_thread=1)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(16, 96, generator=g).clamp_(min=1.0) - 1.0  # about 84% exact zeros
-    for batch in (h, torch.randn(16, 96, generator=g)):
-        calls.clear()
-        got = rows_sum(batch, wobj)
-        eps = 4 * (EPS if path == "kernel" else fallback_eps(dtype))
-        close(got, batch.double() @ w, batch.double().abs() @ w.abs(), eps)
-        if batch is h:
-            assert len(calls) == 16  # one row sum per token
-            for t in range(16):
-                assert torch.equal(got[t], rows_sum(batch[t : t + 1], wobj)[0])
-        else:
-            assert calls == []  # the tiled product
+    eps = 4 * (EPS if path == "kernel" else fallback_eps(dtype))
+    try:
+        torch.set_num_threads(1)
+        one = [rows_sum(h[t : t + 1], wobj)[0] for t in range(16)]
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            got = rows_sum(h, wobj)
+            close(got, h.double() @ w, h.double().abs() @ w.abs(), eps)
+            assert all(torch.equal(got[t], one[t]) for t in range(16)) and tiled == []
+        dense = torch.randn(16, 96, generator=g)
+        got = rows_sum(dense, wobj)
+        close(got, dense.double() @ w, dense.double().abs() @ w.abs(), eps)
+        assert tiled == [1]
+    finally:
+        if path == "kernel":
+            lib.set_tuning(min_bytes_per_thread=32768)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

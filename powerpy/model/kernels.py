@@ -43,7 +43,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 18
+ABI_VERSION = 19
 
 # dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -96,6 +96,7 @@ _SIGNATURES = {
     "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
     # dtype, W, ld, nrows, cols, h, idx, k, out, accumulate, nthreads
     "pp_gather_axpy": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
+    "pp_rows_sum": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
     # dtype, G, ldg, U, ldu, nrows, cols, x, idx, k, variant, out, act, nthreads
     "pp_glu_gemv": (
         [_i32, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _i64, _i32, _p, _i32, _i32],
@@ -283,6 +284,19 @@ class KernelLibrary:
         st = self._axpy(*w.args, h.data_ptr(), ip, k, out.data_ptr(), accumulate, _threads())
         if st:
             _raise(st, "gather_axpy", idx, w.nrows)
+        return out
+
+    def rows_sum(self, w: Matrix, h: Tensor) -> Tensor:
+        """``h @ W`` skipping zeros: h (T, nrows) -> (T, cols) f32, each token's nonzero rows
+        summed as ``gather_axpy`` sums them (threads take whole tokens where there are enough:
+        each token's row is then the one-thread sum's)."""
+        h = as_f32(h)
+        if h.dim() != 2 or h.shape[1] != w.nrows:
+            raise ValueError(f"h has shape {tuple(h.shape)}, expected (T, {w.nrows})")
+        out = torch.empty(h.shape[0], w.cols, dtype=_F32)
+        st = self.cdll.pp_rows_sum(*w.args, h.data_ptr(), h.shape[0], out.data_ptr(), _threads())
+        if st:
+            _raise(st, "rows_sum")
         return out
 
     def glu(self, gate: Matrix, up: Matrix, x: Tensor, idx: Tensor, variant: FFNVariant) -> Tensor:

@@ -347,6 +347,33 @@ int axpy_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const f
   return err;
 }
 
+// out[t] = sum_{j: h[t][j] != 0} h[t][j] * W[j] for T tokens (h: T x nrows, out: T x cols): a
+// prompt's down pass over a neuron-major matrix, whose h is mostly exact zeros. The threads
+// take whole tokens, so each token's row is the one-thread row sum's bits; with fewer tokens
+// than threads, each token's rows are split as in axpy_impl.
+template <int DT>
+int rows_sum_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
+                  int64_t T, float* out, int nthreads) {
+  const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
+  const int nt = team_size(nthreads, T * rb * 64);  // about 64 nonzero rows a token, at least
+  if (T < nt) {
+    int err = 0;
+    for (int64_t t = 0; t < T; ++t)
+      err |= axpy_impl<DT>(W, ld, nrows, cols, h + t * nrows, nullptr, nrows, out + t * cols, 0,
+                           nthreads);
+    return err;
+  }
+  return run_dynamic(nt, T, 1, [&](int64_t a, int64_t b) -> int {
+    int err = 0;
+    for (int64_t t = a; t < b; ++t) {
+      std::memset(out + t * cols, 0, sizeof(float) * cols);
+      err |= axpy_range<DT>(W, ld, nrows, cols, h + t * nrows, nullptr, 0, nrows, dist,
+                            out + t * cols);
+    }
+    return err;
+  });
+}
+
 // Whether any of tokens t0..t0+n-1 needs any of rows r0..r0+nr-1: need is (T, nrows) bytes,
 // laid out like the output, nonzero where the caller uses it.
 inline bool any_needed(const uint8_t* need, int64_t nrows, int64_t r0, int nr, int64_t t0, int n) {

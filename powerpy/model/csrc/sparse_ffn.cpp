@@ -362,6 +362,13 @@ int pp_gather_axpy(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t 
               nthreads)
 }
 
+// out[t] = sum_{j: h[t][j] != 0} h[t][j] * W[j] for T tokens: h (T, nrows), out (T, cols).
+int pp_rows_sum(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
+                int64_t T, float* out, int nthreads) {
+  if (!valid_shape(dtype, cols) || T < 0) return PP_ERR_ARG;
+  PP_DISPATCH(dtype, rows_sum_impl, (const uint8_t*)W, ld, nrows, cols, h, T, out, nthreads)
+}
+
 // out[j] = act(G[idx[j]]·x, U[idx[j]]·x) (variant 0 reglu, 1 drelu, 2 swiglu, 3 geglu).
 int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ldu, int64_t nrows,
                 int64_t cols, const float* x, const int64_t* idx, int64_t k, int variant,
