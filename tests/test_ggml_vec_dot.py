@@ -206,6 +206,24 @@ def test_k_quant_matmuls_equal_ggmls(ggml, qtype):
         assert got.tobytes() == want.tobytes(), (qtype.name, T, np.abs(got - want).max())
 
 
+def test_row_layout_q4_0_matmuls_equal_ggmls(ggml):
+    """A Q4_0 matrix that keeps its rows (not 8k rows, as a tiny vocabulary's output head) at
+    every token count: ggml's vec_dot order, block after block into 8 lanes, which llama.cpp's
+    AVX-512 build keeps too (a four-block AVX-512 kernel summing 16 lanes failed this)."""
+    lib = kernels.library()
+    if lib is None or lib.simd not in ("AVX2", "AVX-512"):
+        pytest.skip("needs the native kernels on an AVX2 (or wider) build")
+    rng = np.random.default_rng(61)
+    for cols, rows in ((256, 259), (96, 13), (1056, 21)):  # 8, 3 and 33 blocks a row
+        raw = np.ascontiguousarray(random_blocks(rng, GGMLType.Q4_0, rows, cols // 32))
+        m = Matrix.of_quant(torch.from_numpy(raw), GGMLType.Q4_0, cols)
+        for T in (1, 3, 4, 8, 21):
+            x = (rng.standard_normal((T, cols)) * 2).astype(np.float32)
+            want = _ggml_quant_mul_mat(ggml, raw, GGMLType.Q4_0, x)
+            got = lib.gemm(m, torch.from_numpy(x)).numpy()
+            assert got.tobytes() == want.tobytes(), (cols, T, np.abs(got - want).max())
+
+
 def _ggml_repacked_mul_mat(ggml, raw: np.ndarray, qtype: GGMLType, x: np.ndarray) -> np.ndarray:
     """ggml_mul_mat(W, x) with W in llama.cpp's CPU repack buffer (what a model's Q4_0 and Q4_K
     matrices of 8k rows get at load): x (T, cols) f32 -> (T, rows)."""

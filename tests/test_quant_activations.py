@@ -140,8 +140,9 @@ BLOCK32 = [t for t in kernels.QUANT_TYPES if TYPE_TRAITS[t].block_size == 32]
 @pytest.mark.parametrize("t", BLOCK32, ids=lambda t: t.name)
 @pytest.mark.parametrize("cols", [32, 96, 544, 608])
 def test_rows_that_end_in_a_partial_group(lib, t, cols) -> None:
-    """Q4_0 runs four blocks at a time on AVX-512 VBMI: rows of 1, 3, 17 and 19 blocks end in a
-    partial group, whose bytes past the row must not count (the last row ends the buffer)."""
+    """Rows of 1, 3, 17 and 19 blocks: a kernel reading blocks in pairs or groups (AVX-512's
+    prompt tiles) ends in a partial group, whose bytes past the row must not count (the last row
+    ends the buffer)."""
     raw, w, m = weight(t, cols, seed=cols)
     x = activations(cols, seed=cols + 1) if cols > 288 else np.random.default_rng(3).random(cols)
     x = x.astype(np.float32)
@@ -157,31 +158,28 @@ def test_rows_that_end_in_a_partial_group(lib, t, cols) -> None:
 
 def test_gemm_skips_tiles_no_token_needs(lib) -> None:
     """A predictor-gated prompt: the entries a token needs are those of the full GEMM (Q4_0:
-    those of its decode's row gathers, which take the interleaved layout's order on AVX2
-    builds); Q4_0 row pairs that no token of an 8-token tile needs come back 0 (other types
-    compute them all)."""
+    those of its decode's row gathers, which take the interleaved layout's order on AVX2 and
+    AVX-512 builds); on those builds a Q4_0 group of 8 rows that no token of a 4-token tile
+    needs comes back 0 (other types compute every entry)."""
     cols, T = 256, 21
     for t in (GGMLType.Q4_0, GGMLType.Q8_0):
         raw, w, m = weight(t, cols, seed=11)
         X = np.random.default_rng(12).standard_normal((T, cols)).astype(np.float32)
         X = torch.from_numpy(X)
         need = torch.from_numpy(np.random.default_rng(13).random((T, ROWS)) < 0.03)
-        need[17, 5] = True  # a row pair needed by the last, partial tile only
+        need[20, 5] = True  # a group needed by the last, one-token tile only
         full = lib.gemm(m, X)
         if t == GGMLType.Q4_0:
             full = torch.stack([lib.gather_gemv(m, x, torch.arange(ROWS)) for x in X])
         got = lib.gemm(m, X, need=need)
         assert torch.equal(got[need], full[need])
-        if t == GGMLType.Q4_0 and lib is kernels.library() and _has_q4_tiles():
-            assert (got == 0).sum() > T * ROWS // 2  # most tiles were skipped
+        if t == GGMLType.Q4_0 and lib is kernels.library() and lib.simd in ("AVX2", "AVX-512"):
+            skipped = torch.ones(T, ROWS, dtype=torch.bool)  # tiles 4, 4, 4, 4, 4, 1 x groups
+            for t0, t1 in ((0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 21)):
+                for g in range(0, ROWS, 8):
+                    skipped[t0:t1, g : g + 8] = not need[t0:t1, g : g + 8].any()
+            assert skipped.sum() > T * ROWS // 4 and not skipped[20, 0:8].any()
+            assert torch.equal(got[skipped], torch.zeros(int(skipped.sum())))
+            assert torch.equal(got[~skipped], full[~skipped])  # a needed group: all its rows
         with pytest.raises(ValueError, match="need has shape"):
             lib.gemm(m, X, need=need.t().contiguous())
-
-
-def _has_q4_tiles() -> bool:
-    """The native build has the four-block Q4_0 path (AVX-512 VBMI and VNNI)."""
-    try:
-        flags = open("/proc/cpuinfo", encoding="utf-8").read()
-    except OSError:
-        return False
-    return all(f in flags for f in ("avx512_vbmi", "avx512_vnni", "avx512bw"))

@@ -8,7 +8,7 @@ namespace {
 // llama.cpp's f32 matmuls: a batch's tinyBLAS (one = false: one GW-lane FMA accumulator over
 // cols / GW steps, reduced by hsum_gw) or one token's ggml_vec_dot_f32 (one = true: four GW-lane
 // accumulators over 4 GW-element steps, summed (0 + 2) + (1 + 3), reduced by vreduce_gw, then
-// the rest one rounded product and one add each); one = false needs cols % GW == 0.
+// the rest in order, see below); one = false needs cols % GW == 0.
 inline void gemv_f32_gw(const float* W, int64_t ld, int64_t r0, int64_t r1, int64_t cols,
                         const float* x, float* out, int64_t ldo, bool one) {
   constexpr int LG = GW / VL;
@@ -32,7 +32,12 @@ inline void gemv_f32_gw(const float* W, int64_t ld, int64_t r0, int64_t r1, int6
     for (int u = 0; u < LG; ++u)
       acc[0][u] = v_add(v_add(acc[0][u], acc[2][u]), v_add(acc[1][u], acc[3][u]));
     float s = lanes_vreduce(acc[0]);
-    for (int64_t i = np; i < cols; ++i) s += no_contract(w[i] * x[i]);
+    // The rest as GCC builds ggml's leftover loop for this width: with AVX-512 it multiplies 8
+    // at a time (each product rounded) and adds them in order, then fuses the last n % 8 into
+    // FMAs; the AVX2 build keeps every product rounded.
+    const int64_t nv = GW == 16 ? np + (cols - np) / 8 * 8 : cols;
+    for (int64_t i = np; i < nv; ++i) s += no_contract(w[i] * x[i]);
+    for (int64_t i = nv; i < cols; ++i) s = std::fma(w[i], x[i], s);
     out[r * ldo] = s;
   }
 }

@@ -1,7 +1,6 @@
 // The kernels over (gathered) rows, written once for every dtype: GEMV, gate/up GLU, row sums
 // (axpy), GEMM and dequantization. They read rows through the dtype's row engine Rows<DT>:
-// RowsBase below for every type, one specialization where an ISA has a kernel of its own
-// (Rows<DT_Q4_0> in q4_0_avx512.h).
+// RowsBase below for every type (a specialization may give an ISA a kernel of its own).
 
 namespace {
 

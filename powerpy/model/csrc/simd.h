@@ -3,8 +3,8 @@
 // reductions (simd_avx512.h: 16 lanes, simd_avx2.h: 8, simd_scalar.h: 1), and the 16-lane
 // pieces of llama.cpp's numerics (numerics_avx512.h, or simd_no16.h: none). Each arch header
 // provides the same names; the rest of the kernels are written once against them. PP_SIMD
-// (2 / 1 / 0) is what pp_simd_level reports; PP_WIDE and PP_Q4W (0 / 1) switch on the AVX-512
-// VNNI prompt tiles (wide_avx512.h) and Q4_0's four-block kernels (q4_0_avx512.h).
+// (2 / 1 / 0) is what pp_simd_level reports; PP_WIDE (0 / 1) switches on the AVX-512 VNNI
+// prompt tiles (wide_avx512.h).
 
 #if defined(__AVX2__)
 #include "bytes_avx2.h"
@@ -27,11 +27,6 @@
 #define PP_WIDE 1
 #else
 #define PP_WIDE 0
-#endif
-#if PP_WIDE && defined(__AVX512VBMI__)
-#define PP_Q4W 1
-#else
-#define PP_Q4W 0
 #endif
 
 namespace {

@@ -10,8 +10,8 @@
 // 32-element chunks, decoded in registers: decoded values equal the dequantized weights exactly
 // (q * d is exact in f32), and all accumulation is f32. Dot products with quantized weights
 // round x as llama.cpp does (Q8_0 / Q8_1 / Q8_K blocks) and take integer block sums, unless the
-// caller asks for f32 activations; Q4_0 runs four blocks per 512-bit step where AVX-512 VBMI is
-// there. Row sums (axpy) decode the weights to f32 and add four rows per pass.
+// caller asks for f32 activations. Row sums (axpy) decode the weights to f32 and add four rows
+// per pass.
 //
 // The main speed lever is a software prefetch of the row `dist` indices ahead into L2, spread
 // over the current row's loop (docs/kernels.md#prefetch); `dist` covers at least
@@ -27,7 +27,7 @@
 #include "vec.h"             // the tile template and the row kernels
 #include "ops.h"             // GEMV, GLU, axpy, GEMM, dequant over rows; the row engine
 #include "wide_avx512.h"     // AVX-512 VNNI prompt tiles
-#include "q4_0_avx512.h"     // Q4_0's own AVX-512 kernels
+#include "q4_0_avx512.h"     // Q4_0's AVX-512 row sums
 #include "k_quants_avx2.h"    // Q4_K, Q5_K and Q6_K dots in ggml's order
 #include "q4_k_x8.h"          // Q4_K rows interleaved 8 at a time: layout and kernel
 #include "q4_0_x8.h"          // the same for Q4_0
