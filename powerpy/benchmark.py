@@ -78,12 +78,6 @@ class BandwidthProbe:
         return self.n_bytes / best / 1e9
 
 
-def measure_bandwidth(n_bytes: int = 1 << 30, repeats: int = 7) -> float:
-    """Memory read bandwidth in GB/s: one ``BandwidthProbe`` of ``n_bytes``, best of
-    ``repeats`` reads per reader."""
-    return BandwidthProbe(n_bytes)(repeats)
-
-
 def _nbytes(*mats) -> int:
     """Bytes of the matrices and vectors given (None: absent, e.g. an ungated FFN's gate)."""
     total = 0
@@ -231,8 +225,7 @@ class _ModeBench:
             stats = SparsityStats.empty(model.args.n_layer, model.args.ffn_neurons)
             tg = run_tg(model, n_gen, dataclasses.replace(opts, stats=stats), first_token)
             active = stats.active_fraction() if self.sparse else None
-            # Where a token is one native call, the native phase clock times that call's
-            # blocks; else the per-layer calls are timed (a sync and Python between them).
+            # the native phase clock where a token is one call, else the per-layer calls'
             timer = PhaseTimer()
             timed = run_tg(model, n_gen, dataclasses.replace(opts, timer=timer), first_token)
             phases = {k: 1e3 * v / n_gen for k, v in timer.seconds.items()}
@@ -257,23 +250,13 @@ class _ModeBench:
             attn_gb_s = 0.0  # timed apart in the native step, which runs layers plan.first..
             if proj > 0 and plan is not None:
                 attn_gb_s = attention_weight_bytes(model, plan.first) / proj / 1e6
-            rows.append(
-                BenchRow(
-                    mode,
-                    f"tg{n_gen}",
-                    n_gen,
-                    best.tg,
-                    tps,
-                    bytes_per_token=b,
-                    gb_s=b * tps / 1e9,
-                    ceiling_share=b * tps / 1e9 / best.ceiling,
-                    active_fraction=1.0 if best.active is None else float(np.mean(best.active)),
-                    phases_ms=best.phases,
-                    attention_gb_s=attn_gb_s,
-                    attention_share=attn_gb_s / best.ceiling,
-                    bandwidth_gb_s=best.ceiling,
-                )
-            )
+            active = 1.0 if best.active is None else float(np.mean(best.active))
+            rows.append(BenchRow(
+                mode, f"tg{n_gen}", n_gen, best.tg, tps, bytes_per_token=b, gb_s=b * tps / 1e9,
+                ceiling_share=b * tps / 1e9 / best.ceiling, active_fraction=active,
+                phases_ms=best.phases, attention_gb_s=attn_gb_s,
+                attention_share=attn_gb_s / best.ceiling, bandwidth_gb_s=best.ceiling,
+            ))  # fmt: skip
         return rows
 
 

@@ -5,9 +5,8 @@ per-user cache keyed by source, flags, compiler and CPU. When no compiler is fou
 fails, :func:`available` returns False and logs the reason once; callers
 (``powerpy.model.matrices``) then use their torch code paths, as they do in calls whose
 numerics turn the kernels off (``powerpy.model.numerics``: ``RunOptions.native_kernels``). Every
-kernel runs on ``torch.get_num_threads()``
-OpenMP threads, so ``torch.set_num_threads`` controls them too (the library binds to torch's
-own ``libgomp.so.1``, so there is one thread pool).
+kernel runs on ``torch.get_num_threads()`` OpenMP threads, so ``torch.set_num_threads`` controls
+them too (the library binds to torch's own ``libgomp.so.1``, so there is one thread pool).
 
 Quantized matrices (:data:`QUANT_TYPES`) are read as raw ggml blocks; their matmuls round the
 activations as llama.cpp does unless the call's numerics say otherwise
@@ -96,7 +95,7 @@ _SIGNATURES = {
     "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
     # dtype, W, ld, nrows, cols, h, idx, k, out, accumulate, nthreads
     "pp_gather_axpy": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
-    "pp_rows_sum": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
+    "pp_rows_sum": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),  # ... h, T, out
     # dtype, G, ldg, U, ldu, nrows, cols, x, idx, k, variant, out, act, nthreads
     "pp_glu_gemv": (
         [_i32, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _i64, _i32, _p, _i32, _i32],
@@ -262,9 +261,7 @@ class KernelLibrary:
         self, w: Matrix, h: Tensor, idx: Tensor | None, out: Tensor | None = None
     ) -> Tensor:
         """``out (+)= sum_j h[j] * W[idx[j]]``: h (k,) -> (cols,) f32; rows with h[j]==0 skipped.
-
-        With ``out`` (f32, contiguous, (cols,)) the sum is added into it; otherwise a new tensor.
-        """
+        With ``out`` (f32, contiguous, (cols,)) the sum is added into it; else a new tensor."""
         h = as_f32(h)
         k = h.numel()
         if idx is None:
@@ -287,9 +284,8 @@ class KernelLibrary:
         return out
 
     def rows_sum(self, w: Matrix, h: Tensor) -> Tensor:
-        """``h @ W`` skipping zeros: h (T, nrows) -> (T, cols) f32, each token's nonzero rows
-        summed as ``gather_axpy`` sums them (threads take whole tokens where there are enough:
-        each token's row is then the one-thread sum's)."""
+        """``h @ W``, each token's nonzero rows summed as ``gather_axpy`` sums them on one
+        thread: h (T, nrows) -> (T, cols) f32 (the threads take whole tokens)."""
         h = as_f32(h)
         if h.dim() != 2 or h.shape[1] != w.nrows:
             raise ValueError(f"h has shape {tuple(h.shape)}, expected (T, {w.nrows})")
@@ -300,10 +296,8 @@ class KernelLibrary:
         return out
 
     def glu(self, gate: Matrix, up: Matrix, x: Tensor, idx: Tensor, variant: FFNVariant) -> Tensor:
-        """Fused ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``: -> (k,) f32 (see VARIANTS).
-
-        ``gate`` must match ``up`` in dtype and shape.
-        """
+        """Fused ``h[j] = act(gate[idx[j]]·x, up[idx[j]]·x)``: -> (k,) f32 (see VARIANTS);
+        ``gate`` must match ``up`` in dtype and shape."""
         x = as_f32(x)
         if x.numel() != up.cols:
             raise ValueError(f"x has {x.numel()} elements, the matrix {up.cols} columns")
@@ -423,13 +417,9 @@ class KernelLibrary:
         return self.cdll.pp_stream_read(buf.data_ptr(), buf.numel() * buf.itemsize, _threads())
 
     def dequant_rows(
-        self,
-        w: Matrix,
-        idx: Tensor | None,
-        start: int = 0,
-        count: int | None = None,
+        self, w: Matrix, idx: Tensor | None, start: int = 0, count: int | None = None,
         out: Tensor | None = None,
-    ) -> Tensor:
+    ) -> Tensor:  # fmt: skip
         """Rows as f32 (k, cols): ``W[idx]``, or rows ``start:start+count`` when idx is None."""
         if idx is None:
             count = w.nrows - start if count is None else count
