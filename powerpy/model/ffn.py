@@ -140,10 +140,10 @@ def rows_sum(h: Tensor, w: Weight, small_batch: int = 8) -> Tensor:
     """``h @ W`` for a neuron-major W: h (T, n_ff) f32, W (n_ff, n_embd) -> (T, n_embd) f32.
 
     On the host, up to ``small_batch`` tokens take the row-sum kernel token by token (each
-    token gets the decode step's bits), and so does a larger batch whose h is at least half
-    exact zeros (a ReLU FFN's, a masked or cut one), in one call whose threads take whole
-    tokens: it reads only a token's nonzero rows. Other batches decode tiles of rows for
-    BLAS."""
+    token gets the decode step's bits), and with the native kernels so does a larger batch
+    whose h is at least half exact zeros (a ReLU FFN's, a masked or cut one), in one call whose
+    threads take whole tokens: it reads only a token's nonzero rows. Other batches decode tiles
+    of rows for BLAS."""
     if isinstance(w, FusedWeight):
         return w.rows_sum(h)  # placed rows: one fused op
     if w.device.type != "cpu" and isinstance(w, DenseWeight):
@@ -153,15 +153,15 @@ def rows_sum(h: Tensor, w: Weight, small_batch: int = 8) -> Tensor:
     rows_kernel = not isinstance(w, TransposedWeight) and not (
         isinstance(w, DenseWeight) and w.w.dtype == torch.float32
     )
-    few = h.shape[0] <= small_batch
-    if rows_kernel and (few or 2 * int(torch.count_nonzero(h)) <= h.numel()):
-        # a 0 in h skips its row (the ReLU FFN of a 7B PWRI file, 32 tokens: 1.5-3x the
-        # prompt speed of dequantized tiles and BLAS)
-        kern = None if few else w.kernel()
-        if kern is not None:
-            return kern[0].rows_sum(kern[1], h)  # one call, the threads take tokens
-        rows = torch.arange(w.shape[0], device=w.device)  # decode: one row sum per token
+    if rows_kernel and h.shape[0] <= small_batch:  # decode: the row-sum kernel per token
+        rows = torch.arange(w.shape[0], device=w.device)
         return torch.stack([w.gather_axpy(h_t, rows) for h_t in h])
+    if rows_kernel and 2 * int(torch.count_nonzero(h)) <= h.numel():
+        # a 0 in h skips its row (the ReLU FFN of a 7B PWRI file, 32 tokens: 2x the prompt
+        # speed of dequantized tiles and BLAS); one call, the threads take whole tokens
+        kern = w.kernel()
+        if kern is not None:
+            return kern[0].rows_sum(kern[1], h)
     return w.rows_sum(h)  # a dense file's ffn_down: its linear; else tiles of rows and BLAS
 
 
