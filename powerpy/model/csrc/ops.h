@@ -53,7 +53,6 @@ struct ActBuf {
 template <int DT>
 struct RowsBase {
   static constexpr bool PACKED = false;  // no layout of its own for the activations
-  static constexpr bool PAIRS = false;   // GEMV takes rows one by one (else dot_pair)
   static size_t packed_bytes(int64_t, int64_t) { return 0; }
   static void pack(const QAct*, int64_t, void*, int64_t, int64_t) {}
 
@@ -141,10 +140,10 @@ template <int DT, class RowF, class DstF>
 int gemv_rows(int nt, int64_t k, int64_t dist, const float* x, const ActBuf<DT>& xa, int64_t cols,
               RowF row_of, DstF dst) {
   using E = Rows<DT>;
-  // a pair form: the row engine's own (dot_pair, its packed activations), or, for the 32-element
-  // block types with quantized activations, two FMA chains side by side, each row's own order
-  constexpr bool PAIRED = E::PAIRS || (DT >= DT_Q8_0 && DT <= DT_Q5_1);
-  const bool paired = PAIRED && (E::PAIRS ? xa.g != nullptr : xa.p != nullptr);
+  // the pair form of the 32-element block types with quantized activations: two FMA chains side
+  // by side, each row's own order
+  constexpr bool PAIRED = DT >= DT_Q8_0 && DT <= DT_Q5_1;
+  const bool paired = PAIRED && xa.p != nullptr;
   return run_dynamic(nt, k, 2, [&](int64_t a, int64_t b) -> int {
     int err = 0;
     auto row = [&](int64_t j) -> const uint8_t* { return j < b ? row_of(j) : nullptr; };
@@ -153,13 +152,7 @@ int gemv_rows(int nt, int64_t k, int64_t dist, const float* x, const ActBuf<DT>&
       if (w[0] && w[1]) {
         const uint8_t* nx[2] = {row(j + dist), row(j + 1 + dist)};
         float* o[2] = {dst(j), dst(j + 1)};
-        if constexpr (E::PAIRS) {
-          if (o[1] == o[0] + 1) {  // dot_pair writes two adjacent results
-            E::dot_pair(w, nx, xa, o[0]);
-            ++j;
-            continue;
-          }
-        } else if constexpr (PAIRED) {
+        if constexpr (PAIRED) {
           tile<QDot<DT>, 2, 1>(w, nx, {xa.p, cols / 32}, o, 0);
           ++j;
           continue;
