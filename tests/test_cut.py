@@ -248,7 +248,9 @@ def test_the_cut_in_one_command_on_a_qwen2_model(tmp_path, capsys):
     assert all(not b.gated and b.down_tau is not None for b in cut.model.weights.blk)
     ids = dense.tokenize(text.read_text(encoding="utf-8"), add_bos=False)[:256]
     off = load(out, cut_scale=0.0)
-    torch.testing.assert_close(off.logits(ids), dense.logits(ids), atol=1e-4, rtol=1e-4)
+    # the same values up to the order of the down sums (the dense file's dot products, the PWRI
+    # file's row sums over ffn_down_t)
+    torch.testing.assert_close(off.logits(ids), dense.logits(ids), atol=3e-4, rtol=1e-4)
     cut.logits(ids)
     skipped = 1 - cut.sparsity.active_fraction().mean()
     assert 0.3 < skipped < 0.5, skipped  # the share asked for, on the calibration text

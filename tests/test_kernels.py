@@ -161,16 +161,28 @@ def kernels_on() -> Iterator[None]:
     yield
 
 
+@pytest.fixture(scope="session")
+def teams_lib() -> kernels.KernelLibrary:
+    """The native build with no minimum of work per thread (``PP_MIN_BYTES_PER_THREAD=1``):
+    tiny test matrices then take as many threads as asked. The bits must not change: no
+    kernel's result depends on its team size."""
+    if kernels.library() is None:
+        pytest.skip("native kernels unavailable")
+    return kernels.build(flags=(*kernels.DEFAULT_FLAGS, "-DPP_MIN_BYTES_PER_THREAD=1"))
+
+
 @pytest.fixture
-def tiny_threads(lib: kernels.KernelLibrary) -> Iterator[None]:
-    """Let tiny test matrices use several threads (restores the default afterwards)."""
-    lib.set_tuning(min_bytes_per_thread=1)
-    yield
-    lib.set_tuning(min_bytes_per_thread=32768)
+def tiny_threads(request) -> Iterator[kernels.KernelLibrary]:
+    """The library whose kernels split tiny matrices over 2 threads (restored afterwards)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield request.getfixturevalue("teams_lib")
+    torch.set_num_threads(saved)
 
 
-def thread_configs(lib: kernels.KernelLibrary) -> Iterator[int]:
-    """1 thread with the default tuning, then 2 threads forced even on tiny matrices.
+def thread_configs(lib: kernels.KernelLibrary, request) -> Iterator[kernels.KernelLibrary]:
+    """``lib`` on 1 thread, then (native build only) the teams build on 2 threads, which splits
+    even tiny matrices: the library to call.
 
     The threading code is the same for every SIMD level, so only the native build runs the
     2-thread pass (2-thread calls are slow on a busy shared machine).
@@ -178,14 +190,12 @@ def thread_configs(lib: kernels.KernelLibrary) -> Iterator[int]:
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        yield 1
+        yield lib
         if lib is not kernels.library():
             return
         torch.set_num_threads(2)
-        lib.set_tuning(min_bytes_per_thread=1)
-        yield 2
+        yield request.getfixturevalue("teams_lib")
     finally:
-        lib.set_tuning(min_bytes_per_thread=32768)
         torch.set_num_threads(saved)
 
 
@@ -199,79 +209,79 @@ def matrix(wobj) -> kernels.Matrix:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gather_gemv(lib, dtype) -> None:
+def test_gather_gemv(lib, dtype, request) -> None:
     for cols in cols_for(dtype):
         wobj, w = make_weight(dtype, ROWS, cols, seed=cols)
         m = matrix(wobj)
         x = torch.randn(cols)
-        for _ in thread_configs(lib):
+        for run in thread_configs(lib, request):
             for idx in index_sets(ROWS):
-                got = lib.gather_gemv(m, x, idx)
+                got = run.gather_gemv(m, x, idx)
                 close(got, w[idx] @ x.double(), w[idx].abs() @ x.double().abs())
-            full = lib.gather_gemv(m, x, None)  # dense GEMV over all rows
+            full = run.gather_gemv(m, x, None)  # dense GEMV over all rows
             close(full, w @ x.double(), w.abs() @ x.double().abs())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gather_axpy(lib, dtype) -> None:
+def test_gather_axpy(lib, dtype, request) -> None:
     for cols in cols_for(dtype):
         wobj, w = make_weight(dtype, ROWS, cols, seed=cols + 1)
         m = matrix(wobj)
-        for _ in thread_configs(lib):
+        for run in thread_configs(lib, request):
             for idx in index_sets(ROWS):
                 h = torch.randn(idx.numel())
                 h[::3] = 0.0  # skipped rows
                 ref = h.double() @ w[idx]
                 bound = h.double().abs() @ w[idx].abs()
-                close(lib.gather_axpy(m, h, idx), ref, bound)
+                close(run.gather_axpy(m, h, idx), ref, bound)
                 acc = torch.randn(cols)
-                got = lib.gather_axpy(m, h, idx, out=acc.clone())
+                got = run.gather_axpy(m, h, idx, out=acc.clone())
                 close(got, ref + acc.double(), bound + acc.double().abs())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_glu(lib, dtype) -> None:
+def test_glu(lib, dtype, request) -> None:
     for cols in cols_for(dtype)[1:]:
         gobj, g = make_weight(dtype, ROWS, cols, seed=2 * cols)
         uobj, u = make_weight(dtype, ROWS, cols, seed=2 * cols + 1)
         x = torch.randn(cols).double()
-        for _ in thread_configs(lib):
+        for run in thread_configs(lib, request):
             for idx in index_sets(ROWS):
                 gv, uv = g[idx] @ x, u[idx] @ x
                 gb, ub = g[idx].abs() @ x.abs(), u[idx].abs() @ x.abs()
                 for variant in VARIANTS:
                     ref = glu(gv, uv, variant)
-                    got = lib.glu(matrix(gobj), matrix(uobj), x.float(), idx, variant)
+                    got = run.glu(matrix(gobj), matrix(uobj), x.float(), idx, variant)
                     bound = gb * uv.abs() + (gv.abs() + gb) * ub
                     close(got, ref, bound, eps=4 * EPS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemm(lib, dtype) -> None:
+def test_gemm(lib, dtype, request) -> None:
     for cols in cols_for(dtype)[:2]:
         wobj, w = make_weight(dtype, ROWS, cols, seed=3 * cols)
         m = matrix(wobj)
-        for _ in thread_configs(lib):
+        for run in thread_configs(lib, request):
             for T in (1, 2, 3, 4, 5, 9):
                 x = torch.randn(T, cols)
-                close(lib.gemm(m, x), x.double() @ w.T, x.double().abs() @ w.abs().T)
+                close(run.gemm(m, x), x.double() @ w.T, x.double().abs() @ w.abs().T)
             # strided x and out (column block of a wider buffer)
             xs = torch.randn(3, cols + 8)[:, 4 : 4 + cols]
             out = torch.full((3, ROWS + 5), 7.0)
-            lib.gemm(m, xs, out=out[:, 2 : 2 + ROWS])
+            run.gemm(m, xs, out=out[:, 2 : 2 + ROWS])
             close(out[:, 2 : 2 + ROWS], xs.double() @ w.T, xs.double().abs() @ w.abs().T)
             assert (out[:, :2] == 7).all() and (out[:, 2 + ROWS :] == 7).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dequant_rows_exact(lib, dtype, tiny_threads) -> None:
-    for cols in cols_for(dtype):
+def test_dequant_rows_exact(lib, dtype, request) -> None:
+    for run, cols in ((r, c) for r in thread_configs(lib, request) for c in cols_for(dtype)):
         wobj, w = make_weight(dtype, ROWS, cols, seed=4 * cols)
         m = matrix(wobj)
-        assert torch.equal(lib.dequant_rows(m, None).double(), w)
+        assert torch.equal(run.dequant_rows(m, None).double(), w)
         idx = torch.tensor([3, 0, ROWS - 1, 3])
-        assert torch.equal(lib.dequant_rows(m, idx).double(), w[idx])
-        assert torch.equal(lib.dequant_rows(m, None, 10, 20).double(), w[10:30])
+        assert torch.equal(run.dequant_rows(m, idx).double(), w[idx])
+        assert torch.equal(run.dequant_rows(m, None, 10, 20).double(), w[10:30])
 
 
 def test_half_conversion_all_values(lib) -> None:
@@ -309,18 +319,37 @@ def test_index_errors(lib) -> None:
             lib.glu(m, m, x, bad, "reglu")
 
 
-def test_axpy_deterministic(lib, threads) -> None:
-    torch.set_num_threads(2)
-    lib.set_tuning(min_bytes_per_thread=1)
-    try:
-        wobj, _ = make_weight("f16", ROWS, 2048)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_sums_are_the_same_bits_at_any_team_size(teams_lib, dtype, threads) -> None:
+    """Every row-sum export (``gather_axpy`` over an index list, adding into ``out`` or not;
+    ``rows_sum`` over a batch) gives the same bits on teams of 1 to 4 threads, and each token of
+    a batch the bits of its own one-token sum (so a prompt's rows do not depend on how it is cut
+    into batches). The teams build splits even these small matrices."""
+    lib = teams_lib
+    for cols in cols_for(dtype):
+        wobj, _ = make_weight(dtype, ROWS, cols, seed=5 * cols)
         m = matrix(wobj)
-        idx, h = torch.randperm(ROWS), torch.randn(ROWS)
-        first = lib.gather_axpy(m, h, idx)
-        for _ in range(5):
-            assert torch.equal(lib.gather_axpy(m, h, idx), first)
-    finally:
-        lib.set_tuning(min_bytes_per_thread=32768)
+        g = torch.Generator().manual_seed(cols)
+        idx = torch.randperm(ROWS, generator=g)[: ROWS // 2]
+        h = torch.randn(idx.numel(), generator=g)
+        h[::4] = 0.0
+        acc = torch.randn(cols, generator=g)
+        hb = torch.randn(13, ROWS, generator=g).clamp_(min=0.5) - 0.5  # mostly zeros
+        hb[3] = torch.randn(ROWS, generator=g)  # one dense token
+        got = {}
+        for nt in (1, 2, 3, 4):
+            torch.set_num_threads(nt)
+            got[nt] = (
+                lib.gather_axpy(m, h, idx),
+                lib.gather_axpy(m, h, idx, out=acc.clone()),
+                lib.rows_sum(m, hb),
+            )
+        for nt in (2, 3, 4):
+            assert all(torch.equal(a, b) for a, b in zip(got[1], got[nt], strict=True)), (cols, nt)
+        torch.set_num_threads(1)
+        every = torch.arange(ROWS)
+        one = torch.stack([lib.gather_axpy(m, hb[t], every) for t in range(hb.shape[0])])
+        assert torch.equal(got[4][2], one), cols
 
 
 # ---- matrices.py: kernel path vs torch fallback vs float64 ---------------------------------------
@@ -367,43 +396,30 @@ def test_weight_methods(dtype, path, threads) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q4_0", "q8_0"])
-def test_a_batch_of_mostly_zero_rows_reads_only_its_nonzero_rows(
-    dtype, path, threads, monkeypatch
-) -> None:
-    """A prompt's down pass over a ReLU FFN's h (most entries exactly 0) sums each token's
-    nonzero rows with the native row-sum kernel: one call whose threads take whole tokens, so
-    each token's row is the one-token, one-thread sum's bits, at any thread count. A batch with
-    few zeros, or any batch without the kernels, takes the tiled product; all are h @ W."""
+def test_a_batch_row_sum_is_each_token_own_row_sum(dtype, path, threads, monkeypatch) -> None:
+    """A prompt's down pass (``ffn.rows_sum``) over a ReLU FFN's h (most entries exactly 0)
+    and over a dense h: with the kernels each token's row is its one-token sum's bits at 1 and 2
+    threads; without them torch decodes tiles of rows once for the batch. All are h @ W."""
     from powerpy.model.ffn import rows_sum
 
-    lib = kernels.library()
     wobj, w = make_weight(dtype, 96, 64, seed=3)
     tiled, tiles = [], type(wobj).rows_sum
     monkeypatch.setattr(type(wobj), "rows_sum", lambda *a: tiled.append(1) or tiles(*a))
-    if path == "kernel":  # tiny rows: let two threads take them
-        lib.set_tuning(min_bytes_per_thread=1)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(16, 96, generator=g).clamp_(min=1.0) - 1.0  # about 84% exact zeros
+    dense = torch.randn(16, 96, generator=g)
     eps = 4 * (EPS if path == "kernel" else fallback_eps(dtype))
-    try:
+    for hb in (h, dense):
         torch.set_num_threads(1)
-        one = [rows_sum(h[t : t + 1], wobj)[0] for t in range(16)]
+        one = [rows_sum(hb[t : t + 1], wobj)[0] for t in range(16)]
         for nt in (1, 2):
             torch.set_num_threads(nt)
-            got = rows_sum(h, wobj)
-            close(got, h.double() @ w, h.double().abs() @ w.abs(), eps)
+            got = rows_sum(hb, wobj)
+            close(got, hb.double() @ w, hb.double().abs() @ w.abs(), eps)
             if path == "kernel":
-                assert all(torch.equal(got[t], one[t]) for t in range(16)) and tiled == []
-            else:  # torch decodes a tile once, not a token's rows per token
-                assert tiled == [1]
-                tiled.clear()
-        dense = torch.randn(16, 96, generator=g)
-        got = rows_sum(dense, wobj)
-        close(got, dense.double() @ w, dense.double().abs() @ w.abs(), eps)
-        assert tiled == [1]
-    finally:
-        if path == "kernel":
-            lib.set_tuning(min_bytes_per_thread=32768)
+                assert all(torch.equal(got[t], one[t]) for t in range(16))
+        assert tiled == ([1, 1] if path == "kernel" else [1] * 18)  # the batches; torch: all
+        tiled.clear()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -136,33 +136,22 @@ def glu_rows(
     return glu(g, up.gather_linear(x, idx), variant, inplace=True)
 
 
-def rows_sum(h: Tensor, w: Weight, small_batch: int = 8) -> Tensor:
+def rows_sum(h: Tensor, w: Weight) -> Tensor:
     """``h @ W`` for a neuron-major W: h (T, n_ff) f32, W (n_ff, n_embd) -> (T, n_embd) f32.
 
-    On the host, up to ``small_batch`` tokens take the row-sum kernel token by token (each
-    token gets the decode step's bits), and with the native kernels so does a larger batch
-    whose h is at least half exact zeros (a ReLU FFN's, a masked or cut one), in one call whose
-    threads take whole tokens: it reads only a token's nonzero rows. Other batches decode tiles
-    of rows for BLAS."""
+    On the host with the native kernels each token's row has the bits of its own one-token row
+    sum, at any thread count and in any batch: one token sums its nonzero rows
+    (``gather_axpy``), a batch takes the tiled row sums (``KernelLibrary.rows_sum``), which read
+    a row once per tile of tokens and skip rows no token of the tile needs."""
     if isinstance(w, FusedWeight):
         return w.rows_sum(h)  # placed rows: one fused op
     if w.device.type != "cpu" and isinstance(w, DenseWeight):
         return (h.to(w.w.dtype) @ w.w).float()  # placed float rows: one matmul, no f32 copy
     if w.device.type != "cpu" and not isinstance(w, TransposedWeight):
         return h.float() @ w.dequantize()  # placed blocks no fused kernel reads: decoded
-    rows_kernel = not isinstance(w, TransposedWeight) and not (
-        isinstance(w, DenseWeight) and w.w.dtype == torch.float32
-    )
-    if rows_kernel and h.shape[0] <= small_batch:  # decode: the row-sum kernel per token
-        rows = torch.arange(w.shape[0], device=w.device)
-        return torch.stack([w.gather_axpy(h_t, rows) for h_t in h])
-    if rows_kernel and 2 * int(torch.count_nonzero(h)) <= h.numel():
-        # a 0 in h skips its row (the ReLU FFN of a 7B PWRI file, 32 tokens: 2x the prompt
-        # speed of dequantized tiles and BLAS); one call, the threads take whole tokens
-        kern = w.kernel()
-        if kern is not None:
-            return kern[0].rows_sum(kern[1], h)
-    return w.rows_sum(h)  # a dense file's ffn_down: its linear; else tiles of rows and BLAS
+    if h.shape[0] == 1 and not isinstance(w, TransposedWeight) and w.kernel() is not None:
+        return w.gather_axpy(h[0], torch.arange(w.shape[0]))[None]  # whole rows, streamed
+    return w.rows_sum(h)  # a dense file's ffn_down: its linear; else the tiled row sums
 
 
 def ffn_dense(

@@ -42,7 +42,7 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 19
+ABI_VERSION = 20
 
 # dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -90,7 +90,7 @@ _SIGNATURES = {
     "pp_simd_level": ([], _i32),
     "pp_layer_record_len": ([], _i32),
     "pp_dtype_code": ([_i32], _i32),  # ggml type id -> dtype code, or -1
-    "pp_set_tuning": ([_i64, _i64], None),
+    "pp_set_tuning": ([_i64], None),
     # dtype, W, ld, nrows, cols, x, idx, k, out, act, nthreads
     "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
     # dtype, W, ld, nrows, cols, h, idx, k, out, accumulate, nthreads
@@ -237,9 +237,9 @@ class KernelLibrary:
         self._axpy = self.cdll.pp_gather_axpy
         self._glu = self.cdll.pp_glu_gemv
 
-    def set_tuning(self, prefetch_bytes: int = -1, min_bytes_per_thread: int = -1) -> None:
-        """Process-wide knobs: prefetch reach in bytes; work per thread before adding threads."""
-        self.cdll.pp_set_tuning(prefetch_bytes, min_bytes_per_thread)
+    def set_tuning(self, prefetch_bytes: int = -1) -> None:
+        """The prefetch reach in bytes (process-wide; it changes speed, never a result)."""
+        self.cdll.pp_set_tuning(prefetch_bytes)
 
     def gather_gemv(self, w: Matrix, x: Tensor, idx: Tensor | None) -> Tensor:
         """``out[j] = W[idx[j]] · x``: x (cols,) -> (k,) f32; ``idx=None`` means all rows."""
@@ -284,8 +284,9 @@ class KernelLibrary:
         return out
 
     def rows_sum(self, w: Matrix, h: Tensor) -> Tensor:
-        """``h @ W``, each token's nonzero rows summed as ``gather_axpy`` sums them on one
-        thread: h (T, nrows) -> (T, cols) f32 (the threads take whole tokens)."""
+        """``h @ W`` for a neuron-major W: h (T, nrows) -> (T, cols) f32. Each token's row has
+        the bits of ``gather_axpy`` of its h over every row (rows whose h is 0 are skipped), at
+        any thread count: the threads take groups of columns, tiles of tokens read a row once."""
         h = as_f32(h)
         if h.dim() != 2 or h.shape[1] != w.nrows:
             raise ValueError(f"h has shape {tuple(h.shape)}, expected (T, {w.nrows})")

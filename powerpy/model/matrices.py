@@ -7,7 +7,8 @@ keep their raw ggml blocks and are never dequantized as a whole (resident memory
 the file size): rows are decoded on the fly.
 
 On CPU, with contiguous rows, the methods call the native kernels of :mod:`powerpy.model.kernels`
-(f32 accumulation, OpenMP on ``torch.get_num_threads()`` threads). Elsewhere, or when the
+(f32 accumulation, OpenMP on ``torch.get_num_threads()`` threads, the same bits at any thread
+count: no BLAS call, whose bits vary with it). Elsewhere, or when the
 kernels are unavailable or disabled, they use the fastest torch formulation measured on CPU
 (``docs/kernels.md#torch-fallback``): ``index_select(out=)`` into a reused buffer plus
 ``F.linear``, and ``embedding_bag`` for the weighted row sum. All results are f32.
@@ -26,10 +27,7 @@ from powerpy.formats.constants import TYPE_TRAITS, GGMLType
 from powerpy.model import interleave, kernels, numerics
 from powerpy.model.block_decode import dequantize_rows_torch
 
-# Batches up to this size use the native multi-vector GEMM (weights read once, decoded in
-# registers); larger ones dequantize tiles of rows and call BLAS.
-KERNEL_GEMM_MAX_T = 8
-# Rows of f32 per dequantized tile in the chunked (T > KERNEL_GEMM_MAX_T or fallback) paths.
+# Rows of f32 per dequantized tile in the torch paths (no native kernels).
 TILE_ELEMENTS = 1 << 21  # 8 MiB of f32
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -83,37 +81,6 @@ def _as_idx(idx: Tensor) -> Tensor:
     return idx if idx.dtype == torch.int64 else idx.to(torch.int64)
 
 
-def _tiled_linear(lib: kernels.KernelLibrary, m: kernels.Matrix, x: Tensor) -> Tensor:
-    """``x @ W.T`` for larger batches: decode tiles of rows to f32 and multiply with BLAS.
-
-    x (T, cols) -> (T, rows) f32; only one tile of f32 rows exists at a time.
-    """
-    x = x.float()
-    out = torch.empty(x.shape[0], m.nrows, dtype=torch.float32)  # (T, rows)
-    step = max(16, TILE_ELEMENTS // max(m.cols, 1))
-    for s in range(0, m.nrows, step):
-        n = min(step, m.nrows - s)
-        tile = lib.dequant_rows(m, None, s, n, out=_scratch_rows(n, m.cols, torch.float32))
-        torch.mm(x, tile.t(), out=out[:, s : s + n])  # BLAS writes the column slice in place
-    return out
-
-
-def _tiled_rows_sum(lib: kernels.KernelLibrary, m: kernels.Matrix, h: Tensor) -> Tensor:
-    """``h @ W`` for a neuron-major W and a batch: h (T, rows) -> (T, cols) f32.
-
-    Tiles of rows are decoded to f32 in place (no row copy) and added with BLAS; only one tile
-    of f32 rows exists at a time.
-    """
-    h = h.float()
-    out = torch.zeros(h.shape[0], m.cols, dtype=torch.float32)
-    step = max(16, TILE_ELEMENTS // max(m.cols, 1))
-    for s in range(0, m.nrows, step):
-        n = min(step, m.nrows - s)
-        tile = lib.dequant_rows(m, None, s, n, out=_scratch_rows(n, m.cols, torch.float32))
-        out.addmm_(h[:, s : s + n], tile)
-    return out
-
-
 # ---- dense ---------------------------------------------------------------------------------------
 
 
@@ -154,15 +121,11 @@ class DenseWeight:
         if x.dim() == 1:
             return self.linear(x[None])[0]
         kern = self.kernel()
-        if self.w.dtype == torch.float32:
-            if kern is not None and x.shape[0] == 1:  # MKL sgemv reads at ~22 GB/s, this ~32
-                return kern[0].gemm(kern[1], x)
-            return F.linear(x.float(), self.w)
-        if kern is None:
-            return F.linear(x.to(self.w.dtype), self.w).float()
-        if x.shape[0] <= KERNEL_GEMM_MAX_T:
+        if kern is not None:  # the same bits at any thread count (BLAS's vary with it)
             return kern[0].gemm(kern[1], x)
-        return _tiled_linear(kern[0], kern[1], x)
+        if self.w.dtype == torch.float32:
+            return F.linear(x.float(), self.w)
+        return F.linear(x.to(self.w.dtype), self.w).float()
 
     def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
         """Rows ``idx`` of ``W @ x``: x (cols,), idx (k,) int64 -> (k,) f32."""
@@ -211,14 +174,16 @@ class DenseWeight:
         return res if out is None else out.add_(res)
 
     def rows_sum(self, h: Tensor) -> Tensor:
-        """``h @ W`` for a batch: h (T, rows) -> (T, cols) f32 (a neuron-major down matrix)."""
+        """``h @ W`` for a batch: h (T, rows) -> (T, cols) f32 (a neuron-major down matrix). With
+        the native kernels each token's row is its own row sum's bits (``KernelLibrary.rows_sum``:
+        the same at any thread count and batch); else BLAS."""
+        kern = self.kernel()
+        if kern is not None:
+            return kern[0].rows_sum(kern[1], h)
         h = h.float()
         if self.w.dtype == torch.float32:
             # (W^T h^T)^T: MKL's vector-times-matrix path (h @ W) is ~20x slower here
             return (self.w.t() @ h.t()).t()
-        kern = self.kernel()
-        if kern is not None:
-            return _tiled_rows_sum(kern[0], kern[1], h)
         out = h.new_zeros(h.shape[0], self.w.shape[1])
         step = max(16, TILE_ELEMENTS // max(self.w.shape[1], 1))
         for s in range(0, self.w.shape[0], step):
@@ -304,7 +269,7 @@ class QuantWeight:
     def linear(self, x: Tensor, need: Tensor | None = None) -> Tensor:
         """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)). With llama.cpp's
         rounding one integer GEMM reads the blocks once (:meth:`dense_kernel`'s; the rows' with
-        ``need``); with f32 activations larger batches and the torch fallback decode tiles of
+        ``need``), with f32 activations the native float GEMM; the torch fallback decodes tiles of
         rows for BLAS (never a full f32 copy). ``need`` (T, rows) bool, optional: the entries
         the caller uses (the others may come back 0, see ``KernelLibrary.gemm``)."""
         if x.dim() == 1:
@@ -313,10 +278,8 @@ class QuantWeight:
         rows, T = self.raw.shape[0], x.shape[0]
         q = numerics.current().quantized_activations  # llama.cpp's rounding: integer GEMM
         kern = self.dense_kernel() if q and need is None else self.kernel()
-        if kern is not None and (q or T <= KERNEL_GEMM_MAX_T):
+        if kern is not None:  # the same bits at any thread count (BLAS's vary with it)
             return kern[0].gemm(kern[1], x, need=need)
-        if kern is not None:
-            return _tiled_linear(kern[0], kern[1], x)
         out = self.raw.new_empty((T, rows), dtype=torch.float32)  # (T, rows)
         step = self._tile_rows()
         for s in range(0, rows, step):
@@ -362,10 +325,11 @@ class QuantWeight:
         return res if out is None else out.add_(res)
 
     def rows_sum(self, h: Tensor) -> Tensor:
-        """``h @ W`` for a batch: h (T, rows) -> (T, cols) f32 (a neuron-major down matrix)."""
+        """``h @ W`` for a batch: h (T, rows) -> (T, cols) f32 (a neuron-major down matrix),
+        native as :meth:`DenseWeight.rows_sum`, else tiles of decoded rows and BLAS."""
         kern = self.kernel()
         if kern is not None:
-            return _tiled_rows_sum(kern[0], kern[1], h)
+            return kern[0].rows_sum(kern[1], h)
         h = h.float()
         out = h.new_zeros(h.shape[0], self.cols)
         step = self._tile_rows()

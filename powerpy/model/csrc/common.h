@@ -19,7 +19,7 @@
 #endif
 
 // Bumped whenever an export or its meaning changes; kernels.py refuses a library with another.
-#define PP_ABI_VERSION 19
+#define PP_ABI_VERSION 20
 
 // Code that is part of its caller (compile-time loops, the arch headers' block decoders).
 #define PP_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -70,7 +70,13 @@ enum LayerFlags {
 };
 
 int64_t g_prefetch_bytes = 8192;  // how far ahead (at least) the next-row prefetch reaches
-int64_t g_min_bytes_per_thread = 32768;  // below this much work per thread, use fewer threads
+// Below this much work per thread, a kernel starts fewer threads. It changes only speed: no
+// kernel's bits depend on how many threads run it. Tests build a library with 1 (-D) so that
+// tiny inputs take several threads.
+#ifndef PP_MIN_BYTES_PER_THREAD
+#define PP_MIN_BYTES_PER_THREAD 32768
+#endif
+constexpr int64_t MIN_BYTES_PER_THREAD = PP_MIN_BYTES_PER_THREAD;
 
 // ---- scalar helpers -----------------------------------------------------------------------------
 
@@ -286,7 +292,7 @@ inline void lane_sums(QAct& a) {
 
 // Threads worth starting for `work_bytes` of memory traffic (an OpenMP region costs ~2 us).
 inline int team_size(int nthreads, int64_t work_bytes) {
-  int64_t t = work_bytes / g_min_bytes_per_thread;
+  int64_t t = work_bytes / MIN_BYTES_PER_THREAD;
   if (t < 1) t = 1;
   if (t > nthreads) t = nthreads;
 #if !defined(_OPENMP)

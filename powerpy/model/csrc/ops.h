@@ -257,113 +257,169 @@ int glu_impl(const uint8_t* G, int64_t ldg, const uint8_t* U, int64_t ldu, int64
 // acc += sum_{j in [a, b), h[j] != 0} h[j] * W[idx[j]]: the nonzero rows four at a time (the
 // last 0-3 alone), prefetching the rows `dist` (at least 4) positions ahead. With tau, a row r
 // also needs |h[j]| >= tau[r] (the cut); *kept (if given) receives the number of rows added.
-template <int DT>
-int axpy_range(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
-               const int64_t* idx, int64_t a, int64_t b, int64_t dist, float* acc,
-               const float* tau = nullptr, int64_t* kept = nullptr) {
-  const int64_t m = b > a ? b - a : 1;
-  const uint8_t** rows = (const uint8_t**)std::malloc(sizeof(void*) * m);
-  float* hs = (float*)std::malloc(sizeof(float) * m);
-  if (!rows || !hs) {
+// The rows a row sum adds, in list order: row W[idx[j]] scaled by h[j] for each j in [0, k)
+// whose h[j] is nonzero (and, with a cut tau, |h[j]| >= tau[row]). Built once per call, before
+// the threads split the columns, so every thread adds the same rows in the same order.
+struct AxpyList {
+  const uint8_t** rows = nullptr;
+  float* hs = nullptr;
+  int64_t n = 0;
+  int err = 0;  // a row id out of range (its entry is skipped)
+
+  AxpyList(const uint8_t* W, int64_t ld, int64_t nrows, const float* h, const int64_t* idx,
+           int64_t k, const float* tau) {
+    const int64_t m = k > 0 ? k : 1;
+    rows = (const uint8_t**)std::malloc(sizeof(void*) * m);
+    hs = (float*)std::malloc(sizeof(float) * m);
+    if (!rows || !hs) {
+      err = PP_ERR_ARG;
+      return;
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      if (h[j] == 0.0f) continue;
+      const int64_t r = row_at(idx, j, nrows);
+      if (r < 0) {
+        err = 1;
+        continue;
+      }
+      if (tau && !(std::fabs(h[j]) >= tau[r])) continue;  // as torch: NaN is cut
+      rows[n] = W + r * ld;
+      hs[n++] = h[j];
+    }
+  }
+  ~AxpyList() {
     std::free(rows);
     std::free(hs);
-    return PP_ERR_ARG;
   }
-  int err = 0;
-  int64_t n = 0;
-  for (int64_t j = a; j < b; ++j) {
-    if (h[j] == 0.0f) continue;
-    const int64_t r = row_at(idx, j, nrows);
-    if (r < 0) {
-      err = 1;
-      continue;
-    }
-    if (tau && !(std::fabs(h[j]) >= tau[r])) continue;  // as torch: NaN is cut
-    rows[n] = W + r * ld;
-    hs[n++] = h[j];
-  }
+  bool failed() const { return err == PP_ERR_ARG; }
+};
+
+// acc[32 b0 .. 32 b1) += sum_i hs[i] * rows[i] over the list, in list order, four rows at a
+// time; `tail` adds the columns past the last whole block too. Each element's sum is the same
+// whatever range of blocks the call covers, so a column split leaves the bits as they are.
+template <int DT>
+void axpy_blocks(const AxpyList& L, int64_t cols, int64_t b0, int64_t b1, bool tail,
+                 int64_t dist, float* acc) {
+  const int64_t n = L.n;
   if (dist < 4) dist = 4;
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) {
     const uint8_t* nx[4];
-    for (int u = 0; u < 4; ++u) nx[u] = i + dist + u < n ? rows[i + dist + u] : nullptr;
-    axpy_rows<DT, 4>(rows + i, hs + i, acc, cols, nx);
+    for (int u = 0; u < 4; ++u) nx[u] = i + dist + u < n ? L.rows[i + dist + u] : nullptr;
+    axpy_rows<DT, 4>(L.rows + i, L.hs + i, acc, cols, b0, b1, tail, nx);
   }
   for (; i < n; ++i) {
-    const uint8_t* nx = i + dist < n ? rows[i + dist] : nullptr;
-    axpy_rows<DT, 1>(rows + i, hs + i, acc, cols, &nx);
+    const uint8_t* nx = i + dist < n ? L.rows[i + dist] : nullptr;
+    axpy_rows<DT, 1>(L.rows + i, L.hs + i, acc, cols, b0, b1, tail, &nx);
   }
-  if (kept) *kept = n;
-  std::free(rows);
-  std::free(hs);
-  return err;
 }
 
+// Threads of a row sum over `cols` columns: each takes whole 32-element blocks, at least
+// AXPY_MIN_BLOCKS of them, and MIN_BYTES_PER_THREAD of rows in all.
+constexpr int64_t AXPY_MIN_BLOCKS = 4;
+
+template <int DT>
+int axpy_team(int nthreads, int64_t n, int64_t cols) {
+  const int64_t nb = cols / 32;
+  int nt = team_size(nthreads, n * row_bytes<DT>(cols));
+  if (nt > nb / AXPY_MIN_BLOCKS) nt = (int)(nb / AXPY_MIN_BLOCKS > 1 ? nb / AXPY_MIN_BLOCKS : 1);
+  return nt;
+}
+
+// out (+)= sum_{j: h[j] != 0} h[j] * W[idx[j]] (idx null: row j). The threads split the
+// columns, not the rows: each adds every listed row's slice in list order, so the result has
+// the bits of the one-thread sum at any thread count. tau/kept: the cut, and the rows added.
 template <int DT>
 int axpy_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
               const int64_t* idx, int64_t k, float* out, int accumulate, int nthreads,
               const float* tau = nullptr, int64_t* kept = nullptr) {
-  const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
+  const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb), nb = cols / 32;
   if (!accumulate) std::memset(out, 0, sizeof(float) * cols);
-  const int nt = team_size(nthreads, k * rb);
-  if (nt <= 1) return axpy_range<DT>(W, ld, nrows, cols, h, idx, 0, k, dist, out, tau, kept);
-
-  // One private f32 accumulator per thread over a fixed partition of the index list, then a
-  // column-parallel reduction in thread order: deterministic for a given thread count.
-  const int64_t cpad = (cols + 15) / 16 * 16;
-  float* buf = (float*)std::aligned_alloc(64, sizeof(float) * cpad * nt);
-  if (!buf) return PP_ERR_ARG;
-  int err = 0;
-  int64_t added = 0;
-#if defined(_OPENMP)
-#pragma omp parallel num_threads(nt) reduction(| : err) reduction(+ : added)
-  {
-    const int64_t t = thread_id(), n = team_threads();
-    float* acc = buf + t * cpad;
-    std::memset(acc, 0, sizeof(float) * cpad);
-    int64_t mine = 0;  // the cut is applied here, by the thread that computed these h
-    err |= axpy_range<DT>(W, ld, nrows, cols, h, idx, k * t / n, k * (t + 1) / n, dist, acc,
-                          tau, &mine);
-    added += mine;
-#pragma omp barrier
-    const int64_t c0 = cpad / 16 * t / n * 16, c1 = cpad / 16 * (t + 1) / n * 16;
-    for (int64_t c = c0; c < c1 && c < cols; ++c) {
-      float s = buf[c];
-      for (int64_t i = 1; i < n; ++i) s += buf[i * cpad + c];
-      out[c] += s;
-    }
-  }
-#endif
-  if (kept) *kept = added;
-  std::free(buf);
-  return err;
+  const AxpyList L(W, ld, nrows, h, idx, k, tau);
+  if (L.failed()) return PP_ERR_ARG;
+  if (kept) *kept = L.n;
+  const int nt = axpy_team<DT>(nthreads, L.n, cols);
+  run_partitioned(nt, nb, [&](int64_t b0, int64_t b1) -> int {
+    axpy_blocks<DT>(L, cols, b0, b1, b1 == nb, dist, out);
+    return 0;
+  });
+  return L.err;
 }
 
-// out[t] = sum_{j: h[t][j] != 0} h[t][j] * W[j] for T tokens (h: T x nrows, out: T x cols): a
-// prompt's down pass over a neuron-major matrix, whose h is mostly exact zeros. The threads
-// take whole tokens, so each token's row is the one-thread row sum's bits; with fewer tokens
-// than threads, each token's rows are split as in axpy_impl.
-template <int DT>
-int rows_sum_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
-                  int64_t T, float* out, int nthreads) {
-  const int64_t rb = row_bytes<DT>(cols), dist = prefetch_dist(rb);
-  const int nt = team_size(nthreads, T * rb * 64);  // about 64 nonzero rows a token, at least
-  if (T < nt) {
-    int err = 0;
-    for (int64_t t = 0; t < T; ++t)
-      err |= axpy_impl<DT>(W, ld, nrows, cols, h + t * nrows, nullptr, nrows, out + t * cols, 0,
-                           nthreads);
-    return err;
-  }
-  return run_dynamic(nt, T, 1, [&](int64_t a, int64_t b) -> int {
-    int err = 0;
-    for (int64_t t = a; t < b; ++t) {
-      std::memset(out + t * cols, 0, sizeof(float) * cols);
-      err |= axpy_range<DT>(W, ld, nrows, cols, h + t * nrows, nullptr, 0, nrows, dist,
-                            out + t * cols);
+// A batch's row sums, tiled: NT tokens x CB 32-element blocks of columns, NT * CB * NV
+// accumulators in registers, over every row in order. Each chunk of a row is loaded once for the
+// tile's tokens; a row that no token of the tile needs (all h == 0) is not read, and a token
+// whose h is 0 adds 0 * chunk, which leaves its sum as it is (finite weights). So each token's
+// row has the bits of its own one-token row sum (axpy_impl), whatever the batch.
+template <int DT, int NT, int CB>
+void rows_gemm_tile(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
+                    int64_t t0, int64_t b, float* out) {
+  using RS = RowSum<DT>;
+  vf acc[NT][CB][NV];
+  for (int t = 0; t < NT; ++t)
+    for (int cb = 0; cb < CB; ++cb)
+      for (int u = 0; u < NV; ++u) acc[t][cb][u] = v_zero();
+  const float* ht[NT];
+  for (int t = 0; t < NT; ++t) ht[t] = h + (t0 + t) * nrows;
+  const int64_t span = CB * Dec<DT>::BB, off = b * Dec<DT>::BB;
+  for (int64_t j = 0; j < nrows; ++j) {
+    bool any = false;
+    for (int t = 0; t < NT; ++t) any |= ht[t][j] != 0.0f;
+    if (!any) continue;
+    const uint8_t* w = W + j * ld;
+    if (j + 8 < nrows)
+      for (int64_t p = 0; p < span; p += 64) prefetch_l2(w + 8 * ld + off + p);
+    typename RS::C c[CB];
+    for (int cb = 0; cb < CB; ++cb) RS::load(w, b + cb, c[cb]);
+    for (int t = 0; t < NT; ++t) {
+      const typename RS::S s = RS::scale(ht[t][j]);
+      for (int cb = 0; cb < CB; ++cb) RS::madd(c[cb], s, acc[t][cb]);
     }
-    return err;
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int cb = 0; cb < CB; ++cb)
+      for (int u = 0; u < NV; ++u)
+        v_store(out + (t0 + t) * cols + (b + cb) * 32 + u * VL, acc[t][cb][u]);
+}
+
+// Tiles of rows_gemm: tokens (the largest that fits first) and blocks per tile (registers: 16
+// accumulators of the 32 AVX-512 ones, 8 of the 16 AVX2 ones).
+using RowsGemmTokens = std::conditional_t<VL == 16, TileSizes<4, 3, 2, 1>,
+                                          std::conditional_t<VL == 8, TileSizes<2, 1>, TileSizes<1>>>;
+constexpr int ROWS_GEMM_CB = VL == 16 ? 2 : 1;
+
+// out[t] = sum_{j: h[t][j] != 0} h[t][j] * W[j] for T tokens (h: T x nrows, out: T x cols): a
+// prompt's down pass over a neuron-major matrix. The threads take groups of columns, each group
+// every token, so each token's row has the bits of the one-token row sum at any thread count and
+// in any batch. Columns past the last whole block (float types) are each token's row-sum tail.
+template <int DT>
+int rows_gemm_impl(const uint8_t* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
+                   int64_t T, float* out, int nthreads) {
+  const int64_t nb = cols / 32, rb = row_bytes<DT>(cols);
+  constexpr int CB = ROWS_GEMM_CB;
+  const int64_t groups = (nb + CB - 1) / CB;
+  const int nt = team_size(nthreads, (T + 3) / 4 * nrows * rb);  // W read once per 4 tokens
+  int err = run_dynamic(nt, groups, 1, [&](int64_t g0, int64_t g1) -> int {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g * CB;
+      token_tiles(RowsGemmTokens(), 0, T, [&](auto NT, int64_t t0) {
+        if (b + CB <= nb)
+          rows_gemm_tile<DT, decltype(NT)::value, CB>(W, ld, nrows, cols, h, t0, b, out);
+        else
+          rows_gemm_tile<DT, decltype(NT)::value, 1>(W, ld, nrows, cols, h, t0, b, out);
+      });
+    }
+    return 0;
   });
+  if (cols % 32)
+    for (int64_t t = 0; t < T && !err; ++t) {
+      float* o = out + t * cols;
+      for (int64_t c = nb * 32; c < cols; ++c) o[c] = 0.0f;
+      const AxpyList L(W, ld, nrows, h + t * nrows, nullptr, nrows, nullptr);
+      if (L.failed()) return PP_ERR_ARG;
+      axpy_blocks<DT>(L, cols, nb, nb, true, prefetch_dist(rb), o);
+    }
+  return err;
 }
 
 // Whether any of tokens t0..t0+n-1 needs any of rows r0..r0+nr-1: need is (T, nrows) bytes,

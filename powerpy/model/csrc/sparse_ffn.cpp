@@ -340,10 +340,9 @@ int pp_dtype_code(int ggml_type) {
 // 2 = AVX-512F, 1 = AVX2+FMA+F16C, 0 = scalar.
 int pp_simd_level(void) { return PP_SIMD; }
 
-// Tuning knobs (process-wide): prefetch reach in bytes, and work per thread before a 2nd thread.
-void pp_set_tuning(int64_t prefetch_bytes, int64_t min_bytes_per_thread) {
+// The prefetch reach in bytes (process-wide, for tools/bench_kernels.py; speed only).
+void pp_set_tuning(int64_t prefetch_bytes) {
   if (prefetch_bytes >= 0) g_prefetch_bytes = prefetch_bytes;
-  if (min_bytes_per_thread > 0) g_min_bytes_per_thread = min_bytes_per_thread;
 }
 
 // out[j] = dot(W[idx[j]], x) for j < k; idx == NULL means rows 0..k-1 (dense GEMV).
@@ -366,7 +365,7 @@ int pp_gather_axpy(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t 
 int pp_rows_sum(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
                 int64_t T, float* out, int nthreads) {
   if (!valid_shape(dtype, cols) || T < 0) return PP_ERR_ARG;
-  PP_DISPATCH(dtype, rows_sum_impl, (const uint8_t*)W, ld, nrows, cols, h, T, out, nthreads)
+  PP_DISPATCH(dtype, rows_gemm_impl, (const uint8_t*)W, ld, nrows, cols, h, T, out, nthreads)
 }
 
 // out[j] = act(G[idx[j]]·x, U[idx[j]]·x) (variant 0 reglu, 1 drelu, 2 swiglu, 3 geglu).

@@ -242,33 +242,43 @@ constexpr int QDOT_U = UDec<DT>::QK == 32 ? 1 : 2;
 
 // ---- row sums: acc += sum_r h[r] * row w[r] ---------------------------------------------------
 
-// One 32-element slice of acc plus R decoded rows: the slice is loaded and stored once per R rows
-// (one store per row would bound short quantized rows by the store port).
+// How a row sum reads one 32-element chunk b of a row: load it (C), make a row's weight h into
+// its scale (S), then acc (NV vectors) += h * chunk. Every row sum goes through it (a token's
+// axpy_rows, a batch's rows_gemm), so a row's contribution to an element has the same bits
+// however the rows and tokens around it are grouped. q4_0_avx512.h has Q4_0's own.
+template <int DT>
+struct RowSum {
+  struct C {
+    vf v[NV];
+  };
+  using S = vf;
+  static PP_ALWAYS_INLINE void load(const uint8_t* w, int64_t b, C& c) { Dec<DT>::chunk(w, b, c.v); }
+  static PP_ALWAYS_INLINE S scale(float h) { return v_set1(h); }
+  static PP_ALWAYS_INLINE void madd(const C& c, S h, vf* a) {
+    for (int u = 0; u < NV; ++u) a[u] = v_fma(c.v[u], h, a[u]);
+  }
+};
+
+// One 32-element slice of acc plus R rows: the slice is loaded and stored once per R rows (one
+// store per row would bound short quantized rows by the store port); row by row into it (each
+// row's chunk is used at once: R rows decoded together would not fit the 16 AVX2 registers), so
+// each element adds the rows in order.
 template <int DT, int R>
 struct AxpyBlock {
-  vf hv[R];
-  explicit AxpyBlock(const float* h) { set(h, Seq<R>()); }
-  inline void add(const uint8_t* const* w, int64_t b, float* ab) const { add(w, b, ab, Seq<R>()); }
-
- private:
-  template <int... r>
-  PP_ALWAYS_INLINE void set(const float* h, std::integer_sequence<int, r...>) {
-    ((hv[r] = v_set1(h[r])), ...);
+  using RS = RowSum<DT>;
+  typename RS::S s[R];
+  explicit AxpyBlock(const float* h) {
+    for (int r = 0; r < R; ++r) s[r] = RS::scale(h[r]);
   }
-  // Row by row into the loaded slice (each row's decode is used at once: R rows decoded
-  // together would not fit the 16 AVX2 registers); each element adds the rows in order.
-  template <int... r>
-  PP_ALWAYS_INLINE void add(const uint8_t* const* w, int64_t b, float* ab,
-                            std::integer_sequence<int, r...>) const {
+  PP_ALWAYS_INLINE void add(const uint8_t* const* w, int64_t b, float* ab) const {
     vf a[NV];
     for (int u = 0; u < NV; ++u) a[u] = v_load(ab + u * VL);
-    (fma_row(w[r], b, hv[r], a), ...);
+    for (int r = 0; r < R; ++r) {
+      typename RS::C c;
+      RS::load(w[r], b, c);
+      RS::madd(c, s[r], a);
+    }
     for (int u = 0; u < NV; ++u) v_store(ab + u * VL, a[u]);
-  }
-  static PP_ALWAYS_INLINE void fma_row(const uint8_t* w, int64_t b, vf h, vf* a) {
-    vf wv[NV];
-    Dec<DT>::chunk(w, b, wv);
-    for (int u = 0; u < NV; ++u) a[u] = v_fma(wv[u], h, a[u]);
   }
 };
 
@@ -278,20 +288,22 @@ inline float axpy_tail(const uint8_t* const* w, const float* h, int64_t c,
   return (... + (Dec<DT>::one(w[I], c) * h[I]));
 }
 
-// acc += sum_r h[r] * row w[r] for R rows at once; prefetches rows nx[r] (null: none).
+// acc += sum_r h[r] * row w[r] for R rows at once, over blocks b0..b1 (32 elements each) and,
+// with `tail`, the columns past the last whole block; prefetches the same span of rows nx[r]
+// (null: none). Each element adds the rows in order, whatever span the call covers.
 template <int DT, int R>
 inline void axpy_rows(const uint8_t* const* w, const float* h, float* acc, int64_t cols,
-                      const uint8_t* const* nx) {
+                      int64_t b0, int64_t b1, bool tail, const uint8_t* const* nx) {
   using D = Dec<DT>;
-  const int64_t nb = cols / 32;
-  int64_t pf = 0;  // bytes of the upcoming rows prefetched so far (all alike)
+  int64_t pf = b0 * D::BB;  // bytes of the upcoming rows prefetched so far (all alike)
   const AxpyBlock<DT, R> blk(h);
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     prefetch_rows<R>(nx, pf, (b + 1) * D::BB);
     blk.add(w, b, acc + b * 32);
   }
+  if (!tail) return;
   prefetch_rows<R>(nx, pf, row_bytes<DT>(cols));
-  for (int64_t c = nb * 32; c < cols; ++c)
+  for (int64_t c = cols / 32 * 32; c < cols; ++c)
     acc[c] += axpy_tail<DT>(w, h, c, std::make_index_sequence<R>());
 }
 
