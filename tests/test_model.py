@@ -314,7 +314,8 @@ def test_rope_rotates_adjacent_pairs_of_the_first_n_rot_dims(n_rot):
     ("tensor", "value", "where"),
     [
         ("blk.1.ffn_up.weight", float("nan"), r"NaN at blk\.1, in the FFN"),
-        ("blk.0.attn_output.weight", 3e38, r"infinite at blk\.0, in attention"),
+        # sums overflow: +inf and -inf products meet, so NaN or infinite by the sum's order
+        ("blk.0.attn_output.weight", 3e38, r"(infinite|NaN) at blk\.0, in attention"),
         ("token_embd.weight", float("inf"), r"infinite at token_embd\.weight"),
     ],
 )

@@ -284,9 +284,8 @@ class KernelLibrary:
         return out
 
     def rows_sum(self, w: Matrix, h: Tensor) -> Tensor:
-        """``h @ W`` for a neuron-major W: h (T, nrows) -> (T, cols) f32. Each token's row has
-        the bits of ``gather_axpy`` of its h over every row (rows whose h is 0 are skipped), at
-        any thread count: the threads take groups of columns, tiles of tokens read a row once."""
+        """``h @ W`` for a neuron-major W: h (T, nrows) -> (T, cols) f32, each token's row the
+        bits of its ``gather_axpy`` over every row, at any thread count (docs/kernels.md)."""
         h = as_f32(h)
         if h.dim() != 2 or h.shape[1] != w.nrows:
             raise ValueError(f"h has shape {tuple(h.shape)}, expected (T, {w.nrows})")
