@@ -19,9 +19,10 @@ CXX=${CXX:-g++}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 git archive "$REV" powerpy/model/csrc | tar -x -C "$TMP"
-build() { # OUT SOURCE
+build() { # OUT SOURCE; tiny matrices take every thread asked for (a build constant since ABI
+    # 20, pp_set_tuning's second argument before)
     # shellcheck disable=SC2086 # FLAGS are words
-    $CXX $FLAGS -fopenmp -shared -fPIC -std=c++17 -o "$1" "$2"
+    $CXX $FLAGS -DPP_MIN_BYTES_PER_THREAD=1 -fopenmp -shared -fPIC -std=c++17 -o "$1" "$2"
 }
 build "$TMP/old.so" "$TMP/powerpy/model/csrc/sparse_ffn.cpp" &
 p1=$!

@@ -158,7 +158,8 @@ struct FDot {
   template <int... r>
   static PP_ALWAYS_INLINE void tail_step(float* res, const uint8_t* const* w, const float* xt,
                                          int64_t i, std::integer_sequence<int, r...>) {
-    ((res[r] += D::one(w[r], i) * xt[i]), ...);
+    // one FMA per element, spelled out: GCC's choice to contract would follow its inlining
+    ((res[r] = std::fma(D::one(w[r], i), xt[i], res[r])), ...);
   }
 };
 
@@ -282,10 +283,14 @@ struct AxpyBlock {
   }
 };
 
+// sum_r h[r] * w[r][c] for a column past the last whole block: the first product, then one FMA
+// per row (spelled out, so that no inlining choice of GCC's changes the rounding).
 template <int DT, size_t... I>
 inline float axpy_tail(const uint8_t* const* w, const float* h, int64_t c,
                        std::index_sequence<I...>) {
-  return (... + (Dec<DT>::one(w[I], c) * h[I]));
+  float s = Dec<DT>::one(w[0], c) * h[0];
+  ((s = I ? std::fma(Dec<DT>::one(w[I], c), h[I], s) : s), ...);
+  return s;
 }
 
 // acc += sum_r h[r] * row w[r] for R rows at once, over blocks b0..b1 (32 elements each) and,
