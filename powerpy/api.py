@@ -357,6 +357,7 @@ def load(
     cut_scale: float = 1.0,
     exact_activations: bool = False,
     native_kernels: bool = True,
+    cuda_graphs: bool = True,
     **placement_options,
 ) -> LLM:
     """Load a GGUF (dense) or PWRI (sparse) model.
@@ -396,6 +397,8 @@ def load(
             torch's attention (default: llama.cpp's numerics; ``RunOptions.numerics``).
         native_kernels: compute with the native CPU kernels where they apply (False: torch's
             code paths only).
+        cuda_graphs: replay a fully placed model's decode step as a captured graph (False: run
+            the same step eagerly; ``RunOptions.graphs``).
 
     Raises:
         FileNotFoundError: no such file.
@@ -428,6 +431,7 @@ def load(
         stats=stats,
         cut_scale=cut_scale,
         numerics=num,
+        graphs=cuda_graphs,
     )
     llm = LLM(model, tokenizer, gf, path, options=opts)
     if vram_budget is not None:

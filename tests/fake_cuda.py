@@ -126,6 +126,47 @@ class OpLog(TorchDispatchMode):
         return sum(self.kernels.values())
 
 
+class StepTrace(TorchDispatchMode):
+    """Every op of a run, as a graph replay sees it: its name, its non-tensor arguments, and for
+    each tensor argument and result its dtype, shape, strides, offset, device and where its
+    memory comes from: a tensor made by an earlier op of the run (by that op's index), or one
+    from outside (by its storage's identity: a weight, a fixed buffer, the KV pool). Two steps
+    whose traces are equal run the same ops on the same memory, which is what replaying a
+    captured graph needs (``ops``: the list; ``host_ops``: the ops on host tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+        self.host_ops: list[str] = []
+        self._made: dict[int, int] = {}  # storage identity -> index of the op that made it
+
+    def _desc(self, a):
+        if not isinstance(a, torch.Tensor):
+            return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else type(a)
+        key = a.untyped_storage()._cdata
+        origin = ("op", self._made[key]) if key in self._made else ("ext", key)
+        return (a.dtype, tuple(a.shape), a.stride(), a.storage_offset(), a.device.type, origin)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_flatten
+
+        kwargs = kwargs or {}
+        flat = tree_flatten((args, kwargs))[0]
+        ins = [self._desc(a) for a in flat]
+        seen = {a.untyped_storage()._cdata for a in flat if isinstance(a, torch.Tensor)}
+        out = func(*args, **kwargs)
+        outs = tree_flatten(out)[0]
+        i = len(self.ops)
+        for o in outs:  # a new result is this op's (a view or an in-place result: its input's)
+            if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata not in seen:
+                self._made[o.untyped_storage()._cdata] = i
+        name = func.overloadpacket.__name__
+        self.ops.append((name, tuple(ins), tuple(self._desc(o) for o in outs)))
+        if any(isinstance(o, torch.Tensor) and o.device.type == "cpu" for o in outs):
+            self.host_ops.append(name)
+        return out
+
+
 class FakeCuda(Accelerator):
     """A CUDA accelerator with fake tensors: persistent device bytes and per-step copies
     counted, each per-step copy checked to go through a pinned staging buffer."""
@@ -191,6 +232,33 @@ class FakeCuda(Accelerator):
 
     def _wait(self, slot: list) -> None:
         self.waits += 1
+
+    # a plan's fixed buffers (powerpy.model.plan): counted and checked as the staged copies are
+    def pinned(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=dtype)
+        self._pinned.add(t.untyped_storage().data_ptr())
+        return t
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        assert isinstance(dst, FakeTensor) and dst.device == self.device
+        self._check_pinned(src)
+        self.n_in += 1
+        self.bytes_in += src.numel() * src.element_size()
+
+    def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        assert isinstance(src, FakeTensor) and src.device == self.device
+        self._check_pinned(dst)
+        self.n_out += 1
+        self.bytes_out += src.numel() * src.element_size()  # (dst keeps its zeros)
+
+    def record(self):
+        return None
+
+    def wait(self, event) -> None:
+        self.waits += 1
+
+    def graph_kind(self) -> str | None:
+        return None  # fake tensors replay nothing: plans run their step eagerly
 
     def zeros(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
         with self.mode:

@@ -16,8 +16,8 @@ from powerpy.config import ModelArgs
 from powerpy.errors import ModelConfigError
 from powerpy.formats.constants import GGUFValueType, Keys
 from powerpy.formats.gguf_reader import read_gguf
-from powerpy.model.ffn import split_ffn
 from powerpy.model.options import RunOptions
+from powerpy.model.split import split_ffn
 from powerpy.testing import TinySpec, write_tiny_model
 
 SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)

@@ -124,13 +124,14 @@ def _index(spec, hot=100, seed=1) -> GpuIndex:
 
 @pytest.mark.parametrize("dtype", [GGMLType.F16, GGMLType.Q4_0])
 def test_hybrid_equals_cpu_only(family_file, tmp_path, dtype):
-    """The emulated accelerator: dense parts and 100 hot rows per layer placed, f32 KV."""
+    """The emulated accelerator: dense parts and 100 hot rows per layer placed, f32 KV; f32
+    activations on both sides (the device's hot rows take them, as a GPU's do)."""
     name, spec, _ = family_file
     path = _write(
         tmp_path / "m.powerinfer.gguf", spec, tiny_tensors(spec, sparse=True), dtype=dtype
     )
-    llm = load(path)
-    opts = RunOptions(sparse=True)
+    llm = load(path, exact_activations=True)
+    opts = RunOptions(sparse=True, numerics=llm.options.numerics)
     ref = _prefill_then_decode(llm.model, opts)
     placement = Placement.for_model(llm.file, 1 << 30, _index(spec), n_ctx=N_CTX, kv_elem_bytes=4)
     rt = build_hybrid(llm.model, placement, Accelerator("cpu"), file=llm.file)

@@ -28,9 +28,10 @@ from powerpy.formats.constants import GGMLType
 from powerpy.formats.gpuidx import GpuIndex, default_gpuidx_path
 from powerpy.formats.stats import save_activation_stats
 from powerpy.model import device as device_mod
-from powerpy.model import ffn as ffn_mod
+from powerpy.model import split as split_mod
 from powerpy.model.device import Accelerator
-from powerpy.model.ffn import ffn_masked, split_ffn
+from powerpy.model.ffn import ffn_masked
+from powerpy.model.split import split_ffn
 from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
 from powerpy.testing import TinySpec, write_tiny_model
@@ -120,7 +121,9 @@ def test_hybrid_equals_cpu_only(tiny, reference, kind, hot_mode):
 
 @pytest.mark.parametrize("hot_mode", HOT_MODES)
 def test_hybrid_q4_0_raw_rows(tmp_path, hot_mode):
-    """Q4_0 matrices: hot copies are raw quantized rows (QuantWeight.take_rows), not re-encoded."""
+    """Q4_0 matrices: hot copies are raw quantized rows (QuantWeight.take_rows), not re-encoded.
+    The device multiplies them by f32 activations (as a GPU does), so both runs keep exact
+    activations (llama.cpp's int8 rounding is a CPU numerics)."""
     from powerpy.formats.gguf_writer import write_gguf
     from powerpy.formats.quants import quantize
     from powerpy.model.matrices import QuantWeight
@@ -135,8 +138,10 @@ def test_hybrid_q4_0_raw_rows(tmp_path, hot_mode):
         for name, a in t.items()
     ]
     write_gguf(path, tiny_kv(SPEC), out, magic=b"PWRI")
-    ref = load(path, weight_format="raw")  # raw blocks even without the native kernels
-    llm, rt = hybrid(path, index_of("random"), hot_mode=hot_mode, weight_format="raw")
+    ref = load(path, weight_format="raw", exact_activations=True)  # raw blocks, no kernels too
+    llm, rt = hybrid(
+        path, index_of("random"), hot_mode=hot_mode, weight_format="raw", exact_activations=True
+    )
     hot = llm.model.weights.blk[1].hot
     assert isinstance(hot.up, QuantWeight) and hot.up.ggml_type == GGMLType.Q4_0
     src = ref.model.weights.blk[1].ffn_up.raw  # (n_ff, row_bytes) uint8
@@ -153,7 +158,7 @@ def test_hybrid_dense_mode_equals_cpu_dense(tiny):
 def test_tolerance_catches_a_broken_merge(tiny, reference, monkeypatch):
     llm, _ = hybrid(tiny[0], index_of("single"), hot_mode="dense")
     monkeypatch.setattr(
-        ffn_mod, "_hot", lambda hot, x, act, variant, gather, tau: torch.zeros_like(x)
+        split_mod, "_hot", lambda hot, x, act, variant, gather, tau: torch.zeros_like(x)
     )
     diff = (run_logits(llm) - reference[0]).abs().max()
     assert diff > 1e-3  # dropping one hot neuron is far outside TOL

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from powerpy.config import FFNVariant
 from powerpy.formats.constants import GPUIDX_SUFFIX, Names
-from powerpy.model.ffn import ffn
 from powerpy.model.options import DENSE, RunOptions, SparsityStats
+from powerpy.model.split import ffn
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "kjv-relu"

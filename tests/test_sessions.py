@@ -104,12 +104,18 @@ def test_interleaved_sessions_on_a_hybrid_placement(tmp_path):
 
 def test_the_model_holds_no_run_state(model_path):
     """Nothing a forward reads can be flipped on the model: it has args, weights, the
-    placement it was built with and its default host cache type, nothing else."""
+    placement it was built with, its default host cache type and its decode plans (made from
+    those and a call's options, one per options: ``powerpy.model.plan``), nothing else."""
     llm = load(model_path)
-    assert set(vars(llm.model)) == {"args", "weights", "accel", "kv", "cache_dtype"}
+    attrs = {"args", "weights", "accel", "kv", "cache_dtype", "plans"}
+    assert set(vars(llm.model)) == attrs
     cache = llm.model.new_cache(16)
     llm.model.forward(torch.tensor(PROMPTS[0]), cache, DENSE)
-    assert set(vars(llm.model)) == {"args", "weights", "accel", "kv", "cache_dtype"}
+    llm.model.forward(torch.tensor([5]), cache, DENSE)
+    llm.model.forward(torch.tensor([6]), cache, DENSE)  # the same plan
+    assert len(llm.model.plans) == 1
+    llm.model.forward(torch.tensor([7]), cache, RunOptions(sparse=False, threshold=0.25))
+    assert set(vars(llm.model)) == attrs and len(llm.model.plans) == 2
 
 
 def test_interleaved_sessions_keep_their_own_numerics(smollm2_path):

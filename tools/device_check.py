@@ -18,15 +18,22 @@ timeout still leaves what it measured:
   and all of the model; exact activations and threshold -1e30 (every neuron active), so fp16
   rounding cannot flip a predictor decision. Largest |logit difference| and top-1 agreement
   over a prefill and 8 teacher-forced decode steps.
-- ``roofline``: torch's dense decode of the same 7B shape in bf16 (F.linear chain per layer and a
-  KV cache), timed with CUDA events; and a device-to-device copy bandwidth.
+- ``roofline``: torch's dense decode of the same 7B shape in bf16 (per layer RMSNorm, q/k/v/o,
+  SDPA over a static KV cache whose length is a tensor, ReGLU; then the output), eager and
+  captured as a graph and replayed (``device_step.roofline``); and a device-to-device copy
+  bandwidth.
 - ``model``: writes the synthetic 7B-shape F16 PWRI model (random weights drawn on the device),
   loads it, calibrates the predictor threshold to ``--active`` predicted-active neurons and
   writes the activation statistics the placements are solved from.
+- ``full``: the F16 model and a Q4_0 one (``device_step.write_q4_0``) with everything placed:
+  decode tok/s in dense and sparse mode, the step replayed as a graph and run eagerly, with the
+  host ms a step takes to queue its work and to wait for its logits.
 - ``budgets``: CPU-only, then 4, 8, 12 GiB (scaled by the model's size when it is not the full
   7B) and the whole model. Per budget: ``memory`` (peak allocation over a prefill and 8 decode
-  steps vs the budget), ``timing`` (tok/s, seconds per phase per token) and ``profile``
-  (kernels, copies and host syncs per decode step).
+  steps vs the budget), ``timing`` (tok/s with graphs and eagerly, host ms per step, seconds per
+  phase per token) and ``profile`` (kernels, copies and host syncs per decode step, the GPU's
+  busy share).
+- ``kernels``: each fused op alone at the 7B sizes: microseconds and GB/s.
 - ``targets``: the issue's targets as booleans.
 
 ``--dry-run`` runs the same code on the emulated accelerator (``Accelerator("cpu")``) with tiny
@@ -57,7 +64,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from powerpy._fs import atomic_write
 from powerpy.api import LLM, load
@@ -91,6 +97,7 @@ def _import_tool(name: str):
 
 
 bench = _import_tool("bench_hybrid")  # calibrate, decode_tps
+step_tool = _import_tool("device_step")  # roofline, step_rates, write_q4_0, kernel_rates
 
 # ----------------------------------------------------------------------------------- shapes
 BIG = synth.SHAPES["7b"]  # LLaMA-2-7B: n_embd 4096, 32 layers, n_ff 11008, 32 heads, H 1024
@@ -135,6 +142,8 @@ class Report:
             "memory": {"workspace": None, "rows": []},
             "roofline": None,
             "model": None,
+            "full": [],
+            "kernels": [],
             "timing": [],
             "profile": [],
             "targets": {},
@@ -451,6 +460,12 @@ def compare(
     llm, _, info = hybrid(ctx, ref, budget, act_dir, SMALL_CTX, name)
     row |= info
     got, _ = teacher_forced(llm, CORRECT_PROMPT, CORRECT_STEPS, fed)
+    plan = llm.model.plans.get(llm.model, llm.options, 1)
+    row["graph"] = plan is not None and plan.device is not None and plan.device.graph is not None
+    if row["graph"]:  # the replayed step against the same step run eagerly
+        eager = dataclasses.replace(llm, options=dataclasses.replace(llm.options, graphs=False))
+        again, _ = teacher_forced(eager, CORRECT_PROMPT, CORRECT_STEPS, fed)
+        row["graph_vs_eager"] = float((got - again).abs().max())
     diff, scale = float((got - want).abs().max()), float(want.abs().max())
     top1 = float((got.argmax(-1) == want.argmax(-1)).float().mean())
     row |= {
@@ -461,97 +476,14 @@ def compare(
     }
 
 
-def _dense_layers(shape: synth.Shape, dev: torch.device, dtype: torch.dtype) -> tuple[list, Any]:
-    """Random dense weights of ``shape`` on ``dev``: per layer (q, k, v, o, gate, up, down)
-    in F.linear layout (out, in), and the output matrix (n_vocab, n_embd)."""
-    d, ff, gqa = shape.n_embd, shape.n_ff, shape.n_embd // shape.n_head * shape.n_head_kv
-
-    def w(rows: int, cols: int) -> torch.Tensor:
-        return torch.empty(rows, cols, device=dev, dtype=dtype).normal_(0.0, cols**-0.5)
-
-    layers = [
-        (w(d, d), w(gqa, d), w(gqa, d), w(d, d), w(ff, d), w(ff, d), w(d, ff))
-        for _ in range(shape.n_layer)
-    ]
-    return layers, w(shape.n_vocab, d)
-
-
-def device_seconds(ctx: Ctx, fn: Callable[[], Any]) -> float:
-    """Seconds ``fn`` takes: CUDA events around it on the device, else the wall clock."""
-    if not ctx.cuda:
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
-
-
-@torch.no_grad()
-def dense_decode(ctx: Ctx, shape: synth.Shape, dtype: torch.dtype, n_tok: int) -> dict:
-    """Time ``n_tok`` one-token steps of a dense model of ``shape`` in torch: per layer RMSNorm,
-    q/k/v/o, SDPA over a KV cache holding 256 positions, ReGLU FFN (gate, up, down); then the
-    output matrix. Returns the seconds and the weight bytes read per token."""
-    dev, fill, warm = ctx.dev, 256, 4  # device, cached positions, warm-up steps
-    H, Hkv, hd = shape.n_head, shape.n_head_kv, shape.n_embd // shape.n_head
-    layers, output = _dense_layers(shape, dev, dtype)
-    weight_bytes = sum(t.numel() * t.element_size() for ws in layers for t in ws)
-    weight_bytes += output.numel() * output.element_size()
-    P = fill + warm + n_tok
-    K = torch.randn(shape.n_layer, Hkv, P, hd, device=dev, dtype=dtype)  # (L, Hkv, P, hd)
-    V = torch.randn_like(K)
-
-    def rms(x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype)
-
-    def step(x: torch.Tensor, pos: int) -> torch.Tensor:  # x (1, d) -> logits (1, n_vocab)
-        for l, (wq, wk, wv, wo, wg, wu, wd) in enumerate(layers):
-            h = rms(x)
-            q = F.linear(h, wq).view(1, H, 1, hd)
-            K[l, :, pos] = F.linear(h, wk).view(Hkv, hd)
-            V[l, :, pos] = F.linear(h, wv).view(Hkv, hd)
-            k, v = K[l : l + 1, :, : pos + 1], V[l : l + 1, :, : pos + 1]  # (1, Hkv, pos+1, hd)
-            if Hkv != H:
-                k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-            a = F.scaled_dot_product_attention(q, k, v)  # (1, H, 1, hd)
-            x = x + F.linear(a.reshape(1, -1), wo)
-            h = rms(x)
-            x = x + F.linear(F.relu(F.linear(h, wg)) * F.linear(h, wu), wd)
-        return F.linear(rms(x), output)
-
-    def run(first: int, n: int) -> None:
-        x = torch.randn(1, shape.n_embd, device=dev, dtype=dtype)
-        for i in range(n):
-            step(x, first + i)
-
-    run(fill, warm)
-    ctx.sync()
-    return {
-        "seconds": device_seconds(ctx, lambda: run(fill + warm, n_tok)),
-        "weight_bytes": weight_bytes,
-        "cached_positions": fill,
-    }
-
-
 def sec_roofline(ctx: Ctx) -> dict:
-    """torch's dense decode of the big shape (bf16 on CUDA, f32 when emulated), and the
-    device's copy bandwidth."""
-    dtype, n_tok = (torch.bfloat16, 32) if ctx.cuda else (torch.float32, 4)
-    r = dense_decode(ctx, _big_shape(ctx), dtype, n_tok)
+    """torch's dense decode of the big shape (bf16 on CUDA, f32 when emulated), eager and as a
+    replayed graph, and the device's copy bandwidth."""
+    dtype, n_tok = (torch.bfloat16, 32) if ctx.cuda else (torch.float32, 2)
+    out = step_tool.roofline(_big_shape(ctx), ctx.dev, dtype, n_tok)
     ctx.free()  # its weights
-    out = {
-        "dtype": str(dtype).removeprefix("torch."),
-        "cached_positions": r["cached_positions"],
-        "tokens": n_tok,
-        "ms_per_token": 1e3 * r["seconds"] / n_tok,
-        "tok_s": n_tok / r["seconds"],
-        "weight_bytes": r["weight_bytes"],
-        "weight_gb_s": r["weight_bytes"] * n_tok / r["seconds"] / 1e9,
-        "copy_gb_s": copy_bandwidth(ctx),
-    }
+    out["tokens"] = n_tok
+    out["copy_gb_s"] = copy_bandwidth(ctx)
     ctx.free()
     ctx.report.data["roofline"] = out
     say(f"roofline: {out}")
@@ -570,7 +502,7 @@ def copy_bandwidth(ctx: Ctx) -> float | None:
         for _ in range(5):
             b.copy_(a)
 
-    return 2 * 5 * GIB / device_seconds(ctx, copies) / 1e9
+    return 2 * 5 * GIB / step_tool.timed(ctx.dev, copies) / 1e9
 
 
 def _big_shape(ctx: Ctx) -> synth.Shape:
@@ -638,6 +570,51 @@ def sec_model(ctx: Ctx) -> dict:
     ctx.report.data["model"] = out
     say(f"model: {out}")
     return out
+
+
+def sec_full(ctx: Ctx) -> list[dict]:
+    """Everything placed: the F16 model, then a Q4_0 one of the same shape, each in dense and
+    sparse mode, its step replayed as a graph and run eagerly (``device_step.step_rates``)."""
+    assert ctx.big is not None
+    rows = ctx.report.data["full"]
+    n, reps, shape = ctx.args.tokens, ctx.args.repeats, _big_shape(ctx)
+    models = [("F16", ctx.big.llm, ctx.big.act_dir)]
+    if not ctx.args.no_q4_0:
+        path = ctx.tmp / f"synthetic-{shape.n_layer}l-q4_0.powerinfer.gguf"
+        t0 = time.perf_counter()
+        step_tool.write_q4_0(path, shape, ctx.dev)
+        q4 = load(path)
+        thr, counts = bench.calibrate(q4, ctx.big.prompt, ctx.args.active)
+        act = ctx.tmp / "activation-q4_0"
+        save_activation_stats(act, counts)
+        q4.options = dataclasses.replace(q4.options, threshold=thr)
+        say(f"Q4_0 model written, loaded and calibrated in {time.perf_counter() - t0:.1f} s")
+        models.append(("Q4_0", q4, act))
+    for name, base, act in models:
+        budget = model_bytes(base) + kv_bytes(base, N_CTX) + GIB // 64
+        for mode, sparse in (("dense", False), ("sparse", True)):
+            row: dict[str, Any] = {"model": name, "mode": mode, "bytes": model_bytes(base)}
+            rows.append(row)
+            with guarded(row, "run"):
+                llm, _, info = hybrid(ctx, base, budget, act, N_CTX, f"full-{name}")
+                row["hot_share"] = info["hot_share"]
+                r = step_tool.step_rates(llm, ctx.big.prompt, n, reps, sparse=sparse)
+                row |= {f"{k}_{f}": v for k, fig in r.items() for f, v in fig.items()}
+                row["weight_gb_s"] = row["bytes"] * row["graph_tok_s"] / 1e9
+                if sparse and llm.sparsity is not None:
+                    row["active"] = float(np.nanmean(llm.sparsity.active_fraction()))
+                del llm
+            ctx.free()
+            say(f"full {row}")
+            ctx.report.write()
+    return rows
+
+
+def sec_kernels(ctx: Ctx) -> list[dict]:
+    rows = step_tool.kernel_rates(_big_shape(ctx), ctx.dev, 20 if ctx.cuda else 1)
+    ctx.report.data["kernels"] = rows
+    ctx.free()
+    return rows
 
 
 def big_budgets(ctx: Ctx) -> list[tuple[str, str, int | None]]:
@@ -750,7 +727,9 @@ def measure_timing(ctx: Ctx, llm: LLM, row: dict) -> None:
     device phase shows where the host waits for it)."""
     assert ctx.big is not None
     n, prompt = ctx.args.tokens, ctx.big.prompt
-    row["tok_s"] = bench.decode_tps(llm, prompt, n, ctx.args.repeats)
+    r = step_tool.step_rates(llm, prompt, n, ctx.args.repeats)
+    row |= {f"{k}_{f}": v for k, fig in r.items() for f, v in fig.items()}
+    row["tok_s"] = max(r["graph"]["tok_s"], r["eager"]["tok_s"])
     row["ms_per_token"] = 1e3 / row["tok_s"]
     timer = PhaseTimer()
     steps = greedy_steps(
@@ -851,9 +830,44 @@ def sec_targets(ctx: Ctx) -> dict:
     }
     full_ms = 1e3 / full if full else None
     targets["full_within_2x_roofline"] = {
-        "rule": "ms/token with the whole model placed <= 2 x torch's dense bf16 decode",
+        "rule": "ms/token with the whole model placed <= 2 x torch's dense bf16 decode (graph)",
         "ratio": full_ms / roof if full_ms and roof else None,
         "value": full_ms <= 2 * roof if full_ms and roof else None,
+    }
+    fr = {(r.get("model"), r.get("mode")): r for r in data.get("full", [])}
+    f16d, f16s, q4d = (fr.get(k, {}) for k in (("F16", "dense"), ("F16", "sparse"),
+                                               ("Q4_0", "dense")))  # fmt: skip
+    roof_tok = (data.get("roofline") or {}).get("tok_s")
+
+    def at_least(value, bound):
+        return None if value is None or bound is None else value >= bound
+
+    d_tok, s_tok, q_tok = f16d.get("graph_tok_s"), f16s.get("graph_tok_s"), q4d.get("graph_tok_s")
+    targets["f16_dense_250"] = {
+        "rule": "7B F16, everything placed, dense mode: >= 250 tok/s (graph)",
+        "ratio": d_tok / 250 if d_tok else None,
+        "value": at_least(d_tok, 250),
+    }
+    targets["f16_dense_0.9_roofline"] = {
+        "rule": "the same >= 0.9 x the captured bf16 roofline's tok/s",
+        "ratio": d_tok / roof_tok if d_tok and roof_tok else None,
+        "value": at_least(d_tok, 0.9 * roof_tok if roof_tok else None),
+    }
+    targets["f16_sparse_1.5_dense"] = {
+        "rule": "7B F16, everything placed, sparse (10% predicted active): >= 1.5 x its dense",
+        "ratio": s_tok / d_tok if s_tok and d_tok else None,
+        "value": at_least(s_tok, 1.5 * d_tok if d_tok else None),
+    }
+    targets["q4_0_300"] = {
+        "rule": "7B Q4_0, everything placed: >= 300 tok/s (graph)",
+        "ratio": q_tok / 300 if q_tok else None,
+        "value": at_least(q_tok, 300),
+    }
+    host = [r.get("graph_host_ms") for r in fr.values() if r.get("graph_host_ms") is not None]
+    targets["host_1ms"] = {
+        "rule": "host ms per token to queue a fully placed step (graph): <= 1",
+        "ratio": max(host) if host else None,
+        "value": max(host) <= 1.0 if host and ctx.cuda else None,
     }
     checked = {}
     base = prof.get("cpu", {}).get("syncs_per_step") or {}  # the profiler's own
@@ -947,6 +961,8 @@ def render_markdown(data: dict) -> str:
             "bytes",
             "hot_share",
             "kv_on_device",
+            "graph",
+            "graph_vs_eager",
             "max_abs_diff",
             "ref_max_abs",
             "top1_agree",
@@ -954,13 +970,23 @@ def render_markdown(data: dict) -> str:
         ],
     )
     md += ["## Model", "", _fmt(data.get("model")), ""]
+    roof = data.get("roofline")
+    md += ["Roofline (torch dense decode, a replayed graph and eager): "
+           + (_fmt(roof) if roof else "not measured"), ""]  # fmt: skip
+    md += ["## Everything placed (graph and eager)", ""]
+    md += _table(
+        data.get("full", []),
+        ["model", "mode", "active", "graph_tok_s", "weight_gb_s", "graph_host_ms",
+         "graph_wait_ms", "graph_captured", "eager_tok_s", "eager_host_ms", "graph_capture_error"],
+    )  # fmt: skip
     md += ["## Decode timing", ""]
     md += _table(
         data.get("timing", []),
-        ["budget", "bytes", "hot_share", "active", "tok_s", "ms_per_token", "phase_ms"],
-    )
-    roof = data.get("roofline")
-    md += ["Roofline (torch dense decode): " + (_fmt(roof) if roof else "not measured"), ""]
+        ["budget", "bytes", "hot_share", "active", "graph_tok_s", "eager_tok_s", "graph_host_ms",
+         "graph_plan", "phase_ms"],
+    )  # fmt: skip
+    md += ["## Fused kernels alone", ""]
+    md += _table(data.get("kernels", []), ["op", "case", "us", "gb_s"])
     mem = data.get("memory") or {}
     md += ["## Memory", "", f"Workspace probe: {_fmt(mem.get('workspace'))}", ""]
     md += _table(
@@ -1006,6 +1032,7 @@ def render_markdown(data: dict) -> str:
         + f": {_last_line(text)}"
         for table, rows in (
             ("correctness", data.get("correctness", [])),
+            ("full", data.get("full", [])),
             ("memory", mem.get("rows", [])),
             ("timing", data.get("timing", [])),
             ("profile", data.get("profile", [])),
@@ -1052,6 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--threads", type=int, default=0, help="CPU threads (0: torch's default; 1 with --dry-run)"
     )
+    ap.add_argument("--no-q4-0", action="store_true", help="skip the Q4_0 model (section full)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.dry_run:  # the code path only: few tokens, one thread (no OpenMP spinning on CI)
@@ -1072,7 +1100,9 @@ def main(argv: list[str] | None = None) -> int:
         report.run("correctness", lambda: sec_correctness(ctx), need=big_s / 2)
         report.run("roofline", lambda: sec_roofline(ctx), need=big_s / 3)
         report.run("model", lambda: sec_model(ctx), need=big_s)
+        report.run("full", lambda: sec_full(ctx), need=big_s)
         report.run("budgets", lambda: sec_budgets(ctx), need=big_s / 2)
+        report.run("kernels", lambda: sec_kernels(ctx), need=big_s / 6)
         report.run("targets", lambda: sec_targets(ctx))
         ctx.big = None
     failed = [k for k, v in report.data["sections"].items() if not v["ok"]]

@@ -83,6 +83,12 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--reset-gpu-index", action="store_true", help="regenerate the .gpuidx")
     p.add_argument("--disable-gpu-index", action="store_true", help="keep all FFN rows on CPU")
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run each decode step eagerly instead of replaying it as a captured CUDA graph",
+    )
     p.add_argument(  # dev/test: "cpu" emulates the accelerator on the CPU
         "--accel-device", default=None, help=argparse.SUPPRESS
     )
@@ -170,6 +176,7 @@ def load_model(args: argparse.Namespace):
         use_mmap=getattr(args, "mmap", False),
         cut_scale=cut_scale,
         exact_activations=getattr(args, "exact_activations", False),
+        cuda_graphs=getattr(args, "cuda_graphs", True),
         progress=sys.stderr.isatty(),
     )
     if llm.model.args.sparse and getattr(args, "n_gpu_layers", 0) > 0:

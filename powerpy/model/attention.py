@@ -19,7 +19,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.families import Rope
-from powerpy.model import ggml_numerics, kernels, layer_record
+from powerpy.model import ggml_numerics, gpu_kernels, kernels, layer_record
 from powerpy.model.cache import KVCache
 from powerpy.model.device import HOST, OnDevices
 
@@ -121,6 +121,36 @@ def attend(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int, *, window: 
         enable_gqa=a.n_head != a.n_head_kv,
     )[0]  # (n_head, T, head_dim)
     return out.transpose(0, 1).reshape(n, a.n_embd_q)
+
+
+def attend_pool(
+    a: ModelArgs,
+    q: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    pool: tuple[Tensor, Tensor],
+    l: int,
+    pos: Tensor,
+    base: Tensor,
+    *,
+    window: int = 0,
+) -> Tensor:
+    """One decode step of B sessions whose caches are ranges of one device pool (``cache.py``):
+    q (B, n_head, head_dim) and k, v (B, n_kv, head_dim) of each session's new token at
+    positions ``pos`` (B,) int64 of caches starting at pool rows ``base`` (B,) -> attention
+    (B, n_head·head_dim). Writes k and v at rows ``base + pos`` of layer ``l``. Every shape is
+    fixed and every position is data, so a CUDA graph can replay the step: the attention reads
+    each session's rows up to its position (the fused kernel on CUDA, else every row of the
+    pool's width, masked)."""
+    kl, vl = pool[0][l], pool[1][l]  # (rows, n_kv, head_dim)
+    if k is not None:  # (None: written already, with RoPE, by gpu_kernels.rope_kv_op)
+        rows = base + pos  # (B,)
+        kl.index_copy_(0, rows, k.to(kl.dtype))
+        vl.index_copy_(0, rows, v.to(vl.dtype))
+    return gpu_kernels.decode_attention(
+        q, kl, vl, base, pos, scale=a.attn_scale or a.head_dim**-0.5, softcap=a.attn_softcap,
+        window=window, span=kl.shape[0] - 1,
+    )  # fmt: skip
 
 
 def _attend_explicit(

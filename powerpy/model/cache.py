@@ -1,7 +1,14 @@
-"""The KV cache: per-layer keys and values. It lives where its tensors are (host or device)."""
+"""The KV cache: per-layer keys and values. It lives where its tensors are (host or device).
+
+Host caches are tensors of their own. Device caches are ranges of one pool per placement
+(:class:`KVPlacement`), so a decode step of any sessions reads one pair of tensors at fixed
+addresses, with each session's first row (``KVCache.base``) and length as data: what a
+captured CUDA graph needs (``powerpy.model.plan``).
+"""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -11,27 +18,15 @@ from powerpy.config import ModelArgs
 from powerpy.model.device import Accelerator
 
 
-@dataclass(frozen=True)
-class KVPlacement:
-    """Where a placement puts new caches: on the accelerator, while the live device caches
-    hold at most ``max_ctx`` positions together (``serve --parallel N`` reserves N caches'
-    worth)."""
-
-    dtype: torch.dtype  # f16 or f32
-    max_ctx: int
-    live: weakref.WeakSet = field(default_factory=weakref.WeakSet, compare=False, repr=False)
-
-    def in_use(self) -> int:
-        """Positions of the live caches placed so far (a dropped cache gives its back)."""
-        return sum(c.n_ctx for c in self.live)
-
-
 class KVCache:
     """Per-layer keys and values for ``n_ctx`` positions.
 
     Attributes:
-        k, v: ``(n_layer, n_ctx, n_head_kv, head_dim)`` on the host, or on ``accel``'s device.
+        k, v: ``(n_layer, n_ctx, n_head_kv, head_dim)`` on the host, or on the device: then a
+            view of rows ``base .. base + n_ctx`` of its placement's pool.
         pos: positions filled so far.
+        base: the cache's first row in its pool (0 for a cache of its own).
+        pool: the pool's ``(k, v)``, each ``(n_layer, rows, n_head_kv, head_dim)``, or None.
     """
 
     def __init__(
@@ -48,6 +43,16 @@ class KVCache:
             self.k, self.v = accel.zeros(*shape, dtype=dtype), accel.zeros(*shape, dtype=dtype)
         self.n_ctx = n_ctx
         self.pos = 0
+        self.base = 0
+        self.pool: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def in_pool(cls, pool: tuple[torch.Tensor, torch.Tensor], base: int, n_ctx: int) -> KVCache:
+        """The cache of pool rows ``base .. base + n_ctx``."""
+        c = cls.__new__(cls)
+        c.k, c.v = (t.narrow(1, base, n_ctx) for t in pool)
+        c.n_ctx, c.pos, c.base, c.pool = n_ctx, 0, base, pool
+        return c
 
     @property
     def device(self) -> torch.device:
@@ -59,3 +64,60 @@ class KVCache:
 
     def reset(self) -> None:
         self.pos = 0
+
+
+@dataclass
+class KVPlacement:
+    """Where a placement puts new caches: ranges of one device pool of ``max_ctx`` positions,
+    which the live caches share (``serve --parallel N`` reserves N caches' worth).
+
+    The pool is allocated with the first cache, with one row more: the scratch row that a
+    padded batch's unused entries write to and read (``scratch``). A cache's range returns to
+    the pool when the cache is dropped.
+    """
+
+    dtype: torch.dtype  # f16 or f32
+    max_ctx: int
+    _pool: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _free: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (start, length)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self._free = [(0, self.max_ctx)]
+
+    @property
+    def scratch(self) -> int:
+        """The pool row no cache owns."""
+        return self.max_ctx
+
+    def in_use(self) -> int:
+        """Positions of the live caches placed so far (a dropped cache gives its back)."""
+        return self.max_ctx - sum(n for _, n in self._free)
+
+    def allocate(self, args: ModelArgs, n_ctx: int, accel: Accelerator) -> KVCache | None:
+        """A device cache of ``n_ctx`` positions, or None when no free range is that long."""
+        with self._lock:
+            at = next((i for i, (_, n) in enumerate(self._free) if n >= n_ctx), None)
+            if at is None:
+                return None
+            start, n = self._free[at]
+            self._free[at] = (start + n_ctx, n - n_ctx)
+            self._free = [r for r in self._free if r[1]]
+            if self._pool is None:
+                shape = (args.n_layer, self.max_ctx + 1, args.n_head_kv, args.head_dim)
+                self._pool = (accel.zeros(*shape, dtype=self.dtype),
+                              accel.zeros(*shape, dtype=self.dtype))  # fmt: skip
+        cache = KVCache.in_pool(self._pool, start, n_ctx)
+        weakref.finalize(cache, self._release, start, n_ctx)
+        return cache
+
+    def _release(self, start: int, n: int) -> None:
+        with self._lock:
+            free = sorted([*self._free, (start, n)])
+            merged: list[tuple[int, int]] = []
+            for s, m in free:
+                if merged and merged[-1][0] + merged[-1][1] == s:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + m)
+                else:
+                    merged.append((s, m))
+            self._free = merged

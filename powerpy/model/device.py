@@ -49,13 +49,17 @@ class Accelerator:
       for the device; ``fetch`` waits once, on an event, for all the tensors it copies: the only
       host waits of a decode step (:attr:`waits` counts them).
 
+    A plan (``powerpy.model.plan``) copies through fixed buffers instead: :meth:`pinned`,
+    :meth:`copy_in`, :meth:`copy_out`, :meth:`record` and :meth:`wait`, at the same addresses
+    every step, as a captured CUDA graph needs.
+
     Attributes:
         device: the device (``cpu`` when emulated).
         gather_hot: decode gathers only the active hot rows. That needs ``nonzero``, a host
-            sync on a GPU, so it is used only where the "device" is the CPU itself (there it
-            reads fewer bytes: 1.5-6x faster than the masked dense pass). On CUDA the hot part
-            is one masked pass with no host round trip.
-        fused: placed matrices run in the fused kernels (``gpu_kernels``): one launch each.
+            sync on a GPU, so no device takes it unless asked (tests): the hot part is one
+            masked pass with no host round trip, on CUDA and on the emulated device alike.
+        fused: placed matrices run in the fused ops (``gpu_kernels``): one launch each on CUDA
+            (with Triton), their torch versions on the emulated device.
         waits: host waits on the device so far (each ``fetch`` is one).
     """
 
@@ -65,15 +69,16 @@ class Accelerator:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.gather_hot = self.device.type == "cpu" if gather_hot is None else gather_hot
-        if fused is None:
+        self.gather_hot = False if gather_hot is None else gather_hot
+        if fused is None:  # the emulated device runs the fused ops' torch versions
             from powerpy.model import gpu_kernels
 
-            fused = self.device.type == "cuda" and gpu_kernels.available()
+            fused = self.device.type == "cpu" or gpu_kernels.available()
         self.fused = fused
         self._stream = side_stream_of(self.device) if self.device.type == "cuda" else None
         self._rings: dict[tuple, list] = {}
         self._turn: dict[tuple, int] = {}
+        self._placed: set[int] = set()  # emulated: the storages placed on the "device"
         self.waits = 0
 
     def __repr__(self) -> str:
@@ -131,12 +136,36 @@ class Accelerator:
 
     # --- persistent copies and allocation
     def to_device(self, t: Tensor) -> Tensor:
-        """A persistent copy of host tensor ``t`` on the device (``t`` itself when emulated)."""
+        """A persistent copy of host tensor ``t`` on the device (``t`` itself when emulated,
+        remembered as placed: :meth:`holds`)."""
+        if self.emulated:
+            self._placed.add(t.untyped_storage().data_ptr())
+            return t
         return t.to(self.device)
+
+    def adopt(self, t: Tensor) -> Tensor:
+        """``t``, made on the device from placed tensors (a stack of them), as placed."""
+        if self.emulated:
+            self._placed.add(t.untyped_storage().data_ptr())
+        return t
+
+    def holds(self, t: Tensor) -> bool:
+        """Whether ``t`` lives on this device (emulated: was placed by :meth:`to_device`)."""
+        if self.emulated:
+            return t.untyped_storage().data_ptr() in self._placed
+        return t.device == self.device
+
+    def graph_kind(self) -> str | None:
+        """How a plan replays a step here (``powerpy.model.graphs``): "cuda", "emulated" or
+        None (eager only)."""
+        return "emulated" if self.emulated else "cuda"
 
     def zeros(self, *shape: int, dtype: torch.dtype) -> Tensor:
         """A zero-filled tensor allocated on the device."""
-        return torch.zeros(shape, dtype=dtype, device=self.device)
+        out = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.emulated:
+            self._placed.add(out.untyped_storage().data_ptr())
+        return out
 
     # --- per-step copies
     def send(self, t: Tensor) -> Tensor:
@@ -172,6 +201,37 @@ class Accelerator:
         if device.type == "cpu":
             return self.fetch([t])[0].clone()
         return self.send(t)
+
+    # --- a plan's fixed buffers
+    def pinned(self, *shape: int, dtype: torch.dtype) -> Tensor:
+        """A zeroed host buffer that device copies read or write without staging (page-locked
+        on CUDA; a plain tensor when emulated)."""
+        if self.emulated:
+            return torch.zeros(shape, dtype=dtype)
+        with torch.inference_mode(False):
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+
+    def copy_in(self, dst: Tensor, src: Tensor) -> None:
+        """Device tensor ``dst`` <- pinned host ``src``, queued on the current stream."""
+        dst.copy_(src, non_blocking=True)
+
+    def copy_out(self, dst: Tensor, src: Tensor) -> None:
+        """Pinned host ``dst`` <- device tensor ``src``, queued on the current stream."""
+        dst.copy_(src, non_blocking=True)
+
+    def record(self):
+        """An event at this point of the current stream (None when emulated)."""
+        if self.emulated:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, event) -> None:
+        """The host waits for ``event`` (:meth:`record`); counted in :attr:`waits`."""
+        self.waits += 1
+        if event is not None:
+            event.synchronize()
 
     # --- overlap
     @contextlib.contextmanager

@@ -33,7 +33,7 @@ from powerpy.model.kernels import VARIANTS as kernel_variants
 from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
 from powerpy.model.moe import Experts
 from powerpy.model.moe import cut_taus as expert_taus
-from powerpy.model.transformer import Block, Weights
+from powerpy.model.weights import Block, Weights
 
 log = logging.getLogger(__name__)
 

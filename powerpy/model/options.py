@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
@@ -31,14 +32,28 @@ class SparsityStats:
 
     def __post_init__(self) -> None:
         self.last = np.zeros(len(self.active))
+        self._pending: list[tuple[int, Tensor]] = []  # (layer, (T,) counts on a device)
 
     @classmethod
     def empty(cls, n_layer: int, n_ff: int) -> SparsityStats:
         return cls(n_ff, np.zeros(n_layer, np.int64), np.zeros(n_layer, np.int64))
 
     def record(self, layer: int, act: Tensor) -> None:
-        """Count one layer's mask: act (T, n_ff) bool, on the host."""
+        """Count one layer's mask: act (T, n_ff) bool. A mask on a device is counted there and
+        read at the end of the forward (:meth:`settle`), so counting adds no wait to a layer."""
+        if act.device.type != "cpu":
+            self._pending.append((layer, act.sum(dim=1)))
+            return
         self.record_counts(layer, act.sum(dim=1))
+
+    def settle(self, to_host: Callable[[Tensor], Tensor] = Tensor.cpu) -> None:
+        """Take in the counts made on a device, copied by ``to_host`` (``Model.forward`` calls
+        it once its logits are on the host, so the copy finds the device done)."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            counts = to_host(torch.stack([c for _, c in pending]))  # one copy
+            for (layer, _), c in zip(pending, counts, strict=True):
+                self.record_counts(layer, c)
 
     def record_count(self, layer: int, active: int) -> None:
         """Count one token of one layer from its number of active neurons."""
@@ -70,6 +85,7 @@ class SparsityStats:
             return self.active / (self.tokens * self.n_ff)
 
     def reset(self) -> None:
+        self._pending.clear()
         self.active[:] = 0
         self.tokens[:] = 0
         self.last[:] = 0
@@ -94,6 +110,9 @@ class RunOptions:
         numerics: native kernels or torch, llama.cpp's activation rounding or exact f32
             (``--exact-activations``); see :class:`powerpy.model.numerics.Numerics`. The call
             computes with them whatever other calls on the same model use.
+        graphs: a fully placed model's decode step is replayed as a captured graph where the
+            device can capture one (``powerpy.model.plan``); False (``--no-cuda-graphs``) runs
+            the same step eagerly.
     """
 
     sparse: bool = True
@@ -104,6 +123,7 @@ class RunOptions:
     oracle: Oracle | None = None
     cut_scale: float = 1.0
     numerics: Numerics = DEFAULT_NUMERICS
+    graphs: bool = True
 
     def __post_init__(self) -> None:
         if not (self.cut_scale >= 0 and self.cut_scale < float("inf")):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -21,116 +20,31 @@ from powerpy.config import ModelArgs
 from powerpy.errors import ModelConfigError, NonFiniteError
 from powerpy.families import Norm, Residual, Rope
 from powerpy.formats.constants import Names
-from powerpy.model import ggml_numerics, numerics, stack_decode
-from powerpy.model.attention import apply_rope, attend, attention_block, layer_rotations
+from powerpy.model import ggml_numerics, gpu_kernels, numerics, stack_decode
+from powerpy.model.attention import (
+    apply_rope,
+    attend,
+    attend_pool,
+    attention_block,
+    layer_rotations,
+)
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
-from powerpy.model.ffn import HotRows, ffn, fused_decode, scaled_cut
-from powerpy.model.matrices import Weight
-from powerpy.model.moe import Experts, mixture, moe_decode
+from powerpy.model.ffn import fused_decode
+from powerpy.model.moe import mixture, moe_decode
 from powerpy.model.norms import layer_norm, rms_norm
 from powerpy.model.options import SPARSE, RunOptions
+from powerpy.model.plan import Plans
+from powerpy.model.split import ffn
+from powerpy.model.step import Step
 from powerpy.model.timing import phase
+from powerpy.model.weights import Block, Weights
 
 log = logging.getLogger(__name__)
 
 
-# ----------------------------------------------------------------------------------- weights
-@dataclass
-class Block:
-    """One layer's weights, named as in GGUF. Matrices with a bias are ``BiasedWeight``; a
-    norm's bias is ``{norm}_b`` (LayerNorm families). Which fields a family fills is its
-    ``Family.block`` (``powerpy.families``)."""
-
-    attn_norm: Tensor  # (n_embd,) f32
-    attn_q: Weight  # (n_embd, n_embd)
-    attn_k: Weight  # (n_embd_gqa, n_embd)
-    attn_v: Weight  # (n_embd_gqa, n_embd)
-    attn_output: Weight  # (n_embd, n_embd)
-    ffn_norm: Tensor | None  # (n_embd,) f32; None in a parallel block (attn_norm feeds the FFN)
-    ffn_gate: Weight | None  # (n_ff, n_embd); None for an ungated FFN (FFNVariant.gated)
-    ffn_up: Weight  # (n_ff, n_embd)
-    ffn_down_t: Weight  # (n_ff, n_embd): row j is neuron j's output
-    fc1: Weight | None = None  # (H, n_embd) predictor
-    fc2: Weight | None = None  # (n_ff, H)
-    hot: HotRows | None = None  # hybrid placements: this layer's rows on the accelerator
-    gated: bool = True  # False: in powerpy.dense_layers, the FFN runs ungated in sparse mode
-    down_tau: Tensor | None = None  # (n_ff,) f32 host: the cut (powerpy.ffn_down_threshold)
-    attn_norm_b: Tensor | None = None  # (n_embd,) LayerNorm bias
-    attn_norm_2: Tensor | None = None  # (n_embd,) attention's own norm (falcon-40B)
-    attn_norm_2_b: Tensor | None = None
-    ffn_norm_b: Tensor | None = None
-    ffn_down_b: Tensor | None = None  # (n_embd,) the down matrix's bias (OPT)
-    attn_q_norm: Tensor | None = None  # (head_dim,) RMSNorm of each q head (qwen3, gemma3)
-    attn_k_norm: Tensor | None = None  # (head_dim,) … and of each k head
-    post_attention_norm: Tensor | None = None  # (n_embd,) of attention's output (gemma)
-    post_ffw_norm: Tensor | None = None  # (n_embd,) of the FFN's output (gemma)
-    # the native block kernels compute this layer (every layout; ``layer_record``)
-    native: bool = True
-    # a mixture of experts in place of the dense FFN (ffn_gate, ffn_up, ffn_down_t None)
-    moe: Experts | None = None
-    # its shared expert (qwen2moe; moe.shared_expert): the gate's row, a SwiGLU FFN
-    ffn_gate_inp_shexp: Tensor | None = None  # (n_embd,) f32
-    ffn_gate_shexp: Weight | None = None  # (n_ff_shexp, n_embd)
-    ffn_up_shexp: Weight | None = None  # (n_ff_shexp, n_embd)
-    ffn_down_shexp: Weight | None = None  # (n_embd, n_ff_shexp), as stored
-
-    def gates(self, opts: RunOptions) -> bool:
-        """Whether the predictor gates this layer's FFN in a run with ``opts``."""
-        return opts.sparse and self.gated and self.fc1 is not None and opts.oracle is None
-
-    def predictor_input(self, ffn_inp: OnDevices, opts: RunOptions) -> Tensor:
-        """The FFN's pre-norm input where the predictor reads it (where it was, when the
-        predictor does not run)."""
-        return ffn_inp(self.fc1.device) if self.gates(opts) else ffn_inp.tensor
-
-    def cut(self, opts: RunOptions) -> Tensor | None:
-        """This layer's cut in a run with ``opts`` (None: every computed neuron counts)."""
-        return scaled_cut(self.down_tau, opts)
-
-
-@dataclass
-class Weights:
-    token_embd: Weight  # (n_vocab, n_embd)
-    output_norm: Tensor  # (n_embd,)
-    output: Weight  # (n_vocab, n_embd); token_embd itself when tied
-    blk: list[Block]
-    output_norm_b: Tensor | None = None  # (n_embd,) LayerNorm bias
-    position_embd: Weight | None = None  # (n_positions + offset, n_embd): learned positions
-    rope_freqs: Tensor | None = None  # (n_rot/2,) f32 divisors of the RoPE angles (llama-3)
-    rope_factors_long: Tensor | None = None  # (n_rot/2,) phi3: beyond the original context
-    rope_factors_short: Tensor | None = None  # (n_rot/2,) phi3: within it
-
-
 # ----------------------------------------------------------------------------------- model
 FFN_MODES = ("rows", "union", "batch")
-
-
-@dataclass
-class Step:
-    """What one forward runs: T tokens in segments, each segment consecutive tokens of one
-    session at its cache's next positions. One sequence (a prompt chunk or a decode step) is one
-    segment; a server's decode step is B one-token segments, one per session."""
-
-    caches: list[KVCache]
-    lengths: list[int]  # tokens of each segment, in order (sum: T)
-
-    def positions(self) -> Tensor:
-        """(T,) int64: each token's position in its own cache."""
-        return torch.cat(
-            [torch.arange(c.pos, c.pos + n) for c, n in zip(self.caches, self.lengths, strict=True)]
-        )
-
-    def segments(self):
-        """(cache, first token, tokens) per segment."""
-        s = 0
-        for c, n in zip(self.caches, self.lengths, strict=True):
-            yield c, s, n
-            s += n
-
-    def advance(self) -> None:
-        for c, n in zip(self.caches, self.lengths, strict=True):
-            c.pos += n
 
 
 class Model:
@@ -158,6 +72,7 @@ class Model:
         self.accel = accel
         self.kv = kv
         self.cache_dtype = cache_dtype  # host KV caches: f16 (llama.cpp's default) or f32
+        self.plans = Plans()  # decode plans per options and batch size, built on first use
 
     @property
     def can_gate(self) -> bool:
@@ -169,15 +84,14 @@ class Model:
 
     def new_cache(self, n_ctx: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """A fresh KV cache for up to ``n_ctx`` positions (default ``args.default_n_ctx``), on
-        the accelerator while the placement's KV reservation has room for it (the live device
-        caches together), else on the host. Host caches have ``dtype``, else the model's
-        ``cache_dtype`` (f16 unless loaded with ``cache_type``, as llama.cpp's ``-ctk``)."""
+        the accelerator while the placement's KV pool has room for it (the live device caches
+        together) and ``dtype`` is None or the pool's, else on the host. Host caches have
+        ``dtype``, else the model's ``cache_dtype`` (f16 unless loaded with ``cache_type``, as
+        llama.cpp's ``-ctk``)."""
         n_ctx = n_ctx or self.args.default_n_ctx
-        if self.kv is not None:
-            live = self.kv.in_use()
-            if live + n_ctx <= self.kv.max_ctx:
-                cache = KVCache(self.args, n_ctx, dtype or self.kv.dtype, self.accel)
-                self.kv.live.add(cache)
+        if self.kv is not None and dtype in (None, self.kv.dtype):
+            cache = self.kv.allocate(self.args, n_ctx, self.accel)
+            if cache is not None:
                 return cache
             log.warning(
                 "a %d-position KV cache does not fit the %d positions placed on %s (%d in use): "
@@ -185,7 +99,7 @@ class Model:
                 n_ctx,
                 self.kv.max_ctx,
                 self.accel,
-                live,
+                self.kv.in_use(),
             )
         return KVCache(self.args, n_ctx, dtype or self.cache_dtype)
 
@@ -282,7 +196,16 @@ class Model:
         only a bad result pays for the search of the layer where it went bad."""
         with numerics.using(opts.numerics):
             pos = [c.pos for c in step.caches]
-            logits = self._run(tokens, step, opts, all_logits, ffn_mode)
+            if tokens.shape[0] == len(step.caches):  # a decode step: one token per session
+                plan = self.plans.get(self, opts, len(step.caches))
+            else:
+                plan = None
+            if plan is not None:
+                logits = plan.run(tokens, step, opts, ffn_mode)
+            else:
+                logits = self._run(tokens, step, opts, all_logits, ffn_mode)
+            if opts.stats is not None:  # the counts a device made, now that it is done
+                opts.stats.settle(lambda t: self._to(t, HOST))
             if not bool(torch.isfinite(logits).all()):
                 for c, p in zip(step.caches, pos, strict=True):
                     c.pos = p  # the rerun rewrites the same cache rows, then stops at the culprit
@@ -299,47 +222,82 @@ class Model:
         all_logits: bool,
         ffn_mode: str,
         check: bool = False,
+        host: stack_decode.StackPlan | None = None,
     ) -> Tensor:
-        """The one layer loop. A one-token step whose remaining layers all sit on the host in
-        the native kernels leaves the loop for the stack plan (``stack_decode``), which runs
-        those layers' two block kernels in C, in this loop's order, in one call."""
+        """The one layer loop. ``host``: a decode plan's host executor (``stack_decode``), which
+        runs the layers from its first one, all on the host in the native kernels, in C, in
+        this loop's order, in one call (a one-token step whose cache it can read)."""
         a, w = self.args, self.weights
-        thr = a.sparse_threshold if opts.threshold is None else float(opts.threshold)
-        x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
-        fam, pos = a.family, step.positions()  # (T,)
-        if w.position_embd is not None:  # learned positions
-            x = x + w.position_embd.take_rows(pos + fam.position_offset).dequantize()
-        if fam.embed_scale:
-            x = x * a.n_embd**0.5
+        pos = step.positions()  # (T,)
+        x = self.embed(tokens, pos)
         if check:
             _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
         tables = layer_rotations(a, w, pos, step.caches[0].n_ctx)  # per layer (T, n_rot/2)
         moved = {id(t): OnDevices(self.accel, t) for t in tables if t is not None}  # one per table
         rots = [None if t is None else moved[id(t)] for t in tables]
         one = tokens.shape[0] == 1  # one token: native block calls where the block is on the host
-        plan = None
-        if one and not check and stack_decode.usable(step.caches[0], opts):
-            plan = stack_decode.plan_for(self, opts)
+        if not one or check or not stack_decode.usable(step.caches[0], opts):
+            host = None
         # a prompt whose last position alone needs logits: the last layer's FFN runs for that
         # row only, as llama.cpp's graphs do (each row's FFN is its own, so its value is the
         # same); not while an observer or the stats watch every row's FFN
         tail = not all_logits and not one and opts.observer is None and opts.stats is None
-        for l, blk in enumerate(w.blk):
-            if plan is not None and l == plan.first:
-                x = plan.run(a, self._to(x, HOST), step.caches[0], rots, thr, opts)
-                break
-            last = tail and l == len(w.blk) - 1
-            x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check, last)
+        x = self.layers(x, step, rots, opts, ffn_mode, check=check, tail=tail, host=host)
         step.advance()
         if not all_logits:
             x = x[-1:]
-        with phase(opts.timer, "output"):
-            x = self.norm(self._to(x, w.output_norm.device), w.output_norm, w.output_norm_b)
-            logits = self._to(w.output.linear(self._to(x, w.output.device)), HOST)
-            if a.final_softcap:
-                logits = ggml_numerics.softcap_(logits, a.final_softcap)
+        logits = self._to(self.head(x, opts), HOST)
         if check:
             _check_finite(logits, "output", "the output layer (output_norm, output)")
+        return logits
+
+    def threshold(self, opts: RunOptions) -> float:
+        """The predictor threshold of a run with ``opts``: its own, else the file's."""
+        return self.args.sparse_threshold if opts.threshold is None else float(opts.threshold)
+
+    def embed(self, tokens: Tensor, pos: Tensor) -> Tensor:
+        """The residual stream's start: tokens (T,) at positions pos (T,) -> (T, n_embd) f32 on
+        the host (the embedding rows, learned positions, the family's scale)."""
+        a, w, fam = self.args, self.weights, self.args.family
+        x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
+        if w.position_embd is not None:  # learned positions
+            x = x + w.position_embd.take_rows(pos + fam.position_offset).dequantize()
+        if fam.embed_scale:
+            x = x * a.n_embd**0.5
+        return x
+
+    def layers(
+        self,
+        x: Tensor,
+        step: Step,
+        rots: list,
+        opts: RunOptions,
+        ffn_mode: str = "rows",
+        *,
+        check: bool = False,
+        tail: bool = False,
+        host=None,
+    ) -> Tensor:
+        """The blocks over the residual stream x (T, n_embd): each where its weights are, and
+        from layer ``host.first`` on the host stack plan (``stack_decode``) in one call.
+        ``tail``: the last layer's FFN for the last row only. rots: each layer's rotations."""
+        thr, blocks = self.threshold(opts), self.weights.blk
+        for l, blk in enumerate(blocks):
+            if host is not None and l == host.first:
+                return host.run(self.args, self._to(x, HOST), step.caches[0], rots, thr, opts)
+            last = tail and l == len(blocks) - 1
+            x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check, last)
+        return x
+
+    def head(self, x: Tensor, opts: RunOptions) -> Tensor:
+        """Logits of x (T, n_embd): output_norm, output and the final soft-cap, (T, n_vocab)
+        f32 on the output matrix's device."""
+        a, w = self.args, self.weights
+        with phase(opts.timer, "output"):
+            x = self.norm(self._to(x, w.output_norm.device), w.output_norm, w.output_norm_b)
+            logits = w.output.linear(self._to(x, w.output.device))
+            if a.final_softcap:
+                logits = ggml_numerics.softcap_(logits, a.final_softcap)
         return logits
 
     def _block(
@@ -437,20 +395,31 @@ class Model:
     def attention(self, l: int, blk: Block, x: Tensor, step: Step, rot: OnDevices | None) -> Tensor:
         """x (T, n_embd) normed -> (T, n_embd) on attn_output's device; writes the caches.
         The projections run once for all T tokens, the attention once per segment (each reads
-        its own cache). ``rot`` holds the rotations per device (moved once per forward)."""
+        its own cache), or once for a pooled step's sessions. ``rot`` holds the rotations per
+        device (moved once per forward)."""
         a, n = self.args, x.shape[0]
         x_on = OnDevices(self.accel, x)  # x moved once to each device that reads it
-        q = blk.attn_q.linear(x_on(blk.attn_q.device)).view(n, a.n_head, a.head_dim)  # n_q
-        k = blk.attn_k.linear(x_on(blk.attn_k.device)).view(n, a.n_head_kv, a.head_dim)
-        v = blk.attn_v.linear(x_on(blk.attn_v.device)).view(n, a.n_head_kv, a.head_dim)
+        if blk.attn_qkv is not None:  # q, k and v in one product
+            qkv = blk.attn_qkv.linear(x_on(blk.attn_qkv.device))  # (T, n_q + 2 n_kv)
+            q, k, v = qkv.split([a.n_embd_q, a.n_embd_gqa, a.n_embd_gqa], dim=1)
+        else:
+            q = blk.attn_q.linear(x_on(blk.attn_q.device))
+            k = blk.attn_k.linear(x_on(blk.attn_k.device))
+            v = blk.attn_v.linear(x_on(blk.attn_v.device))
+        q = q.view(n, a.n_head, a.head_dim)  # (T, n_head, head_dim)
+        k = k.view(n, a.n_head_kv, a.head_dim)
+        v = v.view(n, a.n_head_kv, a.head_dim)
         if blk.attn_q_norm is not None:  # per head, before RoPE
             q = rms_norm(q, blk.attn_q_norm, a.norm_eps)
             k = rms_norm(k, blk.attn_k_norm, a.norm_eps)
+        window = a.sliding_window if l in a.swa_layers else 0
+        if step.pooled:
+            out = self._attend_pooled(l, q, k, v, step, rot, window)
+            return blk.attn_output.linear(self._to(out, blk.attn_output.device))
         if rot is not None:
             mode = a.family.rope
             q = apply_rope(q, rot(q.device), a.n_rot, mode)
             k = apply_rope(k, rot(k.device), a.n_rot, mode)
-        window = a.sliding_window if l in a.swa_layers else 0
         outs = []
         for cache, s, m in step.segments():
             dev, p0 = cache.device, cache.pos  # attention runs where the cache is
@@ -459,6 +428,27 @@ class Model:
             out = attend(a, self._to(q[s : s + m], dev), cache, l, p0, window=window)  # (m, n_q)
             outs.append(self._to(out, blk.attn_output.device))
         return blk.attn_output.linear(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def _attend_pooled(
+        self, l: int, q: Tensor, k: Tensor, v: Tensor, step: Step, rot, window: int
+    ) -> Tensor:
+        """A pooled step's attention (``attention.attend_pool``): q (B, n_head, hd), k, v (B,
+        n_kv, hd) -> (B, n_q) on the pool's device, RoPE and the cache rows written first (in
+        one fused op where a plan holds the layer's table of every position)."""
+        a, pool = self.args, step.caches[0].pool
+        dev = pool[0].device
+        q, k, v = (self._to(t, dev) for t in (q, k, v))
+        pos, base = step.rows(self.accel)
+        table = None if step.tables is None else step.tables[l]
+        if table is not None and self.accel is not None and self.accel.fused:
+            neox = a.family.rope is Rope.NEOX
+            q = gpu_kernels.rope_kv_op(q, k, v, table, pos, base + pos, pool[0][l], pool[1][l],
+                                       a.n_rot, neox)  # fmt: skip
+            return attend_pool(a, q, None, None, pool, l, pos, base, window=window)
+        if rot is not None:
+            q = apply_rope(q, rot(dev), a.n_rot, a.family.rope)
+            k = apply_rope(k, rot(dev), a.n_rot, a.family.rope)
+        return attend_pool(a, q, k, v, pool, l, pos, base, window=window)
 
     def _ffn(
         self,

@@ -48,54 +48,78 @@ def _block_values(w, r, b, row_bytes, m2, QT: tl.constexpr):
 
 @triton.jit
 def _linear_kernel(
-    w, x, y, need, bucket, rows, nb, row_bytes, k, n_ff,
-    QT: tl.constexpr, HAS_NEED: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr,
+    w, x, y, need, bucket, rows, T, nb, row_bytes, k, n_ff,
+    QT: tl.constexpr, HAS_NEED: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+    BB: tl.constexpr,
 ):  # fmt: skip
-    # y[t, r] = sum_c W[r, c] x[t, c]; grid (cdiv(rows, BR), T)
-    t = tl.program_id(1)
+    # y[t, r] = sum_c W[r, c] x[t, c] for BT tokens x BR rows; grid (cdiv(rows, BR), cdiv(T, BT))
     r = tl.program_id(0) * BR + tl.arange(0, BR)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
     rmask = r < rows
+    tmask = t < T
     if HAS_NEED:
         neuron = tl.load(bucket + r % k, mask=rmask, other=0)
-        rmask = rmask & (tl.load(need + t * n_ff + neuron, mask=rmask, other=0) != 0)
-    acc = tl.zeros((BR,), tl.float32)
+        nd = tl.load(need + t[:, None] * n_ff + neuron[None, :],
+                     mask=tmask[:, None] & rmask[None, :], other=0) != 0  # fmt: skip
+        rneed = (tl.max(nd.to(tl.int32), axis=0) > 0) & rmask  # rows some token needs
+    else:
+        nd = tmask[:, None] & rmask[None, :]
+        rneed = rmask
+    # a block of rows no token needs is not read: its loop runs no step
+    steps = tl.where(tl.max(rneed.to(tl.int32), axis=0) > 0, nb, 0)
     j = tl.arange(0, 16)
-    for b0 in range(0, nb, BB):
+    acc = tl.zeros((BT, BR), tl.float32)
+    for b0 in range(0, steps, BB):
         b = b0 + tl.arange(0, BB)
         bm = b < nb
-        lo, hi = _block_values(w, r, b, row_bytes, rmask[:, None] & bm[None, :], QT)
-        xp = x + t * nb * 32 + b[:, None] * 32 + j[None, :]
-        x_lo = tl.load(xp, mask=bm[:, None], other=0.0)  # (BB, 16)
-        x_hi = tl.load(xp + 16, mask=bm[:, None], other=0.0)
-        acc += tl.sum(tl.sum(lo * x_lo[None] + hi * x_hi[None], axis=2), axis=1)
-    tl.store(y + t * rows + r, acc, mask=r < rows)
+        lo, hi = _block_values(w, r, b, row_bytes, rneed[:, None] & bm[None, :], QT)
+        xp = x + t[:, None, None] * nb * 32 + b[None, :, None] * 32 + j[None, None, :]
+        xm = tmask[:, None, None] & bm[None, :, None]
+        x_lo = tl.load(xp, mask=xm, other=0.0)  # (BT, BB, 16)
+        x_hi = tl.load(xp + 16, mask=xm, other=0.0)
+        if BT == 1:
+            part = tl.sum(tl.sum(lo * x_lo + hi * x_hi, axis=2), axis=1)  # (BR,)
+            acc += part[None, :]
+        else:
+            wt = tl.reshape(tl.join(lo, hi), (BR, BB * 32))  # (BR, K): block, element, half
+            xt = tl.reshape(tl.join(x_lo, x_hi), (BT, BB * 32))
+            acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
+    tl.store(y + t[:, None] * rows + r[None, :], tl.where(nd, acc, 0.0),
+             mask=tmask[:, None] & rmask[None, :])  # fmt: skip
 
 
 @triton.jit
 def _rows_sum_kernel(
-    w, h, part, rows, nb, row_bytes, chunk,
-    QT: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr,
+    w, h, part, rows, T, nb, row_bytes, chunk,
+    QT: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr,
 ):  # fmt: skip
-    # part[s, t, c] = sum_{r in chunk s} h[t, r] W[r, c]; grid (cdiv(nb, BB), SPLIT, T)
+    # part[s, t, c] = sum_{r in chunk s} h[t, r] W[r, c]; grid (cdiv(nb, BB), SPLIT, cdiv(T, BT))
     b = tl.program_id(0) * BB + tl.arange(0, BB)
     s = tl.program_id(1)
-    t = tl.program_id(2)
-    T = tl.num_programs(2)
+    t = tl.program_id(2) * BT + tl.arange(0, BT)
+    tm = t < T
     bm = b < nb
     j = tl.arange(0, 16)
-    acc_lo = tl.zeros((BB, 16), tl.float32)
-    acc_hi = tl.zeros((BB, 16), tl.float32)
-    for r0 in range(s * chunk, tl.minimum(s * chunk + chunk, rows), BR):
+    acc = tl.zeros((BT, BB * 32), tl.float32)
+    end = tl.minimum(s * chunk + chunk, rows)
+    for r0 in range(s * chunk, end, BR):
         r = r0 + tl.arange(0, BR)
-        rm = r < tl.minimum(s * chunk + chunk, rows)
-        hr = tl.load(h + t * rows + r, mask=rm, other=0.0)  # (BR,)
-        m2 = (rm & (hr != 0.0))[:, None] & bm[None, :]  # rows with h == 0 are not read
-        lo, hi = _block_values(w, r, b, row_bytes, m2, QT)
-        acc_lo += tl.sum(lo * hr[:, None, None], axis=0)
-        acc_hi += tl.sum(hi * hr[:, None, None], axis=0)
-    out = part + (s * T + t) * nb * 32 + b[:, None] * 32 + j[None, :]
-    tl.store(out, acc_lo, mask=bm[:, None])
-    tl.store(out + 16, acc_hi, mask=bm[:, None])
+        rm = r < end
+        hr = tl.load(h + t[:, None] * rows + r[None, :], mask=tm[:, None] & rm[None, :], other=0.0)
+        rneed = (tl.max((hr != 0.0).to(tl.int32), axis=0) > 0) & rm  # rows whose h are all 0
+        lo, hi = _block_values(w, r, b, row_bytes, rneed[:, None] & bm[None, :], QT)  # are not read
+        wt = tl.reshape(tl.join(lo, hi), (BR, BB * 32))  # (BR, BB * 32): block, element, half
+        if BT == 1:
+            acc += tl.sum(wt * tl.reshape(hr, (BR, 1)), axis=0)[None, :]
+        else:
+            acc += tl.dot(hr, wt, input_precision="ieee")
+    # the columns in acc's order (tl.join puts the halves last): block b, element j, half
+    lo_col = b[:, None] * 32 + j[None, :]  # (BB, 16)
+    col = tl.reshape(tl.join(lo_col, lo_col + 16), (BB * 32,))
+    bm2 = bm[:, None] & (j[None, :] < 16)
+    cm = tl.reshape(tl.join(bm2, bm2), (BB * 32,))
+    out = part + (s * T + t[:, None]) * nb * 32 + col[None, :]
+    tl.store(out, acc, mask=tm[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -132,3 +156,116 @@ def _rms_norm_kernel(x, w, y, n, eps, B: tl.constexpr):
         c = c0 + tl.arange(0, B)
         v = tl.load(row + c, mask=c < n, other=0.0)
         tl.store(out + c, v * scale * tl.load(w + c, mask=c < n, other=0.0), mask=c < n)
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _decode_attn_kernel(
+    q, k, v, base, pos, part_o, part_ml, n_head, n_kv, hd, row_stride, chunk, splits, scale,
+    softcap, window,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HAS_CAP: tl.constexpr,
+    HAS_WIN: tl.constexpr,
+):  # fmt: skip
+    # one (session b, kv head, chunk of positions): the chunk's softmax state for the group's q
+    # heads; grid (B, n_kv, splits)
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    sp = tl.program_id(2)
+    group = n_head // n_kv
+    p = tl.load(pos + b)
+    b0 = tl.load(base + b)
+    lo = sp * chunk
+    if HAS_WIN:
+        lo = tl.maximum(lo, p - window + 1)
+    hi = tl.minimum(sp * chunk + chunk, p + 1)
+    g = tl.arange(0, G)
+    d = tl.arange(0, D)
+    gm = g < group
+    dm = d < hd
+    heads = kh * group + g
+    qv = tl.load(q + (b * n_head + heads)[:, None] * hd + d[None, :],
+                 mask=gm[:, None] & dm[None, :], other=0.0)  # fmt: skip
+    m_i = tl.full((G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G,), tl.float32)
+    acc = tl.zeros((G, D), tl.float32)
+    for s0 in range(lo, hi, BS):
+        s = s0 + tl.arange(0, BS)
+        sm = s < hi
+        off = (b0 + s)[:, None] * row_stride + kh * hd + d[None, :]
+        kt = tl.load(k + off, mask=sm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        sc = tl.sum(qv[:, None, :] * kt[None, :, :], axis=2) * scale  # (G, BS)
+        if HAS_CAP:
+            sc = softcap * _tanh(sc / softcap)
+        sc = tl.where(sm[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        vt = tl.load(v + off, mask=sm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * vt[None, :, :], axis=1)
+        m_i = m_new
+    at = (b * n_head + heads) * splits + sp  # (G,)
+    tl.store(part_o + at[:, None] * hd + d[None, :], acc, mask=gm[:, None] & dm[None, :])
+    tl.store(part_ml + at * 2, m_i, mask=gm)
+    tl.store(part_ml + at * 2 + 1, l_i, mask=gm)
+
+
+@triton.jit
+def _attn_merge_kernel(part_o, part_ml, out, hd, splits, D: tl.constexpr, NS: tl.constexpr):
+    # out[b, h] = the chunks' weighted values over their weights; grid (B, n_head)
+    at = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * splits
+    sp = tl.arange(0, NS)
+    spm = sp < splits
+    m = tl.load(part_ml + (at + sp) * 2, mask=spm, other=float("-inf"))
+    l = tl.load(part_ml + (at + sp) * 2 + 1, mask=spm, other=0.0)  # noqa: E741
+    wgt = tl.exp(m - tl.max(m, axis=0))  # chunks past the position: exp(-inf) = 0
+    d = tl.arange(0, D)
+    o = tl.load(part_o + (at + sp)[:, None] * hd + d[None, :],
+                mask=spm[:, None] & (d < hd)[None, :], other=0.0)  # fmt: skip
+    res = tl.sum(o * wgt[:, None], axis=0) / tl.sum(l * wgt, axis=0)
+    tl.store(out + (at // splits) * hd + d, res, mask=d < hd)
+
+
+@triton.jit
+def _rope_kv_kernel(
+    q, k, v, sq, sk, sv, table, pos, rows, kc, vc, out, n_head, n_kv, hd, n_rot, kc_row,
+    NEOX: tl.constexpr, D: tl.constexpr,
+):  # fmt: skip
+    # one head of session b: q's turned into out, or k's turned and v into the pool's row;
+    # grid (B, n_head + n_kv)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    p = tl.load(pos + b)
+    d = tl.arange(0, D)
+    dm = d < hd
+    half = n_rot // 2
+    if NEOX:  # pairs (i, i + n_rot/2)
+        i = tl.where(d < half, d, d - half)
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+    else:  # pairs (2i, 2i + 1)
+        i = d // 2
+        partner = d ^ 1
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    rot = d < n_rot
+    c = tl.load(table + (p * half + i) * 2, mask=rot, other=1.0)
+    s = tl.load(table + (p * half + i) * 2 + 1, mask=rot, other=0.0)
+    if h < n_head:
+        src = q + b * sq + h * hd
+        x = tl.load(src + d, mask=dm, other=0.0)
+        xp = tl.load(src + partner, mask=rot & dm, other=0.0)
+        tl.store(out + (b * n_head + h) * hd + d, tl.where(rot, x * c + sign * xp * s, x), mask=dm)
+    else:
+        j = h - n_head
+        r = tl.load(rows + b)
+        src = k + b * sk + j * hd
+        x = tl.load(src + d, mask=dm, other=0.0)
+        xp = tl.load(src + partner, mask=rot & dm, other=0.0)
+        y = tl.where(rot, x * c + sign * xp * s, x)
+        tl.store(kc + r * kc_row + j * hd + d, y.to(kc.dtype.element_ty), mask=dm)
+        vv = tl.load(v + b * sv + j * hd + d, mask=dm, other=0.0)
+        tl.store(vc + r * kc_row + j * hd + d, vv.to(vc.dtype.element_ty), mask=dm)

@@ -9,7 +9,7 @@
   as they are (memory-mapped from the file): the CPU reads only cold rows from them, so the hot
   rows cost file-backed page cache that decode never touches, not a second anonymous copy.
 
-The split FFN itself is ``powerpy.model.ffn.ffn`` (docs/architecture.md#split-and-merge), the same
+The split FFN itself is ``powerpy.model.split.ffn`` (docs/architecture.md#split-and-merge), the same
 code that runs a CPU-only model. :func:`place` is the one entry point of the API and the CLI:
 budget → placement (with the index lifecycle) → ``build_hybrid``. The accelerator may be
 ``"cpu"``: an emulated device with the same budget accounting and the same split/merge code, so
@@ -33,17 +33,16 @@ from torch import Tensor
 
 from powerpy._fs import fmt_bytes
 from powerpy.errors import PlacementError
-from powerpy.formats.constants import GGMLType, Names, bias_name
-from powerpy.model import gpu_kernels
+from powerpy.formats.constants import Names, bias_name
 from powerpy.model.biased import BiasedWeight
 from powerpy.model.cache import KVPlacement
 from powerpy.model.device import Accelerator
-from powerpy.model.ffn import HotRows
-from powerpy.model.gpu_kernels import FusedWeight
-from powerpy.model.matrices import DenseWeight, QuantWeight, Weight
-from powerpy.model.moe import ExpertHot, Experts
-from powerpy.model.transformer import Block, Model, Weights
+from powerpy.model.matrices import Weight
+from powerpy.model.split import HotRows
+from powerpy.model.transformer import Model
+from powerpy.model.weights import Block, Weights
 from powerpy.placement.budget import budget_bytes
+from powerpy.placement.copies import expert_hot, ggml_type, hot_rows, stack_qkv, to_device
 from powerpy.placement.experts import down_element_bytes
 from powerpy.placement.lifecycle import resolve_placement
 from powerpy.placement.placement import Placement
@@ -67,8 +66,8 @@ class HybridRuntime:
         placement: the placement applied.
         dense_bytes: bytes of the dense tensors now on the device.
         hot_bytes: bytes of the compact hot rows on the device.
-        kv_bytes: bytes a KV cache of ``placement.n_ctx`` positions takes on the device (it is
-            allocated per session; 0 when caches stay on the host).
+        kv_bytes: bytes of the device's KV pool, ``placement.n_ctx`` positions of all sessions
+            together (allocated with the first cache; 0 when caches stay on the host).
         index_bytes: the per-layer bucket/row index vectors on the device (workspace, outside
             the budget like upstream's ``gpu_bucket``: 16 bytes per hot neuron).
         host_file_bytes: host weight bytes that are the model file's own bytes (mapped, or
@@ -161,97 +160,6 @@ def _nbytes(t: Tensor | Weight) -> int:
     return s.numel() * s.element_size()
 
 
-def _fused_type(w: Weight) -> GGMLType | None:
-    """The block type the fused kernels would read ``w`` as, or None."""
-    if isinstance(w, QuantWeight):
-        t = w.ggml_type
-    elif isinstance(w, DenseWeight) and w.w.dtype == torch.float16:
-        t = GGMLType.F16
-    else:
-        return None
-    return t if gpu_kernels.supports(t, w.shape[1]) else None
-
-
-def _to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
-    """A persistent device copy, in the form the device computes with: the fused kernels' when
-    they read the type (the file's bytes, one launch per product)."""
-    if isinstance(t, Tensor):
-        return accel.to_device(t)
-    if isinstance(t, BiasedWeight):  # the matrix as any other, its bias beside it
-        return BiasedWeight(_to_device(accel, t.inner), accel.to_device(t.bias))
-    kind = _fused_type(t) if accel.fused else None
-    if kind is not None:
-        return FusedWeight.of(accel.to_device(t.storage), kind, t.shape[1])
-    if isinstance(t, QuantWeight) and not accel.emulated:
-        _warn_torch_decode(t.ggml_type)
-    return t.with_storage(accel.to_device(t.storage))
-
-
-def _hot_rows(accel: Accelerator, gate: Weight | None, up: Weight, down_t: Weight, bucket: Tensor):
-    """A layer's rows ``bucket`` (k,) of gate, up and down_t on the device: (gate, up, down_t,
-    gate_up). With the fused kernels, gate and up are the halves of one stacked matrix; an
-    ungated FFN (gate None) has only up's rows there."""
-    if gate is None:
-        placed = [_to_device(accel, m.take_rows(bucket)) for m in (up, down_t)]
-        fused = placed[0] if isinstance(placed[0], FusedWeight) else None
-        return None, placed[0], placed[1], fused
-    rows = [m.take_rows(bucket) for m in (gate, up, down_t)]  # raw rows, copied on the host
-    kind = _fused_type(rows[0]) if accel.fused else None
-    if kind is not None and kind == _fused_type(rows[1]) and rows[0].shape == rows[1].shape:
-        stacked = torch.cat([m.storage.view(torch.uint8) for m in rows[:2]])  # (2k, row_bytes)
-        gate_up = FusedWeight(accel.to_device(stacked), kind, rows[0].shape[1])
-        k = bucket.numel()
-        g, u = (FusedWeight(gate_up.raw.narrow(0, s, k), kind, gate_up.cols) for s in (0, k))
-        return g, u, _to_device(accel, rows[2]), gate_up
-    return (*(_to_device(accel, m) for m in rows), None)
-
-
-def _ggml_type(w: Weight) -> GGMLType:
-    """The file type of a loaded matrix (its float dtype's, or its blocks')."""
-    if isinstance(w, QuantWeight):
-        return w.ggml_type
-    return {torch.float32: GGMLType.F32, torch.bfloat16: GGMLType.BF16}.get(
-        w.storage.dtype, GGMLType.F16
-    )
-
-
-def _expert_hot(accel: Accelerator, ex: Experts, bucket: Tensor) -> ExpertHot:
-    """A mixture's hot neurons ``bucket`` (k,) on the device: their gate and up rows (raw), and
-    their down columns as rows (f16, or the stack's float type; placement.experts)."""
-    gate, up = (_to_device(accel, m.take_rows(bucket)) for m in (ex.gate, ex.up))
-    dtype = {4: torch.float32, 2: torch.float16}[down_element_bytes(_ggml_type(ex.down))]
-    if _ggml_type(ex.down) == GGMLType.BF16:
-        dtype = torch.bfloat16
-    rows = torch.empty(bucket.numel(), ex.n_embd, dtype=dtype)
-    experts = bucket // ex.n_ff
-    for e in torch.unique(experts).tolist():
-        sel = (experts == e).nonzero().squeeze(1)
-        cols = ex.expert(e)[2].dequantize()  # (n_embd, n_ff) f32, one expert at a time
-        rows[sel] = cols[:, bucket[sel] - e * ex.n_ff].t().to(dtype)
-    cold = torch.ones(ex.n_neurons, dtype=torch.bool)
-    cold[bucket] = False
-    per_expert = torch.bincount(experts, minlength=ex.n_expert)
-    tau = None if ex.tau is None else accel.to_device(ex.tau[bucket])
-    down_t = _to_device(accel, DenseWeight(rows))
-    return ExpertHot(bucket.numel(), gate, up, down_t, accel.to_device(bucket), cold,
-                     per_expert, tau)  # fmt: skip
-
-
-_warned: set[GGMLType] = set()
-
-
-def _warn_torch_decode(t: GGMLType) -> None:
-    if t not in _warned:
-        _warned.add(t)
-        logger.warning(
-            "placed %s matrices decode with torch ops (many launches per token): the fused "
-            "kernels read %s%s",
-            t.name,
-            ", ".join(k.name for k in gpu_kernels.TYPES),
-            "" if gpu_kernels.available() else ", and need Triton (pip install triton)",
-        )
-
-
 def _host_bytes(weights: Weights, gf: GGUFFile | None, extra: list[Tensor]) -> tuple[int, int]:
     """(file data, made at load) bytes of the host-resident weights."""
     mapped = anon = 0
@@ -341,7 +249,7 @@ def build_hybrid(
         nb = sum(m.nbytes // a.n_ff for m in mats) * lp.k
         if blk.moe is not None:  # gate and up rows as loaded, down columns as placed
             ex = blk.moe
-            down = down_element_bytes(_ggml_type(ex.down)) * ex.n_embd
+            down = down_element_bytes(ggml_type(ex.down)) * ex.n_embd
             nb = ((ex.gate.nbytes + ex.up.nbytes) // ex.n_neurons + down) * lp.k
         if nb > lp.hot_bytes:
             raise PlacementError(
@@ -354,9 +262,11 @@ def build_hybrid(
 
     dense = 0
     for obj, attr in moves:
-        moved = _to_device(accel, getattr(obj, attr))
+        moved = to_device(accel, getattr(obj, attr))
         setattr(obj, attr, moved)
         dense += _nbytes(moved)
+    for blk in weights.blk:
+        stack_qkv(accel, blk)
     kv = None
     if placement.kv_on_gpu:
         kv = KVPlacement(torch.float16 if placement.kv_elem_bytes == 2 else torch.float32,
@@ -369,7 +279,7 @@ def build_hybrid(
             continue
         bucket = torch.from_numpy(lp.gpu_bucket.astype(np.int64))  # (k,)
         if blk.moe is not None:
-            blk.moe.hot = _expert_hot(accel, blk.moe, bucket)
+            blk.moe.hot = expert_hot(accel, blk.moe, bucket)
             hot_bytes += blk.moe.hot.device_bytes
             index_bytes += blk.moe.hot.index_bytes
             if accel.emulated:
@@ -379,7 +289,7 @@ def build_hybrid(
         cold = torch.ones(a.n_ff, dtype=torch.bool)
         cold[bucket] = False
         # the accelerator moves the rows ("cpu": kept as copied)
-        gate, up, down_t, gate_up = _hot_rows(accel, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t,
+        gate, up, down_t, gate_up = hot_rows(accel, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t,
                                               bucket)  # fmt: skip
         blk.hot = HotRows(
             lp.k,

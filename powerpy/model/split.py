@@ -1,0 +1,269 @@
+"""A layer's FFN split between the accelerator and the host: its hot rows (``HotRows``) on the
+device, the predicted-active cold rows on the host, the outputs added
+(docs/architecture.md#split-and-merge). ``ffn`` is the torch path's one entry: the predictor's
+mask, then :func:`split_ffn`. A CPU-only model is the same split with no hot rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from powerpy.config import FFNVariant
+from powerpy.model import gpu_kernels
+from powerpy.model.device import HOST, Accelerator, move
+from powerpy.model.ffn import (
+    _rows_cut,
+    cut,
+    ffn_cut,
+    ffn_dense,
+    ffn_masked,
+    ffn_rows,
+    ffn_union,
+    gate_linear,
+    glu,
+    glu_rows,
+    predict,
+    rows_sum,
+    scaled_cut,
+)
+from powerpy.model.gpu_kernels import FusedWeight
+from powerpy.model.matrices import Weight
+from powerpy.model.options import SPARSE, RunOptions
+from powerpy.model.timing import phase
+
+
+@dataclass
+class HotRows:
+    """One layer's split: compact hot rows on the accelerator, the cold set on the host.
+
+    Attributes:
+        k: neurons on the accelerator (> 0).
+        gate, up, down_t: ``(k, n_embd)`` compact rows ``W[bucket]`` on the device (gate None
+            for an ungated FFN).
+        bucket: ``(k,)`` int64 on the device: the neuron id of each compact row.
+        cold: ``(n_ff,)`` bool on the host, True where the neuron stays on the CPU.
+        cold_idx: ``(n_ff - k,)`` int64 on the host, the cold neuron ids.
+        tau: ``(k,)`` f32 on the device, the layer's cut of each compact row, or None.
+        gate_up: ``(2k, n_embd)``, the gate rows then the up rows in one matrix, when the
+            fused kernels run them (``gate`` and ``up`` are its halves; an ungated FFN's is
+            ``up`` itself); else None.
+    """
+
+    k: int
+    gate: Weight | None
+    up: Weight
+    down_t: Weight
+    bucket: Tensor
+    cold: Tensor
+    cold_idx: Tensor
+    tau: Tensor | None = None
+    gate_up: FusedWeight | None = None
+
+    @property
+    def device_bytes(self) -> int:
+        mats = (self.gate, self.up, self.down_t)
+        return sum(m.nbytes for m in mats if m is not None)
+
+    @property
+    def index_bytes(self) -> int:
+        return self.bucket.numel() * self.bucket.element_size()
+
+
+def ffn(
+    l: int,
+    blk,
+    x: Tensor,
+    ffn_inp: Tensor,
+    variant: FFNVariant,
+    threshold: float,
+    opts: RunOptions,
+    accel: Accelerator | None,
+    *,
+    union: bool = False,
+) -> Tensor:
+    """The block's FFN: the predictor's mask, then :func:`split_ffn` (the torch path's one
+    entry; a one-token step on the host takes the native block, :func:`fused_decode`).
+
+    Args:
+        l: layer, for the statistics and the observer.
+        blk: the layer's weights (``powerpy.model.weights.Block``): host FFN matrices,
+            predictor ``fc1``/``fc2`` where placed, ``hot`` rows or None.
+        x: (T, n_embd) normed FFN input; ffn_inp: (T, n_embd) its pre-norm value.
+        variant: the FFN activation.
+        threshold: the predictor cut.
+        opts: run options (sparse or dense, observer, timer, statistics).
+        accel: the accelerator holding ``blk.hot`` and placed tensors (None: CPU-only).
+        union: the T tokens are sessions' decode steps (``Model.decode_batch``'s "union"
+            mode): a gated layer without hot rows or a cut reads the union of their active
+            rows once, masked per token.
+
+    Returns:
+        (T, n_embd) f32 on x's device.
+    """
+    act = None
+    if blk.gates(opts):
+        with phase(opts.timer, "predictor"):
+            act = predict(ffn_inp, blk.fc1, blk.fc2, accel) >= threshold  # (T, n_ff) bool
+    elif blk.cut(opts) is None and opts.sparse and blk.fc1 is not None and opts.oracle is None:
+        if opts.stats is not None:
+            opts.stats.record_dense(l, x.shape[0])  # an ungated layer computes every neuron
+    plain = opts.observer is None and opts.oracle is None
+    if union and act is not None and plain and blk.hot is None and blk.cut(opts) is None:
+        act = move(accel, act, HOST)
+        if opts.stats is not None:
+            opts.stats.record(l, act)
+        return ffn_union(x, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant, act)
+    if plain:
+        return split_ffn(blk, x, act, variant, accel, l=l, opts=opts)
+    # Profiling or an oracle: the true activation of every neuron, from the host matrices.
+    x_host = move(accel, x, HOST)
+    h = glu(gate_linear(blk.ffn_gate, x_host), blk.ffn_up.linear(x_host), variant)  # (T, n_ff)
+    act_host = None if act is None else move(accel, act, HOST)
+    if opts.oracle is not None:
+        act_host = opts.oracle(l, h)  # (T, n_ff) bool
+    if act_host is not None and opts.stats is not None:
+        opts.stats.record(l, act_host)
+    if opts.observer is not None:
+        opts.observer(l, move(accel, ffn_inp, HOST), h)
+    y = rows_sum(h if act_host is None else h * act_host, blk.ffn_down_t)
+    return move(accel, y, x.device)
+
+
+def split_ffn(
+    blk,
+    x: Tensor,
+    act: Tensor | None,
+    variant: FFNVariant,
+    accel: Accelerator | None,
+    *,
+    l: int = 0,
+    opts: RunOptions = SPARSE,
+) -> Tensor:
+    """The FFN for a given mask: hot rows on the accelerator plus the predicted-active cold rows
+    on the host (every row is cold when ``blk.hot`` is None), outputs added
+    (docs/architecture.md#split-and-merge).
+
+    Args:
+        blk: the layer's weights (host FFN matrices and ``hot`` rows or None).
+        x: (T, n_embd) normed FFN input, on any device.
+        act: (T, n_ff) bool predicted-active mask (any device), or None for dense.
+        variant: the FFN activation.
+        accel: the accelerator holding ``blk.hot`` (None: CPU-only).
+        l, opts: layer and options for the statistics and the timer.
+
+    Returns:
+        (T, n_embd) f32 on x's device.
+    """
+    hot: HotRows | None = blk.hot
+    tau = blk.cut(opts)  # (n_ff,) on the host, or None
+    y_hot = None
+    if hot is not None and hot.cold_idx.numel() == 0:  # every row hot: no host part, no wait
+        assert accel is not None
+        x_dev = accel.move(x, accel.device)
+        act_dev = None if act is None else accel.move(act, accel.device)
+        tau_dev = scaled_cut(hot.tau, opts)
+        with phase(opts.timer, "ffn_hot"):
+            h = _hot_h(hot, x_dev, act_dev, variant, tau_dev)  # (T, k): compact rows' neurons
+            if h is None:
+                y = _hot(hot, x_dev, act_dev, variant, accel.gather_hot, tau_dev)
+            else:
+                y = hot.down_t.rows_sum(h)
+        if opts.stats is not None and h is not None and tau_dev is not None:
+            opts.stats.record(l, h != 0)  # neurons predicted and not cut, as the host counts
+        elif opts.stats is not None and act_dev is not None:
+            opts.stats.record(l, act_dev)
+        return move(accel, y, x.device)
+    if hot is not None:
+        assert accel is not None
+        x_dev = accel.move(x, accel.device)
+        act_dev = None if act is None else accel.move(act, accel.device)
+        tau_dev = scaled_cut(hot.tau, opts)  # (k,) on the device, or None
+        with accel.side_stream(x_dev, act_dev, tau_dev), phase(opts.timer, "ffn_hot"):
+            y_hot = _hot(hot, x_dev, act_dev, variant, accel.gather_hot, tau_dev)  # queued
+    with phase(opts.timer if accel is not None else None, "wait"):
+        x_host, act_host = _to_host(accel, x, act)  # waits for the predictor, not the hot part
+    if hot is None and tau is not None:  # CPU-only with a cut: count the rows really added
+        y_cold, kept = ffn_cut(x_host, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant,
+                               act_host, tau)  # fmt: skip
+        if opts.stats is not None:
+            opts.stats.record_counts(l, kept)
+        return move(accel, y_cold, x.device)
+    if act_host is not None and opts.stats is not None:
+        opts.stats.record(l, act_host)  # a hybrid's statistics count the predicted rows
+    with phase(opts.timer if hot is not None else None, "ffn_cold"):
+        y_cold = _cold(blk, hot, x_host, act_host, variant, tau)  # (T, n_embd) on the host
+    if y_hot is None:
+        return move(accel, y_cold, x.device)
+    accel.join(y_hot)  # the main stream waits for the hot part; the host does not
+    if y_hot.device == x.device:
+        return y_hot + accel.move(y_cold, x.device)
+    return accel.move(y_hot, x.device) + y_cold
+
+
+def _to_host(accel: Accelerator | None, x: Tensor, act: Tensor | None):
+    """x and act (or None) on the host, with one wait for those on the device."""
+    ts = [t for t in (x, act) if t is not None]
+    on_dev = [t for t in ts if t.device != HOST]
+    if on_dev:
+        assert accel is not None
+        got = iter(accel.fetch(on_dev))
+        ts = [next(got) if t.device != HOST else t for t in ts]
+    return ts[0], (ts[1] if act is not None else None)
+
+
+def _hot_h(
+    hot: HotRows, x: Tensor, act: Tensor | None, variant: FFNVariant, tau: Tensor | None
+) -> Tensor | None:
+    """The fused kernels' activation of the hot rows: x (T, n_embd), act (T, n_ff) bool, tau
+    (k,), on the device -> h (T, k), 0 where the predictor is off or the cut drops a neuron;
+    None where the fused kernels do not run this layer."""
+    if hot.gate_up is None or (hot.gate is not None and variant not in gpu_kernels.VARIANTS):
+        return None
+    gu = hot.gate_up.linear(x, act, hot.bucket)  # (T, 2k); 0 where the predictor is off
+    if hot.gate is None:  # ungated: (T, k) up rows; act(0) = 0 keeps the mask
+        return cut(glu(None, gu, variant, inplace=True), tau)
+    return gpu_kernels.glu(gu, tau, variant)
+
+
+def _hot(
+    hot: HotRows,
+    x: Tensor,
+    act: Tensor | None,
+    variant: FFNVariant,
+    gather: bool,
+    tau: Tensor | None,
+) -> Tensor:
+    # x (T, n_embd), act (T, n_ff) bool, tau (k,), all on the device -> (T, n_embd) f32 there
+    h = _hot_h(hot, x, act, variant, tau)  # the fused kernels: three ops, no host round trip
+    if h is not None:
+        return hot.down_t.rows_sum(h)
+    if gather and act is not None and x.shape[0] == 1:
+        idx = act[0, hot.bucket].nonzero().squeeze(1)  # (r,) active compact rows: a host sync
+        h = cut(glu_rows(x[0], hot.gate, hot.up, idx, variant), None if tau is None else tau[idx])
+        return hot.down_t.gather_axpy(h, idx)[None]
+    h = cut(glu(gate_linear(hot.gate, x), hot.up.linear(x), variant, inplace=True), tau)  # (T, k)
+    if act is not None:
+        h = h.mul_(act.index_select(1, hot.bucket))  # predictor gating, no host round trip
+    return rows_sum(h, hot.down_t)
+
+
+def _cold(
+    blk, hot: HotRows | None, x: Tensor, act: Tensor | None, variant: FFNVariant, tau
+) -> Tensor:
+    # x (T, n_embd), act (T, n_ff) bool, tau (n_ff,) or None, all on the host -> (T, n_embd) f32
+    gate, up, down_t = blk.ffn_gate, blk.ffn_up, blk.ffn_down_t
+    if hot is None:  # every row is cold: the CPU-only FFN (without a cut)
+        if act is None:
+            return ffn_dense(x, gate, up, down_t, variant)
+        if x.shape[0] == 1:
+            idx = act[0].nonzero().squeeze(1)
+            return ffn_rows(x[0], gate, up, down_t, variant, idx)[None]
+        return ffn_masked(x, gate, up, down_t, variant, act)
+    if x.shape[0] == 1:  # decode: only the predicted-active cold rows
+        idx = hot.cold_idx if act is None else (act[0] & hot.cold).nonzero().squeeze(1)
+        if tau is not None:
+            return _rows_cut(x[0], gate, up, down_t, variant, idx, tau)[0][None]
+        return ffn_rows(x[0], gate, up, down_t, variant, idx)[None]
+    mask = hot.cold.expand(x.shape[0], -1) if act is None else act & hot.cold  # (T, n_ff)
+    return ffn_union(x, gate, up, down_t, variant, mask, tau)

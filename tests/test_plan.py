@@ -1,0 +1,194 @@
+"""The decode plan (``powerpy.model.plan``): a fully placed model's decode step as one device
+function of fixed buffers, captured once and replayed.
+
+Without a GPU the step is checked two ways:
+
+- **values**, on the emulated accelerator (``Accelerator("cpu")``, which runs the fused ops'
+  torch versions, as CUDA runs their Triton ones): the replayed graph (``graphs.EmulatedStepGraph``:
+  the capture's ops run again into the same tensors) equals the eager step bit for bit, and the
+  hybrid equals the CPU-only model. A step with a value frozen in Python at capture would replay
+  stale (``test_the_emulation_catches_a_position_frozen_in_python``);
+- **capture safety**, on fake CUDA (``tests/fake_cuda.py``): two decode steps run the same ops,
+  with the same arguments, on the same memory (``StepTrace``), with no op on the host, no host
+  sync (fake tensors raise on one) and one wait per step, for the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+import torch
+from fake_cuda import FakeCuda, FakeCudaOps, StepTrace
+
+from powerpy.api import load
+from powerpy.formats.constants import GGMLType, GGUFValueType, Keys
+from powerpy.formats.gpuidx import GpuIndex
+from powerpy.model import plan as plan_mod
+from powerpy.model.device import Accelerator
+from powerpy.model.graphs import EmulatedStepGraph
+from powerpy.model.options import RunOptions
+from powerpy.model.step import Step
+from powerpy.placement.placement import Placement
+from powerpy.placement.runtime import build_hybrid
+from powerpy.testing import TinySpec, write_tiny_model
+
+SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
+PROMPT = [1, 72, 101, 108, 108, 111]
+STEPS = [119, 111, 114, 108, 100, 33]
+N_CTX = 32
+CUT = {Keys.FFN_DOWN_THRESHOLD: ([0.05] * SPEC.n_layer, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)}
+
+
+@pytest.fixture(scope="module", params=["f16", "q4_0", "f16-cut"])
+def model_path(request, tmp_path_factory):
+    dtype = GGMLType.Q4_0 if request.param == "q4_0" else GGMLType.F16
+    path = tmp_path_factory.mktemp("plan") / f"{request.param}.powerinfer.gguf"
+    extra = CUT if request.param.endswith("cut") else None
+    write_tiny_model(path, SPEC, sparse=True, seed=5, dtype=dtype, extra_kv=extra)
+    return path
+
+
+def placed(path, accel, kv_elem_bytes=2, **load_kw):
+    """The model with every layer fully placed on ``accel`` (an index of every neuron)."""
+    llm = load(path, threshold=0.0, **load_kw)
+    index = GpuIndex.from_buckets([np.arange(SPEC.n_ff)] * SPEC.n_layer, SPEC.n_ff,
+                                  vram_capacity=0)  # fmt: skip
+    placement = Placement.for_model(llm.file, 1 << 40, index, n_ctx=8 * N_CTX,
+                                    kv_elem_bytes=kv_elem_bytes)  # fmt: skip
+    rt = build_hybrid(llm.model, placement, accel, file=llm.file)
+    return llm, rt.model
+
+
+def decode(model, opts, steps=STEPS, dtype=None):
+    """Logits of the prompt's last position and of each decode step (teacher forced)."""
+    cache = model.new_cache(N_CTX, dtype=dtype)
+    rows = [model.forward(torch.tensor(PROMPT), cache, opts)]
+    rows += [model.forward(torch.tensor([t]), cache, opts) for t in steps]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_a_fully_placed_step_replays_its_eager_run_bit_for_bit(model_path, sparse):
+    llm, model = placed(model_path, Accelerator("cpu"), kv_elem_bytes=4)
+    opts = RunOptions(sparse=sparse, stats=llm.options.stats, threshold=0.0)
+    got = decode(model, opts)
+    step = model.plans.get(model, opts, 1).device
+    assert step is not None and isinstance(step.graph, EmulatedStepGraph), step and step.reason
+    eager = decode(model, dataclasses.replace(opts, graphs=False))  # the same step, eagerly
+    assert model.plans.get(model, dataclasses.replace(opts, graphs=False), 1).device.graph is None
+    assert torch.equal(got, eager)
+    # the hybrid is the CPU-only model, up to f32 rounding (both keep f32 activations and an f32
+    # cache, whose f16 rounding would turn a last-bit difference into a visible one)
+    cpu = load(model_path, threshold=0.0, exact_activations=True)
+    exact = RunOptions(sparse=sparse, threshold=0.0, numerics=cpu.options.numerics)
+    ref = decode(cpu.model, exact, dtype=torch.float32)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_the_sparsity_counts_come_from_the_device(model_path):
+    """The plan counts each layer's predicted (and not cut) neurons on the device, and they
+    arrive with the logits: the CPU-only model's counts (both with f32 activations)."""
+    llm, model = placed(model_path, Accelerator("cpu"), kv_elem_bytes=4)
+    decode(model, llm.options)
+    cpu = load(model_path, threshold=0.0, exact_activations=True)
+    decode(cpu.model, cpu.options, dtype=torch.float32)
+    assert np.array_equal(llm.sparsity.tokens, cpu.sparsity.tokens)
+    assert np.array_equal(llm.sparsity.active, cpu.sparsity.active)
+
+
+def test_the_emulation_catches_a_position_frozen_in_python(model_path, monkeypatch):
+    """The check has teeth: a step whose position came from Python (the caches' ints, not the
+    plan's buffer) replays the position it was captured with, and its logits stop matching."""
+    llm, model = placed(model_path, Accelerator("cpu"))
+
+    def frozen(self, accel):  # positions made in Python at capture
+        pos = torch.tensor([c.pos for c in self.caches])
+        return pos, torch.tensor([c.base for c in self.caches])
+
+    want = decode(model, llm.options)
+    _, bad = placed(model_path, Accelerator("cpu"))
+    monkeypatch.setattr(Step, "rows", frozen)
+    got = decode(bad, llm.options)
+    assert torch.equal(got[:1], want[:1])  # the prompt (no plan)
+    assert all(not torch.equal(got[i], want[i]) for i in range(2, len(want)))  # stale replays
+
+
+def test_batches_pad_to_their_bucket(model_path):
+    """Three sessions decode in the plan of 4 (one padded entry on the pool's scratch row): each
+    session's logits are its own single steps', and the sessions go on unharmed."""
+    llm, model = placed(model_path, Accelerator("cpu"))
+    prompts = [PROMPT, PROMPT[:3], [1, 33, 34, 35, 36]]
+    caches = [model.new_cache(N_CTX) for _ in prompts]
+    for p, c in zip(prompts, caches, strict=True):
+        model.forward(torch.tensor(p), c, llm.options)
+    solo = [model.new_cache(N_CTX) for _ in prompts]
+    for p, c in zip(prompts, solo, strict=True):
+        model.forward(torch.tensor(p), c, llm.options)
+    for toks in ([5, 6, 7], [8, 9, 10]):
+        got = model.decode_batch(torch.tensor(toks), caches, llm.options)
+        want = torch.cat([model.forward(torch.tensor([t]), c, llm.options)
+                          for t, c in zip(toks, solo, strict=True)])  # fmt: skip
+        # one product of 4 rows against 1 row at a time: f32 rounding (the cut amplifies it)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert model.plans.get(model, llm.options, 3).batch == 4
+    assert model.plans.get(model, llm.options, 3).device.graph is not None
+    assert [c.pos for c in caches] == [len(p) + 2 for p in prompts]
+
+
+def test_a_step_that_cannot_be_captured_warns_and_runs_eagerly(model_path, caplog):
+    """The gathered hot rows (``nonzero``: a host sync; taken without the fused ops) cannot be
+    captured: one warning names the reason, and the step runs the same function eagerly, with
+    the same values."""
+    llm, model = placed(model_path, Accelerator("cpu", gather_hot=True, fused=False))
+    with caplog.at_level(logging.WARNING, logger="powerpy.model.plan"):
+        got = decode(model, llm.options)
+    assert caplog.text.count("no emulated graph (nonzero makes the host wait") == 1
+    assert model.plans.get(model, llm.options, 1).device.graph is None
+    assert torch.equal(got, decode(model, dataclasses.replace(llm.options, graphs=False)))
+
+
+def test_a_partial_placement_keeps_the_per_layer_path(model_path):
+    """A layer with rows on the host, or a KV cache there, is not one device step: the plan says
+    why and the layer loop runs."""
+    llm = load(model_path, threshold=0.0)
+    index = GpuIndex.from_buckets([np.arange(100)] * SPEC.n_layer, SPEC.n_ff, vram_capacity=0)
+    placement = Placement.for_model(llm.file, 1 << 40, index, n_ctx=N_CTX)
+    model = build_hybrid(llm.model, placement, Accelerator("cpu"), file=llm.file).model
+    decode(model, llm.options, STEPS[:2])
+    plan = model.plans.get(model, llm.options, 1)
+    assert plan.device is None and plan.refusal == "layer 0 keeps FFN rows on the host"
+    assert plan_mod.device_refusal(llm.model) == "no accelerator"
+
+
+def test_two_fake_cuda_steps_run_the_same_ops_on_the_same_memory(model_path):
+    """Capture safety: decode steps 2 and 3 of the plan on fake CUDA trace the same ops, with
+    the same arguments, on the same memory; no op runs on the host inside the step, nothing
+    syncs, and each step waits once (for its logits and counts), through fixed buffers."""
+    llm, model = placed(model_path, FakeCuda())
+    accel = model.accel
+    cache = model.new_cache(N_CTX)
+    traces: list[StepTrace] = []
+    with FakeCudaOps():
+        model.forward(torch.tensor(PROMPT), cache, llm.options)
+        model.forward(torch.tensor([STEPS[0]]), cache, llm.options)  # builds the plan
+        step = model.plans.get(model, llm.options, 1).device
+        assert step is not None and step.reason == "this device replays no graphs"
+        body = step.body
+
+        def traced():
+            with StepTrace() as t:
+                body()
+            traces.append(t)
+
+        step.body = traced
+        for tok in STEPS[1:3]:
+            accel.reset_counts()
+            model.forward(torch.tensor([tok]), cache, llm.options)
+            assert (accel.n_in, accel.n_out, accel.waits) == (3, 2, 1)
+    assert len(traces) == 2 and len(traces[0].ops) > 10
+    assert traces[0].ops == traces[1].ops
+    assert traces[0].host_ops == [] == traces[1].host_ops
