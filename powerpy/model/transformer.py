@@ -153,10 +153,7 @@ class Model:
         kv: KVPlacement | None = None,
         cache_dtype: torch.dtype = torch.float16,
     ) -> None:
-        self.args = args
-        self.weights = weights
-        self.accel = accel
-        self.kv = kv
+        self.args, self.weights, self.accel, self.kv = args, weights, accel, kv
         self.cache_dtype = cache_dtype  # host KV caches: f16 (llama.cpp's default) or f32
 
     @property
@@ -302,17 +299,19 @@ class Model:
     ) -> Tensor:
         """The one layer loop. A one-token step whose remaining layers all sit on the host in
         the native kernels leaves the loop for the stack plan (``stack_decode``), which runs
-        those layers' two block kernels in C, in this loop's order, in one call."""
+        those layers' two block kernels in C, in this loop's order, in one call. A pipeline
+        stage without ``token_embd``/``output`` takes/returns the residual stream (T, n_embd)."""
         a, w = self.args, self.weights
         thr = a.sparse_threshold if opts.threshold is None else float(opts.threshold)
-        x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
-        fam, pos = a.family, step.positions()  # (T,)
-        if w.position_embd is not None:  # learned positions
-            x = x + w.position_embd.take_rows(pos + fam.position_offset).dequantize()
-        if fam.embed_scale:
-            x = x * a.n_embd**0.5
-        if check:
-            _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
+        fam, pos, x = a.family, step.positions(), tokens  # (T,)
+        if w.token_embd is not None:
+            x = w.token_embd.take_rows(tokens).dequantize()  # (T, n_embd), on the host
+            if w.position_embd is not None:  # learned positions
+                x = x + w.position_embd.take_rows(pos + fam.position_offset).dequantize()
+            if fam.embed_scale:
+                x = x * a.n_embd**0.5
+            if check:
+                _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
         tables = layer_rotations(a, w, pos, step.caches[0].n_ctx)  # per layer (T, n_rot/2)
         moved = {id(t): OnDevices(self.accel, t) for t in tables if t is not None}  # one per table
         rots = [None if t is None else moved[id(t)] for t in tables]
@@ -328,11 +327,12 @@ class Model:
             if plan is not None and l == plan.first:
                 x = plan.run(a, self._to(x, HOST), step.caches[0], rots, thr, opts)
                 break
-            last = tail and l == len(w.blk) - 1
+            last = tail and l == len(w.blk) - 1 and w.output is not None  # a stage's: every row
             x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check, last)
         step.advance()
-        if not all_logits:
-            x = x[-1:]
+        if w.output is None:  # a stage before the last: the residual stream goes on
+            return self._to(x, HOST)
+        x = x if all_logits else x[-1:]
         with phase(opts.timer, "output"):
             x = self.norm(self._to(x, w.output_norm.device), w.output_norm, w.output_norm_b)
             logits = self._to(w.output.linear(self._to(x, w.output.device)), HOST)
