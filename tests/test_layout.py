@@ -29,6 +29,7 @@ LAYERS = [
     ("powerpy.pipeline",),
     ("powerpy.benchmark",),
     ("powerpy.default_model", "powerpy.api", "powerpy.plot", "powerpy.serve"),
+    ("powerpy.cluster",),  # stages, pipelines and replicas over Ray (Ray only inside)
     ("powerpy.testing.fuzz",),  # drives powerpy.load; nothing in the library imports it
     ("powerpy.commands", "powerpy.cli", "powerpy.__main__"),
 ]
