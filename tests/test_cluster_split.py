@@ -198,7 +198,7 @@ class FlakyTransport(LocalTransport):
     def gather(self, chains, timeout, abort):
         return [next((h for h in chain if isinstance(h, StageDown)), chain[-1]) for chain in chains]
 
-    def recover(self, index, timeout):
+    def recover(self, index, timeout, stuck=False):
         self.stages[index] = Stage(self.path, self.stages[index].layers, index=index)
         return self.stages[index].info()
 

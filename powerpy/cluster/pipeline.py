@@ -70,8 +70,9 @@ class Transport(Protocol):
 
     def ping(self, timeout: float) -> list[dict[str, Any] | StageDown]: ...
 
-    def recover(self, index: int, timeout: float) -> dict[str, Any]:
-        """Wait until stage ``index`` is back (restarted); its new info.
+    def recover(self, index: int, timeout: float, stuck: bool = False) -> dict[str, Any]:
+        """Wait until stage ``index`` is back (restarted; ``stuck``: restart it first); its
+        new info.
 
         Raises:
             TimeoutError, RuntimeError: it did not come back.
@@ -102,7 +103,7 @@ class LocalTransport:
     def ping(self, timeout: float) -> list[dict[str, Any] | StageDown]:
         return [s.ping() for s in self.stages]
 
-    def recover(self, index: int, timeout: float) -> dict[str, Any]:
+    def recover(self, index: int, timeout: float, stuck: bool = False) -> dict[str, Any]:
         raise RuntimeError("a stage in this process cannot restart")
 
     def close(self) -> None:
@@ -324,7 +325,7 @@ class PipelineEngine:
             self._failure = err
             raise err
         try:
-            info = self.transport.recover(down.index, self.restart_timeout)
+            info = self.transport.recover(down.index, self.restart_timeout, down.timed_out)
         except Exception as e:
             self._failure = StageError(f"{err}; it did not come back: {e}", err.detail)
             raise self._failure from None

@@ -214,8 +214,11 @@ class Scheduler:
         return not self._waiting and all(s.req is None for s in self.slots)
 
     def health(self) -> dict[str, Any] | None:
-        """None while the engine can run, else what is wrong (may probe the engine for a
-        moment: call it off the event loop)."""
+        """The liveness probe: None while the worker runs and the engine can, else what is
+        wrong (``message`` and, for a pipeline, the stage's ``stage``, ``host``, ``layers`` and
+        ``error``). It may probe the engine for a moment: call it off the event loop."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stop:
+            return {"message": "the scheduler's worker thread has stopped"}
         return self.engine.health()
 
     def close(self, timeout: float | None = 10.0) -> None:
@@ -273,8 +276,11 @@ class Scheduler:
                 for slot, req in admitted:
                     self._admit(slot, req)
                 self._step()
-            except Exception as e:  # a bug outside any one session: fail the active ones
-                log.exception("scheduler step failed")
+            except Exception as e:  # a bug outside any one session, or the engine's failure
+                if isinstance(e, EngineUnavailable):
+                    log.error("the engine is unavailable: %s", e)
+                else:
+                    log.exception("scheduler step failed")
                 for s in self.slots:
                     if s.req is not None:
                         self._fail(s, e)
