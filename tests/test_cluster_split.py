@@ -116,6 +116,9 @@ def test_the_scheduler_over_a_pipeline_equals_the_whole_model(split, batch):
     the scheduler over the whole model, with the sequences in micro-batches on the stages."""
     path, whole, s0, s1 = split
     engine = PipelineEngine(LocalTransport([s0, s1]), whole.model.args, whole.options)
+    if batch == "off":  # the API's own way to the same: stages of this process
+        engine = PipelineEngine.in_process(path, [range(0, 1), range(1, 3), range(3, 4)])
+        assert engine.n_stages == 3 and engine.tokenizer is not None
     seeded = Sampling(SamplingParams(temperature=0.9, seed=11))
     prompts = [("Hello", GREEDY), ("Once upon a time", seeded), ("x", GREEDY)]
     runs = {}

@@ -30,6 +30,7 @@ from powerpy.config import ModelArgs
 from powerpy.formats.gguf_reader import read_gguf
 from powerpy.model.options import RunOptions
 from powerpy.model.stage import layer_span, stage_file
+from powerpy.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,8 @@ def start_pipeline(
     with read_gguf(path) as gf:
         args = ModelArgs.from_gguf(gf)
         digests = [stage_file(gf, s.layers, args).digest() for s in specs]
+        tokenizer = Tokenizer.from_gguf_kv(gf.kv)
+    args = args.with_ffn_act(load_options.get("ffn_act"), source=str(path))
     nodes = {id(s): node_for(s.host) for s in specs}
     run_id = f"pipeline-{uuid.uuid4().hex[:8]}"
     shares: dict[str | None, int] = {}
@@ -239,7 +242,7 @@ def start_pipeline(
                  info["load_seconds"])  # fmt: skip
     run = RunOptions(sparse=not load_options.get("dense", False))
     return PipelineEngine(transport, args, run, timeout=timeout, restart=restart,
-                          restart_timeout=load_timeout)  # fmt: skip
+                          restart_timeout=load_timeout, tokenizer=tokenizer)  # fmt: skip
 
 
 def _loaded(actors: list[Any], specs: Sequence[StageSpec], timeout: float) -> list[dict]:

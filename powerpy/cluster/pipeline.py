@@ -19,6 +19,7 @@ actors (``powerpy.cluster.actors``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -146,6 +147,12 @@ class PipelineEngine:
             instead of failing.
         restart_timeout: seconds a restarted stage may take to load.
         ping_timeout: seconds ``health`` waits for each stage's answer.
+        tokenizer: the model's (for ``Scheduler(engine, engine.tokenizer, engine.options)``).
+
+    Example (stages on Ray actors; ``in_process`` for stages in this process)::
+
+        engine = powerpy.cluster.start_pipeline("m.gguf", parse_pipeline("pc1:0-39,pc2:40-79", 80))
+        sched = Scheduler(engine, engine.tokenizer, engine.options, n_parallel=4)
     """
 
     def __init__(
@@ -158,8 +165,10 @@ class PipelineEngine:
         restart: bool = False,
         restart_timeout: float = 1800.0,
         ping_timeout: float = 5.0,
+        tokenizer: Any = None,
     ) -> None:
         self.transport, self.args, self.options = transport, args, options
+        self.tokenizer = tokenizer
         self.timeout, self.restart, self.restart_timeout = timeout, restart, restart_timeout
         self.ping_timeout = ping_timeout
         self.n_stages = len(transport.infos)
@@ -168,6 +177,17 @@ class PipelineEngine:
         self._next_seq = 0
         self._failure: StageError | None = None
         self._lock = threading.Lock()
+
+    @classmethod
+    def in_process(
+        cls, path: str | os.PathLike[str], layers: Sequence[range], **load_options: Any
+    ) -> PipelineEngine:
+        """The stages ``layers`` of the model at ``path`` in this process (keywords of
+        ``powerpy.load`` for each), as one engine."""
+        stages = [Stage(path, r, index=i, load_options=load_options) for i, r in enumerate(layers)]
+        llm = stages[0].llm
+        args = ModelArgs.from_gguf(llm.file.base).with_ffn_act(load_options.get("ffn_act"))
+        return cls(LocalTransport(stages), args, llm.options, tokenizer=llm.tokenizer)
 
     # ------------------------------------------------------------------------- engine
     @property

@@ -10,14 +10,17 @@ predictor-gated one), each from where it lies: a byte-roofline time, bytes over 
 hot rows are taken as an even share of the FFN's activations (their statistics make it larger),
 so a prediction errs on the slow side.
 
-A dynamic programme over the cut points then picks, for 1, 2, ... nodes (the largest first),
+A dynamic programme over the cut points then picks, for 2, 3, ... nodes (the largest first),
 the contiguous ranges with the least predicted time per token, stage times plus one hop per
-stage boundary; a model that fits one node gets one stage. The chosen stages' memory is the
+stage boundary. A model that fits one node gets one stage, on its fastest node, unless a split
+is predicted ``MIN_SPLIT_GAIN`` times faster (the other machines' GPUs holding more of it): on
+machines whose memory alone grows, peers found a split slower. The chosen stages' memory is the
 exact placement (``Placement.for_model``) of each stage's own view of the file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,7 +31,7 @@ import numpy as np
 from powerpy._fs import fmt_bytes
 from powerpy.cluster.spec import StageSpec
 from powerpy.config import ModelArgs
-from powerpy.formats.gguf_reader import GGUFFile, read_gguf
+from powerpy.formats.gguf_reader import GGUFFile, _available_memory, read_gguf
 from powerpy.model.stage import layer_span, stage_file
 from powerpy.placement.budget import (
     ATTN,
@@ -45,6 +48,7 @@ HOP_SECONDS = 1.5e-3  # one stage boundary of a decode step: a Ray actor call on
 HOST_BW = 20e9  # bytes/s read from RAM when a node's was not measured
 GPU_BW = 500e9  # ... from VRAM
 RAM_HEADROOM = 0.9  # the share of a node's free RAM a stage may fill
+MIN_SPLIT_GAIN = 1.25  # a model that fits one node is split only if predicted this much faster
 CONTEXT = 512  # positions of KV cache a decode step reads, for the prediction
 VRAM_RESERVE = 256 << 20  # a GPU's memory kept back (workspaces), as --vram-budget -1 does
 _DENSE_LEVELS = (ATTN, PREDICTOR, FFN_NORM)
@@ -251,22 +255,19 @@ def plan_pipeline(
     """
     if not nodes:
         raise ValueError("no nodes to plan for")
-    with read_gguf(path) as gf:
-        args = ModelArgs.from_gguf(gf)
-        n_ctx = n_ctx or args.default_n_ctx
-        layers = _Layers(gf, args, n_ctx, kv_elem_bytes)
-        if activity is None:
-            activity = args.n_expert_used / args.n_expert if args.moe else 1.0
+    with _model(path, n_ctx, kv_elem_bytes, activity) as (gf, args, n_ctx, layers, activity):
         order = sorted(nodes, key=lambda n: n.ram + n.vram, reverse=True)
         limit = min(max_stages or len(order), len(order), args.n_layer)
+        singles = [_best_split(layers, args.n_layer, [n], vram_budget, activity) for n in order]
+        single = min((f for f in singles if f is not None), key=lambda f: f[0], default=None)
         best = None
-        for s in range(1, limit + 1):
+        for s in range(2, limit + 1):
             found = _best_split(layers, args.n_layer, order[:s], vram_budget, activity)
-            if found is not None and (best is None or found[0] + hop_seconds * (s - 1) <
-                                      best[0] + hop_seconds * (len(best[1]) - 1)):  # fmt: skip
-                best = found
-            if best is not None and s == 1:
-                break  # one node holds it: more stages only add hops (and PCs)
+            if found is not None:
+                found = (found[0] + hop_seconds * (s - 1), found[1])
+                best = found if best is None or found[0] < best[0] else best
+        if single is not None and (best is None or best[0] * MIN_SPLIT_GAIN > single[0]):
+            best = single  # one node holds it: a split must win clearly (peers were slower)
         if best is None:
             need = int(sum(layers.by[c].sum() for c in layers.by) + layers.head + layers.embed
                        + layers.shared + layers.kv * args.n_layer)  # fmt: skip
@@ -301,12 +302,7 @@ def predict(
     """
     from powerpy.cluster.spec import parse_pipeline
 
-    with read_gguf(path) as gf:
-        args = ModelArgs.from_gguf(gf)
-        n_ctx = n_ctx or args.default_n_ctx
-        layers = _Layers(gf, args, n_ctx, kv_elem_bytes)
-        if activity is None:
-            activity = args.n_expert_used / args.n_expert if args.moe else 1.0
+    with _model(path, n_ctx, kv_elem_bytes, activity) as (gf, args, n_ctx, layers, activity):
         specs = parse_pipeline(pipeline, args.n_layer)
         by_name = {n.name: n for n in nodes}
         named = {s.host for s in specs}
@@ -328,6 +324,17 @@ def predict(
                              f"has {fmt_bytes(node.ram)} free")  # fmt: skip
             stages.append(st)
     return Plan(str(path), stages, hop_seconds, notes + _notes(gf, args, activity))
+
+
+@contextlib.contextmanager
+def _model(path, n_ctx: int | None, kv_elem_bytes: int, activity: float | None):
+    """(file, arguments, KV positions, per-layer bytes, FFN activity) of the model's header."""
+    with read_gguf(path) as gf:
+        args = ModelArgs.from_gguf(gf)
+        n_ctx = n_ctx or args.default_n_ctx
+        if activity is None:
+            activity = args.n_expert_used / args.n_expert if args.moe else 1.0
+        yield gf, args, n_ctx, _Layers(gf, args, n_ctx, kv_elem_bytes), activity
 
 
 def _notes(gf: GGUFFile, args: ModelArgs, activity: float) -> list[str]:
@@ -396,7 +403,7 @@ def _exact(gf, args, a, b, node, n_ctx, kv_elem_bytes, vram_budget, layers, acti
 def this_node(name: str = "local", *, measure: bool = True) -> Node:
     """This machine as a node: its free RAM and VRAM (the first CUDA device), and, with
     ``measure``, its RAM read bandwidth (a 256 MiB probe) and the device's copy bandwidth."""
-    ram = _mem_available() or 0
+    ram = _available_memory() or 0
     vram, host_bw, gpu_bw = 0, HOST_BW, GPU_BW
     import torch
 
@@ -442,14 +449,3 @@ def parse_nodes(text: str) -> list[Node]:
         bws = [v * 1e9 for v in vals[2:]] + [HOST_BW, GPU_BW][len(vals[2:]) :]
         nodes.append(Node(name, gib[0], gib[1], bws[0], bws[1]))
     return nodes
-
-
-def _mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

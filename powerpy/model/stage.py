@@ -59,7 +59,8 @@ def stage_args(args: ModelArgs, layers: range) -> ModelArgs:
     def own(ids: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(l - a for l in ids if l in layers)
 
-    cuts = args.down_thresholds[layers.start : layers.stop] if args.down_thresholds else ()
+    cuts = args.down_thresholds[layers.start : layers.stop]
+    cuts = cuts if any(cuts) else ()  # all 0: no cut, as a file without the key reads
     return dataclasses.replace(
         args,
         n_layer=len(layers),
