@@ -11,6 +11,8 @@ One cluster serves the module (its start-up costs seconds on two cores). Run the
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
@@ -105,6 +107,28 @@ def test_two_actor_stages_on_two_nodes_equal_one_process(cluster, model, one_thr
             # the drawn tokens and their top-5 log-probabilities: the same bits of the logits
             assert [e for e in a if isinstance(e, Delta)] == [e for e in b if isinstance(e, Delta)]
     finally:
+        engine.close()
+
+
+def test_a_stuck_stage_meets_the_deadline(cluster, model):
+    """A stage that stops answering (SIGSTOP) fails the step at its deadline, with a 503."""
+    path, whole = model
+    engine = start_pipeline(path, parse_pipeline(STAGES, 4), timeout=3)
+    sched = Scheduler(engine, engine.tokenizer, engine.options, n_parallel=1, batch="off")
+    sched.start()
+    pid = engine.stages[1]["pid"]
+    try:
+        assert isinstance(_run(sched, "Hello", 4)[-1], Finished)
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        end = _run(sched, "Hello", 50)[-1]
+        assert time.monotonic() - t0 < 3 + 10
+        assert isinstance(end, Failed) and end.status == 503, end
+        assert "stage 1 (layers 2-3" in end.message and "did not answer in time" in end.message
+        assert sched.health()["stage"] == 1
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        sched.close()
         engine.close()
 
 

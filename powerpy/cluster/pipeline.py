@@ -255,13 +255,16 @@ class PipelineEngine:
                 break
             self._replay([row for i in todo for row in batches[i]])
             chains = [self._chain(batches[i], mode) for i in todo]
+            downed: set[int] = set()  # a stage's death fails every later chain through it
             for i, got in zip(todo, self._gather(chains), strict=True):
                 results[i] = got
                 if isinstance(got, StaleSequence):
                     self._invalidate(got.seqs)
                     results[i] = _Retry(got)
                 elif isinstance(got, StageDown):
-                    self._down(got)
+                    if got.index not in downed:
+                        downed.add(got.index)
+                        self._down(got)
                     results[i] = _Retry(self._error(got))
                 elif not isinstance(got, Exception):
                     self._advance(batches[i])
