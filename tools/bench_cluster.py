@@ -43,12 +43,17 @@ def decode_tok_s(engine, tokenizer, options, n: int) -> float:
         def on_event(ev):
             if isinstance(ev, Delta):
                 times.append(time.perf_counter())
+            if isinstance(ev, Failed):
+                times.clear()
+                print(f"failed: {ev.message}", file=sys.stderr)
             if isinstance(ev, (Finished, Failed)):
                 done.set()
 
         greedy = Sampling(SamplingParams(temperature=0), ignore_eos=True)
         sched.submit(Request(sched.encode("In the beginning"), n + 1, greedy, on_event=on_event))
         done.wait(600)
+        if len(times) < 2:
+            raise SystemExit("the run failed")
         return (len(times) - 1) / (times[-1] - times[0])  # the decode steps after the first token
     finally:
         sched.close()

@@ -326,4 +326,10 @@ def cluster_nodes() -> list[Node]:
         name = n["NodeManagerAddress"] if ips.count(n["NodeManagerAddress"]) == 1 else n["NodeID"]
         where = NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
         refs.append(probe.options(scheduling_strategy=where).remote(name))
-    return ray.get(refs, timeout=300)
+    try:
+        return ray.get(refs, timeout=300)
+    except (ray.exceptions.RayError, GetTimeoutError) as e:
+        raise ValueError(
+            f"could not probe the Ray cluster's nodes ({_first_line(e)}): check `ray status`, "
+            "or describe the machines with --nodes"
+        ) from None

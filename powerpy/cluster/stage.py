@@ -5,7 +5,8 @@ A :class:`Stage` runs in any process; ``powerpy.cluster.actors`` makes it a Ray 
 :class:`Call` names its sequences with their cache positions, so the driver alone decides what a
 cache holds (it lowers a position to reuse a prefix). The first stage takes token ids, the others
 the residual stream of the stage before; a stage before the last returns the residual stream
-(T, n_embd) f32, the last one a ``picks.Drawn`` per sequence: logits never leave it.
+(T, n_embd) f32 as a numpy array, the last one a ``picks.Drawn`` per sequence: logits never
+leave it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -153,10 +155,10 @@ class Stage:
             "placement": None if rt is None else rt.summary(),
         }
 
-    def run(self, call: Call, x: Tensor | None = None) -> Tensor | list[Drawn]:
-        """Run ``call`` on the residual stream ``x`` (T, n_embd) of the stage before (the first
-        stage reads ``call.tokens``): the residual stream after this stage's layers, or on the
-        last stage one ``Drawn`` per segment.
+    def run(self, call: Call, x: np.ndarray | None = None) -> np.ndarray | list[Drawn]:
+        """Run ``call`` on the residual stream ``x`` (T, n_embd) f32 of the stage before (the
+        first stage reads ``call.tokens``): the residual stream after this stage's layers, or
+        on the last stage one ``Drawn`` per segment.
 
         Raises:
             StaleSequence: a segment continues a sequence this stage does not hold, or a pick
@@ -172,7 +174,7 @@ class Stage:
         if stale:
             raise StaleSequence(tuple(sorted(set(stale))))
         caches = [self._cache(s) for s in call.segments]
-        inp = torch.tensor(call.tokens, dtype=torch.long) if self.first else x
+        inp = torch.tensor(call.tokens, dtype=torch.long) if self.first else _tensor(x)
         if inp is None or inp.shape[0] != sum(s.n for s in call.segments):
             raise ValueError(f"stage {self.index}: the input does not match the call's tokens")
         if call.mode == PREFILL:
@@ -187,8 +189,8 @@ class Stage:
         else:
             rows = [self.model.forward(inp[i : i + 1], c, self.opts) for i, c in enumerate(caches)]
             out = torch.cat(rows)
-        if not self.last:
-            return out
+        if not self.last:  # numpy crosses Ray's wire faster than a tensor (zero-copy)
+            return out.contiguous().numpy()
         drawn = []
         for row, head, pick in zip(rows, call.heads, picks, strict=True):
             d = take(row, pick or None, None if head is None else head.score)
@@ -226,3 +228,10 @@ class Stage:
     def ping(self) -> dict[str, Any]:
         """The liveness probe: this stage's identity (a restarted stage has a new one)."""
         return {"index": self.index, "incarnation": self.incarnation, "pid": os.getpid()}
+
+
+def _tensor(x: np.ndarray | None) -> Tensor | None:
+    """The residual stream as a tensor (a private copy where Ray's array is read-only)."""
+    if x is None:
+        return None
+    return torch.from_numpy(x if x.flags.writeable else x.copy())

@@ -69,14 +69,9 @@ def run(args: argparse.Namespace) -> int:
     path = args.model_file or args.model or default_model_path()
     if args.activity is not None and not 0 < args.activity <= 1:
         raise ValueError("--activity must be in (0, 1]")
-    if args.nodes:
-        nodes = parse_nodes(args.nodes)
-    elif _has_ray():
-        from powerpy.cluster.actors import cluster_nodes, connect
-
-        connect(args.ray_address)
-        nodes = cluster_nodes()
-    else:
+    nodes = parse_nodes(args.nodes) if args.nodes else _cluster(args.ray_address)
+    if nodes is None:
+        print("no Ray cluster running: planning for this machine", file=sys.stderr)
         nodes = [this_node()]
     kw = dict(
         n_ctx=args.ctx_size or None,
@@ -92,7 +87,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _has_ray() -> bool:
+def _cluster(address: str | None):
+    """The running Ray cluster's nodes, probed; None without Ray or a running cluster (a plan
+    starts none)."""
     import importlib.util
 
-    return importlib.util.find_spec("ray") is not None
+    if importlib.util.find_spec("ray") is None:
+        return None
+    from powerpy.cluster.actors import cluster_nodes, connect
+
+    try:
+        connect(address or "auto")
+    except ConnectionError:
+        return None
+    return cluster_nodes()

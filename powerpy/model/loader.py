@@ -179,8 +179,9 @@ def load_weights(
     _check_foreign(gf, fam, args.moe)
     tied = Names.OUTPUT not in gf.tensors and fam.tied_output
     token_embd = output = None
-    if embed or (head and tied):
-        token_embd = output = src.matrix(Names.TOKEN_EMBD, (args.n_vocab, d))
+    if embed or (head and tied):  # a later stage's tied head: output alone (no embedding)
+        table = src.matrix(Names.TOKEN_EMBD, (args.n_vocab, d))
+        token_embd, output = (table if embed else None), table
     if head and not tied:
         output = src.matrix(Names.OUTPUT, (args.n_vocab, d))
         rule = "required" if fam.output_bias else "none"  # added to the logits (phi2)
