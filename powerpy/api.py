@@ -6,6 +6,7 @@ below it (``generate``, ``chat``, ``bench``, the pipeline) take a model and a to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -20,12 +21,13 @@ import torch
 from powerpy.chat import ChatSession, Message, encode_chat
 from powerpy.config import ModelArgs
 from powerpy.errors import TokenizerError
-from powerpy.formats.gguf_reader import GGUFFile, read_gguf
+from powerpy.formats.gguf_reader import GGUFFile, check_tensor_sizes, read_gguf
 from powerpy.generate import Response, generate, stream_generate
 from powerpy.model import numerics, stack_decode
 from powerpy.model.loader import load_weights
 from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions, SparsityStats
+from powerpy.model.stage import stage_activations, stage_file, stage_index_path
 from powerpy.model.transformer import Model
 from powerpy.sampling import SamplingParams
 from powerpy.tokenizer import Tokenizer
@@ -358,6 +360,7 @@ def load(
     exact_activations: bool = False,
     native_kernels: bool = True,
     cuda_graphs: bool = True,
+    layers: range | None = None,
     **placement_options,
 ) -> LLM:
     """Load a GGUF (dense) or PWRI (sparse) model.
@@ -399,6 +402,12 @@ def load(
             code paths only).
         cuda_graphs: replay a fully placed model's decode step as a captured graph (False: run
             the same step eagerly; ``RunOptions.graphs``).
+        layers: load only these layers, as one stage of a model split by layer range
+            (``powerpy.model.stage``; ``powerpy.cluster`` chains stages): the model then takes
+            the residual stream instead of token ids unless it holds layer 0, and returns it
+            instead of logits unless it holds the last layer. A stage maps its file (it reads
+            only its layers' pages) and keeps its GPU index in
+            ``<model>.layers-A-B.generated.gpuidx``.
 
     Raises:
         FileNotFoundError: no such file.
@@ -413,7 +422,12 @@ def load(
         )
     path = Path(path) if path is not None else default_model_path()
     t0 = time.perf_counter()
-    gf = read_gguf(path, in_memory=not use_mmap, progress=progress)
+    gf = read_gguf(path, in_memory=not use_mmap and layers is None, progress=progress)
+    check_tensor_sizes(gf)
+    ends = (True, True)
+    if layers is not None:
+        gf = stage_file(gf, layers)
+        ends = gf.ends
     args = ModelArgs.from_gguf(gf).with_ffn_act(ffn_act, source=str(path))
     try:
         tokenizer = Tokenizer.from_gguf_kv(gf.kv)
@@ -421,7 +435,7 @@ def load(
         raise TokenizerError(f"{path}: {e}") from None
     num = Numerics(native=native_kernels, quantized_activations=not exact_activations)
     with numerics.using(num):  # without the native kernels, quantized matrices load as f16
-        weights = load_weights(gf, args, weight_format=weight_format, progress=progress)
+        weights = load_weights(gf, args, weight_format=weight_format, progress=progress, ends=ends)
     model = Model(args, weights, cache_dtype=CACHE_TYPES[cache_type])
     stats = SparsityStats.empty(args.n_layer, args.ffn_neurons)
     threshold = resolve_threshold(threshold, args.sparse_threshold)
@@ -437,7 +451,14 @@ def load(
     if vram_budget is not None:
         from powerpy.placement.runtime import place
 
-        llm.runtime = place(model, gf, vram_budget, device=device, n_ctx=n_ctx, **placement_options)
+        act = placement_options.pop("activation_dir", None)
+        links = contextlib.nullcontext(act)
+        if layers is not None:  # the stage's own index, and its layers' statistics
+            placement_options.setdefault("index_path", stage_index_path(path, layers))
+            links = stage_activations(act or path.parent / "activation", layers)
+        with links as act:
+            llm.runtime = place(model, gf, vram_budget, device=device, n_ctx=n_ctx,
+                                activation_dir=act, **placement_options)  # fmt: skip
         if llm.runtime is not None:
             llm.model = llm.runtime.model
     stack_decode.prepare(llm.model, opts)  # the layouts decode reads, as llama.cpp repacks

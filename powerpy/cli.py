@@ -22,6 +22,7 @@ COMMANDS = {
     "train-predictors": "powerpy.commands.train_predictors",
     "perplexity": "powerpy.commands.perplexity",
     "serve": "powerpy.commands.serve",
+    "plan": "powerpy.commands.plan",
 }
 
 

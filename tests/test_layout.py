@@ -29,6 +29,7 @@ LAYERS = [
     ("powerpy.pipeline",),
     ("powerpy.benchmark",),
     ("powerpy.default_model", "powerpy.api", "powerpy.plot", "powerpy.serve"),
+    ("powerpy.cluster",),  # stages, pipelines and replicas over Ray (Ray only inside)
     ("powerpy.testing.fuzz",),  # drives powerpy.load; nothing in the library imports it
     ("powerpy.commands", "powerpy.cli", "powerpy.__main__"),
 ]
@@ -172,6 +173,41 @@ def test_load_and_generate_do_not_import_training() -> None:
         f"llm = powerpy.load({str(model)!r})\n"
         "llm.generate('And God said', max_tokens=2, temperature=0)\n"
         f"print(sorted(m for m in {sorted(TRAINING)!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+RAY_MODULES = {"powerpy.cluster.actors", "powerpy.cluster.replicas"}
+
+
+def test_only_the_cluster_runtime_imports_ray() -> None:
+    """Ray (the ``cluster`` extra) is imported by the modules that start actors and replicas
+    only; ``import powerpy``, the CLI's parser and a server on one machine never load it."""
+    import subprocess
+    import sys
+
+    users = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                users.add(name)
+    assert users == RAY_MODULES, users
+    for m in RAY_MODULES:  # and nobody imports them but the cluster package and the commands
+        importers = {n for n, deps in GRAPH.items() if m in deps}
+        assert all(n.startswith(("powerpy.cluster", "powerpy.commands")) for n in importers)
+    model = ROOT / "models" / "kjv-relu" / "kjv-relu.powerinfer.gguf"
+    code = (
+        "import sys, powerpy, powerpy.cli, powerpy.cluster.plan, powerpy.cluster.pipeline\n"
+        "from powerpy.scheduler import Scheduler\n"
+        "from powerpy.serve import create_app\n"
+        "powerpy.cli.build_parser()\n"
+        f"llm = powerpy.load({str(model)!r})\n"
+        "create_app(Scheduler(llm.model, llm.tokenizer, llm.options))\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

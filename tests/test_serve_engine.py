@@ -231,11 +231,11 @@ class FaultyScheduler(Scheduler):
 
     FAULT = 90  # "W" in the byte vocabulary
 
-    def _sample(self, s, logits):
+    def _accept(self, s, tok, lp):
         if self.FAULT in s.req.prompt and s.n_gen == 2:
             self._fail(s, RuntimeError("injected fault"))
             return
-        super()._sample(s, logits)
+        super()._accept(s, tok, lp)
 
 
 def test_a_failing_session_fails_alone(llm):

@@ -4,6 +4,7 @@ concurrent streaming clients.
     python tools/bench_serve.py                       # starts `powerpy serve` (default model)
     python tools/bench_serve.py -m model.gguf --batch off --batch auto
     python tools/bench_serve.py --url http://127.0.0.1:8080   # an already running server
+    python tools/bench_serve.py --serve-args "--replicas 2" -t 1 --clients 16   # Ray Serve replicas
 
 Each client sends ``--requests`` streamed completions of exactly ``--max-tokens`` tokens
 (``ignore_eos``) one after another; a level's figure is the tokens of all its requests over its
@@ -101,6 +102,7 @@ def start_server(args, batch: str) -> tuple[subprocess.Popen, str, int, str]:
         cmd += ["-m", args.model]
     if args.threads:
         cmd += ["-t", str(args.threads)]
+    cmd += args.serve_args.split() if args.serve_args else []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=env)  # fmt: skip
@@ -126,6 +128,7 @@ def main() -> int:
     p.add_argument("--clients", default="1,4,16", help="client counts (1,4,16)")
     p.add_argument("--requests", type=int, default=2, help="requests per client (2)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (32)")
+    p.add_argument("--serve-args", default="", help="more serve flags, e.g. '--replicas 2'")
     args = p.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     print(f"load average before: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs)")

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the test extras: the first half of the README's second command.
+# Install the test extras (and Ray, for the cluster tests): the first half of the README's
+# second command.
 # llama-cpp-python, the oracle for logits and tokens and the speed peer, builds from source
 # (5-10 minutes). Its ggml is built without AMX: ggml's AMX kernels crash (SIGSEGV in
 # ggml_backend_amx_mul_mat) on machines whose CPU flags list AMX, and they are not the reference
@@ -13,4 +14,4 @@ if ! python -c 'import sys, llama_cpp; sys.exit(b"AMX_INT8 = 1" in llama_cpp.lla
   CFLAGS="$flags" CXXFLAGS="$flags" python -m pip install --quiet --no-deps --force-reinstall \
     --no-cache-dir "$ORACLE"
 fi
-python -m pip install --quiet -e ".[test,dev]"
+python -m pip install --quiet -e ".[test,dev,cluster]"  # cluster: Ray, for -m cluster tests

@@ -8,10 +8,12 @@ import os
 import sys
 
 from powerpy.commands.common import add_model_args, load_model, setup_hybrid
+from powerpy.commands.serve_cluster import Served, add_cluster_args, check_cluster_args, session_ctx
 
 API_KEY_ENV = "POWERPY_API_KEY"
 BATCH_CHOICES = ("auto", "off", "rows", "union", "batch")  # powerpy.scheduler.BATCH_MODES
 SERVE_PACKAGES = ("fastapi", "uvicorn", "sse_starlette", "prometheus_client")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "/tokenize, /detokenize). Ctrl-C finishes the running requests, then exits. "
         "-t 0 (the default) leaves one core of torch's default to the HTTP server.",
     )
+    p.add_argument("model_file", nargs="?", metavar="MODEL", help="the model file (or -m)")
     add_model_args(p, generate=True)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free)")
@@ -67,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="batch the sessions' decode steps: auto (measure at start), off, or an FFN mode",
     )
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -76,65 +80,94 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"the server needs {', '.join(missing)}: pip install 'powerpy[serve]'")
     if args.parallel < 1 or args.queue < 0 or args.ctx_size < 0 or args.max_body < 1:
         raise ValueError("--parallel and --max-body must be >= 1, --queue and -c >= 0")
-    from powerpy.scheduler import Scheduler
-    from powerpy.serve import ServeConfig, create_app, server
+    check_cluster_args(args)
+    if args.model_file:
+        if args.model and args.model != args.model_file:
+            raise ValueError(f"two models: {args.model_file} and -m {args.model}")
+        args.model = args.model_file
+    if args.replicas:
+        from powerpy.commands.serve_cluster import run_replicas
+
+        return run_replicas(args, build)
+    from powerpy.serve import server
 
     sock = server.bind(args.host, args.port)  # fail early when the port is taken
-    if args.threads == 0:  # the event loop needs a core too: model threads contend otherwise
+    if args.threads == 0 and not args.pipeline:  # the event loop needs a core too
         import torch
 
         args.threads = max(1, torch.get_num_threads() - 1)
-    llm = load_model(args)
-    a = llm.model.args
-    n_ctx = args.ctx_size // args.parallel if args.ctx_size else a.default_n_ctx
-    if n_ctx < 2:
-        raise ValueError(f"-c {args.ctx_size} leaves {n_ctx} positions per session")
-    if args.vram_budget is not None:
-        setup_hybrid(llm, args, n_ctx * args.parallel)
+    app, sched, banner = build(args)
+    host, port = sock.getsockname()[:2]
+    if not app.state.service.config.api_key and args.host not in LOOPBACK:
+        log.warning("listening on %s without an API key: anyone who reaches it can use it", host)
+    print(banner, file=sys.stderr)
+    url_host = f"[{host}]" if ":" in host else host
+    print(f"listening on http://{url_host}:{port}", file=sys.stderr, flush=True)
+    try:
+        server.run(app, sched, sock, verbose=args.verbose)
+    finally:
+        sched.engine.close()  # a pipeline's stages
+    print("server stopped", file=sys.stderr)
+    return 0
+
+
+def build(args: argparse.Namespace):
+    """The app, its started scheduler and a line saying what runs: the model in this process
+    (``--vram-budget``: placed), or its stages on Ray actors (``--pipeline``)."""
+    from powerpy.scheduler import Scheduler
+    from powerpy.serve import ServeConfig, create_app
+
+    if args.pipeline:
+        from powerpy.commands.serve_cluster import load_pipeline
+
+        served = load_pipeline(args)
+    else:
+        served = _load_local(args)
     sched = Scheduler(
-        llm.model,
-        llm.tokenizer,
-        llm.options,
+        served.engine,
+        served.tokenizer,
+        served.options,
         n_parallel=args.parallel,
-        n_ctx=n_ctx,
+        n_ctx=served.n_ctx,
         queue_size=args.queue,
         batch=args.batch,
-        source=str(llm.path),
+        source=str(served.path),
     )
     sched.start()
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    sparse = llm.options.sparse and llm.model.can_gate
+    a = served.args
+    sparse = served.options.sparse and served.engine.can_gate
     config = ServeConfig(
         model_id=args.alias,
-        aliases=frozenset({llm.path.name, llm.path.stem}),
+        aliases=frozenset({served.path.name, served.path.stem}),
         api_key=key,
         max_body_bytes=args.max_body,
         n_predict=args.n_predict,
         info={
-            "file": llm.path.name,
+            "file": served.path.name,
             "arch": a.arch,
             "n_layer": a.n_layer,
             "n_vocab": a.n_vocab,
             "n_ctx_train": a.n_ctx_train,
-            "n_ctx_slot": n_ctx,
+            "n_ctx_slot": served.n_ctx,
             "parallel": args.parallel,
             "sparse": sparse,
+            **served.info,
         },
     )
-    app = create_app(sched, config)
-    host, port = sock.getsockname()[:2]
-    if not key and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s without an API key: anyone who reaches it can use it", host)
-    print(
-        f"model: {llm.path.name} ({a.arch}, {'sparse' if sparse else 'dense'}), "
-        f"{args.parallel} sessions x {n_ctx} positions, batching {sched.batch_mode}",
-        file=sys.stderr,
+    banner = (
+        f"model: {served.path.name} ({a.arch}, {'sparse' if sparse else 'dense'}), "
+        f"{args.parallel} sessions x {served.n_ctx} positions, batching {sched.batch_mode}"
     )
-    url_host = f"[{host}]" if ":" in host else host
-    print(f"listening on http://{url_host}:{port}", file=sys.stderr, flush=True)
-    server.run(app, sched, sock, verbose=args.verbose)
-    print("server stopped", file=sys.stderr)
-    return 0
+    return create_app(sched, config), sched, banner + served.banner
+
+
+def _load_local(args: argparse.Namespace) -> Served:
+    llm = load_model(args)
+    n_ctx = session_ctx(args, llm.model.args)
+    if args.vram_budget is not None:
+        setup_hybrid(llm, args, n_ctx * args.parallel)
+    return Served(llm.model, llm.tokenizer, llm.options, llm.path, llm.model.args, n_ctx)
 
 
 def _importable(module: str) -> bool:

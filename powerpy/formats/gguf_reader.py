@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from powerpy._fs import huge_page_buffer
+from powerpy.errors import FileFormatError
 from powerpy.formats import quants
 from powerpy.formats.constants import PWRI_MAGIC, GGMLType, GGUFValueType
 from powerpy.formats.gguf_parse import GGUFLayout, parse_layout
@@ -293,6 +294,30 @@ class GGUFFile:
             f"GGUFFile({self.path.name!r}, {self.magic.decode(errors='replace')} "
             f"v{self.version}, {len(self.kv)} kv, {len(self.tensors)} tensors{state})"
         )
+
+
+def check_tensor_sizes(gf: GGUFFile) -> None:
+    """Each tensor's bytes (from its type and shape) must fill its slot up to the next tensor.
+
+    Writers pack tensors at aligned offsets, so a type or shape that disagrees with the data
+    (F32 bytes labelled Q4_0, a wrong dimension) leaves a gap the reader cannot see as overlap.
+
+    Raises:
+        FileFormatError: the first tensor whose slot is larger than its padded size.
+    """
+    size = gf.path.stat().st_size
+    spans = sorted((t.offset, t.nbytes, t.name) for t in gf.tensors.values())
+    nexts = [off for off, _, _ in spans[1:]] + [size]
+    for (off, nbytes, name), nxt in zip(spans, nexts, strict=True):
+        padded = -(-nbytes // gf.alignment) * gf.alignment
+        if nxt - off > padded:
+            t = gf.tensors[name]
+            raise FileFormatError(
+                f"{gf.path}: tensor {name!r} ({t.ggml_type.name}, shape {t.shape}) takes "
+                f"{nbytes} bytes, but {nxt - off} bytes lie before the next tensor or the end "
+                "of the file: its type or shape does not match its data (e.g. F32 data "
+                "labelled Q4_0); re-convert the model"
+            )
 
 
 def read_gguf(

@@ -145,63 +145,50 @@ class _TensorSource:
         return torch.from_numpy(np.ascontiguousarray(w))
 
 
-def check_tensor_sizes(gf: GGUFFile) -> None:
-    """Each tensor's bytes (from its type and shape) must fill its slot up to the next tensor.
-
-    Writers pack tensors at aligned offsets, so a type or shape that disagrees with the data
-    (F32 bytes labelled Q4_0, a wrong dimension) leaves a gap the reader cannot see as overlap.
-
-    Raises:
-        FileFormatError: the first tensor whose slot is larger than its padded size.
-    """
-    size = gf.path.stat().st_size
-    spans = sorted((t.offset, t.nbytes, t.name) for t in gf.tensors.values())
-    nexts = [off for off, _, _ in spans[1:]] + [size]
-    for (off, nbytes, name), nxt in zip(spans, nexts, strict=True):
-        padded = -(-nbytes // gf.alignment) * gf.alignment
-        if nxt - off > padded:
-            t = gf.tensors[name]
-            raise FileFormatError(
-                f"{gf.path}: tensor {name!r} ({t.ggml_type.name}, shape {t.shape}) takes "
-                f"{nbytes} bytes, but {nxt - off} bytes lie before the next tensor or the end "
-                "of the file: its type or shape does not match its data (e.g. F32 data "
-                "labelled Q4_0); re-convert the model"
-            )
-
-
 def load_weights(
-    gf: GGUFFile, args: ModelArgs, *, weight_format: str = "auto", progress: bool = False
+    gf: GGUFFile,
+    args: ModelArgs,
+    *,
+    weight_format: str = "auto",
+    progress: bool = False,
+    ends: tuple[bool, bool] = (True, True),
 ) -> Weights:
     """Build the runtime weights of a model from an open GGUF/PWRI file: the per-layer tensors
     its family declares (``args.family.block``) with their biases, the FFN's down matrix and
     predictors in the dense or the PWRI layout, and the embeddings, output norm and (untied)
-    output. A fused ``attn_qkv`` becomes row views ``attn_q``, ``attn_k``, ``attn_v``.
+    output. A fused ``attn_qkv`` becomes row views ``attn_q``, ``attn_k``, ``attn_v``. The
+    file's data sizes are ``gguf_reader.check_tensor_sizes``' to check, before.
 
     Args:
-        gf: the open file (its memory map must outlive the weights).
+        gf: the open file (its memory map must outlive the weights), or a pipeline stage's view
+            of one (``powerpy.cluster``).
         args: hyperparameters from the same file.
         weight_format: "auto" (floats as stored, quantized types raw when the kernels exist,
             else f16), "f32" (dequantize everything to f32) or "raw".
         progress: show a progress bar over the layers.
+        ends: (the embeddings, the output norm and head): a stage without them has None there.
 
     Raises:
-        FileFormatError: a tensor is missing, of an unusable type, or its data does not match
-            its type and shape; a PWRI file lacks predictors.
+        FileFormatError: a tensor is missing or of an unusable type; a PWRI file lacks
+            predictors.
         ModelConfigError: a tensor's shape disagrees with the hyperparameters, or the file
             holds a tensor or bias its family does not have (say ``ffn_gate`` in a falcon file).
     """
-    src = _TensorSource(gf, weight_format)
-    check_tensor_sizes(gf)
+    src, (embed, head) = _TensorSource(gf, weight_format), ends
     fam, d, ff = args.family, args.n_embd, args.n_ff
     _check_foreign(gf, fam, args.moe)
-    token_embd = src.matrix(Names.TOKEN_EMBD, (args.n_vocab, d))
-    output = token_embd
-    if Names.OUTPUT in gf.tensors or not fam.tied_output:
+    tied = Names.OUTPUT not in gf.tensors and fam.tied_output
+    token_embd = output = None
+    if embed or (head and tied):  # a later stage's tied head: output alone (no embedding)
+        table = src.matrix(Names.TOKEN_EMBD, (args.n_vocab, d))
+        token_embd, output = (table if embed else None), table
+    if head and not tied:
         output = src.matrix(Names.OUTPUT, (args.n_vocab, d))
         rule = "required" if fam.output_bias else "none"  # added to the logits (phi2)
         output = _with_bias(output, _bias(src, Names.OUTPUT, args.n_vocab, rule))
+    output = output if head else None
     position_embd = None
-    if fam.rope is Rope.LEARNED:
+    if fam.rope is Rope.LEARNED and embed:
         pe, off = gf.tensors.get(Names.POS_EMBD), fam.position_offset
         rows = pe.shape[0] if pe is not None and len(pe.shape) == 2 else args.n_ctx_train + off
         if rows - off < args.n_ctx_train:
@@ -275,7 +262,8 @@ def load_weights(
         )
     if args.moe and any(args.down_thresholds):
         release_free_heap()  # the experts' column norms were decoded chunk by chunk
-    out_b = _bias(src, Names.OUTPUT_NORM, d, "required" if fam.output_norm_bias else "none")
+    rule = "required" if fam.output_norm_bias else "none"
+    out_b = _bias(src, Names.OUTPUT_NORM, d, rule) if head else None
     factors = {}
     for field, name in (
         ("rope_freqs", Names.ROPE_FREQS),
@@ -292,7 +280,7 @@ def load_weights(
     return Weights(
         **factors,
         token_embd=token_embd,
-        output_norm=src.vector(Names.OUTPUT_NORM, d),
+        output_norm=src.vector(Names.OUTPUT_NORM, d) if head else None,
         output=output,
         blk=blocks,
         output_norm_b=out_b,

@@ -129,6 +129,8 @@ def device_refusal(model) -> str | None:
         return "no accelerator"
     if model.kv is None:
         return "the KV cache stays on the host"
+    if w.token_embd is None or w.output is None:
+        return "a pipeline stage (it passes the residual stream on)"
     if not _held(accel, w.output_norm, w.output, w.output_norm_b):
         return "the output matrix stays on the host"
     for l, blk in enumerate(w.blk):

@@ -146,8 +146,9 @@ def prepare(model, opts: RunOptions) -> None:
         return
     with numerics.using(num):
         plan_for(model, opts)
-        if model.weights.output.device.type == "cpu":
-            interleave.dense_kernel(model.weights.output)
+        out = model.weights.output  # None in a pipeline stage before the last
+        if out is not None and out.device.type == "cpu":
+            interleave.dense_kernel(out)
 
 
 def _ffn_part(blk, args, opts: RunOptions) -> layer_record.Part | None:

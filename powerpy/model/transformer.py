@@ -67,10 +67,7 @@ class Model:
         kv: KVPlacement | None = None,
         cache_dtype: torch.dtype = torch.float16,
     ) -> None:
-        self.args = args
-        self.weights = weights
-        self.accel = accel
-        self.kv = kv
+        self.args, self.weights, self.accel, self.kv = args, weights, accel, kv
         self.cache_dtype = cache_dtype  # host KV caches: f16 (llama.cpp's default) or f32
         self.plans = Plans()  # decode plans per options and batch size, built on first use
 
@@ -226,11 +223,12 @@ class Model:
     ) -> Tensor:
         """The one layer loop. ``host``: a decode plan's host executor (``stack_decode``), which
         runs the layers from its first one, all on the host in the native kernels, in C, in
-        this loop's order, in one call (a one-token step whose cache it can read)."""
+        this loop's order, in one call (a one-token step whose cache it can read). A pipeline
+        stage without ``token_embd``/``output`` takes/returns the residual stream (T, n_embd)."""
         a, w = self.args, self.weights
         pos = step.positions()  # (T,)
-        x = self.embed(tokens, pos)
-        if check:
+        x = tokens if w.token_embd is None else self.embed(tokens, pos)
+        if check and w.token_embd is not None:
             _check_finite(x, "token_embd.weight", "the embedding rows of these tokens")
         tables = layer_rotations(a, w, pos, step.caches[0].n_ctx)  # per layer (T, n_rot/2)
         moved = {id(t): OnDevices(self.accel, t) for t in tables if t is not None}  # one per table
@@ -242,10 +240,12 @@ class Model:
         # row only, as llama.cpp's graphs do (each row's FFN is its own, so its value is the
         # same); not while an observer or the stats watch every row's FFN
         tail = not all_logits and not one and opts.observer is None and opts.stats is None
+        tail = tail and w.output is not None  # a stage's: every row
         x = self.layers(x, step, rots, opts, ffn_mode, check=check, tail=tail, host=host)
         step.advance()
-        if not all_logits:
-            x = x[-1:]
+        if w.output is None:  # a stage before the last: the residual stream goes on
+            return self._to(x, HOST)
+        x = x if all_logits else x[-1:]
         logits = self._to(self.head(x, opts), HOST)
         if check:
             _check_finite(logits, "output", "the output layer (output_norm, output)")

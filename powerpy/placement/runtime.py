@@ -123,10 +123,13 @@ def _slots(weights: Weights) -> dict[str, list[tuple[Any, str]]]:
     """GGUF tensor name -> the (object, attribute) slots holding it in the weights: one slot,
     three for a fused ``attn_qkv`` (its q, k and v row views), none for a matrix's bias (it
     travels with its matrix, ``BiasedWeight``). A norm's bias is ``{norm}_b``."""
-    slots: dict[str, list[tuple[Any, str]]] = {
-        Names.TOKEN_EMBD: [(weights, "token_embd")],
-        Names.OUTPUT_NORM: [(weights, "output_norm")],
-        Names.OUTPUT: [(weights, "output")],
+    ends = (
+        (Names.TOKEN_EMBD, "token_embd"),
+        (Names.OUTPUT_NORM, "output_norm"),
+        (Names.OUTPUT, "output"),
+    )
+    slots: dict[str, list[tuple[Any, str]]] = {  # a pipeline stage has only its own ends
+        name: [(weights, attr)] for name, attr in ends if getattr(weights, attr) is not None
     }
     if weights.output_norm_b is not None:
         slots[bias_name(Names.OUTPUT_NORM)] = [(weights, "output_norm_b")]
@@ -337,6 +340,7 @@ def place(
     disable_gpu_index: bool = False,
     activation_dir: str | os.PathLike[str] | None = None,
     capacity_mode: str = "exact",
+    index_path: str | os.PathLike[str] | None = None,
 ) -> HybridRuntime | None:
     """Budget → placement (with the index lifecycle) → ``build_hybrid``, in one call.
 
@@ -359,6 +363,8 @@ def place(
         disable_gpu_index: no hot-neuron split (dense parts are still placed).
         activation_dir: statistics directory (default ``dirname(model)/activation``).
         capacity_mode: ``"exact"`` or ``"upstream"`` capacity formula for a generated index.
+        index_path: the GPU index (default ``<model>.generated.gpuidx``; a pipeline stage's is
+            its own, ``powerpy.model.stage.stage_index_path``).
 
     Returns:
         The runtime (its ``model`` replaces ``model``), or None when running CPU-only.
@@ -386,6 +392,7 @@ def place(
         disable_gpu_index=disable_gpu_index,
         activation_dir=activation_dir,
         capacity_mode=capacity_mode,  # type: ignore[arg-type]
+        index_path=index_path,
     )
     rt = build_hybrid(model, placement, accel, file=file)
     rt.reserve_line = reserve_line

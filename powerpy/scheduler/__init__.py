@@ -13,6 +13,7 @@ from powerpy.scheduler.engine import (
     ShuttingDown,
     Stats,
 )
+from powerpy.scheduler.local import Engine, EngineUnavailable, LocalEngine
 from powerpy.scheduler.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from powerpy.scheduler.request import (
     Delta,
@@ -29,9 +30,12 @@ from powerpy.scheduler.request import (
 __all__ = [
     "BATCH_MODES",
     "Delta",
+    "Engine",
+    "EngineUnavailable",
     "Event",
     "Failed",
     "Finished",
+    "LocalEngine",
     "MAX_TOP_LOGPROBS",
     "PromptLogprobs",
     "PromptTooLong",

@@ -8,7 +8,9 @@ The worker advances every active slot in turn: one prefill chunk per prefilling 
 token for every decoding slot, so a long generation never starves the others. Where it pays
 (:mod:`powerpy.scheduler.calibrate`), the decoding slots' tokens go through one batched forward
 (``Model.decode_batch``). A failure inside one slot ends that request with a
-:class:`Failed` event; the others go on.
+:class:`Failed` event; the others go on. The model runs through an engine
+(``powerpy.scheduler.local``): a model in this process, or a pipeline of stages
+(``powerpy.cluster``), which draws the tokens where the logits are.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from powerpy.chat import Message, encode_chat
+from powerpy.config import ModelArgs
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.transformer import FFN_MODES, Model
-from powerpy.scheduler.calibrate import SEQUENTIAL, choose_batch_mode
-from powerpy.scheduler.logprobs import TokenLogprob, prompt_logprobs, sampled_logprob
+from powerpy.scheduler.calibrate import choose_batch_mode
+from powerpy.scheduler.local import SEQUENTIAL, Engine, EngineUnavailable, LocalEngine, Prefill
+from powerpy.scheduler.logprobs import TokenLogprob
+from powerpy.scheduler.picks import Pick, Score, allowed_tokens
 from powerpy.scheduler.request import Delta, Event, Failed, Finished, PromptLogprobs, Request
 from powerpy.scheduler.slot import Slot, common_prefix
 from powerpy.tokenizer import Tokenizer
@@ -73,7 +75,8 @@ class Stats:
 class Scheduler:
     """Runs requests on ``n_parallel`` session slots of one model, on one worker thread.
 
-    Example::
+    ``model`` is a ``Model`` in this process or any engine (``powerpy.scheduler.local.Engine``,
+    e.g. ``powerpy.cluster.PipelineEngine``). Example::
 
         sched = Scheduler(llm.model, llm.tokenizer, llm.options, n_parallel=4)
         sched.start()
@@ -84,7 +87,7 @@ class Scheduler:
 
     def __init__(
         self,
-        model: Model,
+        model: Model | Engine,
         tokenizer: Tokenizer,
         opts: RunOptions = SPARSE,
         *,
@@ -108,9 +111,10 @@ class Scheduler:
             raise ValueError("n_parallel and prefill_chunk must be >= 1, queue_size >= 0")
         if batch not in BATCH_MODES:
             raise ValueError(f"unknown batch mode {batch!r}: one of {BATCH_MODES}")
-        self.model, self.tokenizer, self.opts, self.source = model, tokenizer, opts, source
-        self.n_ctx = n_ctx or model.args.default_n_ctx
-        self.slots = [Slot(i, model.new_cache(self.n_ctx)) for i in range(n_parallel)]
+        engine = LocalEngine(model) if isinstance(model, Model) else model
+        self.engine, self.tokenizer, self.opts, self.source = engine, tokenizer, opts, source
+        self.n_ctx = n_ctx or engine.args.default_n_ctx
+        self.slots = [Slot(i, engine.new_cache(self.n_ctx)) for i in range(n_parallel)]
         self.queue_size = queue_size
         self.batch = batch
         self.batch_mode = SEQUENTIAL if batch == "auto" else batch
@@ -123,6 +127,11 @@ class Scheduler:
         self._stop = False
         self._draining = False
 
+    @property
+    def args(self) -> ModelArgs:
+        """The model's hyperparameters."""
+        return self.engine.args
+
     # ------------------------------------------------------------------------- prompts
     def encode(self, prompt: str | Sequence[int], *, add_bos: bool | None = None) -> list[int]:
         """Token ids of a text prompt, or the ids given (checked against the vocabulary).
@@ -133,7 +142,7 @@ class Scheduler:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_bos=add_bos)
         ids = [int(t) for t in prompt]
-        n_vocab = self.model.args.n_vocab
+        n_vocab = self.args.n_vocab
         bad = [t for t in ids if not 0 <= t < n_vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
@@ -158,7 +167,7 @@ class Scheduler:
             return
         if self.batch == "auto" and len(self.slots) > 1:
             self.batch_mode, self.batch_rates = choose_batch_mode(
-                self.model, self.opts, len(self.slots)
+                self.engine, self.opts, len(self.slots)
             )
         self._thread = threading.Thread(target=self._run, name="powerpy-scheduler", daemon=True)
         self._thread.start()
@@ -170,7 +179,11 @@ class Scheduler:
             PromptTooLong: the prompt leaves no room to generate in a slot's context.
             QueueFull: ``queue_size`` requests are already waiting.
             ShuttingDown: the scheduler is draining or closed.
+            EngineUnavailable: the engine cannot run (a pipeline stage is dead).
         """
+        failure = self.engine.failure
+        if failure is not None:
+            raise failure
         if len(req.prompt) >= self.n_ctx:
             raise PromptTooLong(
                 f"the prompt is {len(req.prompt)} tokens and the context holds {self.n_ctx}: "
@@ -200,6 +213,14 @@ class Scheduler:
         """No request is running or waiting."""
         return not self._waiting and all(s.req is None for s in self.slots)
 
+    def health(self) -> dict[str, Any] | None:
+        """The liveness probe: None while the worker runs and the engine can, else what is
+        wrong (``message`` and, for a pipeline, the stage's ``stage``, ``host``, ``layers`` and
+        ``error``). It may probe the engine for a moment: call it off the event loop."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stop:
+            return {"message": "the scheduler's worker thread has stopped"}
+        return self.engine.health()
+
     def close(self, timeout: float | None = 10.0) -> None:
         """Stop the worker; requests still running or waiting get a ``Failed`` event."""
         with self._cv:
@@ -218,7 +239,7 @@ class Scheduler:
         """Queue depth, busy slots, batching and counters, for health and metrics."""
         st = self.stats
         frac = None
-        if self.opts.stats is not None and self.opts.sparse and self.model.can_gate:
+        if self.opts.stats is not None and self.opts.sparse and self.engine.can_gate:
             f = self.opts.stats.active_fraction()
             if (self.opts.stats.tokens > 0).any():
                 frac = float(f[self.opts.stats.tokens > 0].mean())
@@ -255,8 +276,11 @@ class Scheduler:
                 for slot, req in admitted:
                     self._admit(slot, req)
                 self._step()
-            except Exception as e:  # a bug outside any one session: fail the active ones
-                log.exception("scheduler step failed")
+            except Exception as e:  # a bug outside any one session, or the engine's failure
+                if isinstance(e, EngineUnavailable):
+                    log.error("the engine is unavailable: %s", e)
+                else:
+                    log.exception("scheduler step failed")
                 for s in self.slots:
                     if s.req is not None:
                         self._fail(s, e)
@@ -289,96 +313,98 @@ class Scheduler:
         for s in self.slots:
             if s.req is not None and s.req.cancelled:
                 self._release(s, "cancelled")
-        for s in self.slots:  # one prefill chunk per prefilling slot
-            if s.req is not None and s.pending:
-                self._prefill(s)
+        prefilling = [s for s in self.slots if s.req is not None and s.pending]
+        if prefilling:  # one chunk per prefilling slot (an engine may run them at once)
+            self._prefill(prefilling)
         ready = [s for s in self.slots if s.req is not None and s.next_token is not None]
         if ready:
             self._decode(ready)
 
-    def _prefill(self, s: Slot) -> None:
-        chunk = s.pending[: self.prefill_chunk]
-        t0 = time.perf_counter()
+    def _pick(self, s: Slot) -> Pick:
+        """How ``s`` picks its next token now (its grammar's mask computed here).
+
+        Raises:
+            RuntimeError: the grammar is in an error state or allows nothing.
+        """
         req = s.req
         assert req is not None
-        start = s.cache.pos
-        try:
-            logits = self.model.forward(
-                torch.tensor(chunk, dtype=torch.long),
-                s.cache,
-                self.opts,
-                all_logits=req.prompt_logprobs,
-            )
-            if req.prompt_logprobs:
-                self._score_prompt(s, start, logits)
-        except Exception as e:
-            self._fail(s, e)
-            return
-        s.cached.extend(chunk)
-        s.pending = s.pending[len(chunk) :]
-        if not s.pending:
-            if req.prompt_logprobs:
-                self._emit(req, PromptLogprobs(tuple(s.scored)))
-                if s.budget <= 0:
-                    self._finish(s, "length")
-                    return
-            self._sample(s, logits[-1])
-        self.stats.prompt_tokens += len(chunk)
-        self.stats.prompt_seconds += time.perf_counter() - t0
+        mask = allowed_tokens(req.constraint, self.args.n_vocab)
+        return Pick(req.id, req.sampling, s.eog_ids, s.history, mask, req.logprobs, s.sampler)
 
-    def _score_prompt(self, s: Slot, start: int, logits: Tensor) -> None:
-        """Add the entries of the prompt tokens that the rows of ``logits`` (positions ``start``
-        onwards) predict; position 0 gets its token with no log-probability."""
-        assert s.req is not None
-        prompt, k = s.req.prompt, s.req.logprobs or 0
-        if start == 0:
-            s.scored.append(TokenLogprob(prompt[0], None))
-        following = prompt[start + 1 : start + 1 + logits.shape[0]]
-        if following:
-            s.scored.extend(prompt_logprobs(logits[: len(following)], following, k))
+    def _prefill(self, slots: list[Slot]) -> None:
+        t0 = time.perf_counter()
+        works, runs = [], []
+        for s in slots:
+            req = s.req
+            assert req is not None
+            chunk = s.pending[: self.prefill_chunk]
+            start, last = s.cache.pos, len(chunk) == len(s.pending)
+            score = None
+            if req.prompt_logprobs:  # row i predicts the prompt's token at start + 1 + i
+                score = Score(tuple(req.prompt[start + 1 : start + 1 + len(chunk)]),
+                              req.logprobs or 0)  # fmt: skip
+            try:
+                draws = last and not (req.prompt_logprobs and s.budget <= 0)
+                pick = self._pick(s) if draws else None
+            except Exception as e:
+                self._fail(s, e)
+                continue
+            works.append(Prefill(s.cache, chunk, pick, score))
+            runs.append((s, start))
+        results = self.engine.prefill(works, self.opts) if works else []
+        for (s, start), w, out in zip(runs, works, results, strict=True):
+            req = s.req
+            assert req is not None
+            if isinstance(out, Exception):
+                self._fail(s, out)
+                continue
+            if req.prompt_logprobs:
+                if start == 0:
+                    s.scored.append(TokenLogprob(req.prompt[0], None))
+                s.scored.extend(out.scored)
+            s.cached.extend(w.tokens)
+            s.pending = s.pending[len(w.tokens) :]
+            self.stats.prompt_tokens += len(w.tokens)
+            if not s.pending:
+                if req.prompt_logprobs:
+                    self._emit(req, PromptLogprobs(tuple(s.scored)))
+                    if s.budget <= 0:
+                        self._finish(s, "length")
+                        continue
+                self._accept(s, out.token, out.logprob)
+        self.stats.prompt_seconds += time.perf_counter() - t0
 
     def _decode(self, ready: list[Slot]) -> None:
         t0 = time.perf_counter()
-        toks = [s.next_token for s in ready]
-        rows: list[Tensor | Exception] | None = None
-        if len(ready) > 1 and self.batch_mode != SEQUENTIAL:
+        run, picks = [], []
+        for s in ready:
             try:
-                logits = self.model.decode_batch(
-                    torch.tensor(toks, dtype=torch.long),
-                    [s.cache for s in ready],
-                    self.opts,
-                    ffn_mode=self.batch_mode,
-                )
-                rows = list(logits)
-                self.stats.decode_steps += 1
-            except Exception:
-                log.exception("batched decode failed: running the sessions one by one")
-        if rows is None:
-            rows = []
-            for s, t in zip(ready, toks, strict=True):
-                try:
-                    rows.append(self.model.forward(torch.tensor([t]), s.cache, self.opts)[-1])
-                except Exception as e:
-                    rows.append(e)
-            self.stats.decode_steps += len(ready)
-        self.stats.decode_rows += len(ready)
-        for s, t, r in zip(ready, toks, rows, strict=True):
-            if isinstance(r, Exception):
-                self._fail(s, r)
+                picks.append(self._pick(s))
+                run.append(s)
+            except Exception as e:
+                self._fail(s, e)
+        if not run:
+            return
+        toks = [s.next_token for s in run]
+        mode = self.batch_mode if len(run) > 1 else SEQUENTIAL
+        results, steps = self.engine.decode([s.cache for s in run], toks, picks, self.opts, mode)
+        self.stats.decode_steps += steps
+        self.stats.decode_rows += len(run)
+        for s, t, out in zip(run, toks, results, strict=True):
+            if isinstance(out, Exception):
+                self._fail(s, out)
                 continue
             s.cached.append(t)
             s.next_token = None
-            self._sample(s, r)
+            self._accept(s, out.token, out.logprob)
         self.stats.decode_seconds += time.perf_counter() - t0
 
-    def _sample(self, s: Slot, logits: Tensor) -> None:
-        """Sample the next token of ``s`` and emit its text, or finish the request."""
+    def _accept(self, s: Slot, tok: int | None, lp: TokenLogprob | None) -> None:
+        """Take the token ``s`` drew and emit its text, or finish the request."""
         req = s.req
-        assert req is not None
+        assert req is not None and tok is not None
+        lps = () if lp is None else (lp,)
         try:
-            allowed = logits if req.constraint is None else req.constraint.apply(logits)
-            tok = s.sampler(allowed, s.history)
-            lps = () if req.logprobs is None else (sampled_logprob(logits, tok, req.logprobs),)
             if req.constraint is not None:
                 req.constraint.accept(tok)
         except Exception as e:
@@ -445,8 +471,13 @@ class Scheduler:
         self._release(s, reason)
 
     def _fail(self, s: Slot, exc: BaseException) -> None:
-        log.error("%r failed in slot %d: %s", s.req, s.index, exc, exc_info=exc)
-        self._emit(s.req, Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+        if isinstance(exc, EngineUnavailable):  # the engine's fault, not the request's: a 503
+            log.error("%r failed in slot %d: %s", s.req, s.index, exc)
+            failed = Failed(f"the engine is unavailable: {exc}", 503, "engine_unavailable")
+        else:
+            log.error("%r failed in slot %d: %s", s.req, s.index, exc, exc_info=exc)
+            failed = Failed(f"generation failed: {type(exc).__name__}: {exc}")
+        self._emit(s.req, failed)
         s.cached = []  # the cache state is unknown
         s.cache.pos = 0
         self._release(s, "error")

@@ -139,9 +139,12 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """The request failed inside the engine (the other requests go on)."""
+    """The request failed inside the engine (the other requests go on): an HTTP ``status``
+    and error ``code`` for the server (503 ``engine_unavailable``: the engine cannot run)."""
 
     message: str
+    status: int = 500
+    code: str = "generation_failed"
 
 
 Event = Delta | PromptLogprobs | Finished | Failed

@@ -33,7 +33,8 @@ class Slot:
         self.req, self.keep = req, keep
         self.pending = req.prompt[keep:]
         self.next_token = None
-        self.sampler = build_sampler(req.sampling, sorted(tokenizer.eog_ids))
+        self.eog_ids = tuple(sorted(tokenizer.eog_ids))
+        self.sampler = build_sampler(req.sampling, self.eog_ids)
         self.history = list(req.prompt)
         self.decoder = tokenizer.stream_decoder(strip_leading_space=False)
         self.stopper = StopMatcher(req.stop)

@@ -8,6 +8,7 @@ import logging
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
@@ -98,6 +99,12 @@ def create_app(scheduler: Scheduler, config: ServeConfig | None = None) -> FastA
         snap = scheduler.snapshot()
         if snap["draining"]:
             return APIError(503, "the server is shutting down", code="shutting_down").response()
+        problem = await run_in_threadpool(scheduler.health)  # a pipeline pings its stages
+        if problem is not None:
+            msg = problem.get("message", "the engine is unavailable")
+            body = APIError(503, msg, code="engine_unavailable").body()
+            body["error"].update({k: v for k, v in problem.items() if k != "message"})
+            return JSONResponse(body, status_code=503)
         return {
             "status": "ok",
             "slots_idle": snap["slots_total"] - snap["slots_busy"],

@@ -122,7 +122,9 @@ async def completion(request: HTTPRequest):
                 elif isinstance(ev, Finished):
                     yield {**final(ev, "", tokens if body.return_tokens else [], extra), "index": 0}
                 elif isinstance(ev, Failed):
-                    yield {"error": {"code": 500, "message": ev.message, "type": "server_error"}}
+                    yield {
+                        "error": {"code": ev.status, "message": ev.message, "type": "server_error"}
+                    }
                     return
 
         return sse(gen, chunks(), done=False)
@@ -189,7 +191,7 @@ async def tokenizer_info(request: HTTPRequest):
 async def detokenize(request: HTTPRequest):
     svc = service_of(request)
     body = parse(DetokenizeRequest, await request.body())
-    n_vocab = svc.scheduler.model.args.n_vocab
+    n_vocab = svc.scheduler.args.n_vocab
     bad = [t for t in body.tokens if not 0 <= t < n_vocab]
     if bad:
         raise bad_request(f"token id {bad[0]} is outside the vocabulary", param="tokens")

@@ -112,7 +112,7 @@ async def collect(gen: Generation, request: HTTPRequest) -> list[Choice]:
             elif isinstance(ev, Finished):
                 c.final = ev
             elif isinstance(ev, Failed):
-                raise APIError(500, ev.message, code="generation_failed")
+                raise APIError(ev.status, ev.message, code=ev.code)
     finally:
         watcher.cancel()
         gen.close()
@@ -158,7 +158,7 @@ def check_top(k: int | None, param: str) -> int | None:
 
 
 def _failed_chunk(ev: Failed) -> dict[str, Any]:
-    return error_body(500, ev.message, code="generation_failed")
+    return error_body(ev.status, ev.message, code=ev.code)
 
 
 # ----------------------------------------------------------------------------------- completions

@@ -19,6 +19,7 @@ from starlette.requests import Request as HTTPRequest
 
 from powerpy.sampling import SamplingParams
 from powerpy.scheduler import (
+    EngineUnavailable,
     Event,
     Failed,
     Finished,
@@ -142,7 +143,7 @@ class Service:
             repeat_last_n=pick(body.repeat_last_n, d.repeat_last_n),
             seed=None if body.seed is None or body.seed < 0 else body.seed,
         )
-        n_vocab = self.scheduler.model.args.n_vocab
+        n_vocab = self.scheduler.args.n_vocab
         bias: dict[int, float] = {}
         for key, value in (body.logit_bias or {}).items():
             try:
@@ -234,7 +235,7 @@ class Service:
         """
         from powerpy.structured import GrammarError, compile_grammar
 
-        n_vocab = self.scheduler.model.args.n_vocab
+        n_vocab = self.scheduler.args.n_vocab
         try:
             return await run_in_threadpool(
                 compile_grammar, self.scheduler.tokenizer, kind, spec, n_vocab
@@ -264,7 +265,7 @@ class Service:
         Raises:
             APIError: 400 for a prompt longer than the context or more than ``MAX_CHOICES``
                 choices, 503 (with ``Retry-After``) when the queue is full or the server is
-                shutting down.
+                shutting down, 503 when the engine cannot run (a dead pipeline stage).
         """
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request(
@@ -296,6 +297,10 @@ class Service:
                 code="server_busy" if isinstance(e, QueueFull) else "shutting_down",
                 headers={"Retry-After": str(self.config.retry_after)},
             ) from None
+        except EngineUnavailable as e:
+            gen.cancel()
+            msg = f"the engine is unavailable: {e}"
+            raise APIError(503, msg, code="engine_unavailable") from None
         self.open_generations += 1
         return gen
 
