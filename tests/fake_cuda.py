@@ -162,7 +162,9 @@ class StepTrace(TorchDispatchMode):
                 self._made[o.untyped_storage()._cdata] = i
         name = func.overloadpacket.__name__
         self.ops.append((name, tuple(ins), tuple(self._desc(o) for o in outs)))
-        if any(isinstance(o, torch.Tensor) and o.device.type == "cpu" for o in outs):
+        if _runs_kernel(func) and any(
+            isinstance(o, torch.Tensor) and o.device.type == "cpu" for o in outs
+        ):  # work on the host (a view of a pinned buffer is none)
             self.host_ops.append(name)
         return out
 
@@ -184,6 +186,7 @@ class FakeCuda(Accelerator):
         self.bytes_in = self.bytes_out = 0  # host -> device, device -> host
         self.n_in = self.n_out = 0
         self.waits = 0
+        self.host_calls = 0  # host functions queued on the stream
         self.allocated = 0  # persistent device allocations (caches)
         self.copied: list[torch.Tensor] = []  # the tensors copied per step (kept alive)
 
@@ -256,6 +259,10 @@ class FakeCuda(Accelerator):
 
     def wait(self, event) -> None:
         self.waits += 1
+
+    def host_func(self, fn: int, arg: int, dep: torch.Tensor) -> None:
+        self._check_pinned(dep)
+        self.host_calls += 1
 
     def graph_kind(self) -> str | None:
         return None  # fake tensors replay nothing: plans run their step eagerly

@@ -49,7 +49,7 @@ def test_dry_run_writes_every_section(tmp_path):
     assert [r["key"] for r in data["timing"]] == ["cpu", "4", "all", "8", "12"]
     assert all(r["tok_s"] > 0 and r["phase_ms"] for r in data["timing"])
     assert all(r["peak"] is None for r in data["memory"]["rows"])  # no CUDA: no figures
-    assert set(data["targets"]) >= {"hybrid_third_2x_cpu", "full_within_2x_roofline"}
+    assert set(data["targets"]) >= {"hybrid_4_2.5x_cpu", "full_within_2x_roofline", "q4_0_300"}
 
     md = (out / "device_check.md").read_text()
     assert "## Steps" in md and "## Decode timing" in md

@@ -123,16 +123,17 @@ def test_prefill_and_decode_run_on_the_device_without_host_syncs(model_path, wha
     with FakeCudaOps():
         logits = model.forward(torch.tensor(PROMPT), cache, llm.options)  # prefill
         assert logits.shape == (1, model.args.n_vocab) and logits.device.type == "cpu"
+        _decode_step(model, cache, llm.options, accel, 4)  # builds the decode plan
         for tok in (5, 6, 7):
             log = _decode_step(model, cache, llm.options, accel, tok)
             if what != "mid-dense":
-                # device -> host per layer: the predictor's mask and the FFN input of the cold
-                # rows (one wait), then the logits (one wait); host -> device: the cold rows'
-                # output per layer, the token's embedding, its rotation, and its position and
-                # first row in the KV pool
-                assert accel.n_out == 2 * n_layer + 1, accel.n_out
-                assert accel.n_in == n_layer + 4, accel.n_in
-                assert accel.waits == n_layer + 1, accel.waits
+                # the decode plan's device step: out, per layer the cold rows' input and the
+                # predictor's mask, then the logits and the counts; in, the embedding row, the
+                # position, the pool row and per layer the cold rows' sum; two host functions
+                # per layer (submit, wait) and one wait, at the end
+                assert accel.n_out == 2 * n_layer + 2, accel.n_out
+                assert accel.n_in == n_layer + 3, accel.n_in
+                assert accel.waits == 1 and accel.host_calls == 2 * n_layer, accel.waits
             if what == "everything":
                 # per layer: q/k/v stacked, output, fc1, fc2 and the stacked hot gate/up rows,
                 # then the output matrix; the hot FFN is one activation and one row sum
@@ -141,7 +142,7 @@ def test_prefill_and_decode_run_on_the_device_without_host_syncs(model_path, wha
                 assert not any(dev == "cpu" and op in MATMUL for (op, dev) in log.ops)
             if what == "mid-dense":
                 assert log.launches > 0, log.ops
-    assert cache.pos == len(PROMPT) + 3
+    assert cache.pos == len(PROMPT) + 4
 
 
 def _launches_per_layer(tmp_path, dtype) -> int:
@@ -208,9 +209,10 @@ def test_a_cut_runs_on_the_device_without_host_syncs(tmp_path):
     cache = rt.model.new_cache(N_CTX)
     with FakeCudaOps():
         rt.model.forward(torch.tensor(PROMPT), cache, llm.options)
+        rt.model.forward(torch.tensor([4]), cache, llm.options)  # builds the plan
         accel.reset_counts()
         rt.model.forward(torch.tensor([5]), cache, llm.options)
-    assert accel.n_out == 2 * SPEC.n_layer + 1 and accel.n_in == SPEC.n_layer + 4
+    assert accel.n_out == 2 * SPEC.n_layer + 2 and accel.n_in == SPEC.n_layer + 3
 
 
 def test_parallel_sessions_get_the_device_caches_the_placement_reserved(model_path, caplog):

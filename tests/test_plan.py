@@ -152,15 +152,16 @@ def test_a_step_that_cannot_be_captured_warns_and_runs_eagerly(model_path, caplo
 
 
 def test_a_partial_placement_keeps_the_per_layer_path(model_path):
-    """A layer with rows on the host, or a KV cache there, is not one device step: the plan says
-    why and the layer loop runs."""
+    """Attention partly placed and the KV cache on the host: not one device step; the plan
+    says why and the layer loop runs."""
     llm = load(model_path, threshold=0.0)
-    index = GpuIndex.from_buckets([np.arange(100)] * SPEC.n_layer, SPEC.n_ff, vram_capacity=0)
-    placement = Placement.for_model(llm.file, 1 << 40, index, n_ctx=N_CTX)
+    full = Placement.for_model(llm.file, 1 << 40, n_ctx=N_CTX)
+    dense = sum(nb for cat, nb in full.bytes_by_category.items() if cat not in ("kv", "hot_ffn"))
+    placement = Placement.for_model(llm.file, dense // 2, n_ctx=N_CTX)
     model = build_hybrid(llm.model, placement, Accelerator("cpu"), file=llm.file).model
     decode(model, llm.options, STEPS[:2])
     plan = model.plans.get(model, llm.options, 1)
-    assert plan.device is None and plan.refusal == "layer 0 keeps FFN rows on the host"
+    assert plan.device is None and plan.refusal == "the KV cache stays on the host"
     assert plan_mod.device_refusal(llm.model) == "no accelerator"
 
 
@@ -192,3 +193,81 @@ def test_two_fake_cuda_steps_run_the_same_ops_on_the_same_memory(model_path):
     assert len(traces) == 2 and len(traces[0].ops) > 10
     assert traces[0].ops == traces[1].ops
     assert traces[0].host_ops == [] == traces[1].host_ops
+
+
+HYBRID = {"attention only": 0, "a third hot": SPEC.n_ff // 3, "most hot": SPEC.n_ff - 40}
+
+
+def placed_hybrid(path, accel, hot: int, **load_kw):
+    """Attention, predictors, the KV pool and the output placed, ``hot`` FFN rows per layer
+    (the rest on the host)."""
+    llm = load(path, threshold=0.0, **load_kw)
+    rng = np.random.default_rng(hot)
+    buckets = [np.sort(rng.choice(SPEC.n_ff, hot, replace=False)) for _ in range(SPEC.n_layer)]
+    index = GpuIndex.from_buckets(buckets, SPEC.n_ff, vram_capacity=0)
+    placement = Placement.for_model(llm.file, 1 << 40, index, n_ctx=8 * N_CTX, kv_elem_bytes=4)
+    return llm, build_hybrid(llm.model, placement, accel, file=llm.file).model
+
+
+@pytest.mark.parametrize("budget", HYBRID)
+def test_a_hybrid_step_is_one_replay_with_its_host_tasks(model_path, budget):
+    """A layer with FFN rows on the host is in the device step too: its cold rows are a task
+    the stream submits and waits for (host functions, replayed with the graph). The replay
+    equals the eager step bit for bit, and the CPU-only model up to f32 rounding."""
+    llm, model = placed_hybrid(model_path, Accelerator("cpu"), HYBRID[budget],
+                               exact_activations=True)  # fmt: skip
+    opts = RunOptions(threshold=0.0, stats=llm.options.stats, numerics=llm.options.numerics)
+    got = decode(model, opts)
+    step = model.plans.get(model, opts, 1).device
+    assert isinstance(step.graph, EmulatedStepGraph) and set(step.cold.layers) == {0, 1}
+    hosted = [op for op, *_ in step.graph.ops if op.__name__ == "host_call.default"]
+    assert len(hosted) == 2 * SPEC.n_layer  # submit and wait per layer, replayed each token
+    assert torch.equal(got, decode(model, dataclasses.replace(opts, graphs=False)))
+    cpu = load(model_path, threshold=0.0, exact_activations=True)
+    exact = RunOptions(threshold=0.0, numerics=cpu.options.numerics)
+    ref = decode(cpu.model, exact, dtype=torch.float32)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_a_hybrid_batch_pads_to_its_bucket(model_path):
+    llm, model = placed_hybrid(model_path, Accelerator("cpu"), SPEC.n_ff // 3)
+    caches = [model.new_cache(N_CTX) for _ in range(3)]
+    solo = [model.new_cache(N_CTX) for _ in range(3)]
+    for cs in (caches, solo):
+        for i, c in enumerate(cs):
+            model.forward(torch.tensor(PROMPT[: 3 + i]), c, llm.options)
+    got = model.decode_batch(torch.tensor([5, 6, 7]), caches, llm.options)
+    want = torch.cat([model.forward(torch.tensor([t]), c, llm.options)
+                      for t, c in zip([5, 6, 7], solo, strict=True)])  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert model.plans.get(model, llm.options, 3).device.cold.layers[0].task.T == 3
+
+
+def test_two_fake_cuda_hybrid_steps_trace_alike(model_path):
+    """Capture safety of a hybrid step: the same ops on the same memory in steps 2 and 3,
+    nothing on the host inside the step, two host functions and three copies (the input and
+    the mask out, the cold sum in) per layer, one wait per step."""
+    llm, model = placed_hybrid(model_path, FakeCuda(), SPEC.n_ff // 3)
+    accel = model.accel
+    cache = model.new_cache(N_CTX)
+    traces: list[StepTrace] = []
+    with FakeCudaOps():
+        model.forward(torch.tensor(PROMPT), cache, llm.options)
+        model.forward(torch.tensor([STEPS[0]]), cache, llm.options)
+        step = model.plans.get(model, llm.options, 1).device
+        body = step.body
+
+        def traced():
+            with StepTrace() as t:
+                body()
+            traces.append(t)
+
+        step.body = traced
+        for tok in STEPS[1:3]:
+            accel.reset_counts()
+            model.forward(torch.tensor([tok]), cache, llm.options)
+            n = SPEC.n_layer
+            assert (accel.n_in, accel.n_out, accel.waits) == (3 + n, 2 + 2 * n, 1)
+            assert accel.host_calls == 2 * n
+    assert traces[0].ops == traces[1].ops and traces[0].host_ops == []

@@ -7,7 +7,9 @@ model's graph against its eager step, a 7B Q4_0 model, and the fused kernels' ra
   replayed. The graph's rate is what a step of these bytes can reach here.
 - :func:`step_rates`: decode tok/s of a loaded model with its decode plan replayed as a graph and
   run eagerly (``RunOptions.graphs``), with the host milliseconds a step takes to queue its work
-  and to wait for its logits (``DeviceStep.host_s``, ``wait_s``).
+  and to wait for its logits (``DeviceStep.host_s``, ``wait_s``), and the CPU's busy share
+  (this process's CPU seconds over every core's wall seconds: the cold rows' worker, spinning
+  waits included).
 - :func:`write_q4_0`: a random 7B-shape PWRI model in Q4_0 (the output in Q8_0, the predictors
   F16), quantized on the device with ggml's reference rounding.
 - :func:`kernel_rates`: each fused op alone at the 7B shape's sizes: microseconds and GB/s.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -119,17 +122,20 @@ def step_rates(llm, prompt: list[int], n_tok: int, repeats: int, **opts) -> dict
     out: dict[str, Any] = {}
     for graphs, key in ((True, "graph"), (False, "eager")):
         options = dataclasses.replace(llm.options, graphs=graphs, **opts)
-        best, host = 0.0, {}
+        best, host, cpu_busy = 0.0, {}, 0.0
         for _ in range(repeats):
             cache = llm.model.new_cache(len(prompt) + n_tok + 4)
             sampler = make_sampler(SamplingParams(temperature=0))
             steps = generate_step(llm.model, prompt, sampler, cache, options)
             next(steps)  # the prompt and the first token
             next(steps)  # a warm step (the plan, its capture)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(n_tok):
                 next(steps)
-            best = max(best, n_tok / (time.perf_counter() - t0))
+            wall = time.perf_counter() - t0
+            if n_tok / wall > best:  # this process's CPU seconds over the cores' wall seconds
+                cpu_busy = (time.process_time() - c0) / (wall * (os.cpu_count() or 1))
+            best = max(best, n_tok / wall)
             plan = llm.model.plans.get(llm.model, options, 1)
             step = None if plan is None else plan.device
             host = {
@@ -139,7 +145,7 @@ def step_rates(llm, prompt: list[int], n_tok: int, repeats: int, **opts) -> dict
                 "host_ms": None if step is None else 1e3 * step.host_s,
                 "wait_ms": None if step is None else 1e3 * step.wait_s,
             }
-        out[key] = {"tok_s": best, "ms_per_token": 1e3 / best, **host}
+        out[key] = {"tok_s": best, "ms_per_token": 1e3 / best, "cpu_busy": cpu_busy, **host}
     return out
 
 

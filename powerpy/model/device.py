@@ -14,6 +14,8 @@ every host <-> device move, every device allocation and the overlap stream go th
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -233,6 +235,22 @@ class Accelerator:
         if event is not None:
             event.synchronize()
 
+    def host_func(self, fn: int, arg: int, dep: Tensor) -> None:
+        """Queue the C host function ``fn(arg)`` (``void (*)(void*)``) on the current stream,
+        after the work before it and before the work after it: CUDA's ``cudaLaunchHostFunc``
+        (a node of a graph being captured); on the emulated device the ``powerpy::host_call``
+        op, which the emulated graph replays in order. ``dep``: the buffer it reads or writes."""
+        if self.emulated:
+            from powerpy.model import host_tasks  # noqa: F401  (registers the op)
+
+            torch.ops.powerpy.host_call(dep, fn, arg)
+            return
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        err = _cudart().cudaLaunchHostFunc(ctypes.c_void_p(stream), ctypes.c_void_p(fn),
+                                           ctypes.c_void_p(arg))  # fmt: skip
+        if err:
+            raise RuntimeError(f"cudaLaunchHostFunc failed (cudaError {err})")
+
     # --- overlap
     @contextlib.contextmanager
     def side_stream(self, *inputs: Tensor | None) -> Iterator[None]:
@@ -295,6 +313,27 @@ class Accelerator:
         """The host waits for the copy through ``slot`` (and all the stream queued before)."""
         self.waits += 1
         slot[1].synchronize()
+
+
+_CUDART: list = []
+
+
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime library torch loaded (for ``cudaLaunchHostFunc``, which torch does not
+    wrap): the ``libcudart`` mapped into this process, else the one the linker finds."""
+    if not _CUDART:
+        torch.cuda.init()
+        path = None
+        with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+            path = next((ln.split()[-1] for ln in maps if "libcudart.so" in ln), None)
+        path = path or ctypes.util.find_library("cudart")
+        if path is None:
+            raise RuntimeError("no CUDA runtime library (libcudart) is loaded or installed")
+        lib = ctypes.CDLL(path)
+        lib.cudaLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.cudaLaunchHostFunc.restype = ctypes.c_int
+        _CUDART.append(lib)
+    return _CUDART[0]
 
 
 def move(accel: Accelerator | None, t: Tensor, device: torch.device) -> Tensor:

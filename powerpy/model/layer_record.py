@@ -127,11 +127,13 @@ def attention_part(blk, a: ModelArgs, l: int) -> Part | None:
     return p
 
 
-def ffn_part(blk, a: ModelArgs, opts: RunOptions) -> Part | None:
+def ffn_part(blk, a: ModelArgs, opts: RunOptions, *, cold: bool = False) -> Part | None:
     """The FFN block's half of a layer's record under ``opts`` (the predictor where it gates,
     the cut), or None when it does not apply: ``Block.native`` off, a matrix the kernels cannot
-    read, a norm off the host, hot rows (a hybrid placement), profiling or an oracle."""
-    if opts.observer is not None or opts.oracle is not None or blk.hot is not None:
+    read, a norm off the host, hot rows (a hybrid placement), profiling or an oracle. ``cold``:
+    the host rows of a hybrid layer, as its cold task reads them (``host_tasks``): the host
+    matrices and the cut, no predictor (the device's mask selects), hot rows or not."""
+    if opts.observer is not None or opts.oracle is not None or (blk.hot is not None and not cold):
         return None
     lib = kernels.library()
     if lib is None or not blk.native or blk.moe is not None or blk.ffn_up is None:
@@ -142,10 +144,11 @@ def ffn_part(blk, a: ModelArgs, opts: RunOptions) -> Part | None:
     if stored:
         p.flags |= F["down_stored"]
         down = down.inner
-    gated = blk.gates(opts) and not stored
+    gated = blk.gates(opts) and not stored and not cold
     tau = None if stored else blk.cut(opts)
     mats = (blk.fc1 if gated else None, blk.fc2 if gated else None, blk.ffn_gate, blk.ffn_up, down)
-    dense = (True, True, not gated, not gated, stored)  # row gathers and sums read rows
+    rows = gated or cold  # gate and up read as gathered rows (a cold task's selection too)
+    dense = (True, True, not rows, not rows, stored)  # row gathers and sums read rows
     pairs = enumerate(zip(mats, dense, strict=True))
     biases = [p.mat(S["ffn"] + 5 * i, w, d) for i, (w, d) in pairs]
     if any(b is False for b in biases) or any(b is not None for b in (*biases[:3], biases[4])):
@@ -162,7 +165,11 @@ def ffn_part(blk, a: ModelArgs, opts: RunOptions) -> Part | None:
         (S["post_norm"] + 1, blk.post_ffw_norm), (S["bias"] + 4, biases[3]),
         (S["bias"] + 5, blk.ffn_down_b), (S["tau"], tau),
     ]  # fmt: skip
-    if norm[0] is None or not all(p.vec(s, t) for s, t in vecs):
+    if cold:  # the task gets the normed input: no norm, bias or post norm of the block's
+        vecs = [(S["bias"] + 4, biases[3]), (S["tau"], tau)]
+    elif norm[0] is None:
+        return None
+    if not all(p.vec(s, t) for s, t in vecs):
         return None
     p.slots[S["variant"]] = kernels.VARIANTS[a.ffn_variant]
     return p

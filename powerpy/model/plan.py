@@ -6,8 +6,9 @@ plan is built, not asked again each token. A plan has up to two executors:
 - the **host executor**, ``stack_decode.StackPlan``: the layers the native block kernels run on
   the CPU, all of them in one call (a CPU-only model's whole step; a partial placement's layers
   from the first one after which everything is on the host);
-- the **device executor**, :class:`DeviceStep`, for a model whose every layer is fully placed
-  (attention, predictor, every FFN row, the KV pool and the output on the accelerator): the step
+- the **device executor**, :class:`DeviceStep`, for a model whose every layer's attention,
+  norms and predictor, the KV pool and the output are on the accelerator (a layer's FFN rows on
+  the host run as host tasks of the device's stream, ``host_tasks``): the step
   as one function of fixed buffers (the token's embedding row, each session's position and first
   pool row, the RoPE tables of every position, the logits and the sparsity counts), captured once
   as a graph (``graphs.StepGraph``) and replayed: one replay and one copy of the logits per token.
@@ -31,11 +32,12 @@ import torch
 from torch import Tensor
 
 from powerpy.families import Rope
-from powerpy.model import numerics, stack_decode
+from powerpy.model import kernels, numerics, stack_decode
 from powerpy.model.attention import layer_rotations
 from powerpy.model.cache import KVCache
 from powerpy.model.device import OnDevices
 from powerpy.model.graphs import CaptureError, StepGraph
+from powerpy.model.host_tasks import ColdTasks
 from powerpy.model.options import RunOptions
 from powerpy.model.step import Step
 
@@ -123,7 +125,8 @@ def _held(accel, *items) -> bool:
 
 def device_refusal(model) -> str | None:
     """Why ``model``'s decode step cannot be one device step, or None when it can: every
-    layer's attention, norms, predictor and FFN rows, the KV pool and the output placed."""
+    layer's attention, norms and predictor, the KV pool and the output placed (a layer's FFN
+    rows on the host run as host tasks of the stream: ``host_tasks``)."""
     accel, w = model.accel, model.weights
     if accel is None:
         return "no accelerator"
@@ -142,11 +145,16 @@ def device_refusal(model) -> str | None:
             return f"layer {l}'s attention is not all placed"
         if not _held(accel, blk.ffn_norm, blk.ffn_norm_b, blk.post_ffw_norm, blk.ffn_down_b):
             return f"layer {l}'s FFN norms are not placed"
-        if blk.hot is None or blk.hot.cold_idx.numel():
-            return f"layer {l} keeps FFN rows on the host"
+        if (blk.hot is None or blk.hot.cold_idx.numel()) and kernels.library() is None:
+            return f"layer {l} keeps FFN rows on the host, and the native kernels are off"
         if blk.fc1 is not None and not _held(accel, blk.fc1, blk.fc2):
             return f"layer {l}'s predictor stays on the host"
     return None
+
+
+def _hybrid(model) -> bool:
+    """Some layer keeps FFN rows on the host."""
+    return any(b.hot is None or b.hot.cold_idx.numel() for b in model.weights.blk)
 
 
 class DeviceStep:
@@ -166,6 +174,7 @@ class DeviceStep:
         self.pos = accel.zeros(batch, dtype=torch.int64)
         self.base = accel.zeros(batch, dtype=torch.int64)
         self.counts = DeviceCounts(accel, a.n_layer, batch) if opts.stats is not None else None
+        self.cold = ColdTasks(model, opts, batch) if _hybrid(model) else None
         kv = model.kv
         self.span = kv.max_ctx
         self.scratch = kv.scratch
@@ -207,7 +216,8 @@ class DeviceStep:
         if self.counts is not None:
             opts = dataclasses.replace(opts, stats=self.counts)
         with numerics.using(DEVICE_NUMERICS):
-            step = Step([self._pool_cache] * B, [1] * B, self.pos, self.base, self.tables)
+            step = Step([self._pool_cache] * B, [1] * B, self.pos, self.base, self.tables,
+                        self.cold)  # fmt: skip
             rots = [None] * m.args.n_layer
             if self.tables is not None and not accel.fused:  # RoPE by torch ops: rows of pos
                 rots = [OnDevices(accel, torch.view_as_complex(t.index_select(0, self.pos)))
@@ -233,6 +243,8 @@ class DeviceStep:
         self.base_in[:n].copy_(torch.tensor([c.base for c in step.caches]))
         self.pos_in[n:] = 0  # padding: the scratch row, position 0
         self.base_in[n:] = self.scratch
+        if self.cold is not None:
+            self.cold.set_tokens(n)
         if self.graph is None and self.reason is None and self._want_graph:
             self._capture()
         if self.graph is not None:
@@ -242,6 +254,8 @@ class DeviceStep:
         t1 = time.perf_counter()
         self.accel.wait(self.accel.record())
         self.host_s, self.wait_s = t1 - t0, time.perf_counter() - t1  # the last step's
+        if self.cold is not None:
+            self.cold.check()
         logits = self.out[:n].clone()
         if self.counts is not None and opts.stats is not None:
             self.counts.apply(opts.stats, n)

@@ -81,6 +81,7 @@ def ffn(
     accel: Accelerator | None,
     *,
     union: bool = False,
+    cold=None,
 ) -> Tensor:
     """The block's FFN: the predictor's mask, then :func:`split_ffn` (the torch path's one
     entry; a one-token step on the host takes the native block, :func:`fused_decode`).
@@ -97,6 +98,8 @@ def ffn(
         union: the T tokens are sessions' decode steps (``Model.decode_batch``'s "union"
             mode): a gated layer without hot rows or a cut reads the union of their active
             rows once, masked per token.
+        cold: a decode plan's cold tasks (``host_tasks.ColdTasks``): the layer's host rows
+            run as host functions of the device's stream, not after a host wait.
 
     Returns:
         (T, n_embd) f32 on x's device.
@@ -115,7 +118,7 @@ def ffn(
             opts.stats.record(l, act)
         return ffn_union(x, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant, act)
     if plain:
-        return split_ffn(blk, x, act, variant, accel, l=l, opts=opts)
+        return split_ffn(blk, x, act, variant, accel, l=l, opts=opts, cold=cold)
     # Profiling or an oracle: the true activation of every neuron, from the host matrices.
     x_host = move(accel, x, HOST)
     h = glu(gate_linear(blk.ffn_gate, x_host), blk.ffn_up.linear(x_host), variant)  # (T, n_ff)
@@ -139,10 +142,12 @@ def split_ffn(
     *,
     l: int = 0,
     opts: RunOptions = SPARSE,
+    cold=None,
 ) -> Tensor:
     """The FFN for a given mask: hot rows on the accelerator plus the predicted-active cold rows
     on the host (every row is cold when ``blk.hot`` is None), outputs added
-    (docs/architecture.md#split-and-merge).
+    (docs/architecture.md#split-and-merge). With ``cold`` (a plan's ``host_tasks.ColdTasks``
+    holding this layer) the host rows are a task the device's stream submits and waits for.
 
     Args:
         blk: the layer's weights (host FFN matrices and ``hot`` rows or None).
@@ -158,6 +163,19 @@ def split_ffn(
     hot: HotRows | None = blk.hot
     tau = blk.cut(opts)  # (n_ff,) on the host, or None
     y_hot = None
+    if cold is not None and l in cold.layers:  # a plan's step: host functions, no host wait
+        assert accel is not None
+        x_dev, act_dev = accel.move(x, accel.device), act
+        if act_dev is not None and opts.stats is not None:
+            opts.stats.record(l, act_dev)  # a hybrid counts the predicted rows
+        hot_tau = None if hot is None else scaled_cut(hot.tau, opts)
+
+        def hot_part():
+            return None if hot is None else _hot(hot, x_dev, act_dev, variant, accel.gather_hot,
+                                                 hot_tau)  # fmt: skip
+
+        with phase(opts.timer, "ffn_split"):
+            return move(accel, cold.run(l, x_dev, act_dev, hot_part), x.device)
     if hot is not None and hot.cold_idx.numel() == 0:  # every row hot: no host part, no wait
         assert accel is not None
         x_dev = accel.move(x, accel.device)

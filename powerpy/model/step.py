@@ -21,13 +21,15 @@ class Step:
     A decode step whose caches are ranges of one device pool (``cache.py``) is *pooled*: its
     attention reads each session's position and first pool row as data on the device (``pos``
     and ``base``, a plan's fixed buffers or sent by :meth:`rows`), and ``tables`` (set by a plan)
-    are each layer's RoPE of every position on the device."""
+    are each layer's RoPE of every position on the device, ``cold`` the tasks of the layers with
+    FFN rows on the host."""
 
     caches: list[KVCache]
     lengths: list[int]  # tokens of each segment, in order (sum: T)
     pos: Tensor | None = None  # (B,) int64 on the device: each session's position
     base: Tensor | None = None  # (B,) int64 on the device: each cache's first pool row
     tables: list[Tensor | None] | None = None  # per layer (positions, n_rot/2, 2) f32 (cos, sin)
+    cold: object | None = None  # a plan's host_tasks.ColdTasks: host rows as stream tasks
 
     def positions(self) -> Tensor:
         """(T,) int64: each token's position in its own cache."""

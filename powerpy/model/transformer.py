@@ -467,7 +467,7 @@ class Model:
         if blk.moe is not None:  # tokens are grouped by expert, whatever the mode
             return mixture(l, blk, xn, opts, acc)
         if len(step.lengths) == 1 or not opts.sparse or ffn_mode == "batch":
-            return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc)
+            return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc, cold=step.cold)
         if ffn_mode == "union":
             return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc, union=True)
         rows = [

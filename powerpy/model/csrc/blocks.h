@@ -228,6 +228,47 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
                        L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act, nthreads);
 }
 
+// Whether a record's FFN matrices fit together: a variant of its kind (gated or not), a gate of
+// up's rows and no up bias beside it, a down matrix of n_ff rows (or, stored, n_ff columns).
+static bool ffn_layout_ok(const Layer& L) {
+  const bool gated = L.gate.w != nullptr, stored = L.flags & LF_DOWN_STORED;
+  const int64_t n_ff = L.up.nrows;
+  const bool variant_ok = gated ? L.variant >= V_REGLU && L.variant <= V_GEGLU
+                                : L.variant == V_RELU || L.variant == V_GELU;
+  return variant_ok && !(gated && (L.gate.nrows != n_ff || L.bu)) &&
+         (stored ? L.down.cols == n_ff : L.down.nrows == n_ff);
+}
+
+// The rows sel (k of them; null: the first k) of one token's FFN: h_j = act(gate_j·x, up_j·x)
+// (gated), or act(up_j·x + bias_j) (ungated: RELU, GELU); with tau, a computed neuron with
+// |h_j| < tau[j] is dropped before its down row is read; y = sum_j h_j down_t[j] (or, with
+// LF_DOWN_STORED, a dense file's ffn_down (n_embd, n_ff) times h over every row). h: k floats
+// of scratch; kept: the rows added. The FFN block and a hybrid layer's cold task (host_tasks.h)
+// both run it. Returns a status.
+static int ffn_rows(const Layer& L, const float* x, const int64_t* sel, int64_t k, float* h,
+                    float* y, int act, int nthreads, int64_t* kept, double* ph = nullptr) {
+  const bool gated = L.gate.w != nullptr, stored = L.flags & LF_DOWN_STORED;
+  const Mat &up = L.up, &down = L.down;
+  int st = 0;
+  if (k && gated) st = mat_glu(L.gate, up, x, sel, k, L.variant, h, act, nthreads);
+  if (k && !gated) {
+    st = mat_gemv(up, x, sel, k, h, act, nthreads);
+    const uint16_t* gt = gelu_lut(act);
+    for (int64_t j = 0; j < k && !st; ++j) {
+      const float u = L.bu ? h[j] + L.bu[sel ? sel[j] : j] : h[j];
+      h[j] = L.variant == V_RELU ? (u > 0.0f ? u : 0.0f) : gelu(u, gt);
+    }
+  }
+  *kept = k;
+  if (st) return st;
+  const Lap lap(ph, PH_FFN_DOWN);
+  if (stored) return mat_gemv(down, h, nullptr, down.nrows, y, act, nthreads);
+  if (k) return mat_axpy(down, h, sel, k, y, nthreads, L.tau, L.tau ? kept : nullptr);
+  *kept = 0;
+  std::memset(y, 0, sizeof(float) * down.cols);
+  return 0;
+}
+
 // One token's FFN block: r the residual stream it adds to, xs its source (r in a sequential
 // block; in a parallel one the block's input, and r the attention's output alone). With a
 // predictor (fc1, fc2) the neurons j with fc2·relu(fc1·xs) >= thr, else all of them; xn = the
@@ -240,14 +281,10 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
 static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, const float* xs,
                          float* out, int act, int nthreads, double* ph = nullptr) {
   if (L.flags & LF_MOE) return moe_block(L, eps, r, out, act, nthreads);
-  const bool gated = L.gate.w != nullptr, stored = L.flags & LF_DOWN_STORED;
+  const bool stored = L.flags & LF_DOWN_STORED;
   const Mat &fc1 = L.fc1, &fc2 = L.fc2, &up = L.up, &down = L.down;
   const int64_t n_ff = up.nrows;
-  const bool bad_variant = gated ? L.variant < V_REGLU || L.variant > V_GEGLU
-                                 : L.variant != V_RELU && L.variant != V_GELU;
-  if (bad_variant || (gated && (L.gate.nrows != n_ff || L.bu)) || !L.ffn_w ||
-      (stored ? down.cols != n_ff || fc1.w || L.tau : down.nrows != n_ff))
-    return -PP_ERR_ARG;
+  if (!ffn_layout_ok(L) || !L.ffn_w || (stored && (fc1.w || L.tau))) return -PP_ERR_ARG;
   const int64_t H = fc1.w ? fc1.nrows : 0;
   const int64_t d = up.cols, nd = stored ? down.nrows : down.cols;
   float* buf =
@@ -270,27 +307,8 @@ static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, c
       if (logit[j] >= thr) idx[k++] = j;
     sel = idx;
   }
-  if (!st && k && gated) st = mat_glu(L.gate, up, x, sel, k, L.variant, h, act, nthreads);
-  if (!st && k && !gated) {
-    st = mat_gemv(up, x, sel, k, h, act, nthreads);
-    const uint16_t* gt = gelu_lut(act);
-    for (int64_t j = 0; j < k && !st; ++j) {
-      const float u = L.bu ? h[j] + L.bu[sel ? sel[j] : j] : h[j];
-      h[j] = L.variant == V_RELU ? (u > 0.0f ? u : 0.0f) : gelu(u, gt);
-    }
-  }
   int64_t kept = k;  // with a cut: the rows the down pass really adds
-  if (!st) {
-    const Lap lap(ph, PH_FFN_DOWN);
-    if (stored) {
-      st = mat_gemv(down, h, nullptr, down.nrows, y, act, nthreads);
-    } else if (k) {
-      st = mat_axpy(down, h, sel, k, y, nthreads, L.tau, L.tau ? &kept : nullptr);
-    } else {
-      kept = 0;
-      std::memset(y, 0, sizeof(float) * nd);
-    }
-  }
+  if (!st) st = ffn_rows(L, x, sel, k, h, y, act, nthreads, &kept, ph);
   if (!st) {
     add_bias(y, L.bd, nd);
     if (L.post_ffn) L.norm(y, L.post_ffn, nullptr, nd, eps, y);

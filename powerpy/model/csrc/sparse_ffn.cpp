@@ -152,6 +152,7 @@ static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k,
 
 #include "moe.h"  // mixtures of experts: the router in llama.cpp's order, the decode block
 #include "blocks.h"  // the decode blocks of every family's layout (MoE layers: moe.h's)
+#include "host_tasks.h"  // a hybrid layer's cold rows, run on a worker for a CUDA stream
 
 extern "C" {
 
