@@ -373,11 +373,14 @@ def load(
         dense: run without the predictors (the dense FFN) by default.
         weight_format: "auto", "f32" or "raw" (see ``loader.load_weights``).
         progress: show a progress bar while loading.
-        vram_budget: PWRI models: hybrid CPU-accelerator placement for this many GiB
-            (``powerpy.placement.runtime.place``; its summary is ``llm.runtime.summary()``). The
-            GPU index is reused or generated as in ``docs/architecture.md#index-lifecycle``.
+        vram_budget: PWRI models and mixtures of experts: hybrid CPU-accelerator placement
+            for this many GiB (``powerpy.placement.runtime.place``; its summary is
+            ``llm.runtime.summary()``). The GPU index is reused or generated as in
+            ``docs/architecture.md#index-lifecycle``.
         placement_options: further keywords of ``place`` (``reset_gpu_index``,
-            ``disable_gpu_index``, ``activation_dir``, ``capacity_mode``, ``kv_elem_bytes``).
+            ``disable_gpu_index``, ``activation_dir``, ``capacity_mode``, ``kv_elem_bytes``,
+            ``n_cpu_moe``: a mixture's experts placed as llama.cpp's ``--n-cpu-moe``, within
+            the free VRAM when ``vram_budget`` is None).
         device: the accelerator: "cuda[:N]", "cpu" (emulated) or None (CUDA when present,
             else CPU-only with ``llm.runtime`` None).
         n_ctx: positions the accelerator KV caches are reserved for (default
@@ -448,16 +451,17 @@ def load(
         graphs=cuda_graphs,
     )
     llm = LLM(model, tokenizer, gf, path, options=opts)
-    if vram_budget is not None:
+    if vram_budget is not None or placement_options.get("n_cpu_moe") is not None:
         from powerpy.placement.runtime import place
 
+        budget = -1.0 if vram_budget is None else vram_budget  # n_cpu_moe alone: the free VRAM
         act = placement_options.pop("activation_dir", None)
         links = contextlib.nullcontext(act)
         if layers is not None:  # the stage's own index, and its layers' statistics
             placement_options.setdefault("index_path", stage_index_path(path, layers))
             links = stage_activations(act or path.parent / "activation", layers)
         with links as act:
-            llm.runtime = place(model, gf, vram_budget, device=device, n_ctx=n_ctx,
+            llm.runtime = place(model, gf, budget, device=device, n_ctx=n_ctx,
                                 activation_dir=act, **placement_options)  # fmt: skip
         if llm.runtime is not None:
             llm.model = llm.runtime.model

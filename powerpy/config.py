@@ -9,10 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from powerpy.errors import ModelConfigError, shown
+from powerpy.errors import ModelConfigError
 from powerpy.families import SUPPORTED_ARCHS, Family, FFNVariant, Rope, family
 from powerpy.families.base import FAMILY_KEYS
 from powerpy.families.experts import check_experts, expert_args
+from powerpy.families.gguf_keys import model_kv
+from powerpy.families.rope_scaling import attn_factor, read_scaling
 from powerpy.families.values import float_list, layer_list, scalar, windowed_layers
 from powerpy.formats.constants import GGUFValueType, Keys, Names
 
@@ -36,7 +38,10 @@ _FIELD_KEYS = {
     "sliding_window": Keys.SLIDING_WINDOW, "rope_orig_ctx": Keys.ROPE_SCALING_ORIG_CTX,
     "rope_base_swa": Keys.ROPE_FREQ_BASE_SWA, "attn_scale": Keys.ATTENTION_SCALE,
     "attn_softcap": Keys.ATTN_SOFTCAP, "final_softcap": Keys.FINAL_SOFTCAP,
-    "n_rot": Keys.ROPE_DIMENSION_COUNT,
+    "n_rot": Keys.ROPE_DIMENSION_COUNT, "rope_ext_factor": Keys.ROPE_SCALING_YARN_EXT_FACTOR,
+    "rope_yarn_beta_fast": Keys.ROPE_SCALING_YARN_BETA_FAST,
+    "rope_yarn_beta_slow": Keys.ROPE_SCALING_YARN_BETA_SLOW,
+    "rope_yarn_log_mul": Keys.ROPE_SCALING_YARN_LOG_MUL,
 }  # fmt: skip
 
 
@@ -74,12 +79,33 @@ class ModelArgs:
     expert_norm: bool = True
     expert_scale: float = 0.0
     n_ff_shexp: int = 0  # the shared expert's FFN width (qwen2moe); 0: no shared expert
+    n_expert_shared: int = 0  # shared experts of n_ff_exp each (glm4moe, deepseek2)
+    expert_gating: str = "softmax"  # "softmax", "sigmoid", "softmax_weight" (families.GATINGS)
+    # expert groups: a token's experts come from its n_group_used best groups (0: no groups)
+    n_expert_groups: int = 0
+    n_group_used: int = 0
+    n_layer_dense: int = 0  # the first layers' FFN is dense (leading_dense_block_count)
+    n_layer_nextn: int = 0  # NextN layers after the n_layer the model runs (loaded, not run)
     key_length: int = 0  # head size, when the file sets it (gemma); 0: n_embd / n_head
     sliding_window: int = 0  # a query at p sees keys at p - window + 1 .. p; 0: all
     swa_layers: tuple[int, ...] = ()  # the layers that use the window (the family's pattern)
     rope_base_swa: float = 0.0  # the windowed layers' RoPE base (gemma3); 0: rope_base
     rope_scale_swa: float = 0.0  # … and their linear scaling (gemma3: 1); 0: rope_scale
     rope_scale: float = 1.0  # linear RoPE scaling: position p turns as p / rope_scale
+    # YaRN (families/rope_scaling.py): the ramp's extrapolation mix (0: no YaRN), its corner
+    # dims' betas, DeepSeek-2's log multiplier of the attention's magnitude
+    rope_ext_factor: float = 0.0
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
+    rope_yarn_log_mul: float = 0.0
+    # DeepSeek-2's latent attention (families/deepseek.py, model/mla.py): q's low rank (0: a
+    # plain attn_q), the latent each cache row holds (with the n_rot RoPE dims), a head's q·k
+    # and value widths; kv_b: the file's attn_kv_b (not split into attn_k_b and attn_v_b)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    key_length_mla: int = 0
+    value_length_mla: int = 0
+    kv_b: bool = False
     rope_attn_factor: float = 1.0  # scales cos and sin (phi3's long-context factor)
     rope_orig_ctx: int = 0  # the context the short RoPE factors are for (phi3)
     attn_scale: float = 0.0  # the q·k scale; 0: 1 / sqrt(head size)
@@ -95,6 +121,38 @@ class ModelArgs:
     def moe(self) -> bool:
         """The FFN is a mixture of experts (``n_expert`` > 0)."""
         return self.n_expert > 0
+
+    def layer_moe(self, l: int) -> bool:
+        """Whether layer l's FFN is a mixture of experts (the leading dense layers' is not)."""
+        return self.moe and l >= self.n_layer_dense
+
+    @property
+    def rope_mscale(self) -> float:
+        """What ggml's RoPE multiplies cos and sin by: llama.cpp's ``yarn_attn_factor``."""
+        return attn_factor(self)
+
+    @property
+    def qk_nope(self) -> int:
+        """MLA: the dims of a q·k head that RoPE does not turn."""
+        return self.key_length_mla - self.n_rot
+
+    @property
+    def n_embd_mla_q(self) -> int:
+        return self.n_head * self.key_length_mla
+
+    @property
+    def n_embd_mla_v(self) -> int:
+        return self.n_head * self.value_length_mla
+
+    @property
+    def kv_a_rows(self) -> int:
+        """MLA: rows of ``attn_kv_a_mqa``, the latent then the shared RoPE dims."""
+        return self.kv_lora_rank + self.n_rot
+
+    @property
+    def n_embd_kv_b(self) -> int:
+        """MLA: rows of a fused ``attn_kv_b``: per head its q·k rows, then its value rows."""
+        return self.n_head * (self.qk_nope + self.value_length_mla)
 
     @property
     def ffn_neurons(self) -> int:
@@ -171,7 +229,7 @@ class ModelArgs:
             if key in FAMILY_KEYS and key not in fam.reads:
                 return default
             if name not in kv:
-                default = defaults.get(key, default)
+                default = None if key in fam.requires else defaults.get(key, default)
                 if default is None:
                     raise ModelConfigError(f"{source}: required key {name!r} is missing")
                 return default
@@ -197,29 +255,23 @@ class ModelArgs:
         if (sparse or n_expert) and Keys.FFN_DOWN_THRESHOLD in kv:
             cuts = float_list(kv[Keys.FFN_DOWN_THRESHOLD], Keys.FFN_DOWN_THRESHOLD, source)
         variant = fam.ffn_variant(kv, sparse, source)
-        n_layer = get(Keys.BLOCK_COUNT)
-        if not 0 < n_layer <= MAX_LAYERS:
+        n_blocks, nextn = get(Keys.BLOCK_COUNT), get(Keys.NEXTN_PREDICT_LAYERS, 0)
+        n_layer = n_blocks - nextn  # llama.cpp loads the NextN layers and does not run them
+        if not 0 < n_layer <= MAX_LAYERS or nextn < 0:
             raise ModelConfigError(
-                f"{source}: {Keys.BLOCK_COUNT.format(arch=arch)} is {n_layer}, it must be "
-                f"between 1 and {MAX_LAYERS}; the file's keys are corrupt: re-convert the model"
+                f"{source}: {Keys.BLOCK_COUNT.format(arch=arch)} is {n_blocks} with {nextn} "
+                f"NextN layers; it must run between 1 and {MAX_LAYERS}: the file's keys are "
+                "corrupt: re-convert the model"
             )
         key_length = get(Keys.KEY_LENGTH, 0)
         head_dim = key_length or (n_embd // n_head if n_head > 0 else 0)
-        if get(Keys.VALUE_LENGTH, head_dim) != head_dim:
+        if get(Keys.VALUE_LENGTH, head_dim) != head_dim and fam.attention != "mla":
             raise ModelConfigError(
                 f"{source}: {Keys.VALUE_LENGTH.format(arch=arch)} differs from the key length "
                 f"{head_dim}; powerpy runs heads whose keys and values have one size"
             )
         window = get(Keys.SLIDING_WINDOW, 0)
-        # llama.cpp: no type is "linear", a factor of 0 is none
-        scaling = kv.get(Keys.ROPE_SCALING_TYPE.format(arch=arch), "linear")
-        if not isinstance(scaling, str) or scaling not in ("none", "linear"):
-            raise ModelConfigError(
-                f"{source}: {Keys.ROPE_SCALING_TYPE.format(arch=arch)} is {shown(scaling)}; "
-                'powerpy runs "none" and "linear" RoPE scaling'
-            )
-        factor = get(Keys.ROPE_SCALING_FACTOR, 0.0, float) if scaling == "linear" else 0.0
-        extra = {} if fam.extra_args is None else fam.extra_args(get, n_layer)
+        extra = {} if fam.extra_args is None else fam.extra_args(get, n_layer, source)
         swa_layers: tuple[int, ...] = ()
         if window and fam.swa_pattern is not None:
             swa_layers = windowed_layers(kv, fam, n_layer, source)
@@ -244,12 +296,13 @@ class ModelArgs:
             sliding_window=window,
             swa_layers=swa_layers,
             rope_base_swa=get(Keys.ROPE_FREQ_BASE_SWA, 0.0, float),
-            rope_scale=factor or 1.0,
+            **read_scaling(kv, get, arch, source),
             rope_attn_factor=get(Keys.ROPE_SCALING_ATTN_FACTOR, 1.0, float),
             rope_orig_ctx=get(Keys.ROPE_SCALING_ORIG_CTX, 0),
             attn_scale=get(Keys.ATTENTION_SCALE, 0.0, float),
             attn_softcap=get(Keys.ATTN_SOFTCAP, 0.0, float),
             final_softcap=get(Keys.FINAL_SOFTCAP, 0.0, float),
+            n_layer_nextn=nextn,
             **moe,
         )
         if extra:
@@ -292,67 +345,7 @@ class ModelArgs:
             name: ``general.name``, or None to leave it out.
             vocab_size: write ``{arch}.vocab_size`` (else readers count the token list).
         """
-        u32, f32, a = GGUFValueType.UINT32, GGUFValueType.FLOAT32, self.arch
-        kv: dict = {Keys.ARCHITECTURE: (a, GGUFValueType.STRING)}
-        if name is not None:
-            kv[Keys.NAME] = (name, GGUFValueType.STRING)
-        kv.update({
-            Keys.CONTEXT_LENGTH.format(arch=a): (self.n_ctx_train, u32),
-            Keys.EMBEDDING_LENGTH.format(arch=a): (self.n_embd, u32),
-            Keys.BLOCK_COUNT.format(arch=a): (self.n_layer, u32),
-            Keys.FEED_FORWARD_LENGTH.format(arch=a): (self.n_ff, u32),
-            Keys.ROPE_DIMENSION_COUNT.format(arch=a): (self.n_rot, u32),
-            Keys.ROPE_FREQ_BASE.format(arch=a): (self.rope_base, f32),
-            Keys.HEAD_COUNT.format(arch=a): (self.n_head, u32),
-            Keys.HEAD_COUNT_KV.format(arch=a): (self.n_head_kv, u32),
-            self.family.norm.eps_key.format(arch=a): (self.norm_eps, f32),
-        })  # fmt: skip
-        if vocab_size:
-            kv[Keys.VOCAB_SIZE.format(arch=a)] = (self.n_vocab, u32)
-        optional = (  # written when set: (key, value, unset value, type)
-            (Keys.KEY_LENGTH, self.key_length, 0, u32),
-            (Keys.VALUE_LENGTH, self.key_length, 0, u32),
-            (Keys.SLIDING_WINDOW, self.sliding_window, 0, u32),
-            (Keys.ROPE_FREQ_BASE_SWA, self.rope_base_swa, 0.0, f32),
-            (Keys.ROPE_SCALING_FACTOR, self.rope_scale, 1.0, f32),
-            (Keys.ROPE_SCALING_ATTN_FACTOR, self.rope_attn_factor, 1.0, f32),
-            (Keys.ROPE_SCALING_ORIG_CTX, self.rope_orig_ctx, 0, u32),
-            (Keys.ATTENTION_SCALE, self.attn_scale, 0.0, f32),
-            (Keys.ATTN_SOFTCAP, self.attn_softcap, 0.0, f32),
-            (Keys.FINAL_SOFTCAP, self.final_softcap, 0.0, f32),
-        )
-        for key, value, unset, kind in optional:
-            if value != unset:
-                kv[key.format(arch=a)] = (value, kind)
-        fam = self.family
-        if self.sliding_window and fam.swa_pattern is not None:
-            if self.swa_layers != windowed_layers({}, fam, self.n_layer, "model"):
-                flags = [l in self.swa_layers for l in range(self.n_layer)]
-                key = Keys.SLIDING_WINDOW_PATTERN.format(arch=a)
-                kv[key] = (flags, GGUFValueType.ARRAY, GGUFValueType.BOOL)
-        if self.rope_scale != 1.0:
-            kv[Keys.ROPE_SCALING_TYPE.format(arch=a)] = ("linear", GGUFValueType.STRING)
-        if self.sparse and self.sparse_threshold != 0.0:
-            kv[Keys.SPARSE_THRESHOLD] = (self.sparse_threshold, f32)
-        if self.sparse and self.ffn_variant in (FFNVariant.SWIGLU, FFNVariant.GELU):
-            kv[Keys.SPARSE_ACTIVATION] = (self.ffn_variant.activation, GGUFValueType.STRING)
-        if self.sparse and self.dense_layers:
-            kv[Keys.DENSE_LAYERS] = (list(self.dense_layers), GGUFValueType.ARRAY, u32)
-        if self.moe:
-            kv[Keys.EXPERT_COUNT.format(arch=a)] = (self.n_expert, u32)
-            kv[Keys.EXPERT_USED_COUNT.format(arch=a)] = (self.n_expert_used, u32)
-            if self.family.expert_ff_key is not None:
-                kv[self.family.expert_ff_key.format(arch=a)] = (self.n_ff_exp, u32)
-            if self.expert_norm != dict(fam.key_defaults).get(Keys.EXPERT_WEIGHTS_NORM, True):
-                kv[Keys.EXPERT_WEIGHTS_NORM.format(arch=a)] = (self.expert_norm, GGUFValueType.BOOL)
-            if self.expert_scale != 0.0:
-                kv[Keys.EXPERT_WEIGHTS_SCALE.format(arch=a)] = (self.expert_scale, f32)
-            if self.n_ff_shexp:
-                key = Keys.EXPERT_SHARED_FEED_FORWARD_LENGTH.format(arch=a)
-                kv[key] = (self.n_ff_shexp, u32)
-        if (self.sparse or self.moe) and any(self.down_thresholds):
-            kv[Keys.FFN_DOWN_THRESHOLD] = (list(self.down_thresholds), GGUFValueType.ARRAY, f32)
-        return kv
+        return model_kv(self, name=name, vocab_size=vocab_size)
 
     def validate(self, source: str = "model", *, n_tokens: int | None = None) -> None:
         """Check counts, divisibility and ranges once, where the arguments are built.
@@ -382,14 +375,16 @@ class ModelArgs:
                 f"{source}: {named('n_rot')} is {self.n_rot}, which does not fit head "
                 f"{self.head_dim} (it must be even and between 2 and the head size)"
             )
-        for field in ("rope_base", "norm_eps", "rope_scale", "rope_attn_factor"):
+        for field in ("rope_base", "norm_eps", "rope_scale", "rope_attn_factor",
+                      "rope_yarn_beta_fast", "rope_yarn_beta_slow"):  # fmt: skip
             v = getattr(self, field)
             if not (math.isfinite(v) and v > 0):
                 raise ModelConfigError(
                     f"{source}: {named(field)} is {v}, it must be a finite number > 0"
                 )
         unset_zero = ("key_length", "sliding_window", "rope_orig_ctx", "rope_base_swa",
-                      "rope_scale_swa", "attn_scale", "attn_softcap", "final_softcap")  # fmt: skip
+                      "rope_scale_swa", "attn_scale", "attn_softcap", "final_softcap",
+                      "rope_ext_factor", "rope_yarn_log_mul")  # fmt: skip
         for field in unset_zero:
             v = getattr(self, field)
             if not (math.isfinite(v) and 0 <= v < 2**31):

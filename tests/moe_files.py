@@ -58,12 +58,14 @@ def write_gguf_py(
     *,
     seed: int = 0,
     router: GGMLType = GGMLType.F32,
+    experts: GGMLType | None = None,
     extra_kv: dict | None = None,
     tensors: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """A dense GGUF of ``spec`` (its family's experts when ``spec.n_expert``) through gguf-py's
-    ``GGUFWriter``: matrices in ``dtype``, the router in ``router``, vectors F32. Returns the f32
-    tensors written (before encoding)."""
+    ``GGUFWriter``: matrices in ``dtype``, the experts' stacks in ``experts`` (None: ``dtype``;
+    MXFP4 as GPT-OSS ships them), the router in ``router``, vectors and biases F32. Returns the
+    f32 tensors written (before encoding)."""
     t = tiny_tensors(spec, sparse=False, seed=seed) if tensors is None else tensors
     args = spec_args(spec, sparse=False)
     w = gguf.GGUFWriter(str(path), args.arch)
@@ -86,10 +88,31 @@ def write_gguf_py(
         w.add_key_value(key, value, gguf.GGUFValueType(int(vtype)), sub_t)
     for name, a in t.items():
         kind = router if name.endswith(Names.FFN_GATE_INP[7:]) else dtype
-        data, raw = encode(a, kind if a.ndim >= 2 else GGMLType.F32)
+        if a.ndim == 3 and experts is not None:
+            kind = experts
+        data, raw = encode(a, kind if a.ndim >= 2 and name.endswith(".weight") else GGMLType.F32)
         w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return t
+
+
+def refused(tmp_path, spec: TinySpec, err, match: str, *, drop=(), edit=None, extra_kv=None,
+            seed: int = 1) -> None:  # fmt: skip
+    """An F32 file of ``spec`` less the tensors ``drop``, edited by ``edit`` (its f32 tensors)
+    and with ``extra_kv``, whose load raises ``err`` matching ``match``."""
+    import pytest
+
+    from powerpy.api import load
+
+    t = tiny_tensors(spec, sparse=False, seed=seed)
+    for name in drop:
+        del t[name]
+    if edit is not None:
+        edit(t)
+    path = Path(tmp_path) / "bad.gguf"
+    write_gguf_py(path, spec, GGMLType.F32, tensors=t, extra_kv=extra_kv)
+    with pytest.raises(err, match=match):
+        load(path)

@@ -24,6 +24,7 @@ F16_FIELDS = {
     GGMLType.Q4_K: [0, 2],
     GGMLType.Q5_K: [0, 2],
     GGMLType.Q6_K: [208],
+    GGMLType.MXFP4: [],  # an E8M0 scale byte (random_blocks keeps it moderate)
 }
 # ggml's vec_dot_type of each weight type
 ACT_KIND = {
@@ -35,16 +36,20 @@ ACT_KIND = {
     GGMLType.Q4_K: "q8_k",
     GGMLType.Q5_K: "q8_k",
     GGMLType.Q6_K: "q8_k",
+    GGMLType.MXFP4: "q8_0",
 }
 
 
 def random_blocks(rng: np.random.Generator, t: GGMLType, rows: int, blocks_per_row: int):
-    """Random block bytes (rows, row_bytes) whose fp16 scales are finite."""
+    """Random block bytes (rows, row_bytes) whose scales are finite (fp16 ones; MXFP4's
+    moderate)."""
     size = TYPE_TRAITS[t].type_size
     raw = rng.integers(0, 256, size=(rows, blocks_per_row, size), dtype=np.uint8)
     for at in F16_FIELDS[t]:
         scales = (rng.standard_normal(raw.shape[:2]) * 0.05).astype("<f2")
         raw[..., at : at + 2] = scales.view(np.uint8).reshape(rows, blocks_per_row, 2)
+    if t is GGMLType.MXFP4:  # scales 2^-20 .. 2^8
+        raw[..., 0] = rng.integers(108, 137, size=raw.shape[:2], dtype=np.uint8)
     return raw.reshape(rows, blocks_per_row * size)
 
 

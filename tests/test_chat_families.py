@@ -14,6 +14,7 @@ of the generation prompt) -> "O" -> "K" -> end of turn.
 
 from __future__ import annotations
 
+import datetime
 import io
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,6 +91,22 @@ PHI3 = (  # Phi-3-mini-instruct's
     "\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}{% if add_generation_prompt "
     "%}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
+HARMONY = (  # GPT-OSS's harmony format, as its GGUFs' template renders a plain conversation
+    '{{- "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.'
+    '\\nKnowledge cutoff: 2024-06\\nCurrent date: " + strftime_now("%Y-%m-%d") + "\\n\\n" }}\n'
+    "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}\n"
+    '{{- "Reasoning: " + reasoning_effort + "\\n\\n# Valid channels: analysis, commentary, final.'
+    ' Channel must be included for every message.<|end|>" }}\n'
+    '{%- if messages[0].role == "developer" or messages[0].role == "system" %}\n'
+    '    {{- "<|start|>developer<|message|># Instructions\\n\\n" + messages[0].content + '
+    '"\\n\\n<|end|>" }}\n    {%- set loop_messages = messages[1:] %}\n'
+    "{%- else %}\n    {%- set loop_messages = messages %}\n{%- endif %}\n"
+    "{%- for message in loop_messages -%}\n    {%- if message.role == 'assistant' -%}\n"
+    '        {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}'
+    "\n    {%- elif message.role == 'user' -%}\n"
+    '        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}\n    {%- endif -%}\n'
+    "{%- endfor -%}\n{%- if add_generation_prompt -%}\n<|start|>assistant\n{%- endif -%}"
+)
 SPM_BYTES = [f"<0x{b:02X}>" for b in range(256)]
 
 
@@ -107,6 +124,8 @@ class ChatFamily:
     name: str = "tiny"
     bpe: bool = False
     extra: dict = field(default_factory=dict)  # more tokenizer keys: {key: (value, type)}
+    spec: dict = field(default_factory=dict)  # the model's shape beyond the dense default
+    builtin: bool = True  # llama.cpp's built-in rendering of the family is the template's
 
     def vocab_kv(self) -> dict:
         s, u32 = GGUFValueType.STRING, GGUFValueType.UINT32
@@ -155,6 +174,15 @@ FAMILIES = {
                        "<|system|>", "<|user|>"),
         eos="<|endoftext|>", eot="<|end|>", bos="<s>", name="Phi-3-mini-tiny",
     ),
+    # harmony: the turn ends at <|return|> (or <|call|>); <|end|> closes a message, not the
+    # generation; llama.cpp's built-in rendering writes no system header
+    "gpt-oss": ChatFamily(
+        "gpt-oss", HARMONY, ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
+                             "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>"),
+        eos="<|endoftext|>", eot="<|return|>", bpe=True, builtin=False,
+        extra={Keys.TOKENIZER_PRE: ("gpt-4o", GGUFValueType.STRING)},
+        spec=dict(n_expert=4, n_expert_used=2, n_ff_exp=32, sliding_window=16, n_ctx=1024),
+    ),
 }  # fmt: skip
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -171,6 +199,12 @@ WANT = {  # the prompt of CONVERSATION, as each family's model sees it
     "<start_of_turn>model\n",
     "phi3": "<|system|>\nBe brief.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\nHello!<|end|>"
     "\n<|user|>\nCapital of France?<|end|>\n<|assistant|>\n",
+    "gpt-oss": "<|start|>system<|message|>You are ChatGPT, a large language model trained by "
+    "OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: {date}\n\nReasoning: medium\n\n# Valid "
+    "channels: analysis, commentary, final. Channel must be included for every message.<|end|>"
+    "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|><|start|>user<|message|>"
+    "Hi there<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|end|><|start|>user"
+    "<|message|>Capital of France?<|end|><|start|>assistant",
 }
 
 
@@ -178,7 +212,8 @@ def write_chat_model(path: Path, fam: ChatFamily, seed: int = 0) -> Path:
     """A dense tiny model of ``fam`` whose greedy reply to any chat prompt is "OK", then the
     family's end-of-turn token (module docstring)."""
     rng = np.random.default_rng(seed)
-    spec = TinySpec(arch=fam.arch, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, tied=True)
+    spec = TinySpec(arch=fam.arch, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, tied=True,
+                    **fam.spec)  # fmt: skip
     vocab = fam.vocab_kv()
     tok = Tokenizer.from_gguf_kv({k: v[0] for k, v in vocab.items()})
     start = encode_chat(tok, CONVERSATION[1:2], tokenize=True)[-1]  # the prompt's last token
@@ -188,7 +223,7 @@ def write_chat_model(path: Path, fam: ChatFamily, seed: int = 0) -> Path:
     n_vocab, d = tok.vocab_size, spec.n_embd
     tensors = {}
     for name, a in tiny_tensors(spec, sparse=False, seed=seed).items():
-        tensors[name] = a * 0.02 if a.ndim == 2 else a  # small layers: x stays ~ its embedding
+        tensors[name] = a * 0.02 if a.ndim >= 2 else a  # small layers: x stays ~ its embedding
     emb = rng.standard_normal((n_vocab, d)).astype(np.float32)
     out = 0.1 * rng.standard_normal((n_vocab, d)).astype(np.float32)
     for a, b in zip(chain, chain[1:], strict=False):
@@ -210,9 +245,10 @@ def test_the_template_renders_as_llama_cpp_renders_the_family(family_model, llam
     name, fam, path = family_model
     llm = powerpy.load(path)
     text = llm.apply_chat_template(CONVERSATION)
-    assert text == WANT[name]
+    assert text == WANT[name].replace("{date}", datetime.date.today().strftime("%Y-%m-%d"))
     bos = fam.bos if "bos_token" in fam.template else ""  # llama.cpp's built-ins write no BOS
-    assert text == bos + llama_cpp_chat(llama_cpp, fam.template, CONVERSATION, True)
+    if fam.builtin:
+        assert text == bos + llama_cpp_chat(llama_cpp, fam.template, CONVERSATION, True)
     ref = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     try:
         want = ref.tokenize(text.encode(), add_bos=False, special=True)

@@ -122,7 +122,7 @@ WINDOWED_MESSAGES = {
     "gemma2_pattern_string": ("'gemma2.attention.sliding_window_pattern'", "'2' (str)"),
     "gemma3_q_norm_size": ("tensor 'blk.0.attn_q_norm.weight' has shape (32,)", "(16,)"),
     "gemma3_key_length_mismatch": ("gemma3.attention.value_length", "key length 16"),
-    "gemma3_rope_yarn": ("gemma3.rope.scaling.type", "'yarn'"),
+    "gemma3_rope_longrope": ("gemma3.rope.scaling.type", "'longrope'"),
 }
 
 
@@ -139,6 +139,22 @@ MOE_MESSAGES = {
     "moe_shared_width_zero": ("qwen2moe.expert_shared_feed_forward_length is 0", "must be > 0"),
     "moe_shared_down_missing": ("'blk.1.ffn_down_shexp.weight' is missing",
                                 "(n_embd, n_ff_shexp) = (32, 48)"),
+    # glm4moe (powerpy.testing.fuzz.routing): the gating, groups, selection bias, dense layers
+    "moe_gating_unknown": ("glm4moe.expert_gating_func is 4",),
+    "moe_groups_uneven": ("glm4moe.expert_group_count 3", "do not fit glm4moe.expert_count (4)"),
+    "moe_probs_bias_missing": ("'blk.2.exp_probs_b.bias' is missing", "(n_expert) = (4,)"),
+    "moe_dense_lead_over_layers": ("glm4moe.leading_dense_block_count is 5",),
+    # deepseek2 (powerpy.testing.fuzz.latent): the latent attention's tensors and widths
+    "mla_k_b_missing": ("'blk.1.attn_k_b.weight' is missing", "needs attn_q_a"),
+    "mla_kv_lora_rank_zero": ("deepseek2.attention.kv_lora_rank is 0",),
+    "mla_key_length_too_small": ("deepseek2.attention.key_length_mla is 8",),
+    # gpt-oss (powerpy.testing.fuzz.oss): sinks, expert biases, the window's keys
+    "oss_sinks_missing": ("'blk.0.attn_sinks.weight' is missing", "(n_head) = (4,)"),
+    "oss_sinks_cut": ("'blk.1.attn_sinks.weight' has shape (3,)", "(n_head) = (4,)"),
+    "oss_expert_bias_missing": ("'blk.1.ffn_up_exps.bias' is missing",),
+    "oss_window_missing": ("required key 'gpt-oss.attention.sliding_window' is missing",),
+    "oss_window_pattern_odd": ("'gpt-oss.attention.sliding_window_pattern' must be one integer",),
+    "oss_sinks_in_qwen3moe": ("'blk.0.attn_sinks.weight' is not part of a qwen3moe model",),
 }  # fmt: skip
 
 

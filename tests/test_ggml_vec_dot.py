@@ -6,6 +6,7 @@ ships:
   bits in powerpy's GEMV, GLU and prompt GEMM as in ggml (super-block kernels in ggml's order,
   ``csrc/k_quants_avx2.h``, on AVX2 builds). From 8 tokens on, ggml's ``ggml_mul_mat`` takes
   its tiled K-quant GEMM, whose float steps powerpy's prompt GEMM takes from 8 tokens on too.
+- MXFP4 (GPT-OSS's experts) times Q8_0 activations, in ggml's AVX2 order.
 - LayerNorm's normalisation (``ggml_norm``), row by row.
 - f32 matrices (a MoE router, a shared expert's gate): ``ggml_mul_mat`` in a one-op graph, which
   takes tinyBLAS for some shapes and ``ggml_vec_dot_f32`` for others (one token, fewer than 4
@@ -104,6 +105,51 @@ def test_k_quant_dots_equal_ggmls(ggml, qtype):
         h = lib.glu(gate, up, torch.from_numpy(x), torch.arange(half), FFNVariant.REGLU).numpy()
         expect = np.maximum(want[:half], 0) * want[half:]
         assert h.tobytes() == expect.astype(np.float32).tobytes()
+
+
+@pytest.mark.parametrize("cols", [1024, 1440])  # an even and an odd number of blocks
+def test_mxfp4_dots_equal_ggmls(ggml, cols):
+    """MXFP4 rows (GPT-OSS's experts) that ggml's quantizer made, times activations ggml rounded
+    to Q8_0: the same bits in powerpy's GEMV, row gather, GLU and prompt GEMM as ggml's
+    ``ggml_vec_dot_mxfp4_q8_0`` (csrc/mxfp4.h sums in its order)."""
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("needs the native kernels")
+    rng = np.random.default_rng(cols)
+    rows, t = 24, GGMLType.MXFP4
+    rb = cols // 32 * TYPE_TRAITS[t].type_size
+    traits = ggml.ggml_get_type_traits_cpu(int(t)).contents
+    act = ggml.ggml_get_type_traits_cpu(traits.vec_dot_type).contents
+    assert traits.vec_dot_type == int(GGMLType.Q8_0)
+    w = np.stack([_quantize(traits, (rng.standard_normal(cols) * 0.05).astype(np.float32), rb)
+                  for _ in range(rows)])  # fmt: skip
+    raw = torch.from_numpy(w)
+    m = Matrix.of_quant(raw, t, cols)
+
+    def ggml_dots(x: np.ndarray) -> np.ndarray:
+        xq = _quantize(act, x, cols // 32 * 34)
+        out = np.zeros(rows, np.float32)
+        for r in range(rows):
+            s = ctypes.c_float()
+            VEC_DOT(traits.vec_dot)(cols, ctypes.byref(s), 0, w[r].ctypes.data, 0,
+                                    xq.ctypes.data, 0, 1)  # fmt: skip
+            out[r] = s.value
+        return out
+
+    for scale in (0.01, 1.0, 30.0):
+        x = (rng.standard_normal(cols) * scale).astype(np.float32)
+        want = ggml_dots(x)
+        assert lib.gather_gemv(m, torch.from_numpy(x), None).numpy().tobytes() == want.tobytes()
+        idx = torch.tensor([5, 0, 23, 5])
+        got = lib.gather_gemv(m, torch.from_numpy(x), idx).numpy()
+        assert got.tobytes() == want[idx.numpy()].tobytes()
+        xs = np.stack([x * (1 + 0.1 * k) for k in range(7)])
+        want_t = np.stack([ggml_dots(xk) for xk in xs])
+        assert lib.gemm(m, torch.from_numpy(xs)).numpy().tobytes() == want_t.tobytes()
+        half = rows // 2
+        gate, up = Matrix.of_quant(raw[:half], t, cols), Matrix.of_quant(raw[half:], t, cols)
+        h = lib.glu(gate, up, torch.from_numpy(x), torch.arange(half), FFNVariant.REGLU).numpy()
+        assert h.tobytes() == (np.maximum(want[:half], 0) * want[half:]).tobytes()
 
 
 class _InitParams(ctypes.Structure):  # ggml.h: struct ggml_init_params

@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.skipif(not gpu_kernels.available(), reason="needs triton"),
 ]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TYPES = [GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1]
+TYPES = [GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.MXFP4]
 
 
 def _matrix(t: GGMLType, rows: int, cols: int, seed: int = 0):
@@ -82,6 +82,20 @@ def test_linear_and_rows_sum_equal_the_decoded_blocks(t, impl):
         h[:, ::3] = 0  # rows whose weight is 0 are skipped
         got = _rows_sum(fw, *_on(h), impl=impl).cpu().double()
         torch.testing.assert_close(got, h.double() @ ref, atol=2e-5, rtol=1e-5)
+
+
+def test_mxfp4_blocks_of_every_code_and_subnormal_scales():
+    """MXFP4 rows of random bytes (every code), exponents from 0 (ggml's subnormal scales) to
+    2^12: the values gguf.quants decodes."""
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (19, 3, 17), dtype=np.uint8)
+    raw[..., 0] = rng.integers(0, 140, (19, 3), dtype=np.uint8)
+    raw[0, :, 0] = [0, 1, 2]
+    ref = gguf.quants.dequantize(raw.reshape(19, -1), gguf.GGMLQuantizationType.MXFP4)
+    fw = FusedWeight(torch.from_numpy(raw.reshape(19, -1)).to(DEV), GGMLType.MXFP4, 96)
+    x = torch.randn(2, 96)
+    want = x.double() @ torch.from_numpy(ref.astype(np.float64)).t()
+    torch.testing.assert_close(fw.linear(*_on(x)).cpu().double(), want, atol=1e-3, rtol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 3])

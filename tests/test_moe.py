@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from fake_cuda import FakeCuda, run_prefill_and_decode
-from moe_files import write_gguf_py
+from moe_files import refused, write_gguf_py
 
 from powerpy.api import load
 from powerpy.cli import main
@@ -21,7 +21,7 @@ from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names
 from powerpy.formats.gguf_reader import read_gguf
 from powerpy.formats.gpuidx import GpuIndex
 from powerpy.formats.stats import save_activation_stats
-from powerpy.model import interleave, moe, stack_decode, transformer
+from powerpy.model import interleave, moe, moe_host, numerics, stack_decode, transformer
 from powerpy.model.device import Accelerator
 from powerpy.model.matrices import QuantWeight
 from powerpy.model.numerics import Numerics
@@ -124,7 +124,7 @@ def test_only_the_routed_experts_are_read(q8, monkeypatch):
     llm = load(q8)
     layer_of = {id(b.moe): l for l, b in enumerate(llm.model.weights.blk)}
     routed, glus, touched = [], [], []
-    route, glu, expert = moe.route, moe.glu_rows, moe.Experts.expert
+    route, glu, expert = moe.route, moe_host.glu_rows, moe.Experts.expert
 
     def spy_route(ex, x):
         routed.append(route(ex, x)[0])
@@ -139,7 +139,7 @@ def test_only_the_routed_experts_are_read(q8, monkeypatch):
         return expert(self, e)
 
     monkeypatch.setattr(moe, "route", spy_route)
-    monkeypatch.setattr(moe, "glu_rows", spy_glu)
+    monkeypatch.setattr(moe_host, "glu_rows", spy_glu)
     monkeypatch.setattr(moe.Experts, "expert", spy_expert)
     cache = llm.model.new_cache(N_CTX)
     llm.model.forward(TOKENS[:6], cache)
@@ -208,7 +208,7 @@ def test_the_cut_drops_small_contributions_inside_routed_experts(tmp_path):
     t = tiny_tensors(SPEC, sparse=False, seed=3)
     write_gguf_py(tmp_path / "ref.gguf", SPEC, GGMLType.F32, tensors=t)
     ref = load(tmp_path / "ref.gguf")
-    write_gguf_py(tmp_path / "cut.gguf", SPEC, GGMLType.F32, tensors=t, extra_kv=_cut_kv(0.02))
+    write_gguf_py(tmp_path / "cut.gguf", SPEC, GGMLType.F32, tensors=t, extra_kv=_cut_kv(2.0))
     llm = load(tmp_path / "cut.gguf")
     assert llm.model.can_gate and not ref.model.can_gate
     base = _run(ref.model)
@@ -222,6 +222,86 @@ def test_the_cut_drops_small_contributions_inside_routed_experts(tmp_path):
     cache = llm.model.new_cache(N_CTX, dtype=torch.float32)  # decode = prefill with the cut
     whole = llm.model.forward(TOKENS, cache, all_logits=True)
     torch.testing.assert_close(_run(llm.model, n_prefill=1), whole, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.MXFP4, GGMLType.Q4_K, GGMLType.F16])
+def test_the_cut_down_product_reads_only_kept_groups(t):
+    """``down_runs``: a row's products over its runs of kept groups (blocks of the stored down
+    matrix) equal the whole product of h with the cut groups zero; every group kept: the
+    whole product's bits; none: zeros."""
+    from powerpy.formats import quants
+    from powerpy.model import kernels
+
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("needs the native kernels")
+    rng = np.random.default_rng(int(t))
+    rows, cols = 40, 1024
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    if t == GGMLType.F16:
+        m = kernels.Matrix.of_dense(torch.from_numpy(w).half())
+        ref = torch.from_numpy(w).half().double()
+    else:
+        if t == GGMLType.Q4_K:  # no quantizer: gguf-py's random blocks
+            from quant_fixtures import random_blocks
+
+            raw = random_blocks(rng, t, rows, cols // 256)
+        else:
+            raw = quants.quantize(w, t)
+        m = kernels.Matrix.of_quant(torch.from_numpy(raw), t, cols)
+        ref = torch.from_numpy(quants.dequantize(raw, t, (rows, cols))).double()
+    g = 256 if t == GGMLType.Q4_K else 32
+    h = torch.from_numpy(rng.standard_normal((3, cols)).astype(np.float32))
+    cut = torch.from_numpy(rng.random((3, cols // g)) < 0.4).repeat_interleave(g, dim=1)
+    h[cut] = 0.0
+    h[2] = 0.0
+    h[2, :g] = 1.0  # one kept group
+    got = lib.down_runs(m, h).double()
+    whole = torch.stack([lib.gather_gemv(m, h[i], None) for i in range(3)]).double()
+    bound = h.double().abs() @ ref.abs().T  # the products' magnitudes: f32 summation orders
+    assert ((got - whole).abs() <= 2e-5 * bound).all()
+    full = torch.randn(1, cols)
+    assert torch.equal(lib.down_runs(m, full)[0], lib.gather_gemv(m, full[0], None))
+    assert not lib.down_runs(m, torch.zeros(1, cols)).any()
+
+
+def test_the_cut_is_by_groups_in_c_and_in_torch():
+    """A group of 32 neurons is zeroed when w · Σ |h_j| / tau_j < 1: the C helper (the decode
+    block's) and the torch one decide alike away from ties, against a float64 sum."""
+    ex = type("Ex", (), {"cut_group": 32})()
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 256, generator=gen)
+    tau = torch.rand(256, generator=gen) * 20 + 1
+    tau[3] = torch.inf  # an all-zero down column: adds nothing
+    w = torch.rand(5, generator=gen)
+    s = (h.double().abs() * w.double()[:, None] / tau.double()).view(5, 8, 32).sum(-1)
+    keep = (s >= 1).repeat_interleave(32, dim=1)
+    native = moe_host.cut(ex, h.clone(), w, tau)
+    with numerics.using(Numerics(native=False)):
+        plain = moe_host.cut(ex, h.clone(), w, tau)
+    far = ((s - 1).abs() > 1e-4).repeat_interleave(32, dim=1)
+    for got in (native, plain):
+        assert torch.equal((got != 0)[far], keep[far])
+        assert torch.equal(got[keep & far], h[keep & far])
+    assert 0 < int(keep.sum()) < keep.numel()
+
+
+def test_a_cut_decode_is_one_native_call_with_the_per_op_bits(tmp_path, monkeypatch):
+    """Q8_0 with a cut: the native block (its group cut, the kept groups' down products) and
+    the per-op decode step (``moe_host``, the same C helpers) give the same logits."""
+    path = tmp_path / "cut.gguf"
+    write_gguf_py(path, SPEC, GGMLType.Q8_0, seed=2, extra_kv=_cut_kv(2.0))
+    llm = load(path)
+    a, b = llm.model.new_cache(N_CTX), llm.model.new_cache(N_CTX)
+    llm.model.forward(TOKENS[:6], a)
+    llm.model.forward(TOKENS[:6], b)
+    stats = SparsityStats.empty(SPEC.n_layer, llm.model.args.ffn_neurons)
+    native = llm.model.forward(TOKENS[6:7], a, RunOptions(stats=stats))
+    assert 0 < int(stats.active.sum()) < 2 * 2 * 128  # some of the routed neurons were cut
+    monkeypatch.setattr(moe, "moe_kernels", lambda blk, opts: None)
+    monkeypatch.setattr(stack_decode, "plan_for", lambda *args: None)
+    per_op = llm.model.forward(TOKENS[6:7], b)
+    assert torch.equal(native, per_op)
 
 
 def test_cut_writes_a_mixture_of_experts_cut_in_one_command(q8, tmp_path, capsys):
@@ -262,22 +342,29 @@ def test_profile_counts_every_experts_neurons(q8, tmp_path):
 
 
 # ------------------------------------------------------------------------------ placement
-def _index(hot=300, seed=1) -> GpuIndex:
+def _index(hot=300, seed=1, group=1) -> GpuIndex:
+    """Random hot neurons, or ``hot // group`` random whole groups of ``group`` (a cut's)."""
     rng = np.random.default_rng(seed)
     n = SPEC.n_expert * SPEC.n_ff
-    buckets = [np.sort(rng.choice(n, hot, replace=False)) for _ in range(SPEC.n_layer)]
-    return GpuIndex.from_buckets(buckets, n, vram_capacity=0)
+
+    def one():
+        if group == 1:
+            return np.sort(rng.choice(n, hot, replace=False))
+        g = np.sort(rng.choice(n // group, hot // group, replace=False))
+        return (g[:, None] * group + np.arange(group)).reshape(-1)
+
+    return GpuIndex.from_buckets([one() for _ in range(SPEC.n_layer)], n, vram_capacity=0)
 
 
 @pytest.mark.parametrize(
     "spec, dtype, cut",
     [
         (SPEC, GGMLType.F16, 0.0),
-        (SPEC, GGMLType.F16, 0.02),
+        (SPEC, GGMLType.F16, 2.0),
         (SPEC, GGMLType.Q8_0, 0.0),
-        (SPEC, GGMLType.Q8_0, 0.02),
+        (SPEC, GGMLType.Q8_0, 2.0),
         (SHARED, GGMLType.Q8_0, 0.0),
-        (SHARED, GGMLType.F16, 0.02),
+        (SHARED, GGMLType.F16, 2.0),
     ],
     ids=["f16", "f16-cut", "q8_0", "q8_0-cut", "shared-q8_0", "shared-f16-cut"],
 )
@@ -290,14 +377,19 @@ def test_hybrid_equals_cpu_only(tmp_path, spec, dtype, cut):
     llm = load(path)
     opts = RunOptions(numerics=EXACT)
     ref = _run(llm.model, opts)
-    placement = Placement.for_model(llm.file, 1 << 30, _index(), n_ctx=N_CTX, kv_elem_bytes=4)
+    k = 320 if cut else 300  # a cut's hot rows: whole groups of 32 (10)
+    index = _index(k, group=32 if cut else 1)
+    placement = Placement.for_model(llm.file, 1 << 30, index, n_ctx=N_CTX, kv_elem_bytes=4)
     assert Names.FFN_GATE_INP.format(l=1) in placement.gpu_tensors
+    if cut:  # a partly placed group stays on the host
+        part = Placement.for_model(llm.file, 1 << 30, _index(), n_ctx=N_CTX, kv_elem_bytes=4)
+        assert part.n_hot < 600 and any("partly placed cut groups" in n for n in part.notes)
     if spec is SHARED:  # the shared expert is dense: placed whole, in the predictors' level
         assert Names.FFN_DOWN_SHEXP.format(l=1) in placement.gpu_tensors
     rt = build_hybrid(llm.model, placement, Accelerator("cpu"), file=llm.file)
-    assert rt.placement.n_hot == 600 and rt.device_bytes <= placement.budget
+    assert rt.placement.n_hot == 2 * k and rt.device_bytes <= placement.budget
     hot = rt.model.weights.blk[0].moe.hot
-    assert hot.k == 300 and llm.model.weights.blk[0].moe.hot is None  # the original untouched
+    assert hot.k == k and llm.model.weights.blk[0].moe.hot is None  # the original untouched
     row = 64 * (2 if dtype == GGMLType.F16 else 34 / 32)
     assert placement.layers[0].neuron_bytes == 2 * row + 2 * 64  # gate, up rows; f16 column
     atol = 1e-4 if dtype == GGMLType.F16 else 2e-3  # a Q8_0 down column placed as f16
@@ -335,12 +427,13 @@ def test_gen_gpuidx_places_the_hottest_experts(q8, tmp_path, capsys):
 def test_fake_cuda_runs_without_host_syncs_within_the_budget(tmp_path, what, spec):
     """Device tensors are fake CUDA tensors: a host sync or a cross-device op raises."""
     path = tmp_path / "m.gguf"
-    write_gguf_py(path, spec, GGMLType.F16, seed=2, extra_kv=_cut_kv(0.01))
+    write_gguf_py(path, spec, GGMLType.F16, seed=2, extra_kv=_cut_kv(1.0))
     llm = load(path)
     full = Placement.for_model(llm.file, 1 << 40, n_ctx=N_CTX)
     neuron = full.layers[0].neuron_bytes
-    budget = full.used + 2 * 300 * neuron if what == "everything" else full.plan.used
-    placement = Placement.for_model(llm.file, budget, _index(), n_ctx=N_CTX, kv_elem_bytes=2)
+    budget = full.used + 2 * 320 * neuron if what == "everything" else full.plan.used
+    index = _index(320, group=32)  # whole cut groups
+    placement = Placement.for_model(llm.file, budget, index, n_ctx=N_CTX, kv_elem_bytes=2)
     rt = build_hybrid(llm.model, placement, FakeCuda(), file=llm.file)
     assert rt.dense_bytes + rt.hot_bytes + placement.kv_bytes <= budget
     assert (rt.model.weights.blk[0].moe.hot is not None) == (what == "everything")
@@ -349,16 +442,7 @@ def test_fake_cuda_runs_without_host_syncs_within_the_budget(tmp_path, what, spe
 
 
 # ------------------------------------------------------------------------------ refusals
-def _refused(tmp_path, spec, err, match, *, drop=(), edit=None, extra_kv=None):
-    t = tiny_tensors(spec, sparse=False, seed=1)
-    for name in drop:
-        del t[name]
-    if edit is not None:
-        edit(t)
-    path = tmp_path / "bad.gguf"
-    write_gguf_py(path, spec, GGMLType.F32, tensors=t, extra_kv=extra_kv)
-    with pytest.raises(err, match=match):
-        load(path)
+_refused = refused  # (tmp_path, spec, err, match, ...)
 
 
 def test_a_missing_or_misshapen_expert_stack_is_named_with_its_shape(tmp_path):
@@ -448,7 +532,7 @@ def test_a_pwri_file_with_experts_and_a_placement_of_a_plain_gguf_are_refused(q8
 
 
 # ------------------------------------------------------------------------------ fuzzing
-@pytest.mark.parametrize("arch", ["llama", "qwen3moe", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe", "qwen2moe", "gpt-oss"])
 def test_valid_moe_drafts_run_plain_and_placed(tmp_path, one_thread, arch):
     """The fuzzer's unmutated MoE drafts run, F32 and Q8_0, CPU-only and placed, so the "moe"
     family's refusals are its mutations'."""
@@ -463,10 +547,26 @@ def test_valid_moe_drafts_run_plain_and_placed(tmp_path, one_thread, arch):
             assert fz.run(p) == "ok", (quantized, load_kw, p.errors)
 
 
-@pytest.mark.parametrize("spec", [SPEC, QWEN, SHARED], ids=["mixtral", "qwen3moe", "qwen2moe"])
+_BENCH = {
+    "glm4moe": TinySpec(arch="glm4moe", n_layer=2, n_ff=128, n_ff_exp=32, n_expert=4,
+                        n_expert_used=2, n_layer_dense=1, n_rot=8),
+    "deepseek2": TinySpec(arch="deepseek2", n_layer=2, n_ff=128, n_ff_exp=32, n_expert=4,
+                          n_expert_used=2, n_layer_dense=1, n_rot=8, q_lora_rank=32,
+                          kv_lora_rank=32, key_length_mla=40, value_length_mla=32),
+    "gpt-oss": TinySpec(arch="gpt-oss", n_layer=2, n_ff=128, n_ff_exp=64, n_expert=4,
+                        n_expert_used=2, sliding_window=4, key_length=32),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec", [SPEC, QWEN, SHARED, *_BENCH.values()],
+    ids=["mixtral", "qwen3moe", "qwen2moe", *_BENCH],
+)  # fmt: skip
 def test_the_benchmark_writer_makes_models_that_run(tmp_path, spec):
     """``python -m powerpy.testing.moe`` (one tensor at a time) writes the tensors the loader
-    wants, in one layout (a fused attn_qkv beside its parts was once written and refused)."""
-    path = write_moe_model(tmp_path / "m.gguf", spec, GGMLType.Q8_0)
+    wants, in one layout (a fused attn_qkv beside its parts was once written and refused);
+    gpt-oss with MXFP4 experts."""
+    ex = GGMLType.MXFP4 if spec.arch == "gpt-oss" else None
+    path = write_moe_model(tmp_path / "m.gguf", spec, GGMLType.Q8_0, experts=ex)
     logits = load(path).logits(TOKENS[:5].tolist())
     assert logits.shape == (5, spec.n_vocab) and bool(torch.isfinite(logits).all())

@@ -1,6 +1,8 @@
 """Mixtures of experts against llama.cpp (llama-cpp-python): tiny random GGUFs written with
-gguf-py, a prompt of 86 tokens, then 16 greedy tokens. Mixtral-style, Qwen3-MoE, and Qwen2-MoE
-with its shared expert.
+gguf-py, a prompt of 86 tokens, then 16 greedy tokens. Mixtral-style, Qwen3-MoE, Qwen2-MoE with
+its shared expert, GLM-4.5 (sigmoid routing with a selection bias, expert groups, leading dense
+and NextN layers), DeepSeek-2/V3 (latent attention, YaRN) and GPT-OSS (MXFP4 experts with biases
+and the clamped SwiGLU, attention sinks, a 32-token window on every other layer, YaRN).
 
 With quantized experts (Q8_0) powerpy follows llama.cpp's numerics step by step, the router's
 included (its f32 logits in the order of llama.cpp's f32 matmuls: tinyBLAS's in a prompt,
@@ -12,10 +14,15 @@ closer than that rounding), where the engines may pick different experts; the te
 every larger difference sits on such a tie. Q4_K and Q4_0 files are bit-identical: llama.cpp
 interleaves their stacks of experts as it does 2-D matrices, and multiplies every (token,
 expert) pair in its one-token GEMV's order, prompts included; powerpy does the same
-(``Experts.interleaved``).
+(``Experts.interleaved``). MXFP4 experts (GPT-OSS's) are bit-identical beside Q8_0 matrices;
+beside F16 ones, llama.cpp's f16 rounding of the attention's activations is amplified by the
+experts' Q8_0 rounding (a logit moves by 0.5% of the spread, a routing flips now and then), so
+the F16 case keeps F16 experts.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -23,9 +30,9 @@ import torch
 from moe_files import write_gguf_py
 
 from powerpy.api import load
-from powerpy.formats.constants import GGMLType
-from powerpy.model import moe
-from powerpy.testing import TinySpec
+from powerpy.formats.constants import GGMLType, GGUFValueType
+from powerpy.model import moe, routing
+from powerpy.testing import TinySpec, tiny_tensors
 
 pytestmark = pytest.mark.llama_cpp
 
@@ -34,6 +41,13 @@ IDS = [1] + [b + 3 for b in PROMPT.encode()]  # the byte tokens of the tiny voca
 N_GREEDY = 16
 TIE = 2e-3  # routing probabilities closer than this: f16 rounding may swap the experts
 
+DEEPSEEK = TinySpec(arch="deepseek2", n_embd=64, n_layer=3, n_ff=128, n_head=4, n_ff_exp=32,
+                    n_expert=8, n_expert_used=2, n_layer_dense=1, n_rot=16, q_lora_rank=32,
+                    kv_lora_rank=64, key_length_mla=48, value_length_mla=32)  # fmt: skip
+GLM = TinySpec(arch="glm4moe", n_layer=3, n_ff=128, n_ff_exp=32, n_expert=8, n_expert_used=2,
+               n_layer_dense=1, n_nextn=1, n_rot=8, biases=True)  # fmt: skip
+OSS = TinySpec(arch="gpt-oss", n_layer=3, n_ff=128, n_ff_exp=64, n_expert=8, n_expert_used=2,
+               sliding_window=32, key_length=32)  # fmt: skip
 CASES = {  # name: (spec, matrix type, bit-identical)
     "mixtral-q8_0": (
         TinySpec(n_layer=3, n_ff=128, n_expert=8, n_expert_used=2),
@@ -96,6 +110,103 @@ CASES = {  # name: (spec, matrix type, bit-identical)
         GGMLType.Q4_0,
         True,
     ),
+    # GLM-4.5: a leading dense layer, a NextN layer (loaded, not run), q/k/v biases, half of
+    # each head rotated, sigmoid routing with a selection bias, unscaled shared experts
+    "glm4moe-q8_0": (GLM, GGMLType.Q8_0, True),
+    "glm4moe-f16": (GLM, GGMLType.F16, False),
+    "glm4moe-q4_k": (
+        TinySpec(
+            arch="glm4moe",
+            n_embd=256,
+            n_layer=2,
+            n_ff=256,
+            n_ff_exp=256,
+            n_expert=4,
+            n_expert_used=2,
+            n_layer_dense=1,
+            n_nextn=1,
+            n_rot=32,
+            biases=True,
+        ),
+        GGMLType.Q4_K,
+        True,
+    ),  # fmt: skip
+    # expert groups (DeepSeek-V3's routing, read for every family), two shared experts,
+    # renormalized and scaled weights
+    "glm4moe-groups-q8_0": (
+        TinySpec(
+            arch="glm4moe",
+            n_layer=3,
+            n_ff=128,
+            n_ff_exp=32,
+            n_expert=8,
+            n_expert_used=3,
+            n_layer_dense=1,
+            n_rot=8,
+            biases=True,
+            n_expert_shared=2,
+        ),
+        GGMLType.Q8_0,
+        True,
+    ),  # fmt: skip
+    # DeepSeek-2: the latent attention (its cache of the latent, absorbed heads), a leading
+    # dense layer, shared experts; V2's softmax routing
+    "deepseek2-q8_0": (DEEPSEEK, GGMLType.Q8_0, True),
+    "deepseek2-f16": (DEEPSEEK, GGMLType.F16, False),
+    "deepseek2-lite-q8_0": (replace(DEEPSEEK, q_lora_rank=0), GGMLType.Q8_0, True),  # attn_q
+    # V3 / Kimi-K2: sigmoid routing with a selection bias and groups, YaRN
+    "deepseek2-v3-q8_0": (replace(DEEPSEEK, n_expert_used=3), GGMLType.Q8_0, True),
+    "deepseek2-q4_k": (
+        TinySpec(
+            arch="deepseek2",
+            n_embd=256,
+            n_layer=2,
+            n_ff=256,
+            n_head=2,
+            n_ff_exp=256,
+            n_expert=4,
+            n_expert_used=2,
+            n_layer_dense=1,
+            n_rot=16,
+            q_lora_rank=256,
+            kv_lora_rank=256,
+            key_length_mla=272,
+            value_length_mla=128,
+        ),
+        GGMLType.Q4_K,
+        True,
+    ),  # fmt: skip
+    # llama.cpp's first MLA converter's attn_kv_b: llama.cpp caches the heads, powerpy the
+    # latent (docs/moe.md)
+    "deepseek2-kv_b-f16": (replace(DEEPSEEK, kv_b=True), GGMLType.F16, False),
+    # GPT-OSS: MXFP4 experts (EXPERT_TYPES), the prompt past the window, YaRN
+    "gpt-oss-mxfp4": (OSS, GGMLType.Q8_0, True),
+    "gpt-oss-f16": (OSS, GGMLType.F16, False),
+}
+EXPERT_TYPES = {"gpt-oss-mxfp4": GGMLType.MXFP4}  # the experts' stacks, where not the matrices'
+_YARN = {"rope.scaling.type": ("yarn", GGUFValueType.STRING),
+         "rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+         "rope.scaling.original_context_length": (64, GGUFValueType.UINT32)}  # fmt: skip
+DROP = {"glm4moe-q4_k": (".attn_q_norm.weight", ".attn_k_norm.weight")}  # GLM-4.5-Air's
+EXTRA_KV = {
+    "deepseek2-v3-q8_0": {
+        "deepseek2.expert_gating_func": (2, GGUFValueType.UINT32),
+        "deepseek2.expert_group_count": (4, GGUFValueType.UINT32),
+        "deepseek2.expert_group_used_count": (2, GGUFValueType.UINT32),
+        "deepseek2.expert_weights_norm": (True, GGUFValueType.BOOL),
+        "deepseek2.expert_weights_scale": (2.5, GGUFValueType.FLOAT32),
+        "deepseek2.rope.scaling.type": ("yarn", GGUFValueType.STRING),
+        "deepseek2.rope.scaling.factor": (40.0, GGUFValueType.FLOAT32),
+        "deepseek2.rope.scaling.original_context_length": (64, GGUFValueType.UINT32),
+        "deepseek2.rope.scaling.yarn_log_multiplier": (0.0707, GGUFValueType.FLOAT32),
+    },
+    "gpt-oss-mxfp4": {f"gpt-oss.{k}": v for k, v in _YARN.items()},
+    "glm4moe-groups-q8_0": {
+        "glm4moe.expert_group_count": (4, GGUFValueType.UINT32),
+        "glm4moe.expert_group_used_count": (2, GGUFValueType.UINT32),
+        "glm4moe.expert_weights_norm": (True, GGUFValueType.BOOL),
+        "glm4moe.expert_weights_scale": (2.5, GGUFValueType.FLOAT32),
+    },
 }
 
 
@@ -109,7 +220,12 @@ def pair(request, llama_cpp, tmp_path_factory):
     """(name, bit-identical, llama.cpp, powerpy) on one tiny MoE file."""
     spec, dtype, exact = CASES[request.param]
     path = tmp_path_factory.mktemp("moe") / f"{request.param}.gguf"
-    write_gguf_py(path, spec, dtype, seed=SEEDS.get(request.param, 2))
+    extra, seed = EXTRA_KV.get(request.param), SEEDS.get(request.param, 2)
+    t = tiny_tensors(spec, sparse=False, seed=seed)
+    for name in [n for n in t if any(n.endswith(d) for d in DROP.get(request.param, ()))]:
+        del t[name]
+    write_gguf_py(path, spec, dtype, experts=EXPERT_TYPES.get(request.param), extra_kv=extra,
+                  tensors=t)  # fmt: skip
     ref = llama_cpp.Llama(
         model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
     )
@@ -134,8 +250,8 @@ def gaps(monkeypatch) -> list[torch.Tensor]:
     route = moe.route
 
     def spy(ex, x):
-        p = moe.softmax(moe.router_logits(ex.router, x))
-        s = torch.sort(p, dim=1, descending=True).values
+        p = routing.probabilities(ex.routing, moe.router_logits(ex.router, x))
+        s = torch.sort(routing.selection(ex.routing, p), dim=1, descending=True).values
         seen.append(s[:, ex.n_used - 1] - s[:, ex.n_used])
         return route(ex, x)
 

@@ -271,3 +271,125 @@ def test_two_fake_cuda_hybrid_steps_trace_alike(model_path):
             assert (accel.n_in, accel.n_out, accel.waits) == (3 + n, 2 + 2 * n, 1)
             assert accel.host_calls == 2 * n
     assert traces[0].ops == traces[1].ops and traces[0].host_ops == []
+
+
+# ------------------------------------------------------------------- a mixture of experts
+MOE_SPECS = {
+    "qwen3moe": TinySpec(arch="qwen3moe", n_embd=64, n_layer=2, n_ff=64, n_head=4, n_head_kv=2,
+                         n_expert=8, n_expert_used=2, n_ff_exp=64),
+    "glm4moe": TinySpec(arch="glm4moe", n_layer=3, n_ff=128, n_ff_exp=32, n_expert=8,
+                        n_expert_used=2, n_layer_dense=1, n_nextn=1, n_rot=8, biases=True),
+}  # fmt: skip
+MOE_BUDGETS = {"router only": 0.0, "a third hot": 1 / 3, "most hot": 0.8, "all hot": 1.0}
+
+
+@pytest.fixture(scope="module", params=list(MOE_SPECS))
+def moe_path(request, tmp_path_factory):
+    from moe_files import write_gguf_py
+
+    path = tmp_path_factory.mktemp("plan-moe") / f"{request.param}.gguf"
+    write_gguf_py(path, MOE_SPECS[request.param], GGMLType.Q8_0, seed=4)
+    return request.param, path
+
+
+def placed_moe(path, spec, accel, share: float, **load_kw):
+    """Attention, routers, shared experts, leading dense layers and the KV pool placed, and
+    ``share`` of each layer's expert neurons (the rest on the host)."""
+    llm = load(path, **load_kw)
+    n = spec.n_expert * spec.n_ff_exp
+    rng = np.random.default_rng(7)
+    buckets = [np.sort(rng.choice(n, round(share * n), replace=False))
+               for _ in range(spec.n_layer)]  # fmt: skip
+    index = GpuIndex.from_buckets(buckets, n, vram_capacity=0)
+    placement = Placement.for_model(llm.file, 1 << 40, index, n_ctx=8 * N_CTX, kv_elem_bytes=4)
+    return llm, build_hybrid(llm.model, placement, accel, file=llm.file).model
+
+
+def _moe_hosted(model) -> set[int]:
+    return {l for l, b in enumerate(model.weights.blk)
+            if b.moe is not None and (b.moe.hot is None or b.moe.hot.n_cold)}  # fmt: skip
+
+
+@pytest.mark.parametrize("budget", MOE_BUDGETS)
+def test_a_mixtures_step_is_one_replay_with_its_host_tasks(moe_path, budget):
+    """A mixture's layer is in the device step: the router on the device, its choice copied
+    out with the input, the routed experts' cold neurons a host task, the hot ones on the
+    device. The replay equals the eager step bit for bit, and the CPU-only model up to f32
+    rounding; the sparsity counts are the CPU-only model's."""
+    arch, path = moe_path
+    spec = MOE_SPECS[arch]
+    llm, model = placed_moe(path, spec, Accelerator("cpu"), MOE_BUDGETS[budget],
+                            exact_activations=True)  # fmt: skip
+    assert plan_mod.device_refusal(model) is None
+    opts = llm.options  # (its statistics and numerics)
+    got = decode(model, opts)
+    counted = opts.stats.active.copy()
+    step = model.plans.get(model, model._options(opts), 1).device  # (a mixture is not gated)
+    assert isinstance(step.graph, EmulatedStepGraph)
+    hosted = _moe_hosted(model)
+    assert (set(step.cold.layers) if step.cold else set()) == hosted
+    calls = [op for op, *_ in step.graph.ops if op.__name__ == "host_call.default"]
+    assert len(calls) == 2 * len(hosted)
+    assert torch.equal(got, decode(model, dataclasses.replace(opts, graphs=False)))
+    cpu = load(path, exact_activations=True)
+    ref = decode(cpu.model, cpu.options, dtype=torch.float32)
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)  # (Q8_0 rows in f32 on the device)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert np.array_equal(counted, cpu.options.stats.active)
+
+
+def test_the_mixtures_cold_task_is_the_host_paths_sum(moe_path):
+    """One layer's task, run on the calling thread, against ``moe_host.experts_host`` with
+    the cold mask (the eager hybrid's host part) in the same numerics: the same bits."""
+    from powerpy.model import moe_host, numerics
+    from powerpy.model.host_tasks import ColdTasks
+
+    arch, path = moe_path
+    spec = MOE_SPECS[arch]
+    llm, model = placed_moe(path, spec, Accelerator("cpu"), 1 / 3)
+    opts = RunOptions(numerics=llm.options.numerics)
+    with numerics.using(opts.numerics):
+        tasks = ColdTasks(model, opts, 4)
+        for l, c in tasks.layers.items():
+            ex = model.weights.blk[l].moe
+            g = torch.Generator().manual_seed(l)
+            x = torch.randn(3, spec.n_embd, generator=g)
+            ids = torch.stack([torch.randperm(spec.n_expert, generator=g)[:2] for _ in range(3)])
+            w = torch.rand(3, 2, generator=g)
+            c.x[:3].copy_(x)
+            c.ids[:3].copy_(ids)
+            c.wts[:3].copy_(w)
+            c.task.T = 3
+            assert tasks.lib.cdll.pp_cold_run(c.ptr) == 0
+            for i in range(3):  # the host path one token at a time (a batch groups by expert)
+                one = (x[i : i + 1], ids[i : i + 1], w[i : i + 1])
+                want, kept = moe_host.experts_host(l, ex, *one, ex.tau, opts, ex.hot.cold)
+                assert torch.equal(c.y[i], want[0]) and int(c.kept[i]) == int(kept[0])
+
+
+def test_two_fake_cuda_mixture_steps_trace_alike(moe_path):
+    """Capture safety of a mixture's hybrid step: the same ops on the same memory in steps 2
+    and 3, nothing on the host inside, two host functions a hosted layer, one wait a step."""
+    arch, path = moe_path
+    llm, model = placed_moe(path, MOE_SPECS[arch], FakeCuda(), 1 / 3)
+    accel = model.accel
+    cache = model.new_cache(N_CTX)
+    traces: list[StepTrace] = []
+    with FakeCudaOps():
+        model.forward(torch.tensor(PROMPT), cache, llm.options)
+        model.forward(torch.tensor([STEPS[0]]), cache, llm.options)
+        step = model.plans.get(model, model._options(llm.options), 1).device
+        assert step is not None, plan_mod.device_refusal(model)
+        body = step.body
+
+        def traced():
+            with StepTrace() as t:
+                body()
+            traces.append(t)
+
+        step.body = traced
+        for tok in STEPS[1:3]:
+            accel.reset_counts()
+            model.forward(torch.tensor([tok]), cache, llm.options)
+            assert accel.waits == 1 and accel.host_calls == 2 * len(_moe_hosted(model))
+    assert traces[0].ops == traces[1].ops and traces[0].host_ops == []

@@ -183,3 +183,17 @@ def test_gemm_skips_tiles_no_token_needs(lib) -> None:
             assert torch.equal(got[~skipped], full[~skipped])  # a needed group: all its rows
         with pytest.raises(ValueError, match="need has shape"):
             lib.gemm(m, X, need=need.t().contiguous())
+
+
+@pytest.mark.parametrize("t", [GGMLType.Q8_0, GGMLType.Q4_1, GGMLType.Q6_K, GGMLType.MXFP4])
+def test_a_cuts_down_product_reads_only_kept_groups(lib, t) -> None:
+    """A mixture's cut down product (``down_runs``, the kept groups' chunks only) in every
+    build: the rounded activations' product over the kept groups, as the whole product of h
+    with the cut groups zero."""
+    cols, g = 512, 256 if t == GGMLType.Q6_K else 32
+    raw, w, m = weight(t, cols, seed=21)
+    rng = np.random.default_rng(22)
+    x = activations(cols, seed=23)
+    x[np.repeat(rng.random(cols // g) < 0.5, g)] = 0.0
+    got = lib.down_runs(m, torch.from_numpy(x)[None])[0]
+    check(got, ref_qdot(w, raw, t, x), bound(w, x, ACT_KIND[t]))

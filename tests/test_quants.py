@@ -143,6 +143,7 @@ def _quantizer_inputs() -> np.ndarray:
         (quants.quantize_q8_0, GQ.Q8_0),
         (quants.quantize_q4_0, GQ.Q4_0),
         (quants.quantize_q4_1, GQ.Q4_1),
+        (quants.quantize_mxfp4, GQ.MXFP4),
     ],
 )
 def test_quantizers_match_gguf(fn, qt):
@@ -164,6 +165,7 @@ def test_quantizers_match_gguf(fn, qt):
         (GGMLType.Q8_0, GQ.Q8_0),
         (GGMLType.Q4_0, GQ.Q4_0),
         (GGMLType.Q4_1, GQ.Q4_1),
+        (GGMLType.MXFP4, GQ.MXFP4),
         (GGMLType.BF16, GQ.BF16),
         (GGMLType.F16, GQ.F16),
         (GGMLType.F32, GQ.F32),
@@ -173,7 +175,7 @@ def test_quantize_dispatch_matches_gguf(t, qt):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((8, 64)).astype(np.float32)
     x[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
-    if t in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1):
+    if t in (GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.MXFP4):
         x[0, :4] = 0.0
     got = quants.quantize(x, t)
     expected = np.ascontiguousarray(gguf.quants.quantize(x, qt)).view(np.uint8)
@@ -182,7 +184,8 @@ def test_quantize_dispatch_matches_gguf(t, qt):
     if t in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         np.testing.assert_allclose(back, x, rtol=1e-2)
     else:
-        np.testing.assert_allclose(back, x, atol=0.03 if t is GGMLType.Q8_0 else 0.6)
+        atol = {GGMLType.Q8_0: 0.03, GGMLType.MXFP4: 1.0}.get(t, 0.6)  # MXFP4: 4 bits, 2^e steps
+        np.testing.assert_allclose(back, x, atol=atol)
 
 
 # --- the real model -------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from moe_files import write_gguf_py
 
 from powerpy.formats.constants import GGMLType, GGUFValueType, Keys
 from powerpy.model import kernels
@@ -29,6 +30,15 @@ WIDE = TinySpec(n_embd=512, n_layer=2, n_ff=1536, n_head=8, n_head_kv=4, n_pred_
 MOE = TinySpec(
     n_embd=512, n_layer=2, n_ff=512, n_head=8, n_head_kv=4, arch="qwen3moe", n_expert=8,
     n_expert_used=2, n_ff_exp=512,
+)  # fmt: skip
+OSS = TinySpec(
+    n_embd=512, n_layer=2, n_ff=512, n_head=8, n_head_kv=4, arch="gpt-oss", n_expert=8,
+    n_expert_used=2, n_ff_exp=512, sliding_window=8, key_length=64,
+)  # fmt: skip
+MLA = TinySpec(
+    arch="deepseek2", n_embd=512, n_layer=2, n_ff=1024, n_head=8, n_ff_exp=512, n_expert=8,
+    n_expert_used=2, n_layer_dense=1, n_rot=32, q_lora_rank=256, kv_lora_rank=512,
+    key_length_mla=96, value_length_mla=64,
 )  # fmt: skip
 
 # Runs in a fresh interpreter: argv[1] the thread count, argv[2] the JSON list of cases.
@@ -70,6 +80,10 @@ def cases(tmp_path_factory) -> list:
     cut = d / "cut.gguf"
     write_tiny_model(cut, WIDE, sparse=False, seed=4, dtype=GGMLType.F16, extra_kv=tau)
     moe = write_moe_model(d / "moe.gguf", MOE, GGMLType.Q8_0, seed=5)
+    oss = d / "oss-mxfp4.gguf"
+    write_gguf_py(oss, OSS, GGMLType.Q8_0, seed=6, experts=GGMLType.MXFP4)
+    mla = d / "mla-q8_0.gguf"
+    write_gguf_py(mla, MLA, GGMLType.Q8_0, seed=7)
     return [
         ["pwri-f16 predictors", str(pwri[GGMLType.F16]), {"threshold": 0.0}],
         ["pwri-q4_0 predictors", str(pwri[GGMLType.Q4_0]), {"threshold": 0.0}],
@@ -81,6 +95,8 @@ def cases(tmp_path_factory) -> list:
         ["pwri-f16 dense", str(pwri[GGMLType.F16]), {"dense": True}],
         ["cut", str(cut), {}],
         ["moe q8_0", str(moe), {}],
+        ["gpt-oss mxfp4 experts", str(oss), {}],
+        ["deepseek2 latent attention", str(mla), {}],
         ["default model (SmolLM2, cut)", None, {}],
     ]
 

@@ -184,6 +184,9 @@ PRE_VARIANTS = [
     "minicpm5",
     "laguna",
     "chatglm-bpe",
+    "deepseek-llm",
+    "deepseek-coder",
+    "deepseek-v3",
 ]
 
 

@@ -81,6 +81,22 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="PWRI: hybrid CPU-GPU placement within GIB of VRAM (negative: free VRAM - 256 MiB)",
     )
+    p.add_argument(
+        "-cmoe",
+        "--cpu-moe",
+        action="store_true",
+        help="mixtures of experts: keep every expert on the CPU, the dense parts on the GPU "
+        "(llama.cpp's -cmoe; without --vram-budget: the free VRAM)",
+    )
+    p.add_argument(
+        "-ncmoe",
+        "--n-cpu-moe",
+        type=int,
+        default=None,
+        metavar="N",
+        help="mixtures of experts: keep the experts of the first N layers on the CPU and the "
+        "other layers' whole on the GPU, not by activation statistics (llama.cpp's -ncmoe)",
+    )
     p.add_argument("--reset-gpu-index", action="store_true", help="regenerate the .gpuidx")
     p.add_argument("--disable-gpu-index", action="store_true", help="keep all FFN rows on CPU")
     p.add_argument(
@@ -187,19 +203,26 @@ def load_model(args: argparse.Namespace):
     return llm
 
 
+def wants_hybrid(args: argparse.Namespace) -> bool:
+    """--vram-budget, --cpu-moe or --n-cpu-moe: the model is to be placed."""
+    return args.vram_budget is not None or args.cpu_moe or args.n_cpu_moe is not None
+
+
 def setup_hybrid(llm, args: argparse.Namespace, n_ctx: int) -> None:
-    """--vram-budget: place the model (docs/architecture.md#hybrid-placement) and print the
-    placement summary to stderr."""
+    """--vram-budget (or --cpu-moe/--n-cpu-moe, within the free VRAM without it): place the
+    model (docs/architecture.md#hybrid-placement) and print the placement summary to stderr."""
     from powerpy.placement.runtime import place
 
+    n_cpu_moe = llm.model.args.n_layer if args.cpu_moe else args.n_cpu_moe
     llm.runtime = place(
         llm.model,
         llm.file,
-        args.vram_budget,
+        args.vram_budget if args.vram_budget is not None else -1.0,
         device=args.accel_device,
         n_ctx=n_ctx,
         reset_gpu_index=args.reset_gpu_index,
         disable_gpu_index=args.disable_gpu_index,
+        n_cpu_moe=n_cpu_moe,
     )
     if llm.runtime is not None:
         llm.model = llm.runtime.model

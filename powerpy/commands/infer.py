@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from powerpy.commands.common import add_model_args, load_model, setup_hybrid
+from powerpy.commands.common import add_model_args, load_model, setup_hybrid, wants_hybrid
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         repeat_last_n=args.repeat_last_n,
         seed=None if args.seed < 0 else args.seed,
     )
-    if args.vram_budget is not None:
+    if wants_hybrid(args):
         # KV reserved for -c, else for 2048 positions (gen-gpuidx's default, so its index is
         # reused) or what this prompt needs if more
         n_prompt = len(llm.tokenize(prompt))

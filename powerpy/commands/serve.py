@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from powerpy.commands.common import add_model_args, load_model, setup_hybrid
+from powerpy.commands.common import add_model_args, load_model, setup_hybrid, wants_hybrid
 from powerpy.commands.serve_cluster import Served, add_cluster_args, check_cluster_args, session_ctx
 
 API_KEY_ENV = "POWERPY_API_KEY"
@@ -165,7 +165,7 @@ def build(args: argparse.Namespace):
 def _load_local(args: argparse.Namespace) -> Served:
     llm = load_model(args)
     n_ctx = session_ctx(args, llm.model.args)
-    if args.vram_budget is not None:
+    if wants_hybrid(args):
         setup_hybrid(llm, args, n_ctx * args.parallel)
     return Served(llm.model, llm.tokenizer, llm.options, llm.path, llm.model.args, n_ctx)
 

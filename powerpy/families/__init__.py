@@ -6,7 +6,20 @@
 from __future__ import annotations
 
 from powerpy.errors import ModelConfigError, shown
-from powerpy.families import bamboo, falcon, gemma, llama, opt, phi2, phi3, qwen, stablelm
+from powerpy.families import (
+    bamboo,
+    deepseek,
+    falcon,
+    gemma,
+    glm,
+    gptoss,
+    llama,
+    opt,
+    phi2,
+    phi3,
+    qwen,
+    stablelm,
+)
 from powerpy.families.base import Family, FFNVariant, LayerTensor, Norm, Residual, Rope
 
 FAMILIES: dict[str, Family] = {
@@ -26,6 +39,9 @@ FAMILIES: dict[str, Family] = {
         phi3.FAMILY,
         phi2.FAMILY,
         stablelm.FAMILY,
+        glm.FAMILY,
+        deepseek.FAMILY,
+        gptoss.FAMILY,
     )
 }
 SUPPORTED_ARCHS = tuple(FAMILIES)

@@ -184,8 +184,15 @@ DENSE_FFN = ("ffn_gate", "ffn_up")
 # ``Family.reads``: elsewhere a file may carry them (converters copy them) and llama.cpp's
 # graph does not apply them, so neither does powerpy.
 FAMILY_KEYS = frozenset(
-    {Keys.ATTENTION_SCALE, Keys.ATTN_SOFTCAP, Keys.FINAL_SOFTCAP, Keys.ROPE_FREQ_BASE_SWA}
-)
+    {Keys.ATTENTION_SCALE, Keys.ATTN_SOFTCAP, Keys.FINAL_SOFTCAP, Keys.ROPE_FREQ_BASE_SWA,
+     Keys.LEADING_DENSE_BLOCK_COUNT, Keys.EXPERT_SHARED_COUNT, Keys.EXPERT_GATING_FUNC,
+     Keys.NEXTN_PREDICT_LAYERS, Keys.ROPE_SCALING_YARN_LOG_MUL}
+)  # fmt: skip
+
+# How a router's logits become the probabilities that choose a token's experts
+# (``Keys.EXPERT_GATING_FUNC``'s values 1 to 3): softmax over all experts, a sigmoid of each
+# (the weights are the chosen ones' sigmoids), or the chosen logits' softmax (GPT-OSS)
+GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
 
 @dataclass(frozen=True)
@@ -256,12 +263,27 @@ class Family:
     # file's value of any other is not applied, whatever it says (gemma2's soft-caps, gemma3's
     # final soft-cap and local RoPE base; llama, qwen, phi3 and falcon read none)
     reads: frozenset[str] = frozenset()
-    # hyperparameters a family reads beyond the common ones: (key getter, n_layer) ->
-    # ModelArgs fields (e.g. gemma's attention scale and local RoPE base)
-    extra_args: Callable[[Callable[..., Any], int], dict] | None = None
+    # hyperparameters a family reads beyond the common ones: (key getter, n_layer, file name for
+    # errors) -> ModelArgs fields (e.g. gemma's attention scale and local RoPE base)
+    extra_args: Callable[[Callable[..., Any], int, str], dict] | None = None
     experts: tuple[LayerTensor, ...] = ()
     moe_required: bool = False
     expert_ff_key: str | None = None
+    # the routing when the file's expert_gating_func is absent or 0 (``GATINGS``); a family
+    # that does not read the key (``reads``) always routes so
+    expert_gating: str = "softmax"
+    # the shared expert is expert_shared_count experts wide (n_ff_exp each: glm4moe, deepseek2),
+    # not expert_shared_feed_forward_length (qwen2moe)
+    shared_by_count: bool = False
+    # keys llama.cpp's loader requires for this family (a file without one does not load)
+    requires: frozenset[str] = frozenset()
+    # the attention: "gqa" (grouped-query heads over a K and a V cache), or "mla" (DeepSeek-2's
+    # latent attention: one cache of the compressed latent; ``model/mla.py``)
+    attention: str = "gqa"
+    # the family's own keys from ``ModelArgs`` (the inverse of ``extra_args``), or None
+    args_kv: Callable[[Any], dict] | None = None
+    # the experts' activation: "swiglu", or GPT-OSS's clamped "swiglu_oai" (moe_host)
+    expert_act: str = "swiglu"
 
     @property
     def usual_block(self) -> tuple[LayerTensor, ...]:
@@ -276,6 +298,14 @@ class Family:
     def shared_expert(self) -> bool:
         """The family's mixture has a shared expert (``experts.SHARED_EXPERT`` in its block)."""
         return any(t.field == "ffn_up_shexp" for t in self.block)
+
+    def layer_block(self, moe: bool) -> tuple[LayerTensor, ...]:
+        """The block's tensors of one layer: a mixture of experts' layer (``moe``: its shared
+        expert, no dense FFN), or a dense one (a model's leading dense layers: no shared
+        expert)."""
+        if moe:
+            return tuple(t for t in self.block if t.field not in DENSE_FFN)
+        return tuple(t for t in self.block if not t.field.endswith("_shexp"))
 
     def has_parts(self, field: str) -> bool:
         """Whether the fused matrix ``field`` may come as its parts' own tensors instead."""

@@ -31,13 +31,13 @@ _QK_NORMS = (
 )
 
 
-def _extra(n_layer_27b: int, local_base: bool) -> Callable[[Callable[..., Any], int], dict]:
+def _extra(n_layer_27b: int, local_base: bool) -> Callable[[Callable[..., Any], int, str], dict]:
     """Gemma's extra hyperparameters, as llama.cpp sets them: the q·k scale is 1/sqrt(head
     size), except in the 27B models (``n_layer_27b`` layers), which scale by
     1/sqrt(n_embd / n_head) (integer division); no file key sets it. Gemma 3's windowed
     layers turn by ``rope.freq_base_swa`` (10000 without it), unscaled."""
 
-    def extra(get: Callable[..., Any], n_layer: int) -> dict:
+    def extra(get: Callable[..., Any], n_layer: int, source: str) -> dict:
         out: dict = {}
         if n_layer == n_layer_27b:
             out["attn_scale"] = (get(Keys.EMBEDDING_LENGTH) // get(Keys.HEAD_COUNT)) ** -0.5

@@ -51,6 +51,7 @@ class GGMLType(IntEnum):
     I16 = 17
     I32 = 18
     BF16 = 30
+    MXFP4 = 39  # OCP microscaling FP4 (GPT-OSS's experts): an E8M0 scale, 32 E2M1 values
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ TYPE_TRAITS: dict[GGMLType, TypeTraits] = {
     GGMLType.Q5_K: TypeTraits(256, 176),
     GGMLType.Q6_K: TypeTraits(256, 210),
     GGMLType.Q8_K: TypeTraits(256, 292),
+    GGMLType.MXFP4: TypeTraits(32, 17),
     GGMLType.I8: TypeTraits(1, 1),
     GGMLType.I16: TypeTraits(1, 2),
     GGMLType.I32: TypeTraits(1, 4),
@@ -96,6 +98,7 @@ GGUF_TYPE_IDS: dict[int, GGMLType] = {
     25: GGMLType.I16,
     26: GGMLType.I32,
     30: GGMLType.BF16,
+    39: GGMLType.MXFP4,
 }
 
 # Types whose values powerpy can decode (quants.dequantize).
@@ -108,6 +111,7 @@ DEQUANT_TYPES = frozenset(
         GGMLType.Q4_0,
         GGMLType.Q4_1,
         GGMLType.Q6_K,
+        GGMLType.MXFP4,
         GGMLType.I8,
         GGMLType.I16,
         GGMLType.I32,
@@ -144,6 +148,12 @@ class Keys:
     TENSOR_DATA_LAYOUT = "{arch}.tensor_data_layout"  # falcon: "jploski" (q, then k, then v)
     KEY_LENGTH = "{arch}.attention.key_length"  # head size when not n_embd / head_count
     VALUE_LENGTH = "{arch}.attention.value_length"  # must equal key_length here
+    # DeepSeek-2's latent attention: q's and the cache's low ranks, a head's q·k and value widths
+    # (key_length and value_length are then the cache row's: latent + RoPE dims, and latent)
+    Q_LORA_RANK = "{arch}.attention.q_lora_rank"
+    KV_LORA_RANK = "{arch}.attention.kv_lora_rank"
+    KEY_LENGTH_MLA = "{arch}.attention.key_length_mla"
+    VALUE_LENGTH_MLA = "{arch}.attention.value_length_mla"
     SLIDING_WINDOW = "{arch}.attention.sliding_window"  # keys older than this many are masked
     # which layers are windowed: a period n (layer l iff l % n < n - 1), or a flag per layer
     SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"
@@ -155,6 +165,12 @@ class Keys:
     ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"  # linear: positions / factor
     ROPE_SCALING_ATTN_FACTOR = "{arch}.rope.scaling.attn_factor"  # scales cos and sin
     ROPE_SCALING_ORIG_CTX = "{arch}.rope.scaling.original_context_length"
+    # YaRN ("yarn" scaling): the ramp's extrapolation mix (absent: 1), its corner dims' betas,
+    # and DeepSeek-2's log multiplier of the attention scale (stored times 0.1)
+    ROPE_SCALING_YARN_EXT_FACTOR = "{arch}.rope.scaling.yarn_ext_factor"
+    ROPE_SCALING_YARN_BETA_FAST = "{arch}.rope.scaling.yarn_beta_fast"
+    ROPE_SCALING_YARN_BETA_SLOW = "{arch}.rope.scaling.yarn_beta_slow"
+    ROPE_SCALING_YARN_LOG_MUL = "{arch}.rope.scaling.yarn_log_multiplier"
     VOCAB_SIZE = "{arch}.vocab_size"
     # mixture of experts (llama.cpp's keys): experts per layer, experts routed per token, the
     # experts' FFN width where it differs from feed_forward_length (qwen3moe), whether the k
@@ -166,6 +182,16 @@ class Keys:
     EXPERT_WEIGHTS_SCALE = "{arch}.expert_weights_scale"
     # the shared expert's FFN width (qwen2moe; without the key: feed_forward_length)
     EXPERT_SHARED_FEED_FORWARD_LENGTH = "{arch}.expert_shared_feed_forward_length"
+    # shared experts every token runs (glm4moe, deepseek2: their width is count · the experts')
+    EXPERT_SHARED_COUNT = "{arch}.expert_shared_count"
+    # the routing: 1 softmax, 2 sigmoid, 3 softmax over the k chosen logits (0: the family's);
+    # experts in groups, of which a token's top-k come from the best few (DeepSeek-V3)
+    EXPERT_GATING_FUNC = "{arch}.expert_gating_func"
+    EXPERT_GROUP_COUNT = "{arch}.expert_group_count"
+    EXPERT_GROUP_USED_COUNT = "{arch}.expert_group_used_count"
+    LEADING_DENSE_BLOCK_COUNT = "{arch}.leading_dense_block_count"  # the first layers: no experts
+    # the last block_count layers that predict further tokens (GLM-4.5's NextN): loaded, not run
+    NEXTN_PREDICT_LAYERS = "{arch}.nextn_predict_layers"
 
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"  # FLOAT32, PWRI only, no arch prefix
     # powerpy's marker for a SiLU (SwiGLU) model sparsified by magnitude labels (CATS/TEAL-style)
@@ -233,6 +259,20 @@ class Names:
     ATTN_K = "blk.{l}.attn_k.weight"
     ATTN_V = "blk.{l}.attn_v.weight"
     ATTN_OUTPUT = "blk.{l}.attn_output.weight"
+    ATTN_SINKS = "blk.{l}.attn_sinks.weight"  # (n_head,) f32: each head's sink logit (GPT-OSS)
+    # DeepSeek-2's latent attention (numpy shapes): q's low rank (q_lora_rank, n_embd), its norm,
+    # its heads (n_head · key_length_mla, q_lora_rank); the latent and the shared RoPE dims
+    # (kv_lora_rank + n_rot, n_embd) and the latent's norm; per head the latent -> q·k map
+    # (n_head, kv_lora_rank, qk_nope) and the value map (n_head, value_length_mla,
+    # kv_lora_rank), or both fused per head (n_head · (qk_nope + value_length_mla), kv_lora_rank)
+    ATTN_Q_A = "blk.{l}.attn_q_a.weight"
+    ATTN_Q_A_NORM = "blk.{l}.attn_q_a_norm.weight"
+    ATTN_Q_B = "blk.{l}.attn_q_b.weight"
+    ATTN_KV_A_MQA = "blk.{l}.attn_kv_a_mqa.weight"
+    ATTN_KV_A_NORM = "blk.{l}.attn_kv_a_norm.weight"
+    ATTN_K_B = "blk.{l}.attn_k_b.weight"
+    ATTN_V_B = "blk.{l}.attn_v_b.weight"
+    ATTN_KV_B = "blk.{l}.attn_kv_b.weight"
     FFN_NORM = "blk.{l}.ffn_norm.weight"
     FFN_GATE = "blk.{l}.ffn_gate.weight"
     FFN_UP = "blk.{l}.ffn_up.weight"
@@ -252,6 +292,9 @@ class Names:
     FFN_GATE_SHEXP = "blk.{l}.ffn_gate_shexp.weight"
     FFN_UP_SHEXP = "blk.{l}.ffn_up_shexp.weight"
     FFN_DOWN_SHEXP = "blk.{l}.ffn_down_shexp.weight"
+    # the routing's per-expert bias (n_expert,) f32, added to the probabilities that choose the
+    # experts but not to the weights (DeepSeek-V3, GLM-4.5); a bias without a weight
+    EXP_PROBS_B = "blk.{l}.exp_probs_b.bias"
 
     # A tensor's bias is its name with ".bias" for ".weight" (:func:`bias_name`).
 

@@ -189,6 +189,24 @@ def _dec_q6_k(b: np.ndarray, out: np.ndarray) -> None:
     np.multiply(ds[:, :, None], q, out=out.reshape(nb, 16, 16))
 
 
+# MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4): a value is kvalue · 2^(e - 128)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _e8m0_half(e: np.ndarray) -> np.ndarray:
+    """ggml's E8M0 scale, halved: 2^(e - 128) as f32 (e < 2: the subnormals)."""
+    e = e.astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _dec_mxfp4(b: np.ndarray, out: np.ndarray) -> None:
+    # e, qs[16]: y[j] = kvalue(qs[j] & 15) d, y[j + 16] = kvalue(qs[j] >> 4) d
+    d = _e8m0_half(b[:, :1])
+    q = MXFP4_VALUES[_nibbles(b[:, 1:17])].reshape(len(b), 32)  # (nb, 32)
+    np.multiply(q, d, out=out, dtype=np.float32)
+
+
 _DECODERS: dict[GGMLType, Callable[[np.ndarray, np.ndarray], None]] = {
     GGMLType.Q4_0: _dec_q4_0,
     GGMLType.Q4_1: _dec_q4_1,
@@ -200,6 +218,7 @@ _DECODERS: dict[GGMLType, Callable[[np.ndarray, np.ndarray], None]] = {
     GGMLType.Q4_K: _dec_q4_k,
     GGMLType.Q5_K: _dec_q5_k,
     GGMLType.Q6_K: _dec_q6_k,
+    GGMLType.MXFP4: _dec_mxfp4,
 }
 
 # Every type dequantize() accepts (a superset of constants.DEQUANT_TYPES).
@@ -381,8 +400,9 @@ def _quantize_bf16(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
 
 
 QUANTIZE_TYPES = frozenset(
-    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1}
-)
+    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1,
+     GGMLType.MXFP4}
+)  # fmt: skip
 
 
 def quantize_q4_1(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
@@ -413,12 +433,33 @@ def quantize_q4_1(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
     return _quantize_blocks(x, "quantize_q4_1", 20, encode)
 
 
+def quantize_mxfp4(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+    """Quantize to MXFP4 as ggml's reference quantizer does: per block of 32, the scale
+    exponent ``e = floor(log2(max|x|)) - 2 + 127`` (0 for an all-zero block) and each value the
+    nearest of ``MXFP4_VALUES · 2^(e - 128)`` (ties: the lower index).
+
+    Returns:
+        uint8 array of shape ``(..., shape[-1] // 32 * 17)``.
+    """
+
+    def encode(b: np.ndarray, out: np.ndarray) -> None:  # (nb, 32) -> (nb, 17)
+        amax = np.abs(b).max(axis=1, keepdims=True)
+        with np.errstate(divide="ignore"):
+            e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).astype(np.uint8)
+        err = np.abs(_e8m0_half(e)[:, :, None] * MXFP4_VALUES.astype(np.float32) - b[:, :, None])
+        q = err.argmin(axis=2).astype(np.uint8)  # (nb, 32)
+        out[:, :1] = e
+        out[:, 1:] = q[:, :16] | (q[:, 16:] << np.uint8(4))
+
+    return _quantize_blocks(x, "quantize_mxfp4", 17, encode)
+
+
 def quantize(x: npt.ArrayLike, ggml_type: GGMLType | int) -> npt.NDArray[np.uint8]:
     """Encode float values as raw ggml bytes of ``ggml_type``.
 
     Args:
         x: values with at least one dimension (cast to float32 first).
-        ggml_type: one of F32, F16, BF16, Q8_0, Q4_0, Q4_1.
+        ggml_type: one of F32, F16, BF16, Q8_0, Q4_0, Q4_1, MXFP4.
 
     Returns:
         uint8 array of shape ``(..., row_bytes)``, ready for ``gguf_writer.write_gguf``.
@@ -433,6 +474,8 @@ def quantize(x: npt.ArrayLike, ggml_type: GGMLType | int) -> npt.NDArray[np.uint
         return quantize_q4_0(x)
     if gt is GGMLType.Q4_1:
         return quantize_q4_1(x)
+    if gt is GGMLType.MXFP4:
+        return quantize_mxfp4(x)
     arr = np.asarray(x, dtype=np.float32)
     if arr.ndim == 0:
         raise ValueError("quantize: need at least one dimension")

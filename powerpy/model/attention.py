@@ -19,7 +19,7 @@ from torch import Tensor
 
 from powerpy.config import ModelArgs
 from powerpy.families import Rope
-from powerpy.model import ggml_numerics, gpu_kernels, kernels, layer_record
+from powerpy.model import ggml_numerics, gpu_kernels, kernels, layer_record, rope_yarn
 from powerpy.model.cache import KVCache
 from powerpy.model.device import HOST, OnDevices
 
@@ -41,6 +41,8 @@ def rope_tables(
     c = ggml_numerics.library()
     if c is not None:
         return ggml_numerics.rope_table(c, args, positions, base, scale=scale, factors=factors)
+    if args.rope_ext_factor:
+        return rope_yarn.tables(args, positions, base, scale, factors)
     inv = base ** (-torch.arange(0, args.n_rot, 2, dtype=torch.float64) / args.n_rot)
     if factors is not None:
         inv = inv / factors.to(torch.float64)
@@ -89,22 +91,25 @@ def apply_rope(x: Tensor, rot: Tensor, n_rot: int, mode: Rope = Rope.NORM) -> Te
     return torch.cat((out, x[..., n_rot:]), dim=-1) if n_rot < x.shape[-1] else out
 
 
-def attend(a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int, *, window: int = 0) -> Tensor:
+def attend(
+    a: ModelArgs, q: Tensor, cache: KVCache, l: int, p0: int, *, window: int = 0, sinks=None
+) -> Tensor:
     """Causal attention of q (T, n_head, head_dim) at positions p0.. over layer l of the cache
     (filled up to p0 + T), on the cache's device -> (T, n_head·head_dim). ``window`` > 0: a
-    query at p sees keys at p - window + 1 .. p only. The model's ``attn_scale`` and
+    query at p sees keys at p - window + 1 .. p only; ``sinks`` (n_head,): each head's sink
+    logit, in the softmax without a value (GPT-OSS). The model's ``attn_scale`` and
     ``attn_softcap`` apply. An f16 host cache under llama.cpp's numerics runs ggml's order
     (``ggml_numerics.attention``), else torch's."""
     n = q.shape[0]
-    plain = not window and not a.attn_softcap and not a.attn_scale
+    plain = not window and not a.attn_softcap and not a.attn_scale and sinks is None
     c = ggml_numerics.library(q)
     if c is not None and cache.k.dtype is torch.float16 and cache.k.device.type == "cpu":
-        return ggml_numerics.attention(c, a, q, cache.k[l], cache.v[l], p0, window)
+        return ggml_numerics.attention(c, a, q, cache.k[l], cache.v[l], p0, window, sinks)
     s0 = max(0, p0 - window + 1) if window else 0  # no query reads a key before s0
     keys = cache.k[l, s0 : p0 + n].transpose(0, 1).float()  # (n_head_kv, S, head_dim)
     vals = cache.v[l, s0 : p0 + n].transpose(0, 1).float()
     if not plain:
-        return _attend_explicit(a, q, keys, vals, p0 - s0, window)
+        return _attend_explicit(a, q, keys, vals, p0 - s0, window, sinks)
     if n == 1:
         # one query: query head h reads key/value head h // group, as two bmm (torch's SDPA
         # with GQA costs ~10x more here)
@@ -154,22 +159,25 @@ def attend_pool(
 
 
 def _attend_explicit(
-    a: ModelArgs, q: Tensor, keys: Tensor, vals: Tensor, p0: int, window: int
+    a: ModelArgs, q: Tensor, keys: Tensor, vals: Tensor, p0: int, window: int, sinks=None
 ) -> Tensor:
-    """Attention with the scores in hand (a window, a soft-cap or another scale): q (T,
-    n_head, hd) at key positions p0.., keys/vals (n_kv, S, hd) -> (T, n_head·hd)."""
+    """Attention with the scores in hand (a window, a soft-cap, another scale or sinks): q
+    (T, n_head, hd) at key positions p0.., keys/vals (n_kv, S, hd) -> (T, n_head·hd)."""
     n, group = q.shape[0], a.n_head // a.n_head_kv
     scale = a.attn_scale or a.head_dim**-0.5
     qg = q.transpose(0, 1).reshape(a.n_head_kv, group * n, a.head_dim)  # heads of a kv group
     scores = torch.bmm(qg, keys.transpose(1, 2)).mul_(scale)  # (n_kv, group·T, S)
     if a.attn_softcap:
         scores = scores.div_(a.attn_softcap).tanh_().mul_(a.attn_softcap)
-    qpos = torch.arange(p0, p0 + n, device=q.device)[:, None]  # (T, 1)
-    kpos = torch.arange(keys.shape[1], device=q.device)[None]  # (1, S)
-    seen = kpos <= qpos
-    if window:
-        seen &= qpos - kpos < window
-    scores = scores.view(a.n_head_kv, group, n, -1).masked_fill_(~seen, -torch.inf)
+    ones = keys.new_ones(n, keys.shape[1], dtype=torch.bool)  # (T, S), no host factory call
+    hidden = ones.triu(diagonal=p0 + 1)  # query i sees keys .. p0 + i
+    if window:  # … and after p0 + i - window
+        hidden = hidden.logical_or(ones.tril(diagonal=p0 - window))
+    scores = scores.view(a.n_head_kv, group, n, -1).masked_fill_(hidden, -torch.inf)
+    if sinks is not None:  # one more logit per head, without a value
+        sink = sinks.view(a.n_head_kv, group, 1, 1).expand(-1, -1, n, 1)  # f32, beside q
+        scores = torch.cat([scores, sink], dim=-1)
+        vals = torch.cat([vals, vals.new_zeros(vals.shape[0], 1, vals.shape[2])], dim=1)
     out = torch.matmul(scores.softmax(-1), vals[:, None])  # (n_kv, group, T, hd)
     return out.reshape(a.n_head, n, a.head_dim).transpose(0, 1).reshape(n, a.n_embd_q)
 

@@ -69,14 +69,17 @@ class BiasedWeight:
         return BiasedWeight(self.inner.with_storage(t), self.bias.to(t.device))
 
 
-def row_slices(w: DenseWeight | QuantWeight, sizes: tuple[int, ...]) -> list[Weight]:
+def row_slices(
+    w: DenseWeight | QuantWeight, sizes: tuple[int, ...], repack: bool = True
+) -> list[Weight]:
     """Consecutive row blocks of ``w`` (a fused q/k/v matrix) as views, not copies: ``sizes``
-    rows each, in order; they must add up to ``w``'s rows."""
+    rows each, in order; they must add up to ``w``'s rows. ``repack`` False: quantized blocks
+    keep their rows in whole-matrix products (``QuantWeight``'s, a 3-D tensor's matrices)."""
     assert sum(sizes) == w.shape[0], (sizes, w.shape)
     out, s = [], 0
     for n in sizes:
         if isinstance(w, QuantWeight):
-            out.append(QuantWeight(w.raw[s : s + n], w.ggml_type, w.cols))
+            out.append(QuantWeight(w.raw[s : s + n], w.ggml_type, w.cols, repack=repack))
         else:
             out.append(DenseWeight(w.w[s : s + n]))
         s += n

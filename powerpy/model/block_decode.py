@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
+from powerpy.formats.quants import MXFP4_VALUES
 
 
 def _f16_field(b: Tensor, start: int) -> Tensor:
@@ -76,6 +77,12 @@ def _decode_blocks(b: Tensor, t: GGMLType) -> Tensor:
         sc = b[..., 192:208].contiguous().view(torch.int8).reshape(*lead, 2, 4, 2).float()
         dsc = _f16_field(b, 208)[..., None, None] * sc.repeat_interleave(16, dim=-1)
         return (dsc * q.float()).reshape(*lead, 256)
+    if t == GGMLType.MXFP4:  # e, 16 bytes of codes: kvalue(code) · 2^(e - 128)
+        e = b[..., :1].to(torch.int64)  # (..., 1)
+        bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(torch.int32)
+        values = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
+        q = _nibbles(b[..., 1:], -2).flatten(-2).long()  # (..., 32)
+        return values[q] * bits.view(torch.float32)
     raise ValueError(f"no torch decoder for {t.name}")
 
 

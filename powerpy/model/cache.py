@@ -23,7 +23,9 @@ class KVCache:
 
     Attributes:
         k, v: ``(n_layer, n_ctx, n_head_kv, head_dim)`` on the host, or on the device: then a
-            view of rows ``base .. base + n_ctx`` of its placement's pool.
+            view of rows ``base .. base + n_ctx`` of its placement's pool. A latent cache (MLA)
+            has one head of the latent and RoPE dims in k, and v is a view of its first
+            ``kv_lora_rank`` dims.
         pos: positions filled so far.
         base: the cache's first row in its pool (0 for a cache of its own).
         pool: the pool's ``(k, v)``, each ``(n_layer, rows, n_head_kv, head_dim)``, or None.
@@ -37,7 +39,14 @@ class KVCache:
         accel: Accelerator | None = None,
     ) -> None:
         shape = (args.n_layer, n_ctx, args.n_head_kv, args.head_dim)
-        if accel is None:
+        if args.kv_lora_rank:  # a latent cache (DeepSeek-2's MLA): its values are key dims
+            self.k = (
+                torch.zeros(shape, dtype=dtype)
+                if accel is None
+                else accel.zeros(*shape, dtype=dtype)
+            )
+            self.v = self.k.narrow(-1, 0, args.kv_lora_rank)
+        elif accel is None:
             self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         else:
             self.k, self.v = accel.zeros(*shape, dtype=dtype), accel.zeros(*shape, dtype=dtype)
@@ -60,7 +69,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        shared = self.v.data_ptr() == self.k.data_ptr()  # a latent cache: one tensor
+        return (1 if shared else 2) * self.k.numel() * self.k.element_size()
 
     def reset(self) -> None:
         self.pos = 0
@@ -105,8 +115,13 @@ class KVPlacement:
             self._free = [r for r in self._free if r[1]]
             if self._pool is None:
                 shape = (args.n_layer, self.max_ctx + 1, args.n_head_kv, args.head_dim)
-                self._pool = (accel.zeros(*shape, dtype=self.dtype),
-                              accel.zeros(*shape, dtype=self.dtype))  # fmt: skip
+                k = accel.zeros(*shape, dtype=self.dtype)
+                v = (
+                    k.narrow(-1, 0, args.kv_lora_rank)
+                    if args.kv_lora_rank
+                    else accel.zeros(*shape, dtype=self.dtype)
+                )  # a latent cache: its values are key dims
+                self._pool = (k, v)
         cache = KVCache.in_pool(self._pool, start, n_ctx)
         weakref.finalize(cache, self._release, start, n_ctx)
         return cache

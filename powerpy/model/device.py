@@ -241,9 +241,7 @@ class Accelerator:
         (a node of a graph being captured); on the emulated device the ``powerpy::host_call``
         op, which the emulated graph replays in order. ``dep``: the buffer it reads or writes."""
         if self.emulated:
-            from powerpy.model import host_tasks  # noqa: F401  (registers the op)
-
-            torch.ops.powerpy.host_call(dep, fn, arg)
+            host_call(dep, fn, arg)
             return
         stream = torch.cuda.current_stream(self.device).cuda_stream
         err = _cudart().cudaLaunchHostFunc(ctypes.c_void_p(stream), ctypes.c_void_p(fn),
@@ -358,3 +356,16 @@ class OnDevices:
         if device not in self._at:
             self._at[device] = move(self._accel, self.tensor, device)
         return self._at[device]
+
+
+# ------------------------------------------------------------- the emulated stream's host call
+@torch.library.custom_op("powerpy::host_call", mutates_args=("dep",))
+def host_call(dep: Tensor, fn: int, arg: int) -> None:
+    """Call the C host function ``fn(arg)`` in the emulated stream's order; ``dep`` is the
+    buffer it reads or writes (so that the op is ordered with the copies around it)."""
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(arg)
+
+
+@host_call.register_fake
+def _(dep, fn, arg):
+    return None

@@ -66,11 +66,11 @@ def row_norms(w: Weight, chunk: int = 4096) -> Tensor:
     return torch.cat(parts)
 
 
-def cut_taus(down_t: Weight, t: float) -> Tensor:
-    """A layer's cut ``|h_j| · ‖down_t[j]‖ >= t`` per neuron: (n_ff,) f32 ``t / ‖down_t[j]‖``
-    (inf for an all-zero row, which adds nothing)."""
-    n = row_norms(down_t)
-    return torch.where(n > 0, t / n, torch.inf).float()
+def cut_taus(norms: Tensor, t: float) -> Tensor:
+    """A layer's cut ``|h_j| · ‖down column j‖ >= t`` per neuron, from the down columns' norms
+    (n,) (``row_norms(ffn_down_t)``; a mixture's ``Experts.down_norms``): (n,) f32
+    ``t / norm_j``, inf for an all-zero column, which adds nothing."""
+    return torch.where(norms > 0, t / norms, torch.inf).float()
 
 
 def scaled_cut(tau: Tensor | None, opts: RunOptions) -> Tensor | None:

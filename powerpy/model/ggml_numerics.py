@@ -108,16 +108,25 @@ def rope_table(
     """ggml's RoPE rotations for positions (n,): (n, n_rot/2) complex64, the angles by ggml's
     f32 recurrence θ ← θ·base^(-2/n_rot) (base: ``args.rope_base`` unless given), each divided
     by its factor (``factors`` (n_rot/2,): llama-3's ``rope_freqs``, phi3's), times the f32
-    frequency scale 1/``scale``, then cosf/sinf times ``args.rope_attn_factor``."""
+    frequency scale 1/``scale``, then cosf/sinf times ``args.rope_mscale``; under YaRN
+    (``rope_ext_factor``) ggml's ramp and magnitude."""
     pos = positions.to(torch.int64).contiguous()
     out = torch.empty(pos.numel(), args.n_rot // 2, 2, dtype=torch.float32)
     base = args.rope_base if base is None else base
     freq_scale = float(np.float32(1.0) / np.float32(scale))  # llama.cpp: 1.0f / factor
     ff = None if factors is None else factors.to(torch.float32).contiguous()
-    c.pp_rope_table_ext(
-        pos.data_ptr(), pos.numel(), args.n_rot, base, freq_scale,
-        None if ff is None else ff.data_ptr(), args.rope_attn_factor, out.data_ptr(),
-    )  # fmt: skip
+    ff_ptr = None if ff is None else ff.data_ptr()
+    if args.rope_ext_factor:  # YaRN: its ramp and magnitude (families.rope_scaling)
+        c.pp_rope_table_yarn(
+            pos.data_ptr(), pos.numel(), args.n_rot, base, freq_scale, ff_ptr, args.rope_mscale,
+            args.rope_ext_factor, args.rope_orig_ctx or args.n_ctx_train,
+            args.rope_yarn_beta_fast, args.rope_yarn_beta_slow, out.data_ptr(),
+        )  # fmt: skip
+    else:
+        c.pp_rope_table_ext(
+            pos.data_ptr(), pos.numel(), args.n_rot, base, freq_scale, ff_ptr, args.rope_mscale,
+            out.data_ptr(),
+        )  # fmt: skip
     return torch.view_as_complex(out)
 
 
@@ -132,7 +141,14 @@ def rope(c: ctypes.CDLL, x: Tensor, rot: Tensor, n_rot: int, neox: bool = False)
 
 
 def attention(
-    c: ctypes.CDLL, args: ModelArgs, q: Tensor, k: Tensor, v: Tensor, p0: int, window: int = 0
+    c: ctypes.CDLL,
+    args: ModelArgs,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    p0: int,
+    window: int = 0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of T queries at positions p0.. as llama.cpp computes it without flash
     attention: q (T, n_head, head_dim) f32 after RoPE, k and v one layer's f16 cache (n_ctx,
@@ -140,17 +156,36 @@ def attention(
     rounded to f16; one token and batches follow ggml's two summation orders. The model's
     ``attn_scale`` scales q before its rounding where the family's graph does
     (``Family.scale_q``), else the scores; its ``attn_softcap`` caps them; ``window`` > 0: a
-    query at p sees keys at p - window + 1 .. p."""
+    query at p sees keys at p - window + 1 .. p; ``sinks`` (n_head,) f32: each head's sink
+    logit in its softmax (GPT-OSS)."""
     q = q.contiguous()
     T = q.shape[0]
     out = torch.empty(T, args.n_head * args.head_dim, dtype=torch.float32)
+    sk = None if sinks is None else sinks.float().contiguous()
     st = c.pp_attn_ext(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), p0, T, args.n_head, args.n_head_kv,
         args.head_dim, args.attn_scale, int(args.family.scale_q), args.attn_softcap, window,
-        out.data_ptr(), torch.get_num_threads(),
+        None if sk is None else sk.data_ptr(), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if st:
         raise ValueError(f"attention: invalid arguments (status {st})")
+    return out
+
+
+def attention_mla(c: ctypes.CDLL, q: Tensor, k: Tensor, p0: int, scale: float, hv: int) -> Tensor:
+    """DeepSeek-2's latent attention as llama.cpp computes it (absorbed, without flash
+    attention): q (T, n_head, hk) f32, k one layer's f16 latent cache (n_ctx, 1, hk) filled up
+    to p0 + T, whose first hv dims are the values -> (T, n_head · hv); ``attention``'s orders
+    and roundings with one key/value head."""
+    q = q.contiguous()
+    T, n_head, hk = q.shape
+    out = torch.empty(T, n_head * hv, dtype=torch.float32)
+    st = c.pp_attn_mla(
+        q.data_ptr(), k.data_ptr(), p0, T, n_head, hk, hv, scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if st:
+        raise ValueError(f"attention_mla: invalid arguments (status {st})")
     return out
 
 

@@ -1,7 +1,7 @@
 """Fused ops of the accelerator's decode step: one launch each, placed blocks decoded in registers.
 
-A placed matrix keeps the bytes it has in the file (F16, Q8_0, Q4_0 or Q4_1 blocks), so the
-VRAM budget charges exactly what is allocated, and a decode step reads each placed byte once:
+A placed matrix keeps the bytes it has in the file (F16, Q8_0, Q4_0, Q4_1 or MXFP4 blocks), so
+the VRAM budget charges exactly what is allocated, and a decode step reads each placed byte once:
 
 - ``powerpy::linear(w, x, need?, bucket?)``: ``y = x @ W.T`` for row-major W (attention's q/k/v
   in one matrix, the predictor, the output, a hot layer's gate and up rows stacked in one
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 _KERNELS = "powerpy.model.triton_kernels"
 
 # The block types the kernels decode; their codes are compile-time constants of the kernels.
-TYPES = {GGMLType.F16: 0, GGMLType.Q8_0: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3}
+TYPES = {GGMLType.F16: 0, GGMLType.Q8_0: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3, GGMLType.MXFP4: 4}
 _TYPE_OF = {code: t for t, code in TYPES.items()}
 VARIANTS = {FFNVariant.SWIGLU: 0, FFNVariant.REGLU: 1, FFNVariant.DRELU: 2}
 ROWS_SUM_SPLIT = 16  # row chunks of rows_sum (the second launch adds them)
@@ -63,7 +63,7 @@ MAX_TILE_T = 16  # tokens per tile of linear and rows_sum (a larger batch takes 
 
 @functools.cache
 def available() -> bool:
-    """Triton is installed: placed F16/Q8_0/Q4_0/Q4_1 matrices run in one launch each."""
+    """Triton is installed: placed F16/Q8_0/Q4_0/Q4_1/MXFP4 matrices run in one launch each."""
     return importlib.util.find_spec("triton") is not None
 
 
@@ -390,7 +390,7 @@ class FusedWeight(QuantWeight):
     ``linear`` and ``rows_sum`` are one custom op each.
 
     ``raw`` is ``(rows, row_bytes)`` uint8: ggml blocks of a type the kernels read (F16 values
-    as bytes, Q8_0, Q4_0, Q4_1). Everything else is a ``QuantWeight``'s: row gathers and
+    as bytes, Q8_0, Q4_0, Q4_1, MXFP4). Everything else is a ``QuantWeight``'s: row gathers and
     :meth:`dequantize` decode with torch ops (tests and tools).
     """
 

@@ -11,6 +11,9 @@ the device's stream, with no Python between the steps and no host wait of its ow
 4. a host function, ``pp_host_wait``: return when the worker has written the cold rows' sum;
 5. copy that sum to the device and add it to the hot rows'.
 
+A mixture of experts' layer is the same five steps, its router's choice (the experts and their
+weights) copied out beside the input, the worker summing each routed expert's cold neurons.
+
 On CUDA the host functions are ``cudaLaunchHostFunc`` nodes (of the captured graph); on the
 emulated accelerator the ``powerpy::host_call`` op calls them, in the order the stream would, and
 the emulated graph replays them with the rest; on fake CUDA they are counted.
@@ -24,10 +27,14 @@ import weakref
 import torch
 from torch import Tensor
 
-from powerpy.model import kernels, layer_record
+from powerpy.model import kernels, layer_record, moe
 from powerpy.model.options import RunOptions
 
 _p, _i64, _i32, _u64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64
+
+
+class HostRowsError(ValueError):
+    """A layer's host rows that no cold task can run (the plan keeps the per-layer path)."""
 
 
 class ColdTask(ctypes.Structure):
@@ -35,8 +42,8 @@ class ColdTask(ctypes.Structure):
 
     _fields_ = [
         ("worker", _p), ("rec", _p), ("x", _p), ("mask", _p), ("cold", _p), ("y", _p),
-        ("kept", _p), ("T", _i64), ("act", _i32), ("nthreads", _i32), ("status", _i32),
-        ("state", _i32), ("ran_on", _u64),
+        ("kept", _p), ("ids", _p), ("wts", _p), ("T", _i64), ("k", _i64), ("act", _i32),
+        ("nthreads", _i32), ("status", _i32), ("state", _i32), ("ran_on", _u64),
     ]  # fmt: skip
 
 
@@ -53,7 +60,7 @@ def check_layout(lib: kernels.KernelLibrary) -> None:
     for name, (args, restype) in _SIGNATURES.items():
         fn = getattr(lib.cdll, name)
         fn.argtypes, fn.restype = args, restype
-    got = (ctypes.c_int64 * 14)()
+    got = (ctypes.c_int64 * (len(ColdTask._fields_) + 1))()
     lib.cdll.pp_cold_task_layout(got)
     want = [getattr(ColdTask, f).offset for f, _ in ColdTask._fields_] + [ctypes.sizeof(ColdTask)]
     if list(got) != want:
@@ -75,30 +82,51 @@ class Worker:
         weakref.finalize(self, lib.cdll.pp_worker_free, self.ptr)
 
 
+def hosted(blk, accel) -> bool:
+    """Whether a layer keeps FFN rows (or expert neurons) on the host of ``accel``: its step
+    has a cold task."""
+    if blk.moe is not None:
+        return blk.moe.hot is None or blk.moe.hot.n_cold > 0
+    if accel.holds(blk.ffn_up.storage):  # a mixture's leading dense layer, placed whole
+        return False
+    return blk.hot is None or blk.hot.cold_idx.numel() > 0
+
+
 class ColdLayer:
-    """One hybrid layer's task and its fixed buffers for a step of up to ``batch`` sessions."""
+    """One hybrid layer's task and its fixed buffers for a step of up to ``batch`` sessions
+    (a mixture's: also its router's choice, and the neurons it added, for the statistics)."""
 
     def __init__(self, blk, args, opts: RunOptions, accel, worker: Worker, batch: int) -> None:
-        part = layer_record.ffn_part(blk, args, opts, cold=True)
+        ex = blk.moe
+        if ex is None:
+            part = layer_record.ffn_part(blk, args, opts, cold=True)
+            n, hot, k = args.n_ff, blk.hot, 0
+        else:
+            part = moe.moe_cold_part(blk, opts)
+            n, hot, k = ex.n_neurons, ex.hot, ex.n_used
         if part is None:
-            raise ValueError("the layer's host rows are not for the native kernels")
+            raise HostRowsError("host rows the native cold task cannot read (their types, or "
+                                "the experts' activation)")  # fmt: skip
         self.part = part  # keeps the matrices and vectors the record points into
         self.record = layer_record.record(part)
-        n_ff, d = args.n_ff, args.n_embd
+        d = args.n_embd
         self.x = accel.pinned(batch, d, dtype=torch.float32)  # (B, n_embd) normed input
-        self.mask = accel.pinned(batch, n_ff, dtype=torch.bool)  # (B, n_ff)
+        self.mask = accel.pinned(batch, n if ex is None else 1, dtype=torch.bool)  # (B, n_ff)
+        self.ids = accel.pinned(batch, max(k, 1), dtype=torch.int64)  # (B, k) routed experts
+        self.wts = accel.pinned(batch, max(k, 1), dtype=torch.float32)  # (B, k) their weights
         self.y = accel.pinned(batch, d, dtype=torch.float32)  # (B, n_embd) the cold rows' sum
         self.y_dev = accel.zeros(batch, d, dtype=torch.float32)
-        cold = (
-            torch.ones(n_ff, dtype=torch.uint8) if blk.hot is None else blk.hot.cold.to(torch.uint8)
-        )
+        cold = torch.ones(n, dtype=torch.uint8) if hot is None else hot.cold.to(torch.uint8)
         self.cold = cold.contiguous()
-        self.kept = torch.zeros(batch, dtype=torch.int64)
-        self.masked = blk.gates(opts)  # the predictor's mask selects (else every cold row)
+        self.kept = accel.pinned(batch, dtype=torch.int64)  # (B,) neurons added per token
+        self.kept.zero_()
+        self.kept_dev = accel.zeros(batch, dtype=torch.int64) if ex is not None else None
+        self.masked = ex is None and blk.gates(opts)  # the predictor's mask selects
+        routed = (self.ids.data_ptr(), self.wts.data_ptr()) if ex is not None else (None, None)
         self.task = ColdTask(
             worker.ptr, ctypes.addressof(self.record), self.x.data_ptr(),
             self.mask.data_ptr() if self.masked else None, self.cold.data_ptr(),
-            self.y.data_ptr(), self.kept.data_ptr(), batch, kernels.act_code(),
+            self.y.data_ptr(), self.kept.data_ptr(), *routed, batch, k, kernels.act_code(),
             torch.get_num_threads(), 0, 0, 0,
         )  # fmt: skip
         self.ptr = ctypes.addressof(self.task)
@@ -111,16 +139,19 @@ class ColdTasks:
     def __init__(self, model, opts: RunOptions, batch: int) -> None:
         lib = kernels.library()
         if lib is None:
-            raise ValueError("the native kernels are unavailable")
+            raise HostRowsError("the native kernels are unavailable")
         check_layout(lib)
         self.lib, self.accel = lib, model.accel
         self.worker = Worker(lib)
         self.submit, self.wait = entry(lib, "pp_host_submit"), entry(lib, "pp_host_wait")
-        self.layers = {
-            l: ColdLayer(blk, model.args, opts, model.accel, self.worker, batch)
-            for l, blk in enumerate(model.weights.blk)
-            if blk.hot is None or blk.hot.cold_idx.numel()
-        }
+        self.layers: dict[int, ColdLayer] = {}
+        for l, blk in enumerate(model.weights.blk):
+            if hosted(blk, model.accel):
+                try:
+                    self.layers[l] = ColdLayer(blk, model.args, opts, model.accel, self.worker,
+                                               batch)  # fmt: skip
+                except HostRowsError as e:
+                    raise HostRowsError(f"layer {l}: {e}") from None
 
     def set_tokens(self, n: int) -> None:
         """The next step's sessions (the rows its tasks sum; padded ones are not)."""
@@ -148,15 +179,19 @@ class ColdTasks:
         accel.copy_in(c.y_dev[:T], c.y[:T])
         return c.y_dev[:T] if y_hot is None else y_hot + c.y_dev[:T]
 
-
-# ----------------------------------------------------------------------------------- the op
-@torch.library.custom_op("powerpy::host_call", mutates_args=("dep",))
-def host_call(dep: Tensor, fn: int, arg: int) -> None:
-    """Call the C host function ``fn(arg)`` in the emulated stream's order; ``dep`` is the
-    buffer it reads or writes (so that the op is ordered with the copies around it)."""
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn)(arg)
-
-
-@host_call.register_fake
-def _(dep, fn, arg):
-    return None
+    def run_moe(self, l: int, x: Tensor, ids: Tensor, w: Tensor, hot_part) -> tuple[Tensor, Tensor]:
+        """A mixture's layer ``l`` in the stream: x (T, n_embd) the normed input, ids and w
+        (T, k) its router's choice, on the device; ``hot_part()`` queues the hot neurons (None:
+        none) -> ((T, n_embd) f32 the routed experts' sum, (T,) int64 the cold neurons the host
+        added), on the device."""
+        c, accel, T = self.layers[l], self.accel, x.shape[0]
+        accel.copy_out(c.x[:T], x)
+        accel.copy_out(c.ids[:T], ids)
+        accel.copy_out(c.wts[:T], w)
+        accel.host_func(self.submit, c.ptr, c.x)
+        y_hot = hot_part()
+        accel.host_func(self.wait, c.ptr, c.y)
+        accel.copy_in(c.y_dev[:T], c.y[:T])
+        accel.copy_in(c.kept_dev[:T], c.kept[:T])
+        y = c.y_dev[:T] if y_hot is None else y_hot + c.y_dev[:T]
+        return y, c.kept_dev[:T]

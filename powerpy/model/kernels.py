@@ -30,6 +30,17 @@ from torch import Tensor
 from powerpy.config import FFNVariant
 from powerpy.formats.constants import GGMLType
 from powerpy.model import numerics
+from powerpy.model.kernel_abi import (  # noqa: F401  (re-exported)
+    ABI_VERSION,
+    DTYPE_CODES,
+    LAYER_RECORD_LEN,
+    QUANT_TYPES,
+    RECORD_FLAGS,
+    RECORD_LAYOUT,
+    RECORD_SLOTS,
+    SIGNATURES,
+    VARIANTS,
+)
 from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
     DEFAULT_FLAGS,
     SOURCE,
@@ -42,110 +53,9 @@ from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
-ABI_VERSION = 21
-
-# dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
-DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
-    torch.float32: 0,
-    torch.float16: 1,
-    torch.bfloat16: 2,
-    GGMLType.F32: 0,
-    GGMLType.F16: 1,
-    GGMLType.BF16: 2,
-    GGMLType.Q8_0: 3,
-    GGMLType.Q4_0: 4,
-    GGMLType.Q4_1: 5,
-    GGMLType.Q5_0: 6,
-    GGMLType.Q5_1: 7,
-    GGMLType.Q4_K: 8,
-    GGMLType.Q5_K: 9,
-    GGMLType.Q6_K: 10,
-}
-QUANT_TYPES = tuple(t for t in DTYPE_CODES if isinstance(t, GGMLType) and t.name[0] == "Q")
-# FFN variants (enum Variant): gated h = act(gate·x, up·x) (pp_glu_gemv), then ungated act(up·x)
-VARIANTS = {
-    FFNVariant.REGLU: 0, FFNVariant.DRELU: 1, FFNVariant.SWIGLU: 2, FFNVariant.GEGLU: 3,
-    FFNVariant.RELU: 4, FFNVariant.GELU: 5,
-}  # fmt: skip
 SIMD_NAMES = {0: "scalar", 1: "AVX2", 2: "AVX-512"}
-# The decode blocks' layer record (enum LayerRecord, built by powerpy.model.layer_record): its
-# slots, then the LayerFlags bits; checked at load against pp_layer_record_layout
-RECORD_SLOTS = {
-    "attn": 0, "ffn": 20, "attn_norm": 45, "ffn_norm": 47, "post_norm": 49, "qk_norm": 51,
-    "bias": 53, "tau": 59, "flags": 60, "variant": 61, "window": 62, "scale": 63, "softcap": 64,
-    "moe": 65, "shexp": 68,
-}  # fmt: skip
-LAYER_RECORD_LEN = 88  # int64 per record; checked at load
-RECORD_FLAGS = {"layer_norm": 1, "rope": 2, "neox": 4, "parallel": 8, "down_stored": 16,
-                "q_scaled": 32, "moe": 64}  # fmt: skip
-RECORD_LAYOUT = (*RECORD_SLOTS.values(), LAYER_RECORD_LEN, *RECORD_FLAGS.values(), 3, 4, 5, 6)
 _ERR_INDEX = 1
-
-
-# ---- library wrapper -----------------------------------------------------------------------------
-
-_i64, _i32, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-_SIGNATURES = {
-    "pp_abi_version": ([], _i32),
-    "pp_simd_level": ([], _i32),
-    "pp_layer_record_len": ([], _i32),
-    "pp_dtype_code": ([_i32], _i32),  # ggml type id -> dtype code, or -1
-    "pp_set_tuning": ([_i64], None),
-    # dtype, W, ld, nrows, cols, x, idx, k, out, act, nthreads
-    "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
-    # dtype, W, ld, nrows, cols, h, idx, k, out, accumulate, nthreads
-    "pp_gather_axpy": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
-    "pp_rows_sum": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),  # ... h, T, out
-    # dtype, G, ldg, U, ldu, nrows, cols, x, idx, k, variant, out, act, nthreads
-    "pp_glu_gemv": (
-        [_i32, _p, _i64, _p, _i64, _i64, _i64, _p, _p, _i64, _i32, _p, _i32, _i32],
-        _i32,
-    ),
-    # dtype, W, ld, nrows, cols, x, ldx, T, out, ldo, need, act, nthreads
-    "pp_gemm": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _i64, _p, _i64, _p, _i32, _i32], _i32),
-    # dtype, W, ld, nrows, cols, idx, k, out, nthreads
-    "pp_dequant_rows": ([_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
-    "pp_stream_read": ([_p, _i64, _i32], ctypes.c_double),  # buffer, bytes, nthreads
-    # W, ld, nrows, cols, out, unpack, nthreads -> the interleaved dtype code or -1
-    "pp_repack_x8": ([_i32, _p, _i64, _i64, _i64, _p, _i32, _i32], _i32),
-    # record, n_head, n_kv, head_dim, n_rot, eps, rot, x, k, v, cache dtype, pos, out, act, nthr
-    "pp_attn_decode": (
-        [_p, _i64, _i64, _i64, _i64, _f, _p, _p, _p, _p, _i32, _i64, _p, _i32, _i32],
-        _i32,
-    ),
-    # record, eps, thr, residual, source, out, act, nthreads
-    "pp_ffn_decode": ([_p, _f, _f, _p, _p, _p, _i32, _i32], _i64),
-    # layers, records, rots, n_head, n_kv, head_dim, n_rot, eps, k, v, layer bytes, cache dtype,
-    # pos, thr, x, counts, phases, n_phases, act, nthreads (powerpy.model.stack_decode: one
-    # token, all blocks)
-    "pp_decode_layers": (
-        [_i64, _p, _p, *[_i64] * 4, _f, _p, _p, _i64, _i32, _i64, _f, _p, _p, _p, _i64, _i32, _i32],
-        _i32,
-    ),
-    "pp_layer_record_layout": ([_p], None),
-    # llama.cpp's float steps (called by powerpy.model.ggml_numerics)
-    "pp_rope_table": ([_p, _i64, _i64, _f, _p], None),  # positions, n, n_rot, base, out
-    # positions, n, n_rot, base, freq_scale, factors (or NULL), mscale, out
-    "pp_rope_table_ext": ([_p, _i64, _i64, _f, _f, _p, _f, _p], None),
-    # x, T, heads, head_dim, n_rot, rot, neox
-    "pp_rope": ([_p, _i64, _i64, _i64, _i64, _p, _i32], None),
-    # q, k cache, v cache, p0, T, n_head, n_kv, head_dim, out, nthreads
-    "pp_attn": ([_p, _p, _p, _i64, _i64, _i64, _i64, _i64, _p, _i32], _i32),
-    # … , scale, scale_q, softcap, window, out, nthreads
-    "pp_attn_ext": ([_p, _p, _p, *[_i64] * 5, _f, _i32, _f, _i64, _p, _i32], _i32),
-    "pp_layer_norm": ([_p, _p, _p, _i64, _i64, _f, _p, _i32], None),  # x, w, b, T, n, eps, y, nt
-    "pp_gelu": ([_p, _i64, _p, _i32, _i32], None),  # x, n, y, act, nthreads
-    "pp_rms_norm": ([_p, _p, _i64, _i64, _f, _p, _i32], None),  # x, w, T, n, eps, y, nthreads
-    "pp_softcap": ([_p, _i64, _f], None),  # x (in place), n, cap
-    "pp_gelu_table": ([_p], None),  # out (65536 f16 bit patterns)
-    "pp_swiglu": ([_p, _p, _i64, _p, _i32], None),  # g, u, n, out, nthreads
-    "pp_soft_max": ([_p, _i64, _i64, _p], None),  # x, rows, n, out (the MoE router)
-    "pp_silu_div": ([_p, _i64, _p], None),  # x, n, out (a shared expert's gate)
-    # W, ld, nrows, cols, x, T, out, nthreads: f32 rows in tinyBLAS's order (the MoE router)
-    "pp_gemm_f32_gw": ([_p, _i64, _i64, _i64, _p, _i64, _p, _i32], _i32),
-    # mats (4 x 5), k, norm, scale, tau, resid, norm w, eps, out, ids, wts, act, nthreads
-    "pp_moe_decode": ([_p, _i64, _i32, _f, _p, _p, _p, _f, _p, _p, _p, _i32, _i32], _i64),
-}
+_i64, _p = ctypes.c_int64, ctypes.c_void_p
 
 
 def _raise(status: int, what: str, idx: Tensor | None = None, nrows: int = 0) -> None:
@@ -224,7 +134,7 @@ class KernelLibrary:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.cdll = ctypes.CDLL(str(path))  # the raw functions (ggml_numerics calls some)
-        for name, (argtypes, restype) in _SIGNATURES.items():
+        for name, (argtypes, restype) in SIGNATURES.items():
             fn = getattr(self.cdll, name)
             fn.argtypes = argtypes
             fn.restype = restype
@@ -255,6 +165,17 @@ class KernelLibrary:
         st = self._gemv(*w.args, x.data_ptr(), ip, k, out.data_ptr(), act_code(), _threads())
         if st:
             _raise(st, "gather_gemv", idx, w.nrows)
+        return out
+
+    def down_runs(self, w: Matrix, h: Tensor) -> Tensor:
+        """``h @ W.T`` for T tokens, reading only each token's groups of h that are not all
+        zero (a MoE cut's; ``csrc/moe.h`` ``down_runs``): h (T, cols) -> (T, rows) f32."""
+        h = as_f32(h)
+        out = torch.empty(h.shape[0], w.nrows, dtype=_F32)
+        st = self.cdll.pp_down_runs(*w.args, h.data_ptr(), h.shape[0], out.data_ptr(), act_code(),
+                                    _threads())  # fmt: skip
+        if st:
+            _raise(st, "down_runs", None, w.nrows)
         return out
 
     def gather_axpy(

@@ -103,6 +103,8 @@ def attention_part(blk, a: ModelArgs, l: int) -> Part | None:
     lib = kernels.library()
     if lib is None or not blk.native:
         return None
+    if blk.mla is not None:  # DeepSeek-2's latent attention (its own block, csrc/mla.h)
+        return blk.mla.part(blk, a, l)
     p = Part(lib, flags=layout_flags(a))
     parallel = a.family.residual is Residual.PARALLEL
     own = parallel and blk.attn_norm_2 is not None  # falcon-40B: attention's own norm
@@ -116,6 +118,7 @@ def attention_part(blk, a: ModelArgs, l: int) -> Part | None:
         (S["post_norm"], blk.post_attention_norm),
         (S["qk_norm"], blk.attn_q_norm), (S["qk_norm"] + 1, blk.attn_k_norm),
         *((S["bias"] + i, b) for i, b in enumerate(biases)),
+        (S["sinks"], blk.attn_sinks),
     ]  # fmt: skip
     if not all(p.vec(s, t) for s, t in vecs):
         return None

@@ -11,7 +11,6 @@ file's ``ffn_down`` stays as stored, seen neuron-major through ``TransposedWeigh
 from __future__ import annotations
 
 import logging
-import re
 import warnings
 
 import numpy as np
@@ -22,17 +21,17 @@ from powerpy._fs import release_free_heap
 from powerpy.config import ModelArgs
 from powerpy.errors import FileFormatError, ModelConfigError
 from powerpy.families import Rope
-from powerpy.families.base import DENSE_FFN
 from powerpy.formats import quants
 from powerpy.formats.constants import GGMLType, Keys, Names, bias_name
 from powerpy.formats.gguf_reader import GGUFFile
 from powerpy.model.biased import BiasedWeight, row_slices
-from powerpy.model.ffn import cut_taus
+from powerpy.model.ffn import cut_taus, row_norms
 from powerpy.model.kernels import QUANT_TYPES
 from powerpy.model.kernels import VARIANTS as kernel_variants
 from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
-from powerpy.model.moe import Experts
-from powerpy.model.moe import cut_taus as expert_taus
+from powerpy.model.mla import latent
+from powerpy.model.moe import Experts, Routing
+from powerpy.model.tensor_checks import check_foreign, check_part
 from powerpy.model.weights import Block, Weights
 
 log = logging.getLogger(__name__)
@@ -96,7 +95,11 @@ class _TensorSource:
         not squeeze a (1, n) checkpoint weight write one)."""
         t = self.gf.tensors.get(name)
         self.info(name, (1, n) if t is not None and tuple(t.shape) == (1, n) else (n,), dims)
-        v = torch.from_numpy(np.array(self.gf.dequantize(name), dtype=np.float32).reshape(n))
+        return self.finite(name, (n,))
+
+    def finite(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A small tensor (its shape checked) as f32 of ``shape``, refused when not finite."""
+        v = torch.from_numpy(np.array(self.gf.dequantize(name), dtype=np.float32).reshape(shape))
         if not bool(torch.isfinite(v).all()):
             raise FileFormatError(
                 f"{self.gf.path}: tensor {name!r} holds NaN or infinite values; the file is "
@@ -176,7 +179,7 @@ def load_weights(
     """
     src, (embed, head) = _TensorSource(gf, weight_format), ends
     fam, d, ff = args.family, args.n_embd, args.n_ff
-    _check_foreign(gf, fam, args.moe)
+    check_foreign(gf, fam, args)
     tied = Names.OUTPUT not in gf.tensors and fam.tied_output
     token_embd = output = None
     if embed or (head and tied):  # a later stage's tied head: output alone (no embedding)
@@ -198,15 +201,14 @@ def load_weights(
                 f"{args.n_ctx_train + off}: re-convert the model"
             )
         position_embd = src.matrix(Names.POS_EMBD, (rows, d))
-    blocks, cuts = [], args.down_thresholds
+    blocks, cuts, moe = [], args.down_thresholds, args.moe  # a MoE's cut: in its experts
     for l in tqdm(range(args.n_layer), desc="loading", unit="layer", disable=not progress):
         fields: dict = {"ffn_gate": None, "ffn_norm": None}
-        for t in fam.block:
+        moe_layer = args.layer_moe(l)  # the experts replace the dense FFN
+        for t in fam.layer_block(moe_layer):
             name = t.name.format(l=l)
-            if args.moe and t.field in DENSE_FFN:
-                continue  # the experts replace them
             if t.part_of:
-                _check_part(gf, fam, t, l, t.part_of in fields)
+                check_part(gf, fam, t, l, t.part_of in fields)
                 if t.part_of in fields:
                     continue  # a row view of the fused matrix (below)
             if name not in gf.tensors and (t.optional or fam.has_parts(t.field)):
@@ -217,6 +219,8 @@ def load_weights(
                 bias = _bias(src, name, shape[0], t.bias)
                 if bias is not None:
                     fields[t.field + "_b"] = bias
+            elif len(shape) == 3:  # per head (deepseek2's attn_k_b, attn_v_b)
+                fields[t.field] = src.stack(name, shape, t.shape)  # type: ignore[arg-type]
             else:  # a sparse file's gate and up are gathered row by row
                 gathered = args.sparse and t.field in ("ffn_gate", "ffn_up")
                 fields[t.field] = _with_bias(
@@ -228,8 +232,12 @@ def load_weights(
                 parts = _split_rows(fields.pop(t.field), sizes)
                 fields.update(zip((f for f, _ in t.split), parts, strict=True))
                 fields.update(_part_biases(src, fam, t, l, fields))
-        if args.moe:
-            blocks.append(_moe_block(src, args, l, fields, _native(args, fields)))
+        native = _native(args, fields)
+        if fam.attention == "mla":  # the latent attention's weights, as one field
+            fields |= dict(mla=latent(fields, args, l, str(gf.path)), attn_q=None, attn_k=None,
+                           attn_v=None)  # fmt: skip
+        if moe_layer:
+            blocks.append(_moe_block(src, args, l, fields, native))
             continue
         fc1 = fc2 = None
         if args.sparse:
@@ -247,7 +255,8 @@ def load_weights(
             down = Names.FFN_DOWN.format(l=l)
             down_t = src.transposed(down, (d, ff))
         down_b = _bias(src, down, d, fam.down_bias)
-        native = _native(args, fields, down_t, fc1, fc2)
+        native = native and _native(args, {}, down_t, fc1, fc2)  # (fields: checked above)
+        cut = bool(cuts) and cuts[l] > 0 and not moe
         blocks.append(
             Block(
                 **fields,
@@ -256,7 +265,7 @@ def load_weights(
                 fc1=fc1,
                 fc2=fc2,
                 gated=l not in args.dense_layers,
-                down_tau=cut_taus(down_t, cuts[l]) if cuts and cuts[l] > 0 else None,
+                down_tau=cut_taus(row_norms(down_t), cuts[l]) if cut else None,
                 native=native,
             )
         )
@@ -303,16 +312,21 @@ def _moe_block(src: _TensorSource, args: ModelArgs, l: int, fields: dict, native
     """Layer l of a mixture of experts: the family's other tensors (``fields``) and its
     ``experts`` stacks as ``moe.Experts`` over the file's bytes; ``native``: its attention
     runs in the native block kernel."""
-    mats = {}
+    mats, biases = {}, {}
     for t in args.family.experts:
         shape = tuple(getattr(args, dim) for dim in t.shape)
         name = t.name.format(l=l)
+        if len(shape) == 1:  # the routing's selection bias (optional: DeepSeek-V2 has none)
+            if not (t.optional and name not in src.gf.tensors):
+                mats[t.field] = src.vector(name, *shape, t.shape)
+            continue
         if len(shape) == 2:
             src.info(name, shape, t.shape)
             mats[t.field] = src.matrix(name, shape)  # type: ignore[arg-type]
+            biases[t.field] = _bias(src, name, shape[0], t.bias)  # GPT-OSS's router bias
         else:
             mats[t.field] = src.stack(name, shape, t.shape)  # type: ignore[arg-type]
-        _bias(src, name, shape[-2], "none")
+            biases[t.field] = _stack_bias(src, name, shape[:2], t.bias)
     ex = Experts(
         mats["ffn_gate_inp"],
         mats["ffn_gate_exps"],
@@ -321,11 +335,26 @@ def _moe_block(src: _TensorSource, args: ModelArgs, l: int, fields: dict, native
         args.n_expert_used,
         args.expert_norm,
         args.expert_scale,
+        routing=Routing.of(args, mats.get("exp_probs_b"), biases["ffn_gate_inp"]),
+        act=args.family.expert_act,
+        gate_b=biases["ffn_gate_exps"],
+        up_b=biases["ffn_up_exps"],
+        down_b=biases["ffn_down_exps"],
     )
     cuts = args.down_thresholds
     if cuts and cuts[l] > 0:
-        ex.tau = expert_taus(ex, cuts[l])
+        ex.tau = cut_taus(ex.down_norms(), cuts[l])
     return Block(**fields, ffn_up=None, ffn_down_t=None, moe=ex, native=native)
+
+
+def _stack_bias(src: _TensorSource, weight: str, shape: tuple, rule: str) -> torch.Tensor | None:
+    """A stack of experts' biases (GPT-OSS): (n_expert, rows) f32 of ``{weight}.bias`` under
+    ``rule`` (as :func:`_bias`), checked finite; None when there is none."""
+    if rule == "none" or bias_name(weight) not in src.gf.tensors:
+        return _bias(src, weight, shape[0], rule)  # (the refusals: none allowed, or missing)
+    name = bias_name(weight)
+    src.info(name, shape, ("n_expert", "rows"))
+    return src.finite(name, shape)
 
 
 def _bias(src: _TensorSource, weight: str, n: int, rule: str) -> torch.Tensor | None:
@@ -351,28 +380,6 @@ def _bias(src: _TensorSource, weight: str, n: int, rule: str) -> torch.Tensor | 
             "file is of another architecture or corrupt: re-convert the model"
         )
     return src.vector(name, n)
-
-
-def _check_part(gf: GGUFFile, fam, part, l: int, fused_read: bool) -> None:
-    """Refuse layer ``l``'s own ``part`` matrix beside the fused one (``fused_read``), or
-    missing where the fused one is too.
-
-    Raises:
-        ModelConfigError: both layouts, naming both tensors.
-        FileFormatError: neither, naming both tensors.
-    """
-    name = part.name.format(l=l)
-    fused = next(f.name for f in fam.block if f.field == part.part_of).format(l=l)
-    if fused_read and name in gf.tensors:
-        raise ModelConfigError(
-            f"{gf.path}: layer {l} holds both {fused!r} and {name!r}, one of its row blocks; a "
-            "file holds the fused matrix or its parts, not both: re-convert the model"
-        )
-    if not fused_read and name not in gf.tensors:
-        raise FileFormatError(
-            f"{gf.path}: tensor {name!r} is missing, and so is the fused {fused!r} that would "
-            "hold it; the file is incomplete or its block_count is wrong: re-convert the model"
-        )
 
 
 def _part_biases(src: _TensorSource, fam, fused, l: int, fields: dict) -> dict:
@@ -426,63 +433,3 @@ def _kernel_readable(w) -> bool:
     if isinstance(w, DenseWeight):
         return w.w.dtype in (torch.float32, torch.float16, torch.bfloat16)
     return w is None or isinstance(w, torch.Tensor)
-
-
-# Per-layer tensors some family has (their GGUF base names): a file of a family that lacks one
-# of them is of another architecture, or corrupt. Other unknown tensors are ignored.
-_LAYOUT_BASES = {
-    "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_norm_2", "ffn_gate", "ffn_norm", "ffn_up",
-    "ffn_down", "ffn_down_t", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
-    "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm",
-}  # fmt: skip
-_LAYER_TENSOR = re.compile(r"blk\.\d+\.([a-z_0-9]+)\.(weight|bias)")
-_EXPERT_BASES = {"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
-# the first Mixtral GGUFs' layout: one 2-D tensor per expert (blk.N.ffn_gate.E.weight)
-_ONE_PER_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight")
-
-
-def _check_foreign(gf: GGUFFile, fam, moe: bool = False) -> None:
-    """Refuse a per-layer tensor of another layout (``_LAYOUT_BASES``) that ``fam`` does not
-    declare (a mixture of experts: its experts instead of a dense FFN), an output matrix where
-    the family has none, and learned positions in a family without them.
-
-    Raises:
-        ModelConfigError: naming the file, the tensor and what the family expects.
-    """
-    own = {t.name.split(".")[2] for t in fam.block} | {"ffn_down", "ffn_down_t"}
-    if moe:
-        own = (own - set(DENSE_FFN) - {"ffn_down", "ffn_down_t"}) | _EXPERT_BASES
-    for name in gf.tensors:
-        if _ONE_PER_EXPERT.fullmatch(name):
-            raise ModelConfigError(
-                f"{gf.path}: tensor {name!r} holds one expert of a mixture of experts on its "
-                "own, the layout of the first Mixtral GGUFs, which llama.cpp no longer loads "
-                "either; powerpy reads the experts of a layer as one stack "
-                "(ffn_gate_exps, ffn_up_exps, ffn_down_exps): download a newer conversion of "
-                "the model, or re-convert it"
-            )
-        m = _LAYER_TENSOR.fullmatch(name)
-        if m and m.group(1) in _EXPERT_BASES and not moe and fam.experts:
-            key = Keys.EXPERT_COUNT.format(arch=fam.arch)
-            raise ModelConfigError(
-                f"{gf.path}: tensor {name!r} belongs to a mixture of experts, but the file's "
-                f"{key} is missing or 0; set it (and {key.replace('count', 'used_count')}) or "
-                "re-convert the model"
-            )
-        if m and m.group(1) in _LAYOUT_BASES and m.group(1) not in own:
-            raise ModelConfigError(
-                f"{gf.path}: tensor {name!r} is not part of a {fam.arch} model, whose layers "
-                f"hold {', '.join(sorted(own - {'ffn_down', 'ffn_down_t'}))}"
-                f"{'' if moe else ', the down matrix and predictors'}; the file is of another "
-                "architecture or corrupt: re-convert the model"
-            )
-    if Names.OUTPUT in gf.tensors and not fam.output_tensor:
-        raise ModelConfigError(
-            f"{gf.path}: tensor {Names.OUTPUT!r} is not part of a {fam.arch} model, whose logits "
-            f"read {Names.TOKEN_EMBD!r} (llama.cpp refuses the file too): re-convert the model"
-        )
-    if Names.POS_EMBD in gf.tensors and fam.rope is not Rope.LEARNED:
-        raise ModelConfigError(
-            f"{gf.path}: tensor {Names.POS_EMBD!r} (learned positions) is not part of a "
-            f"{fam.arch} model, which uses RoPE; re-convert the model"
-        )

@@ -219,7 +219,7 @@ class QuantWeight:
     except :meth:`dequantize`.
     """
 
-    def __init__(self, raw: Tensor, ggml_type: GGMLType, cols: int, gathered: bool = False):
+    def __init__(self, raw: Tensor, ggml_type: GGMLType, cols: int, gathered=False, repack=True):
         tr = TYPE_TRAITS[ggml_type]
         assert raw.dtype == torch.uint8 and raw.dim() == 2
         assert raw.shape[1] == cols // tr.block_size * tr.type_size, (raw.shape, cols)
@@ -228,7 +228,7 @@ class QuantWeight:
         self.cols = cols
         self._kernel_ok = ggml_type in _KERNEL_QUANTS and _kernel_ok(raw)
         self._mat: kernels.Matrix | None = None
-        self._x8: kernels.Matrix | None | bool = None  # interleaved rows (False: none)
+        self._x8: kernels.Matrix | None | bool = None if repack else False  # (False: rows kept)
         self.gathered = gathered  # also read row by row (a sparse FFN): interleaving keeps rows
 
     @property

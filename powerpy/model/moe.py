@@ -1,12 +1,10 @@
-"""A mixture-of-experts FFN (Mixtral, Qwen3-MoE, Qwen2-MoE) as llama.cpp's ``build_moe_ffn``
-computes it: the router, the routed experts only, the cut inside them, hot rows on an
-accelerator, and a shared expert.
+"""A mixture-of-experts FFN (Mixtral, Qwen3-MoE, Qwen2-MoE, GLM-4.5) as llama.cpp's
+``build_moe_ffn`` computes it: the router, the routed experts only, the cut inside them, hot
+rows on an accelerator, and a shared expert.
 
 For one token x (n_embd,), the FFN input after ffn_norm (docs/moe.md):
 
-    p   = softmax(ffn_gate_inp · x)              (n_expert,), ggml's soft_max
-    E   = the k = n_expert_used experts of largest p, largest first (ties: lower id first)
-    w_i = p[E_i] / max(Σ_i p[E_i], 2^-14)        renormalized (expert_weights_norm), · scale
+    E, w = the k = n_expert_used routed experts and their weights   (``routing.route``)
     h_e = silu(gate_e · x) · (up_e · x)          (n_ff,) for each routed expert e
     y   = Σ_i w_i · (down_e · h_{E_i})           summed in routing order, as llama.cpp adds
 
@@ -15,8 +13,9 @@ tensors (``Experts.gate`` etc. hold them flattened, ``(n_expert · rows, cols)``
 blocks stay raw and run in the native kernels. Neuron j of expert e is neuron ``e · n_ff + j``
 of the layer: statistics, the cut and placements count ``n_expert · n_ff`` neurons.
 
-A shared expert (qwen2moe; ``Block.ffn_*_shexp``) adds, for every token,
-``sigmoid(ffn_gate_inp_shexp · x) · (down_s · (silu(gate_s · x) · (up_s · x)))`` to y.
+A shared expert (``Block.ffn_*_shexp``) adds, for every token,
+``down_s · (silu(gate_s · x) · (up_s · x))`` to y, scaled by ``sigmoid(ffn_gate_inp_shexp · x)``
+where it has that gate (qwen2moe).
 
 The cut (``powerpy.ffn_down_threshold``) drops neuron j of a routed expert when its share of
 the output is small, ``w_i · |h_j| · ‖down_e[:, j]‖ < t``: ``tau = t / ‖down_e[:, j]‖`` per neuron.
@@ -24,23 +23,29 @@ the output is small, ``w_i · |h_j| · ‖down_e[:, j]‖ < t``: ``tau = t / ‖
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from powerpy.config import FFNVariant
+from powerpy.formats.constants import GGMLType
 from powerpy.model import ggml_numerics, interleave, layer_record, numerics
 from powerpy.model.biased import row_slices
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
-from powerpy.model.ffn import glu, glu_rows, rows_sum, scaled_cut
+from powerpy.model.ffn import glu, rows_sum, scaled_cut
 from powerpy.model.kernels import RECORD_FLAGS, RECORD_SLOTS, Matrix, act_code, as_f32
 from powerpy.model.matrices import DenseWeight, Weight
+from powerpy.model.moe_host import cut_hot, experts_host, swiglu_oai
 from powerpy.model.options import RunOptions
+from powerpy.model.routing import Routing, route, router_logits, softmax, spread
+from powerpy.model.split import run_split
 from powerpy.model.timing import phase
 
 SWIGLU = FFNVariant.SWIGLU
-F16_TINY = 6.103515625e-5  # llama.cpp clamps the weights' sum to the smallest normal f16
+__all__ = ["ExpertHot", "Experts", "Routing", "mixture", "placed_dense", "route", "router_logits",
+           "softmax"]  # fmt: skip
 
 
 @dataclass
@@ -55,6 +60,9 @@ class ExpertHot:
         cold: ``(n_expert · n_ff,)`` bool on the host, True where the neuron stays on the CPU.
         per_expert: ``(n_expert,)`` int64 on the host, hot neurons of each expert.
         tau: ``(k,)`` f32 on the device, the cut of each hot neuron, or None.
+        gate_b, up_b: ``(k,)`` f32 on the device, the hot rows' gate and up biases (GPT-OSS).
+        per_expert_dev: ``per_expert`` on the device (a device step's statistics).
+        n_cold: neurons left on the host.
     """
 
     k: int
@@ -65,10 +73,17 @@ class ExpertHot:
     cold: Tensor
     per_expert: Tensor
     tau: Tensor | None = None
+    gate_b: Tensor | None = None
+    up_b: Tensor | None = None
+    per_expert_dev: Tensor | None = None
+    n_cold: int = 0
 
     @property
     def device_bytes(self) -> int:
-        return sum(m.nbytes for m in (self.gate, self.up, self.down_t))
+        biases = [b for b in (self.gate_b, self.up_b) if b is not None]
+        return sum(m.nbytes for m in (self.gate, self.up, self.down_t)) + 4 * sum(
+            b.numel() for b in biases
+        )
 
     @property
     def index_bytes(self) -> int:
@@ -89,6 +104,8 @@ class Experts:
         norm: renormalize the k weights to sum to 1; scale: a factor on them (0 or 1: none).
         tau: (n_expert · n_ff,) f32 on the host, the cut per neuron, or None.
         hot: hot neurons on an accelerator, or None.
+        routing: how the router's logits choose the experts (``routing.Routing``).
+        act, gate_b, up_b, down_b: the experts' activation and biases (see the fields).
     """
 
     router: Weight
@@ -100,6 +117,11 @@ class Experts:
     scale: float = 0.0
     tau: Tensor | None = None
     hot: ExpertHot | None = None
+    routing: Routing = field(default_factory=Routing)
+    act: str = "swiglu"  # or "swiglu_oai" (GPT-OSS: moe_host.swiglu_oai)
+    gate_b: Tensor | None = None  # (n_expert, n_ff) f32 the experts' biases (GPT-OSS), or None
+    up_b: Tensor | None = None  # (n_expert, n_ff)
+    down_b: Tensor | None = None  # (n_expert, n_embd)
     _views: list = field(default_factory=list, repr=False)  # per expert (gate, up, down)
     _ids: Tensor | None = field(default=None, repr=False)  # (n_expert, n_ff) neuron ids
     _x8: tuple | None = field(default=None, repr=False)  # interleaved()'s result
@@ -108,6 +130,11 @@ class Experts:
     @property
     def n_expert(self) -> int:
         return self.router.shape[0]
+
+    @property
+    def plain(self) -> bool:
+        """SwiGLU experts without biases (every family but GPT-OSS): one fused gate/up pass."""
+        return self.act == "swiglu" and self.gate_b is None and self.up_b is None
 
     @property
     def n_embd(self) -> int:
@@ -124,6 +151,14 @@ class Experts:
     @property
     def nbytes(self) -> int:
         return sum(m.nbytes for m in (self.router, self.gate, self.up, self.down))
+
+    @property
+    def cut_group(self) -> int:
+        """Neurons the cut keeps or drops together: one block of the down stack's type (a
+        K-quant's 256, else 32), so a cut group is a block not read in every row of the
+        stored down matrix (``moe_host.cut``, ``csrc/moe.h`` ``cut_groups``)."""
+        t = getattr(self.down, "ggml_type", None)
+        return 256 if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K) else 32
 
     def expert(self, e: int) -> tuple[Weight, Weight, Weight]:
         """Expert e's (gate (n_ff, n_embd), up (n_ff, n_embd), down (n_embd, n_ff)): views."""
@@ -148,8 +183,10 @@ class Experts:
         them (``interleave``; None: a stack that keeps its rows, gate and up alike), built once."""
         if self._x8 is None and (k := self.gate.kernel()) is not None:
             mats = []
-            for m, step in ((self.gate, self.n_ff), (self.up, self.n_ff), (self.down, self.n_embd)):
-                dk = interleave.dense_kernel(m) if step % 8 == 0 else None
+            # a cut's down stack keeps its rows: its products skip the cut groups' blocks
+            down = None if self.tau is not None else self.down
+            for m, step in ((self.gate, self.n_ff), (self.up, self.n_ff), (down, self.n_embd)):
+                dk = interleave.dense_kernel(m) if m is not None and step % 8 == 0 else None
                 ok = dk is not None and dk[1].code in interleave.STACKS
                 mats.append(dk[1] if ok else None)
             if (mats[0] is None) != (mats[1] is None):
@@ -179,67 +216,18 @@ class Experts:
         return sq.sqrt_().float().reshape(-1)
 
 
-def cut_taus(ex: Experts, t: float) -> Tensor:
-    """A layer's cut per neuron, (n_expert · n_ff,) f32 ``t / ‖down_e[:, j]‖`` (inf for an
-    all-zero column, which adds nothing)."""
-    n = ex.down_norms()
-    return torch.where(n > 0, t / n, torch.inf).float()
-
-
-# ----------------------------------------------------------------------------------- routing
-def softmax(logits: Tensor) -> Tensor:
-    """ggml's soft_max of each row: exp(x - max) with ggml's exp, the sum in double, then one
-    f32 multiply by 1/sum. logits (T, n) f32 -> (T, n) f32."""
-    c = ggml_numerics.library(logits)
-    if c is not None and logits.dim() == 2:
-        return ggml_numerics.soft_max(c, logits)
-    e = torch.exp(logits - logits.max(dim=1, keepdim=True).values)
-    return e * (1.0 / e.double().sum(dim=1, keepdim=True)).float()
-
-
-def router_logits(router: Weight, x: Tensor) -> Tensor:
-    """``router · x``: x (T, n_embd) -> (T, n_expert) f32. With llama.cpp's numerics an f32
-    router (llama.cpp's converters keep it f32) sums in the order of llama.cpp's f32 matmuls:
-    its logits decide the routing, so 1-ulp differences would move whole experts."""
-    c = ggml_numerics.library(x)
-    if c is not None and isinstance(router, DenseWeight) and router.w.dtype == torch.float32:
-        out = ggml_numerics.gemm_f32(c, router.w, x)
-        if out is not None:
-            return out
-    return router.linear(x)
-
-
-def route(ex: Experts, x: Tensor) -> tuple[Tensor, Tensor]:
-    """The routed experts of each token: x (T, n_embd) -> ids (T, k) int64 (largest
-    probability first, ties to the lower id) and weights (T, k) f32, on the router's device."""
-    p = softmax(router_logits(ex.router, x))  # (T, n_expert)
-    ids = torch.sort(p, dim=1, descending=True, stable=True).indices[:, : ex.n_used]
-    w = p.gather(1, ids)
-    if ex.norm:  # ggml_sum_rows sums in double
-        w = w / w.double().sum(dim=1, keepdim=True).float().clamp_min(F16_TINY)
-    if ex.scale not in (0.0, 1.0):
-        w = w * ex.scale
-    return ids, w
-
-
-def spread(ex: Experts, ids: Tensor, w: Tensor) -> Tensor:
-    """Each neuron's routing weight: ids, w (T, k) -> (T, n_expert · n_ff) f32, 0 for the
-    neurons of experts a token does not route to (on the tensors' device, no host sync)."""
-    per_expert = w.new_zeros(ids.shape[0], ex.n_expert)
-    per_expert.scatter_(1, ids, w)
-    return per_expert.repeat_interleave(ex.n_ff, dim=1)
-
-
 def shared_expert(blk, x: Tensor, accel: Accelerator | None) -> Tensor | None:
-    """A layer's shared expert (qwen2moe, llama.cpp's ``ffn_shexp``): x (T, n_embd) the normed
-    FFN input -> (T, n_embd) f32 on x's device, computed where its matrices are; None without
-    one. Its gate is llama.cpp's silu(g) / g (``ggml_numerics.silu_div``), g summed as an f32
-    router's logits are."""
+    """A layer's shared expert (llama.cpp's ``ffn_shexp``): x (T, n_embd) the normed FFN input
+    -> (T, n_embd) f32 on x's device, computed where its matrices are; None without one. A
+    qwen2moe gate scales it by llama.cpp's silu(g) / g (``ggml_numerics.silu_div``), g summed
+    as an f32 router's logits are; glm4moe's and deepseek2's have no gate."""
     if blk.ffn_up_shexp is None:
         return None
     xs = move(accel, x, blk.ffn_up_shexp.device)
     h = glu(blk.ffn_gate_shexp.linear(xs), blk.ffn_up_shexp.linear(xs), SWIGLU, inplace=True)
     y = blk.ffn_down_shexp.linear(h)  # (T, n_embd)
+    if blk.ffn_gate_inp_shexp is None:
+        return move(accel, y, x.device)
     w = blk.ffn_gate_inp_shexp.float()[None]  # (1, n_embd)
     g = router_logits(DenseWeight(w), move(accel, xs, w.device))  # (T, 1)
     c = ggml_numerics.library(g)
@@ -248,52 +236,77 @@ def shared_expert(blk, x: Tensor, accel: Accelerator | None) -> Tensor | None:
 
 
 # ----------------------------------------------------------------------------------- the FFN
-def moe_ffn(l: int, ex: Experts, x: Tensor, opts: RunOptions, accel: Accelerator | None) -> Tensor:
+def moe_ffn(
+    l: int, ex: Experts, x: Tensor, opts: RunOptions, accel: Accelerator | None, cold=None
+) -> Tensor:
     """The layer's mixture: x (T, n_embd) the normed FFN input (any device) -> (T, n_embd) f32
     on x's device. CPU-only without a cut it is llama.cpp's computation, step for step; hot
-    rows run on the accelerator and the CPU adds the routed cold neurons (docs/moe.md)."""
+    rows run on the accelerator and the CPU adds the routed cold neurons (docs/moe.md), by the
+    one split runner (``split.run_split``). ``cold``: a decode plan's cold tasks
+    (``host_tasks.ColdTasks``): the host's neurons run as host functions of the device's
+    stream, with no host wait; a layer whose every neuron is hot runs on the device alone."""
     with phase(opts.timer, "router"):
         ids, w = route(ex, move(accel, x, ex.router.device))  # (T, k)
     tau = scaled_cut(ex.tau, opts)
     plain = opts.observer is None and opts.oracle is None
-    y_hot = None
-    if ex.hot is not None and plain:
-        y_hot = _hot(ex, x, ids, w, accel, scaled_cut(ex.hot.tau, opts), opts)
-    with phase(opts.timer if accel is not None else None, "wait"):
-        x_h, ids_h, w_h = _to_host(accel, [x, ids, w])  # one wait for the device's
-    cold = ex.hot.cold if y_hot is not None else None
-    with phase(opts.timer if y_hot is not None else None, "ffn_cold"):
-        y, kept = experts_host(l, ex, x_h, ids_h, w_h, tau, opts, cold)
-    if opts.stats is not None:  # a hybrid adds its routed hot neurons (cut or not)
-        hot = 0 if y_hot is None else ex.hot.per_expert[ids_h].sum(1)
-        opts.stats.record_counts(l, kept + hot)
-    if y_hot is None:
+    hot = ex.hot if plain else None
+    hot_tau = None if hot is None else scaled_cut(hot.tau, opts)
+    in_plan = cold is not None and l in cold.layers
+    if in_plan or (hot is not None and hot.n_cold == 0 and ex.down_b is None):
+        assert accel is not None
+        x_d, ids_d, w_d = (accel.move(t, accel.device) for t in (x, ids, w))
+        counts = None
+
+        def on_device() -> Tensor | None:
+            return None if hot is None else _hot(ex, x_d, ids_d, w_d, hot_tau)
+
+        if in_plan:
+            y, counts = cold.run_moe(l, x_d, ids_d, w_d, on_device)
+        else:  # every neuron on the device: no host part, no wait
+            with phase(opts.timer, "ffn_hot"):
+                y = on_device()
+        if opts.stats is not None:  # the neurons added, as the host counts them
+            routed = None if hot is None else _routed_hot(hot, ids_d)
+            opts.stats.record_counts(l, routed if counts is None else
+                                     counts if routed is None else counts + routed)  # fmt: skip
         return move(accel, y, x.device)
-    accel.join(y_hot)
-    return (
-        y_hot + accel.move(y, y_hot.device)
-        if y_hot.device == x.device
-        else (accel.move(y_hot, x.device) + y)
-    )
+
+    def hot_part(x_d: Tensor, sel: list[Tensor]) -> Tensor:
+        return _hot(ex, x_d, *sel, hot_tau)
+
+    def cold_part(x_h: Tensor, sel: list[Tensor]) -> Tensor:
+        ids_h, w_h = sel
+        y, kept = experts_host(l, ex, x_h, ids_h, w_h, tau, opts, None if hot is None else hot.cold)
+        if opts.stats is not None:  # a hybrid adds its routed hot neurons (cut or not)
+            opts.stats.record_counts(l, kept + (0 if hot is None else hot.per_expert[ids_h].sum(1)))
+        return y
+
+    return run_split(accel, x, [ids, w], hot_part if hot is not None else None, cold_part, opts,
+                     keep=(hot_tau,))  # fmt: skip
 
 
-def mixture(l: int, blk, x: Tensor, opts: RunOptions, accel: Accelerator | None) -> Tensor:
+def mixture(
+    l: int, blk, x: Tensor, opts: RunOptions, accel: Accelerator | None, cold=None
+) -> Tensor:
     """A mixture-of-experts layer's FFN: x (T, n_embd) the normed FFN input -> the routed
-    experts' sum (:func:`moe_ffn`) plus its shared expert's output where it has one
-    (:func:`shared_expert`, added as llama.cpp adds it), (T, n_embd) f32 on x's device."""
-    y = moe_ffn(l, blk.moe, x, opts, accel)
+    experts' sum (:func:`moe_ffn`; ``cold``: as there) plus its shared expert's output where it
+    has one (:func:`shared_expert`, added as llama.cpp adds it), (T, n_embd) f32 on x's
+    device."""
+    y = moe_ffn(l, blk.moe, x, opts, accel, cold)
     shared = shared_expert(blk, x, accel)
     return y if shared is None else y.add_(shared)
 
 
-def _to_host(accel: Accelerator | None, ts: list[Tensor]) -> list[Tensor]:
-    """The tensors on the host, with one wait for those on the device."""
-    on_dev = [t for t in ts if t.device != HOST]
-    if not on_dev:
-        return ts
-    assert accel is not None
-    got = iter(accel.fetch(on_dev))
-    return [next(got) if t.device != HOST else t for t in ts]
+def placed_dense(blk, x: Tensor, variant: FFNVariant, accel: Accelerator | None) -> Tensor:
+    """A mixture's leading dense layer whose FFN a placement put whole on the accelerator (the
+    dense pass, ``placement.experts``): x (T, n_embd) the normed FFN input -> (T, n_embd) f32
+    on x's device, every product where its matrix is (no hot/cold split: every token runs
+    every neuron, as a shared expert's)."""
+    xs = move(accel, x, blk.ffn_up.device)
+    g = blk.ffn_gate.linear(move(accel, xs, blk.ffn_gate.device))
+    h = glu(move(accel, g, xs.device), blk.ffn_up.linear(xs), variant, inplace=True)
+    y = rows_sum(move(accel, h, blk.ffn_down_t.device), blk.ffn_down_t)
+    return move(accel, y, x.device)
 
 
 def moe_kernels(blk, opts: RunOptions):
@@ -309,20 +322,38 @@ def moe_kernels(blk, opts: RunOptions):
         return None
     if blk.ffn_norm.device.type != "cpu" or not opts.numerics.quantized_activations:
         return None
+    extras = (ex.routing.probs_b, ex.routing.router_b, ex.gate_b, ex.up_b, ex.down_b)
+    if any(b is not None and b.device.type != "cpu" for b in extras):
+        return None
     mats = [ex.router, ex.gate, ex.up, ex.down]
+    gate_row = blk.ffn_gate_inp_shexp
     if blk.ffn_up_shexp is not None:
-        if ex._row is None or ex._row[0] is not blk.ffn_gate_inp_shexp:  # built once
-            ex._row = (blk.ffn_gate_inp_shexp, DenseWeight(as_f32(blk.ffn_gate_inp_shexp)[None]))
-        mats += [ex._row[1], blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp]
-    kerns = [m.kernel() for m in mats[:4]] + [interleave.dense_kernel(m) for m in mats[4:]]
-    if None in kerns:
+        if gate_row is not None and (ex._row is None or ex._row[0] is not gate_row):  # once
+            ex._row = (gate_row, DenseWeight(as_f32(gate_row)[None]))
+        row = None if gate_row is None else ex._row[1]  # None: an unscaled shared expert
+        mats += [row, blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp]
+    kerns = [m.kernel() for m in mats[:4]] + [m and interleave.dense_kernel(m) for m in mats[4:]]
+    if any(k is None for i, k in enumerate(kerns) if i != 4 or gate_row is not None):
         return None
     x8 = ex.interleaved()[1:]  # the stacks interleaved, or None
     kerns[1:4] = [k if m is None else (k[0], m) for k, m in zip(kerns[1:4], x8, strict=True)]
-    codes = [k[1].code for k in kerns]
+    codes = [k and k[1].code for k in kerns]
     if codes[1] != codes[2] or codes[5:7] and codes[5] != codes[6]:  # each GLU's gate and up
         return None
-    return kerns[0][0], [k[1] for k in kerns] + [None] * (8 - len(kerns)), scaled_cut(ex.tau, opts)
+    mats = [k and k[1] for k in kerns] + [None] * (8 - len(kerns))
+    return kerns[0][0], mats, scaled_cut(ex.tau, opts)
+
+
+def route_args(ex: Experts) -> tuple[list[int], list[Tensor]]:
+    """The native block's routing beyond top-k and the experts' extras (``csrc/moe.h`` Route:
+    gating code, selection bias, expert groups, groups used, router bias, activation, gate, up
+    and down biases) and the host tensors its pointers point into."""
+    r = ex.routing
+    vecs = [None if v is None else as_f32(v) for v in (r.probs_b, r.router_b, ex.gate_b, ex.up_b,
+                                                       ex.down_b)]  # fmt: skip
+    ptr = [0 if v is None else v.data_ptr() for v in vecs]
+    act = int(ex.act == "swiglu_oai")
+    return [r.code, ptr[0], *r.groups, ptr[1], act, *ptr[2:]], [v for v in vecs if v is not None]
 
 
 def moe_part(blk, a, opts: RunOptions) -> layer_record.Part | None:
@@ -346,7 +377,30 @@ def moe_part(blk, a, opts: RunOptions) -> layer_record.Part | None:
     ex, at = blk.moe, RECORD_SLOTS["moe"]
     p.slots[at], p.slots[at + 1] = ex.n_used, int(ex.norm)
     p.f32(at + 2, ex.scale)
+    route, biases = route_args(ex)
+    p.keep += biases
+    for i, v in enumerate(route):
+        p.slots[RECORD_SLOTS["route"] + i] = v
     return p
+
+
+def moe_cold_part(blk, opts: RunOptions) -> layer_record.Part | None:
+    """The record a mixture's cold task reads (``host_tasks``, ``csrc/host_tasks.h``
+    ``moe_cold_rows``): the gate and up stacks as stored, the down stack (interleaved where the
+    host path multiplies it so: ``Experts.x8``), the cut; None for experts other than plain
+    SwiGLU without biases, or matrices the kernels cannot read."""
+    ex: Experts | None = blk.moe
+    if ex is None or not ex.plain or ex.down_b is not None:
+        return None
+    kerns = [m.kernel() for m in (ex.gate, ex.up, ex.down)]
+    if any(k is None for k in kerns) or kerns[0][1].code != kerns[1][1].code:
+        return None
+    x8_down = ex.x8(0)[3] is not None and ex.interleaved()[3]  # numerics as Experts.x8's
+    mats = [kerns[0][1], kerns[1][1], x8_down or kerns[2][1]]
+    p = layer_record.Part(kerns[0][0], flags=RECORD_FLAGS["moe"])
+    for slot, m in zip((10, 15, 20), mats, strict=True):
+        p.matrix(RECORD_SLOTS["ffn"] + slot, m)
+    return p if p.vec(RECORD_SLOTS["tau"], scaled_cut(ex.tau, opts)) else None
 
 
 def moe_decode(l: int, blk, x: OnDevices, a, thr: float, opts: RunOptions) -> Tensor | None:
@@ -361,10 +415,11 @@ def moe_decode(l: int, blk, x: OnDevices, a, thr: float, opts: RunOptions) -> Te
     r, w = as_f32(x(HOST)[0]), as_f32(blk.ffn_norm)  # (n_embd,) the residual, the norm
     tau = None if tau is None else as_f32(tau)
     y = torch.empty(r.numel(), dtype=torch.float32)
+    route, _biases = route_args(ex)
     kept = lib.cdll.pp_moe_decode(
-        Matrix.pack(mats), ex.n_used, int(ex.norm), ex.scale, 0 if tau is None else tau.data_ptr(),
-        r.data_ptr(), w.data_ptr(), a.norm_eps, y.data_ptr(), None, None, act_code(),
-        torch.get_num_threads(),
+        Matrix.pack(mats), ex.n_used, int(ex.norm), ex.scale, (ctypes.c_int64 * 9)(*route),
+        0 if tau is None else tau.data_ptr(), r.data_ptr(), w.data_ptr(), a.norm_eps,
+        y.data_ptr(), None, None, act_code(), torch.get_num_threads(),
     )  # fmt: skip
     if kept < 0:
         raise ValueError(f"moe_decode: invalid arguments (status {-kept})")
@@ -373,127 +428,27 @@ def moe_decode(l: int, blk, x: OnDevices, a, thr: float, opts: RunOptions) -> Te
     return y[None]
 
 
-def experts_host(
-    l: int,
-    ex: Experts,
-    x: Tensor,
-    ids: Tensor,
-    w: Tensor,
-    tau: Tensor | None,
-    opts: RunOptions,
-    cold: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The routed experts on the host: x (T, n_embd), ids and w (T, k), tau (n_expert · n_ff,)
-    or None, cold (n_expert · n_ff,) bool or None (every neuron) -> ((T, n_embd) f32, (T,)
-    int64 neurons whose down column was added). Tokens are grouped by expert; each expert's
-    output is weighted, then the k outputs of a token are added in routing order. An observer
-    sees, and an oracle chooses from, ``w_i · h`` of every neuron (0 where not routed)."""
-    T, k = ids.shape
-    if T == 1 and cold is None and opts.observer is None and opts.oracle is None:
-        return _one_token(ex, x[0], ids[0], w[0], tau)
-    parts = []  # (expert, tokens, slots, h (T_e, n_ff), weights (T_e,))
-    for e in torch.unique(ids).tolist():
-        mask = None if cold is None else cold[ex.rows(e)]  # (n_ff,) this expert's cold neurons
-        if mask is not None and not bool(mask.any()):
-            continue  # every neuron of e is hot
-        t, s = (ids == e).nonzero(as_tuple=True)  # tokens routing to e, and their slots
-        gate, up, _ = ex.expert(e)
-        x8 = ex.x8(e)
-        if x8[1] is not None and mask is None:  # interleaved: every token by the GEMV
-            h = _x8_glu(x8, x.index_select(0, t))
-        else:
-            h = _activations(x, gate, up, t, mask)  # (T_e, n_ff) f32
-        we = w[t, s]
-        if tau is not None:
-            h.masked_fill_(h.abs() * we[:, None] < tau[ex.rows(e)], 0.0)
-        parts.append((e, t, s, h, we))
-    if opts.observer is not None or opts.oracle is not None:
-        full = x.new_zeros(T, ex.n_neurons)  # (T, n_expert · n_ff)
-        for e, t, _, h, we in parts:
-            full[t, ex.rows(e)] += h * we[:, None]
-        if opts.observer is not None:
-            opts.observer(l, x, full)
-        if opts.oracle is not None:
-            keep = opts.oracle(l, full)  # (T, n_expert · n_ff) bool
-            for e, t, _, h, _ in parts:
-                h.mul_(keep[t, ex.rows(e)])
-    outs = x.new_zeros(T, k, ex.n_embd)
-    kept = torch.zeros(T, dtype=torch.int64)
-    for e, t, s, h, we in parts:
-        kept.index_add_(0, t, (h != 0).sum(1))
-        outs[t, s] = _down(ex, e, h) * we[:, None]
-    y = outs[:, 0]
-    for i in range(1, k):
-        y = y + outs[:, i]
-    return y, kept
+def _routed_hot(hot: ExpertHot, ids: Tensor) -> Tensor:
+    """The hot neurons of each token's routed experts: ids (T, k) -> (T,) int64, on the
+    device."""
+    return hot.per_expert_dev.index_select(0, ids.reshape(-1)).view(ids.shape).sum(1)
 
 
-def _one_token(
-    ex: Experts, x: Tensor, ids: Tensor, w: Tensor, tau: Tensor | None
-) -> tuple[Tensor, Tensor]:
-    """A decode step: x (n_embd,), ids and w (k,) -> ((1, n_embd), (1,) kept). The routed
-    experts' gate and up rows in one fused native call, then one down product per expert."""
-    es = ids.tolist()
-    idx = torch.cat([ex.neurons(e) for e in es])  # (k · n_ff,)
-    if ex.x8(0)[1] is not None:  # interleaved: each expert's whole gate and up
-        h = torch.cat([_x8_glu(ex.x8(e), x[None])[0] for e in es])
-    else:
-        h = glu_rows(x, ex.gate, ex.up, idx, SWIGLU)  # (k · n_ff,)
-    ff = ex.n_ff
-    if tau is not None:
-        h.masked_fill_(h.abs() * w.repeat_interleave(ff) < tau[idx], 0.0)
-    y = None
-    for i, e in enumerate(es):
-        y_e = _down(ex, e, h[i * ff : (i + 1) * ff][None]).mul_(w[i])  # (1, n_embd)
-        y = y_e if y is None else y + y_e
-    kept = int((h != 0).sum()) if tau is not None else h.numel()
-    return y, torch.tensor([kept])
-
-
-def _x8_glu(x8: tuple, x: Tensor) -> Tensor:
-    """silu(gate · x) · (up · x) of an expert's interleaved (library, gate, up, ...)."""
-    return glu(x8[0].gemm(x8[1], x), x8[0].gemm(x8[2], x), SWIGLU, inplace=True)
-
-
-def _down(ex: Experts, e: int, h: Tensor) -> Tensor:
-    """Expert e's down product: h (T, n_ff) -> (T, n_embd) f32."""
-    lib, _, _, m = ex.x8(e)
-    return ex.expert(e)[2].linear(h) if m is None else lib.gemm(m, h)
-
-
-def _activations(x: Tensor, gate: Weight, up: Weight, t: Tensor, mask: Tensor | None) -> Tensor:
-    """h = silu(gate · x) · (up · x) of one expert for tokens t: (T_e, n_ff) f32. One token
-    reads only its rows in one fused native call (the cold ones when ``mask`` is given)."""
-    if t.numel() == 1:
-        idx = torch.arange(gate.shape[0]) if mask is None else mask.nonzero().squeeze(1)
-        h = glu_rows(x[t[0]], gate, up, idx, SWIGLU)
-        if mask is None:
-            return h[None]
-        out = h.new_zeros(1, gate.shape[0])
-        out[0, idx] = h
-        return out
-    xe = x.index_select(0, t)
-    h = glu(gate.linear(xe), up.linear(xe), SWIGLU, inplace=True)
-    return h if mask is None else h.mul_(mask)
-
-
-def _hot(
-    ex: Experts,
-    x: Tensor,
-    ids: Tensor,
-    w: Tensor,
-    accel: Accelerator,
-    tau: Tensor | None,
-    opts: RunOptions,
-) -> Tensor:
-    """The hot neurons' part on the accelerator's side stream (queued, no host sync): every
-    hot row is computed and weighted by its expert's routing weight (0 unless routed)."""
+def _hot(ex: Experts, x: Tensor, ids: Tensor, w: Tensor, tau: Tensor | None) -> Tensor:
+    """The hot neurons' part, all on the device (``split.run_split`` queues it on the side
+    stream, no host sync): x (T, n_embd), ids and w (T, k) -> (T, n_embd). Every hot row is
+    computed and weighted by its expert's routing weight (0 unless routed)."""
     hot = ex.hot
     assert hot is not None
-    x_d, ids_d, w_d = (accel.move(t, accel.device) for t in (x, ids, w))
-    with accel.side_stream(x_d, ids_d, w_d, tau), phase(opts.timer, "ffn_hot"):
-        scale = spread(ex, ids_d, w_d).index_select(1, hot.bucket)  # (T, k_hot)
-        h = glu(hot.gate.linear(x_d), hot.up.linear(x_d), SWIGLU, inplace=True).mul_(scale)
-        if tau is not None:
-            h = h.masked_fill_(h.abs() < tau, 0.0)
-        return rows_sum(h, hot.down_t)
+    scale = spread(ex, ids, w).index_select(1, hot.bucket)  # (T, k_hot)
+    g, u = hot.gate.linear(x), hot.up.linear(x)
+    if ex.plain:
+        h = glu(g, u, SWIGLU, inplace=True)
+    else:  # GPT-OSS: the hot rows' biases (ExpertHot's, on the device), its activation
+        g = g if hot.gate_b is None else g + hot.gate_b
+        u = u if hot.up_b is None else u + hot.up_b
+        h = swiglu_oai(g, u) if ex.act == "swiglu_oai" else glu(g, u, SWIGLU, inplace=True)
+    h = h.mul_(scale)
+    if tau is not None:  # the cut by groups, over the group's hot neurons
+        h = cut_hot(h, tau, hot.bucket, ex.cut_group, ex.n_neurons)
+    return rows_sum(h, hot.down_t)

@@ -7,8 +7,9 @@ plan is built, not asked again each token. A plan has up to two executors:
   the CPU, all of them in one call (a CPU-only model's whole step; a partial placement's layers
   from the first one after which everything is on the host);
 - the **device executor**, :class:`DeviceStep`, for a model whose every layer's attention,
-  norms and predictor, the KV pool and the output are on the accelerator (a layer's FFN rows on
-  the host run as host tasks of the device's stream, ``host_tasks``): the step
+  norms and predictor (a mixture's router and shared expert), the KV pool and the output are on
+  the accelerator (a layer's FFN rows or expert neurons on the host run as host tasks of the
+  device's stream, ``host_tasks``): the step
   as one function of fixed buffers (the token's embedding row, each session's position and first
   pool row, the RoPE tables of every position, the logits and the sparsity counts), captured once
   as a graph (``graphs.StepGraph``) and replayed: one replay and one copy of the logits per token.
@@ -37,7 +38,7 @@ from powerpy.model.attention import layer_rotations
 from powerpy.model.cache import KVCache
 from powerpy.model.device import OnDevices
 from powerpy.model.graphs import CaptureError, StepGraph
-from powerpy.model.host_tasks import ColdTasks
+from powerpy.model.host_tasks import ColdTasks, HostRowsError, hosted
 from powerpy.model.options import RunOptions
 from powerpy.model.step import Step
 
@@ -137,24 +138,40 @@ def device_refusal(model) -> str | None:
     if not _held(accel, w.output_norm, w.output, w.output_norm_b):
         return "the output matrix stays on the host"
     for l, blk in enumerate(w.blk):
-        if blk.moe is not None:
-            return f"layer {l} is a mixture of experts"
+        if blk.mla is not None or blk.attn_sinks is not None:
+            return f"layer {l}'s attention (latent, or with sinks) is not in the device step yet"
         attn = (blk.attn_norm, blk.attn_norm_b, blk.attn_q, blk.attn_k, blk.attn_v)
         attn += (blk.attn_output, blk.attn_q_norm, blk.attn_k_norm, blk.post_attention_norm)
         if not _held(accel, *attn):
             return f"layer {l}'s attention is not all placed"
         if not _held(accel, blk.ffn_norm, blk.ffn_norm_b, blk.post_ffw_norm, blk.ffn_down_b):
             return f"layer {l}'s FFN norms are not placed"
-        if (blk.hot is None or blk.hot.cold_idx.numel()) and kernels.library() is None:
+        if hosted(blk, accel) and kernels.library() is None:
             return f"layer {l} keeps FFN rows on the host, and the native kernels are off"
+        if blk.moe is not None and (why := _moe_refusal(accel, blk)):
+            return f"layer {l}'s {why}"
         if blk.fc1 is not None and not _held(accel, blk.fc1, blk.fc2):
             return f"layer {l}'s predictor stays on the host"
     return None
 
 
+def _moe_refusal(accel, blk) -> str | None:
+    """Why a mixture's layer is not in the device step, or None."""
+    ex = blk.moe
+    r = ex.routing
+    if not _held(accel, ex.router, r.probs_b, r.router_b):
+        return "router stays on the host"
+    shexp = (blk.ffn_gate_inp_shexp, blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp)
+    if not _held(accel, *shexp):
+        return "shared expert stays on the host"
+    if not ex.plain or ex.down_b is not None:
+        return "experts (biased, or GPT-OSS's activation) are not in the device step yet"
+    return None
+
+
 def _hybrid(model) -> bool:
     """Some layer keeps FFN rows on the host."""
-    return any(b.hot is None or b.hot.cold_idx.numel() for b in model.weights.blk)
+    return any(hosted(b, model.accel) for b in model.weights.blk)
 
 
 class DeviceStep:
@@ -284,7 +301,12 @@ class DecodePlan:
         self.refusal = device_refusal(model)
         self._lock = threading.Lock()  # the fixed buffers serve one step at a time
         if self.refusal is None:
-            self.device = DeviceStep(model, opts, batch, graph=opts.graphs and opts.timer is None)
+            try:
+                self.device = DeviceStep(model, opts, batch,
+                                         graph=opts.graphs and opts.timer is None)  # fmt: skip
+            except HostRowsError as e:
+                self.refusal = str(e)
+                log.info("decode step of %d: the per-layer path (%s)", batch, e)
 
     def host(self, opts: RunOptions) -> stack_decode.StackPlan | None:
         """The host executor of a one-session step (``stack_decode.plan_for``, memoized per

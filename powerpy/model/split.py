@@ -1,10 +1,16 @@
 """A layer's FFN split between the accelerator and the host: its hot rows (``HotRows``) on the
-device, the predicted-active cold rows on the host, the outputs added
+device, the selected cold rows on the host, the outputs added
 (docs/architecture.md#split-and-merge). ``ffn`` is the torch path's one entry: the predictor's
-mask, then :func:`split_ffn`. A CPU-only model is the same split with no hot rows."""
+mask, then :func:`split_ffn`. A CPU-only model is the same split with no hot rows.
+
+:func:`run_split` is the one runner of every hot/cold split, the FFN's and a mixture of
+experts' (``moe.moe_ffn``): a selector (the predictor's mask, the router's choice, or nothing
+under a cut) has picked the rows; the hot part is queued on the device's side stream, the host
+waits once for the input and the selector, computes the cold part, and the two are added."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -162,7 +168,6 @@ def split_ffn(
     """
     hot: HotRows | None = blk.hot
     tau = blk.cut(opts)  # (n_ff,) on the host, or None
-    y_hot = None
     if cold is not None and l in cold.layers:  # a plan's step: host functions, no host wait
         assert accel is not None
         x_dev, act_dev = accel.move(x, accel.device), act
@@ -192,25 +197,72 @@ def split_ffn(
         elif opts.stats is not None and act_dev is not None:
             opts.stats.record(l, act_dev)
         return move(accel, y, x.device)
+    sel = [] if act is None else [act]
+    if hot is None and tau is not None:  # CPU-only with a cut: count the rows really added
+
+        def cold_cut(x_host: Tensor, sel_host: list[Tensor]) -> Tensor:
+            act_host = sel_host[0] if sel_host else None
+            y, kept = ffn_cut(x_host, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant,
+                              act_host, tau)  # fmt: skip
+            if opts.stats is not None:
+                opts.stats.record_counts(l, kept)
+            return y
+
+        return run_split(accel, x, sel, None, cold_cut, opts)
+    tau_dev = None if hot is None else scaled_cut(hot.tau, opts)  # (k,) on the device, or None
+
+    def hot_part(x_dev: Tensor, sel_dev: list[Tensor]) -> Tensor:
+        act_dev = sel_dev[0] if sel_dev else None
+        return _hot(hot, x_dev, act_dev, variant, accel.gather_hot, tau_dev)
+
+    def cold_part(x_host: Tensor, sel_host: list[Tensor]) -> Tensor:
+        act_host = sel_host[0] if sel_host else None
+        if act_host is not None and opts.stats is not None:
+            opts.stats.record(l, act_host)  # a hybrid's statistics count the predicted rows
+        return _cold(blk, hot, x_host, act_host, variant, tau)  # (T, n_embd) on the host
+
+    return run_split(accel, x, sel, hot_part if hot is not None else None, cold_part, opts,
+                     keep=(tau_dev,))  # fmt: skip
+
+
+def run_split(
+    accel: Accelerator | None,
+    x: Tensor,
+    sel: list[Tensor],
+    hot: Callable[[Tensor, list[Tensor]], Tensor] | None,
+    cold: Callable[[Tensor, list[Tensor]], Tensor],
+    opts: RunOptions = SPARSE,
+    *,
+    keep: tuple[Tensor | None, ...] = (),
+) -> Tensor:
+    """One hot/cold split, whatever selected its rows (the FFN's and a mixture's).
+
+    Args:
+        accel: the accelerator holding the hot rows (None: CPU-only, ``hot`` None).
+        x: (T, n_embd) the FFN input, on any device.
+        sel: the selector's tensors (the predictor's (T, n_ff) mask; the router's (T, k) ids and
+            weights; none), on any device.
+        hot: ``hot(x, sel)`` on the device -> (T, n_embd) there, queued on the side stream (no
+            host sync inside), or None without hot rows.
+        cold: ``cold(x, sel)`` on the host -> (T, n_embd) f32 there.
+        opts: for the timer (phases ``ffn_hot``, ``wait``, ``ffn_cold``).
+        keep: other device tensors the hot part reads (kept allocated for the side stream).
+
+    Returns:
+        hot + cold, (T, n_embd) f32 on x's device. The host waits once, for x and the selector
+        (not for the hot part); the main stream waits for the hot part, the host does not.
+    """
+    y_hot = None
     if hot is not None:
         assert accel is not None
         x_dev = accel.move(x, accel.device)
-        act_dev = None if act is None else accel.move(act, accel.device)
-        tau_dev = scaled_cut(hot.tau, opts)  # (k,) on the device, or None
-        with accel.side_stream(x_dev, act_dev, tau_dev), phase(opts.timer, "ffn_hot"):
-            y_hot = _hot(hot, x_dev, act_dev, variant, accel.gather_hot, tau_dev)  # queued
+        sel_dev = [accel.move(t, accel.device) for t in sel]
+        with accel.side_stream(x_dev, *sel_dev, *keep), phase(opts.timer, "ffn_hot"):
+            y_hot = hot(x_dev, sel_dev)  # queued
     with phase(opts.timer if accel is not None else None, "wait"):
-        x_host, act_host = _to_host(accel, x, act)  # waits for the predictor, not the hot part
-    if hot is None and tau is not None:  # CPU-only with a cut: count the rows really added
-        y_cold, kept = ffn_cut(x_host, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant,
-                               act_host, tau)  # fmt: skip
-        if opts.stats is not None:
-            opts.stats.record_counts(l, kept)
-        return move(accel, y_cold, x.device)
-    if act_host is not None and opts.stats is not None:
-        opts.stats.record(l, act_host)  # a hybrid's statistics count the predicted rows
-    with phase(opts.timer if hot is not None else None, "ffn_cold"):
-        y_cold = _cold(blk, hot, x_host, act_host, variant, tau)  # (T, n_embd) on the host
+        x_host, *sel_host = _to_host(accel, [x, *sel])  # one wait, for the selector
+    with phase(opts.timer if y_hot is not None else None, "ffn_cold"):
+        y_cold = cold(x_host, sel_host)
     if y_hot is None:
         return move(accel, y_cold, x.device)
     accel.join(y_hot)  # the main stream waits for the hot part; the host does not
@@ -219,15 +271,14 @@ def split_ffn(
     return accel.move(y_hot, x.device) + y_cold
 
 
-def _to_host(accel: Accelerator | None, x: Tensor, act: Tensor | None):
-    """x and act (or None) on the host, with one wait for those on the device."""
-    ts = [t for t in (x, act) if t is not None]
+def _to_host(accel: Accelerator | None, ts: list[Tensor]) -> list[Tensor]:
+    """The tensors on the host, with one wait for those on the device."""
     on_dev = [t for t in ts if t.device != HOST]
-    if on_dev:
-        assert accel is not None
-        got = iter(accel.fetch(on_dev))
-        ts = [next(got) if t.device != HOST else t for t in ts]
-    return ts[0], (ts[1] if act is not None else None)
+    if not on_dev:
+        return ts
+    assert accel is not None
+    got = iter(accel.fetch(on_dev))
+    return [next(got) if t.device != HOST else t for t in ts]
 
 
 def _hot_h(

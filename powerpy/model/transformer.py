@@ -20,7 +20,7 @@ from powerpy.config import ModelArgs
 from powerpy.errors import ModelConfigError, NonFiniteError
 from powerpy.families import Norm, Residual, Rope
 from powerpy.formats.constants import Names
-from powerpy.model import ggml_numerics, gpu_kernels, numerics, stack_decode
+from powerpy.model import ggml_numerics, gpu_kernels, mla, numerics, stack_decode
 from powerpy.model.attention import (
     apply_rope,
     attend,
@@ -31,7 +31,8 @@ from powerpy.model.attention import (
 from powerpy.model.cache import KVCache, KVPlacement
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import fused_decode
-from powerpy.model.moe import mixture, moe_decode
+from powerpy.model.finite import check_finite as _check_finite
+from powerpy.model.moe import mixture, moe_decode, placed_dense
 from powerpy.model.norms import layer_norm, rms_norm
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.plan import Plans
@@ -397,6 +398,8 @@ class Model:
         The projections run once for all T tokens, the attention once per segment (each reads
         its own cache), or once for a pooled step's sessions. ``rot`` holds the rotations per
         device (moved once per forward)."""
+        if blk.mla is not None:
+            return mla.attention(self, l, blk, x, step, rot)
         a, n = self.args, x.shape[0]
         x_on = OnDevices(self.accel, x)  # x moved once to each device that reads it
         if blk.attn_qkv is not None:  # q, k and v in one product
@@ -413,7 +416,7 @@ class Model:
             q = rms_norm(q, blk.attn_q_norm, a.norm_eps)
             k = rms_norm(k, blk.attn_k_norm, a.norm_eps)
         window = a.sliding_window if l in a.swa_layers else 0
-        if step.pooled:
+        if step.pooled and blk.attn_sinks is None:  # (sinks: the per-session attention)
             out = self._attend_pooled(l, q, k, v, step, rot, window)
             return blk.attn_output.linear(self._to(out, blk.attn_output.device))
         if rot is not None:
@@ -425,7 +428,8 @@ class Model:
             dev, p0 = cache.device, cache.pos  # attention runs where the cache is
             cache.k[l, p0 : p0 + m].copy_(self._to(k[s : s + m], dev))
             cache.v[l, p0 : p0 + m].copy_(self._to(v[s : s + m], dev))
-            out = attend(a, self._to(q[s : s + m], dev), cache, l, p0, window=window)  # (m, n_q)
+            out = attend(a, self._to(q[s : s + m], dev), cache, l, p0, window=window,
+                         sinks=blk.attn_sinks)  # fmt: skip
             outs.append(self._to(out, blk.attn_output.device))
         return blk.attn_output.linear(outs[0] if len(outs) == 1 else torch.cat(outs))
 
@@ -465,7 +469,9 @@ class Model:
         reads it -> (T, n_embd). Sessions' tokens of one decode step run by ``ffn_mode``."""
         a, acc = self.args, self.accel
         if blk.moe is not None:  # tokens are grouped by expert, whatever the mode
-            return mixture(l, blk, xn, opts, acc)
+            return mixture(l, blk, xn, opts, acc, step.cold)
+        if a.moe and acc is not None and acc.holds(blk.ffn_up.storage):  # a dense layer, placed
+            return placed_dense(blk, xn, a.ffn_variant, acc)
         if len(step.lengths) == 1 or not opts.sparse or ffn_mode == "batch":
             return ffn(l, blk, xn, pred_in, a.ffn_variant, thr, opts, acc, cold=step.cold)
         if ffn_mode == "union":
@@ -475,15 +481,3 @@ class Model:
             for i in range(xn.shape[0])
         ]
         return torch.cat([self._to(r, xn.device) for r in rows])
-
-
-def _check_finite(x: Tensor, where: str, what: str) -> None:
-    """Raise ``NonFiniteError`` when ``x`` holds a NaN or an infinity (diagnosis only)."""
-    bad = ~torch.isfinite(x)
-    if bool(bad.any()):
-        kind = "NaN" if bool(torch.isnan(x).any()) else "infinite"
-        raise NonFiniteError(
-            f"the residual stream became {kind} at {where}, in {what}: the model's weights "
-            f"there are corrupt or out of range (NaN or huge values, data of another type, a "
-            f"wrong alignment); check the file (`powerpy dump`) or re-convert the model"
-        )

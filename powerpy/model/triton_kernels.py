@@ -17,6 +17,14 @@ def _f16_at(p, m):
 
 
 @triton.jit
+def _e2m1(q):
+    # MXFP4's 4-bit codes as their doubled E2M1 values: 0, 1, 2, 3, 4, 6, 8, 12, bit 3 the sign
+    mag = (q & 7).to(tl.float32)
+    v = tl.where(mag < 5.0, mag, tl.where(mag == 5.0, 6.0, tl.where(mag == 6.0, 8.0, 12.0)))
+    return tl.where((q & 8) != 0, -v, v)
+
+
+@triton.jit
 def _block_values(w, r, b, row_bytes, m2, QT: tl.constexpr):
     """Values of blocks b (BB,) of rows r (BR,) where m2 (BR, BB): two (BR, BB, 16) f32
     halves, elements 0..15 and 16..31 of each 32-element block (a Q4 byte holds element j
@@ -28,6 +36,13 @@ def _block_values(w, r, b, row_bytes, m2, QT: tl.constexpr):
         base = wh + r[:, None, None] * (row_bytes // 2) + b[None, :, None] * 32 + j[None, None, :]
         lo = tl.load(base, mask=m3, other=0.0).to(tl.float32)
         return lo, tl.load(base + 16, mask=m3, other=0.0).to(tl.float32)
+    if QT == 4:  # MXFP4: an E8M0 exponent e, 16 bytes of codes; scale 2^(e - 128) (ggml's)
+        blk = w + r[:, None] * row_bytes + b[None, :] * 17
+        e = tl.load(blk, mask=m2, other=0).to(tl.uint32)
+        bits = tl.where(e < 2, (e + 1) * 2097152, (e - 1) * 8388608)  # subnormal below 2
+        d = bits.to(tl.float32, bitcast=True)[:, :, None]
+        byte = tl.load(blk[:, :, None] + 1 + j[None, None, :], mask=m3, other=0)
+        return _e2m1(byte & 15) * d, _e2m1(byte >> 4) * d
     size = 34 if QT == 1 else 18 if QT == 2 else 20
     blk = w + r[:, None] * row_bytes + b[None, :] * size  # (BR, BB) block starts
     d = _f16_at(blk, m2)[:, :, None]  # (BR, BB, 1)

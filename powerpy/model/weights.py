@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from powerpy.model import mla
 from powerpy.model.device import OnDevices
 from powerpy.model.ffn import scaled_cut
 from powerpy.model.matrices import Weight
@@ -58,6 +59,8 @@ class Block:
     ffn_gate_shexp: Weight | None = None  # (n_ff_shexp, n_embd)
     ffn_up_shexp: Weight | None = None  # (n_ff_shexp, n_embd)
     ffn_down_shexp: Weight | None = None  # (n_embd, n_ff_shexp), as stored
+    mla: mla.Latent | None = None  # DeepSeek-2's latent attention (attn_q/k/v None)
+    attn_sinks: Tensor | None = None  # (n_head,) f32 each head's sink logit (GPT-OSS)
 
     def gates(self, opts: RunOptions) -> bool:
         """Whether the predictor gates this layer's FFN in a run with ``opts``."""

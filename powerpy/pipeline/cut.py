@@ -31,6 +31,7 @@ import numpy.typing as npt
 import torch
 from tqdm.auto import tqdm
 
+from powerpy.config import ModelArgs
 from powerpy.formats.constants import GGUFValueType, Keys
 from powerpy.formats.gguf_reader import read_gguf
 from powerpy.formats.gguf_writer import write_gguf
@@ -40,7 +41,7 @@ from powerpy.model.options import RunOptions
 from powerpy.model.transformer import Model
 from powerpy.pipeline.corpus import window_starts
 from powerpy.pipeline.predictors import PREDICTOR_FILE, save_predictor, write_config
-from powerpy.pipeline.profile import calibrate_thresholds, down_norms, magnitude_score
+from powerpy.pipeline.profile import calibrate_thresholds, down_norms, group_score, magnitude_score
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,9 @@ def down_cuts(
     progress: bool = False,
 ) -> npt.NDArray[np.float64]:
     """Per-layer cuts: the ``share`` quantile of ``|h_j| · ‖ffn_down_t[j]‖`` over the neurons
-    that contribute (``h_j != 0``; in a mixture of experts the routed experts' neurons, h
-    weighted by the routing weight) in a dense run over ``ids``.
+    that contribute (``h_j != 0``) in a dense run over ``ids``; in a mixture of experts of
+    those scores' sums over each cut group (``Experts.cut_group`` neurons, h weighted by the
+    routing weight) of the routed experts.
 
     Args:
         model: the model (run dense, whatever its file).
@@ -88,8 +90,17 @@ def down_cuts(
     gen = torch.Generator().manual_seed(0)
     scores: list[list[torch.Tensor]] = [[] for _ in dn]
 
+    a = model.args
+    dense = [l for l in range(a.n_layer) if a.moe and not a.layer_moe(l)]  # no cut there
+
     def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
-        v = magnitude_score(h, dn[l].to(h.device))[h != 0].cpu()
+        if l in dense:
+            return
+        ex = model.weights.blk[l].moe  # a mixture's cut is by groups (docs/moe.md#the-cut)
+        score = magnitude_score(h, dn[l].to(h.device))
+        if ex is not None:
+            score = group_score(score, ex.cut_group)
+        v = score[score != 0].cpu()
         if v.numel() > per_window:
             v = v[torch.randint(v.numel(), (per_window,), generator=gen)]
         scores[l].append(v)
@@ -97,6 +108,8 @@ def down_cuts(
     opts = RunOptions(sparse=False, observer=observer, numerics=numerics)
     for s in tqdm(starts, desc="cut", unit="window", disable=not progress):
         model.forward(torch.from_numpy(arr[s : s + ctx].copy()), model.new_cache(ctx), opts)
+    for l in dense:  # a leading dense layer of a mixture of experts: a cut of 0
+        scores[l].append(torch.zeros(1))
     empty = [l for l, v in enumerate(scores) if not sum(t.numel() for t in v)]
     if empty:
         raise ValueError(f"layers {empty[:8]} computed no neuron on the calibration text")
@@ -190,7 +203,7 @@ def write_cut(
                 f"{src}: a dense GGUF without experts has no sparse mode to carry a cut: "
                 "`powerpy cut` writes it as a PWRI file with every layer ungated and its cuts"
             )
-        n_layer = int(gf.kv[Keys.BLOCK_COUNT.format(arch=arch)])
+        n_layer = ModelArgs.from_gguf(gf).n_layer  # the layers run (not a NextN layer)
         cuts = [float(t) for t in thresholds]
         if len(cuts) != n_layer or not all(0 <= t < float("inf") for t in cuts):
             raise ValueError(

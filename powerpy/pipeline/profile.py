@@ -76,8 +76,18 @@ def magnitude_score(h: torch.Tensor, down_norm: torch.Tensor) -> torch.Tensor:
     return h.abs().float() * down_norm
 
 
+def group_score(score: torch.Tensor, group: int) -> torch.Tensor:
+    """A mixture's cut scores (docs/moe.md#the-cut): the sums of ``group`` neurons' scores,
+    (T, n) -> (T, n / group); group 1: the scores."""
+    return score if group == 1 else score.view(score.shape[0], -1, group).sum(-1)
+
+
 def active_mask(
-    h: torch.Tensor, kind: str, threshold: float | None, down_norm: torch.Tensor | None = None
+    h: torch.Tensor,
+    kind: str,
+    threshold: float | None,
+    down_norm: torch.Tensor | None = None,
+    group: int = 1,
 ) -> torch.Tensor:
     """Which neurons count as active: h (T, n_ff) -> bool (T, n_ff).
 
@@ -86,11 +96,14 @@ def active_mask(
         kind: "relu" (``h != 0``) or "silu" (``|h| · down_norm > threshold``).
         threshold: the layer's magnitude threshold (SiLU only).
         down_norm: (n_ff,) output-row norms (SiLU only).
+        group: a mixture's cut groups (``Experts.cut_group``): a neuron is active when its
+            group's summed score is over the threshold.
     """
     if kind == KIND_RELU:
         return h != 0
     assert threshold is not None and down_norm is not None, "SiLU labels need a threshold"
-    return magnitude_score(h, down_norm) > threshold
+    active = group_score(magnitude_score(h, down_norm), group) > threshold
+    return active if group == 1 else active.repeat_interleave(group, dim=1)
 
 
 def abs_f16(h: torch.Tensor) -> torch.Tensor:
@@ -222,6 +235,12 @@ def calibrate_thresholds(
     return np.array(out, dtype=np.float64)
 
 
+def _group(model: Model, l: int) -> int:
+    """Layer l's cut groups: a mixture's ``Experts.cut_group``, else 1 (each neuron)."""
+    ex = model.weights.blk[l].moe
+    return 1 if ex is None else ex.cut_group
+
+
 def _calibrate_run(
     model: Model,
     arr: npt.NDArray[np.int64],
@@ -242,9 +261,12 @@ def _calibrate_run(
     values: list[list[torch.Tensor]] = [[] for _ in dn]
 
     def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
-        v = magnitude_score(h, dn[l]).flatten()
+        if model.args.moe and not model.args.layer_moe(l):
+            values[l].append(torch.zeros(1))  # a leading dense layer: not counted
+            return
+        v = group_score(magnitude_score(h, dn[l]), _group(model, l)).flatten()
         if model.args.moe:
-            v = v[v > 0]  # the routed experts' neurons: the others are not computed at all
+            v = v[v > 0]  # the routed experts' groups: the others are not computed at all
         if v.numel() > per_window:
             v = v[torch.randint(v.numel(), (per_window,), generator=gen)]
         values[l].append(v)
@@ -327,8 +349,10 @@ def profile(
     state = {"pos": 0}
 
     def observer(l: int, x: torch.Tensor, h: torch.Tensor) -> None:
+        if a.moe and not a.layer_moe(l):
+            return  # a leading dense layer: placed whole, its neurons are not counted
         t = None if thr is None else float(thr[l])
-        counts[l] += active_mask(h, kind, t, dn[l]).sum(0)
+        counts[l] += active_mask(h, kind, t, dn[l], _group(model, l)).sum(0)
         if writer is not None:
             writer.write(l, state["pos"], x, h)
 

@@ -15,14 +15,28 @@ Rules: ``docs/architecture.md#vram-budget`` (budget),
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from powerpy.config import ModelArgs
 from powerpy.errors import PlacementError
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType, Names, bias_name
+from powerpy.placement.levels import (  # the tensors' levels, re-exported
+    ATTN,
+    CATEGORY_ORDER,
+    DENSE_LEVELS,
+    FFN,
+    FFN_NORM,
+    HOST,
+    HOT_FFN,
+    KV,
+    KV_K,
+    KV_V,
+    OUTPUT,
+    PREDICTOR,
+    classify_tensor,
+)
 
 if TYPE_CHECKING:
     from powerpy.formats.gguf_reader import GGUFFile
@@ -31,97 +45,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ATTN", "CAPACITY_MODES", "CATEGORY_ORDER", "DENSE_LEVELS", "FFN", "FFN_NORM", "GIB", "HOST",
-    "KV_K", "KV_V", "OUTPUT", "PREDICTOR", "CapacityMode", "FfnLayout", "OffloadEntry",
-    "OffloadPlan", "budget_bytes", "capacity_exact", "capacity_upstream", "classify_tensor",
-    "hot_capacity", "kv_cache_bytes", "plan_offload",
+    "HOT_FFN", "KV", "KV_K", "KV_V", "OUTPUT", "PREDICTOR", "CapacityMode", "FfnLayout",
+    "OffloadEntry", "OffloadPlan", "budget_bytes", "capacity_exact", "capacity_upstream",
+    "classify_tensor", "hot_capacity", "kv_cache_bytes", "plan_offload",
 ]  # fmt: skip
 
 GIB = 1 << 30
 MIB = 1 << 20
 VRAM_RESERVE_BYTES = 256 * MIB  # --vram-budget < 0: free VRAM minus this
-
-# --- categories, in offload order (docs/architecture.md#dense-offload-order) ---------------------
-ATTN = "attn"  # attn_norm(_2), q, k, v, qkv, attn_output, rot_embd, q/k norms (+ biases)
-# fc1, fc2; a mixture of experts' router (ffn_gate_inp) and shared expert (every token's FFN
-# runs them before or beside its sparse part)
-PREDICTOR = "predictor"
-FFN_NORM = "ffn_norm"
-OUTPUT = "output"  # output_norm, output
-KV_V = "kv_v"
-KV_K = "kv_k"
-KV = "kv"  # both caches (V and K), as a placement reports them
-HOT_FFN = "hot_ffn"  # compact hot rows of gate/up/down_t
-DENSE_LEVELS = (ATTN, PREDICTOR, FFN_NORM, OUTPUT)
-CATEGORY_ORDER = (*DENSE_LEVELS, KV_V, KV_K)
-# not part of the dense pass
-FFN = "ffn"  # gate/up/down_t (+ biases), the experts: rows go to the GPU through the split
-HOST = "host"  # token_embd, token_embd_norm, position_embd, rope_freqs, unknown names
-
-# Per-layer creation order in llama.cpp's llm_load_sparse_model_tensors; within a level the
-# allocator keeps it (stable sort by level), and a weight comes before its bias.
-_LAYER_TENSORS: dict[str, tuple[str, int]] = {
-    "attn_norm": (ATTN, 0),
-    "attn_norm_2": (ATTN, 1),
-    "attn_qkv": (ATTN, 2),
-    "attn_q": (ATTN, 3),
-    "attn_k": (ATTN, 4),
-    "attn_v": (ATTN, 5),
-    "attn_output": (ATTN, 6),
-    "attn_q_norm": (ATTN, 7),
-    "attn_k_norm": (ATTN, 8),
-    "attn_rot_embd": (ATTN, 9),
-    "ffn_norm": (FFN_NORM, 10),
-    "ffn_gate": (FFN, 11),
-    "ffn_down_t": (FFN, 12),
-    "ffn_down": (FFN, 12),
-    "ffn_up": (FFN, 13),
-    "fc1": (PREDICTOR, 14),
-    "fc2": (PREDICTOR, 15),
-    "post_attention_norm": (ATTN, 16),  # gemma
-    "post_ffw_norm": (FFN_NORM, 17),
-    "ffn_gate_inp": (PREDICTOR, 18),  # the router decides which experts run, as a predictor
-    "ffn_gate_exps": (FFN, 19),
-    "ffn_down_exps": (FFN, 20),
-    "ffn_up_exps": (FFN, 21),
-    "ffn_gate_inp_shexp": (PREDICTOR, 22),  # qwen2moe's shared expert: dense, every token
-    "ffn_gate_shexp": (PREDICTOR, 23),
-    "ffn_down_shexp": (PREDICTOR, 24),
-    "ffn_up_shexp": (PREDICTOR, 25),
-}
-_GLOBAL_TENSORS: dict[str, tuple[str, int]] = {
-    "token_embd": (HOST, 0),
-    "token_embd_norm": (HOST, 1),
-    "position_embd": (HOST, 2),
-    "rope_freqs": (HOST, 3),
-    "output_norm": (OUTPUT, 4),
-    "output": (OUTPUT, 5),
-}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
-
-
-def classify_tensor(name: str) -> tuple[str, int, int]:
-    """Offload category of a model tensor and its place in creation order.
-
-    Args:
-        name: GGUF tensor name, e.g. ``blk.3.attn_q.weight``.
-
-    Returns:
-        ``(category, layer, rank)``: ``layer`` is -1 for global tensors; ``rank`` orders the
-        tensors of one layer as llama.cpp creates them. Unknown names are ``HOST``.
-    """
-    m = _LAYER_RE.fullmatch(name)
-    if m:
-        kind, part = m.group(2), m.group(3)
-        if kind in _LAYER_TENSORS:
-            cat, rank = _LAYER_TENSORS[kind]
-            return cat, int(m.group(1)), 2 * rank + (part == "bias")
-        return HOST, int(m.group(1)), 1 << 20
-    m = _GLOBAL_RE.fullmatch(name)
-    if m and m.group(1) in _GLOBAL_TENSORS:
-        cat, rank = _GLOBAL_TENSORS[m.group(1)]
-        return cat, -1, 2 * rank + (m.group(2) == "bias")
-    return HOST, -1, 1 << 20
 
 
 # --- budget ---------------------------------------------------------------------------------------
@@ -248,6 +179,8 @@ def plan_offload(
     n_embd_gqa: int,
     n_ctx: int,
     kv_elem_bytes: int = 2,
+    n_embd_v: int | None = None,
+    dense_ffn_layers: Collection[int] = (),
 ) -> OffloadPlan:
     """Run PowerInfer's dense offload pass (docs/architecture.md#dense-offload-order) over
     tensor sizes.
@@ -255,16 +188,20 @@ def plan_offload(
     Order: ATTN → predictors (fc1, fc2) → ffn_norm → output_norm/output → V cache → K cache.
     Within a level, layers go from 0, each tensor in llama.cpp's creation order. The first
     tensor that does not fit stops the whole pass (nothing later is tried). The KV cache is
-    only tried when every dense tensor fit. FFN weights are left to the hot-neuron split, and
-    ``token_embd`` and friends never move.
+    only tried when every dense tensor fit. FFN weights are left to the hot-neuron split
+    (except ``dense_ffn_layers``'), and ``token_embd`` and friends never move.
 
     Args:
         tensors: ``(name, nbytes)`` of the model's tensors, in file order.
         budget: VRAM budget in bytes (``>= 0``).
         n_layer: layer count (for the KV cache).
-        n_embd_gqa: KV width (for the KV cache).
+        n_embd_gqa: KV width (for the KV cache; the K cache's with ``n_embd_v``).
         n_ctx: context length (for the KV cache).
         kv_elem_bytes: 2 (f16 cache) or 4 (``--memory-f32``).
+        n_embd_v: the V cache's width when it is not ``n_embd_gqa`` (DeepSeek-2's latent
+            cache: 0, its values are a view of its keys).
+        dense_ffn_layers: a mixture's leading dense layers: their FFN is placed whole, in the
+            predictors' level (every token runs it), like a shared expert.
 
     Returns:
         An :class:`OffloadPlan`; placed bytes never exceed ``budget``.
@@ -280,6 +217,10 @@ def plan_offload(
         if nbytes < 0:
             raise ValueError(f"tensor {name!r} has negative size {nbytes}")
         cat, layer, rank = classify_tensor(name)
+        if layer >= n_layer:  # a NextN layer (glm4moe): loaded by llama.cpp, run by neither
+            cat = HOST
+        if cat == FFN and layer in dense_ffn_layers:
+            cat = PREDICTOR
         if cat in DENSE_LEVELS:
             keyed.append(((DENSE_LEVELS.index(cat), layer, rank, pos), name, cat, int(nbytes)))
         elif cat == HOST:
@@ -288,8 +229,9 @@ def plan_offload(
                 logger.debug("tensor %s has no offload level; it stays on the host", name)
     keyed.sort(key=lambda k: k[0])
     kv = kv_cache_bytes(n_embd_gqa, n_layer, n_ctx, kv_elem_bytes)
+    kv_v = kv if n_embd_v is None else kv_cache_bytes(n_embd_v, n_layer, n_ctx, kv_elem_bytes)
     candidates = [(name, cat, nb) for _, name, cat, nb in keyed]
-    candidates += [(KV_V, KV_V, kv), (KV_K, KV_K, kv)]
+    candidates += [(KV_V, KV_V, kv_v), (KV_K, KV_K, kv)]
 
     remaining = int(budget)
     entries: list[OffloadEntry] = []
@@ -346,6 +288,10 @@ class FfnLayout:
     neuron_bytes: tuple[int, ...]
     has_gate: bool
     up_type: GGMLType | None = None
+    dense_layers: tuple[int, ...] = ()  # layers without hot rows: a mixture's leading dense
+    # layers, whose FFN the dense pass places whole
+    groups: tuple[int, ...] = ()  # per layer, neurons placed only together (a mixture's cut
+    # groups, so the device and the host each judge whole groups; 0 or absent: any neuron)
 
     @classmethod
     def from_sizes(

@@ -17,7 +17,7 @@ from powerpy.model import gpu_kernels
 from powerpy.model.biased import BiasedWeight
 from powerpy.model.device import Accelerator
 from powerpy.model.gpu_kernels import FusedWeight
-from powerpy.model.matrices import DenseWeight, QuantWeight, Weight
+from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
 from powerpy.model.moe import ExpertHot, Experts
 from powerpy.model.weights import Block
 from powerpy.placement.experts import down_element_bytes
@@ -43,6 +43,8 @@ def to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
         return accel.to_device(t)
     if isinstance(t, BiasedWeight):  # the matrix as any other, its bias beside it
         return BiasedWeight(to_device(accel, t.inner), accel.to_device(t.bias))
+    if isinstance(t, TransposedWeight):  # a dense file's down matrix: its stored matrix
+        return TransposedWeight(to_device(accel, t.inner))
     kind = _fused_type(t) if accel.fused else None
     if kind is not None:
         return FusedWeight.of(accel.to_device(t.storage), kind, t.shape[1])
@@ -105,8 +107,9 @@ def ggml_type(w: Weight) -> GGMLType:
 
 
 def expert_hot(accel: Accelerator, ex: Experts, bucket: Tensor) -> ExpertHot:
-    """A mixture's hot neurons ``bucket`` (k,) on the device: their gate and up rows (raw), and
-    their down columns as rows (f16, or the stack's float type; placement.experts)."""
+    """A mixture's hot neurons ``bucket`` (k,) on the device: their gate and up rows (raw) and
+    biases (GPT-OSS), and their down columns as rows (f16, or the stack's float type;
+    placement.experts)."""
     gate, up = (to_device(accel, m.take_rows(bucket)) for m in (ex.gate, ex.up))
     dtype = {4: torch.float32, 2: torch.float16}[down_element_bytes(ggml_type(ex.down))]
     if ggml_type(ex.down) == GGMLType.BF16:
@@ -122,8 +125,11 @@ def expert_hot(accel: Accelerator, ex: Experts, bucket: Tensor) -> ExpertHot:
     per_expert = torch.bincount(experts, minlength=ex.n_expert)
     tau = None if ex.tau is None else accel.to_device(ex.tau[bucket])
     down_t = to_device(accel, DenseWeight(rows))
+    gate_b, up_b = (None if b is None else accel.to_device(b.reshape(-1)[bucket])
+                    for b in (ex.gate_b, ex.up_b))  # fmt: skip
     return ExpertHot(bucket.numel(), gate, up, down_t, accel.to_device(bucket), cold,
-                     per_expert, tau)  # fmt: skip
+                     per_expert, tau, gate_b, up_b, accel.to_device(per_expert),
+                     int(cold.sum()))  # fmt: skip
 
 
 _warned: set[GGMLType] = set()

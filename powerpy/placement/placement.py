@@ -45,7 +45,7 @@ from powerpy.placement.budget import (
     plan_offload,
 )
 from powerpy.placement.experts import expert_layout
-from powerpy.placement.split import check_stats, fit_buckets, mass_coverage
+from powerpy.placement.split import check_stats, fit_buckets, mass_coverage, whole_groups
 
 if TYPE_CHECKING:
     from powerpy.formats.gguf_reader import GGUFFile
@@ -188,9 +188,20 @@ class Placement:
         if index is not None:
             index.validate(n_layer, n_ff)
             if plan.dense_complete:
-                buckets, note = fit_buckets(
-                    index.gpu_bucket, ffn.neuron_bytes, plan.split_budget, arrays
-                )
+                asked = list(index.gpu_bucket)
+                if any(len(asked[l]) for l in ffn.dense_layers):
+                    note = (
+                        f"the index places hot rows in leading dense layers {ffn.dense_layers}, "
+                        "whose FFN the dense pass places whole: those rows are left out"
+                    )
+                    logger.info("%s", note)
+                    notes.append(note)
+                for l in ffn.dense_layers:
+                    asked[l] = np.zeros(0, np.int32)
+                buckets, note = fit_buckets(asked, ffn.neuron_bytes, plan.split_budget, arrays)
+                buckets, partial = whole_groups(buckets, ffn.groups)
+                if partial:
+                    notes.append(partial)
                 if note is None and index.vram_capacity > plan.split_budget:
                     note = (
                         f"the index was made for {index.vram_capacity} bytes, more than the "
@@ -244,6 +255,7 @@ class Placement:
         kv_elem_bytes: int = 2,
         stats: Sequence[npt.ArrayLike] | None = None,
         ffn: FfnLayout | None = None,
+        n_embd_v: int | None = None,
     ) -> Placement:
         """Build a placement from tensor sizes (a model header, or model args plus infos).
 
@@ -258,6 +270,7 @@ class Placement:
             kv_elem_bytes: 2 (f16) or 4 (f32) bytes per cached value.
             stats: per-layer activation statistics (see :meth:`build`).
             ffn: the FFN layout when known (from the header); else computed from ``tensors``.
+            n_embd_v: the V cache's width when not ``n_embd_gqa`` (a latent cache: 0).
 
         Returns:
             The placement; ``used <= budget`` always.
@@ -276,6 +289,8 @@ class Placement:
             n_embd_gqa=n_embd_gqa,
             n_ctx=n_ctx,
             kv_elem_bytes=kv_elem_bytes,
+            n_embd_v=n_embd_v,
+            dense_ffn_layers=ffn.dense_layers,
         )
         return cls.build(plan, ffn, index, stats=stats)
 
@@ -291,7 +306,8 @@ class Placement:
         stats: Sequence[npt.ArrayLike] | None = None,
     ) -> Placement:
         """:meth:`from_tensors` for an open PowerInfer model or mixture of experts (its header
-        only; an expert neuron is counted as ``placement.experts`` says).
+        only; an expert neuron is counted as ``placement.experts`` says, a latent KV cache
+        (DeepSeek-2) as its one row of keys a token and layer).
 
         Raises:
             ValueError: a dense (GGUF-magic) model without experts, a header without the keys
@@ -324,6 +340,7 @@ class Placement:
             kv_elem_bytes=kv_elem_bytes,
             stats=stats,
             ffn=ffn,
+            n_embd_v=0 if args.kv_lora_rank else None,  # MLA: the values are the latent's
         )
 
     # --- views

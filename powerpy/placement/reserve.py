@@ -31,8 +31,9 @@ class DeviceReserve:
             nominal sm90 size everywhere, so ``gen-gpuidx`` and ``infer`` agree without asking
             a device).
         temporaries: the largest per-step buffers, modelled: a prefill chunk's attention scores,
-            projections and FFN activations, the row sum's partials, the decode attention's
-            f32 copy of one layer's KV prefix.
+            projections (DeepSeek-2's latent heads too) and FFN activations, a mixture's
+            routing, the row sum's partials, the decode attention's f32 copy of one layer's KV
+            prefix (a latent cache: its one row of keys).
     """
 
     workspace: int
@@ -54,12 +55,18 @@ class DeviceReserve:
         """The reserve of a model whose KV cache holds ``n_ctx`` positions."""
         e, f, g, b = args.n_embd, args.n_ff, args.n_embd_gqa, n_batch
         scores = b * args.n_head * n_ctx * 4 + b * n_ctx  # f32 scores and the causal mask
-        proj = b * (2 * e + 2 * g) * 4 * 2  # q, k, v, attention out, (and copies)
+        proj = b * (e + args.n_embd_q + 2 * g) * 4 * 2  # q, k, v, attention out, (and copies)
+        if args.kv_lora_rank:  # MLA: q, the absorbed queries, the heads' latent outputs, v
+            r = args.kv_lora_rank
+            heads = args.n_embd_mla_q + args.n_head * (2 * (r + args.n_rot) + r)
+            proj += b * (heads + args.n_embd_mla_v) * 4
         ffn = b * f * (4 * 4 + 1)  # predictor logits, stacked gate/up (2), h; the mask
+        router = b * args.n_expert * 4 * 3  # a mixture's logits, probabilities, selection
         rows = ROWS_SUM_SPLIT * b * e * 4  # the row sum's partials
-        kv = 2 * n_ctx * g * 4  # decode: one layer's keys and values as f32
+        kv = (1 if args.kv_lora_rank else 2) * n_ctx * g * 4  # decode: a layer's cache as f32
         logits = b * args.n_vocab * 4
-        return cls(WORKSPACE_PER_STREAM * STREAMS, scores + proj + ffn + rows + kv + logits)
+        temps = scores + proj + ffn + router + rows + kv + logits
+        return cls(WORKSPACE_PER_STREAM * STREAMS, temps)
 
 
 def _mib(n: int) -> str:

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,20 +33,19 @@ from torch import Tensor
 
 from powerpy._fs import fmt_bytes
 from powerpy.errors import PlacementError
-from powerpy.formats.constants import Names, bias_name
-from powerpy.model.biased import BiasedWeight
 from powerpy.model.cache import KVPlacement
 from powerpy.model.device import Accelerator
 from powerpy.model.matrices import Weight
 from powerpy.model.split import HotRows
 from powerpy.model.transformer import Model
-from powerpy.model.weights import Block, Weights
+from powerpy.model.weights import Weights
 from powerpy.placement.budget import budget_bytes
 from powerpy.placement.copies import expert_hot, ggml_type, hot_rows, stack_qkv, to_device
-from powerpy.placement.experts import down_element_bytes
+from powerpy.placement.experts import cpu_moe_index, down_element_bytes
 from powerpy.placement.lifecycle import resolve_placement
 from powerpy.placement.placement import Placement
 from powerpy.placement.reserve import DeviceReserve, device_budget
+from powerpy.placement.slots import get_slot, set_slot, weight_slots
 
 if TYPE_CHECKING:
     from powerpy.formats.gguf_reader import GGUFFile
@@ -119,41 +118,6 @@ class HybridRuntime:
         return "\n".join(lines)
 
 
-def _slots(weights: Weights) -> dict[str, list[tuple[Any, str]]]:
-    """GGUF tensor name -> the (object, attribute) slots holding it in the weights: one slot,
-    three for a fused ``attn_qkv`` (its q, k and v row views), none for a matrix's bias (it
-    travels with its matrix, ``BiasedWeight``). A norm's bias is ``{norm}_b``."""
-    ends = (
-        (Names.TOKEN_EMBD, "token_embd"),
-        (Names.OUTPUT_NORM, "output_norm"),
-        (Names.OUTPUT, "output"),
-    )
-    slots: dict[str, list[tuple[Any, str]]] = {  # a pipeline stage has only its own ends
-        name: [(weights, attr)] for name, attr in ends if getattr(weights, attr) is not None
-    }
-    if weights.output_norm_b is not None:
-        slots[bias_name(Names.OUTPUT_NORM)] = [(weights, "output_norm_b")]
-    fields = {f.name for f in dataclasses.fields(Block)}
-    templates = [t for k, t in vars(Names).items() if k.isupper() and t.startswith("blk.{l}.")]
-    for layer, blk in enumerate(weights.blk):
-        for template in templates:
-            attr = template.split(".")[2]  # blk.{l}.<attr>.weight: attributes are GGUF names
-            if attr not in fields or getattr(blk, attr) is None:
-                continue
-            name = template.format(l=layer)
-            slots[name] = [(blk, attr)]
-            if isinstance(getattr(blk, attr), BiasedWeight):
-                slots[bias_name(name)] = []
-            elif getattr(blk, attr + "_b", None) is not None:
-                slots[bias_name(name)] = [(blk, attr + "_b")]
-        if blk.moe is not None:  # the router; the experts' stacks go by hot rows
-            slots[Names.FFN_GATE_INP.format(l=layer)] = [(blk.moe, "router")]
-        qkv = Names.ATTN_QKV.format(l=layer)
-        slots[qkv] = [(blk, "attn_q"), (blk, "attn_k"), (blk, "attn_v")]
-        slots[bias_name(qkv)] = []
-    return slots
-
-
 def _storage(t: Tensor | Weight) -> Tensor:
     return t if isinstance(t, Tensor) else t.storage
 
@@ -163,11 +127,16 @@ def _nbytes(t: Tensor | Weight) -> int:
     return s.numel() * s.element_size()
 
 
-def _host_bytes(weights: Weights, gf: GGUFFile | None, extra: list[Tensor]) -> tuple[int, int]:
-    """(file data, made at load) bytes of the host-resident weights."""
+def _host_bytes(
+    weights: Weights, gf: GGUFFile | None, extra: list[Tensor], fam=None
+) -> tuple[int, int]:
+    """(file data, made at load) bytes of the host-resident weights (``fam``: as
+    ``weight_slots``)."""
     mapped = anon = 0
     seen: set[int] = set()
-    items = [(name, getattr(o, a)) for name, sl in _slots(weights).items() for o, a in sl]
+    items = [
+        (name, get_slot(o, a)) for name, sl in weight_slots(weights, fam).items() for o, a in sl
+    ]
     items += [(None, t) for t in extra]
     for name, obj in items:
         t = _storage(obj)
@@ -223,9 +192,16 @@ def build_hybrid(
         )
     # Shallow copies: the new model's slots are replaced, the old model keeps its own.
     w = model.weights
-    blocks = [dataclasses.replace(b, moe=b.moe and dataclasses.replace(b.moe)) for b in w.blk]
+    blocks = [
+        dataclasses.replace(
+            b,
+            moe=b.moe and dataclasses.replace(b.moe),
+            mla=b.mla and dataclasses.replace(b.mla, k_b=list(b.mla.k_b), v_b=list(b.mla.v_b)),
+        )
+        for b in w.blk
+    ]
     weights = dataclasses.replace(w, blk=blocks)
-    slots = _slots(weights)
+    slots = weight_slots(weights, a.family)
     file_bytes = {e.name: e.nbytes for e in placement.plan.entries}
 
     # Check every size first, so a refusal changes nothing. A dense tensor loaded larger than
@@ -235,7 +211,7 @@ def build_hybrid(
         if name not in slots:
             skipped.append(name)
             continue
-        nb = sum(_nbytes(getattr(obj, attr)) for obj, attr in slots[name])
+        nb = sum(_nbytes(get_slot(obj, attr)) for obj, attr in slots[name])
         if nb > file_bytes[name]:
             logger.warning(
                 "%s takes %d bytes as loaded but the budget charged its %d file bytes: it stays "
@@ -265,9 +241,14 @@ def build_hybrid(
 
     dense = 0
     for obj, attr in moves:
-        moved = to_device(accel, getattr(obj, attr))
-        setattr(obj, attr, moved)
+        moved = to_device(accel, get_slot(obj, attr))
+        set_slot(obj, attr, moved)
         dense += _nbytes(moved)
+    for blk in weights.blk:  # a placed router's biases go with it (the plan charges them)
+        if blk.moe is not None and accel.holds(_storage(blk.moe.router)):
+            blk.moe.routing = blk.moe.routing.moved(accel.to_device)
+            dense += sum(_nbytes(b) for b in (blk.moe.routing.probs_b, blk.moe.routing.router_b)
+                         if b is not None)  # fmt: skip
     for blk in weights.blk:
         stack_qkv(accel, blk)
     kv = None
@@ -310,7 +291,7 @@ def build_hybrid(
         if accel.emulated:
             extra_host += [m.storage for m in (gate, up, down_t) if m is not None]
     hybrid = Model(a, weights, accel=accel, kv=kv, cache_dtype=model.cache_dtype)
-    mapped, anon = _host_bytes(weights, file, extra_host)
+    mapped, anon = _host_bytes(weights, file, extra_host, a.family)
     rt = HybridRuntime(
         model=hybrid,
         accel=accel,
@@ -341,6 +322,7 @@ def place(
     activation_dir: str | os.PathLike[str] | None = None,
     capacity_mode: str = "exact",
     index_path: str | os.PathLike[str] | None = None,
+    n_cpu_moe: int | None = None,
 ) -> HybridRuntime | None:
     """Budget → placement (with the index lifecycle) → ``build_hybrid``, in one call.
 
@@ -365,6 +347,10 @@ def place(
         capacity_mode: ``"exact"`` or ``"upstream"`` capacity formula for a generated index.
         index_path: the GPU index (default ``<model>.generated.gpuidx``; a pipeline stage's is
             its own, ``powerpy.model.stage.stage_index_path``).
+        n_cpu_moe: a mixture of experts placed as llama.cpp's ``--n-cpu-moe N`` does: the
+            experts of the first N layers on the CPU, the others' whole on the device
+            (``placement.experts.cpu_moe_index``; n_layer: ``--cpu-moe``), not by statistics.
+            Rows past the budget stay on the CPU (a warning says how many).
 
     Returns:
         The runtime (its ``model`` replaces ``model``), or None when running CPU-only.
@@ -383,17 +369,23 @@ def place(
         if vram_budget < 0:
             budget = max(0, budget - reserve.total)
         budget, reserve_line = device_budget(budget, reserve, accel.free_memory())
-    placement = resolve_placement(
-        file,
-        budget,
-        n_ctx=n_ctx,
-        kv_elem_bytes=kv_elem_bytes,
-        reset_gpu_index=reset_gpu_index,
-        disable_gpu_index=disable_gpu_index,
-        activation_dir=activation_dir,
-        capacity_mode=capacity_mode,  # type: ignore[arg-type]
-        index_path=index_path,
-    )
+    if n_cpu_moe is not None:
+        index = cpu_moe_index(model.args, n_cpu_moe)
+        placement = Placement.for_model(
+            file, budget, index, n_ctx=n_ctx, kv_elem_bytes=kv_elem_bytes
+        )
+    else:
+        placement = resolve_placement(
+            file,
+            budget,
+            n_ctx=n_ctx,
+            kv_elem_bytes=kv_elem_bytes,
+            reset_gpu_index=reset_gpu_index,
+            disable_gpu_index=disable_gpu_index,
+            activation_dir=activation_dir,
+            capacity_mode=capacity_mode,  # type: ignore[arg-type]
+            index_path=index_path,
+        )
     rt = build_hybrid(model, placement, accel, file=file)
     rt.reserve_line = reserve_line
     return rt

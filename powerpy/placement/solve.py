@@ -213,6 +213,8 @@ def solve_placement(
     n_layer, n_ff, plan = base.n_layer, base.n_ff, base.plan
     arrays = check_stats(stats, n_layer, n_ff, "stats")
     exported = None if export_stats is None else check_stats(export_stats, n_layer, n_ff, "export")
+    for l in base.ffn.dense_layers:  # placed whole by the dense pass: no hot rows to solve
+        arrays[l] = np.zeros_like(arrays[l])
     if n_ff % batch:
         raise ValueError(
             f"n_ff = {n_ff} is not a multiple of --batch {batch}; pick a batch dividing it"

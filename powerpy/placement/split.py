@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["check_stats", "fit_buckets", "mass_coverage"]
+__all__ = ["check_stats", "fit_buckets", "mass_coverage", "whole_groups"]
 
 
 def check_stats(
@@ -75,6 +75,29 @@ def fit_buckets(
         f"({', '.join(map(str, keep))})"
     )
     logger.warning("%s", note)
+    return out, note
+
+
+def whole_groups(
+    buckets: Sequence[npt.NDArray[np.int32]], groups: Sequence[int]
+) -> tuple[list[npt.NDArray[np.int32]], str | None]:
+    """The buckets with only whole groups of ``groups[l]`` neurons (0: any): a mixture's cut
+    judges a group's neurons together, so a group is hot or cold as a whole; the members of a
+    partly placed group stay on the host (and a note says how many)."""
+    out, dropped = [], 0
+    for layer, b in enumerate(buckets):
+        g = groups[layer] if layer < len(groups) else 0
+        b = np.asarray(b, dtype=np.int32)
+        if g > 1 and b.size:
+            gid = b // g
+            full = np.bincount(gid)[gid] == g
+            dropped += int((~full).sum())
+            b = b[full]
+        out.append(b)
+    note = None
+    if dropped:
+        note = f"{dropped} hot neurons of partly placed cut groups stay on the host"
+        logger.info("%s", note)
     return out, note
 
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from powerpy.config import ModelArgs
 from powerpy.families import Rope, family
-from powerpy.families.base import DENSE_FFN
+from powerpy.families.deepseek import mla_layout
+from powerpy.families.values import windowed_layers
 from powerpy.formats.constants import GGMLType, GGUFValueType, Keys, Names, TokenType, bias_name
 
 BYTE_VOCAB = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -35,67 +36,105 @@ class TinySpec:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     n_ff_shexp: int = 0  # a shared expert's width, in families with one (0: n_ff)
+    n_expert_shared: int = 1  # shared experts of n_ff_exp each (glm4moe, deepseek2)
+    n_layer_dense: int = 0  # leading layers with a dense FFN in a mixture of experts
+    n_nextn: int = 0  # NextN layers after n_layer (glm4moe: written, not run)
     n_vocab: int = len(BYTE_VOCAB)  # more than the byte vocabulary: unused filler tokens
     key_length: int = 0  # the head size when not n_embd / n_head (qwen3, gemma)
+    n_rot: int = 0  # rotated dims per head (0: all of them)
+    # DeepSeek-2's latent attention: q's low rank (0: attn_q), the latent, a head's q·k and
+    # value widths, the fused attn_kv_b (families/deepseek.py)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    key_length_mla: int = 0
+    value_length_mla: int = 0
+    kv_b: bool = False
+    biases: bool = False  # write the optional biases too (q/k/v of glm4moe, qwen2)
+    sliding_window: int = 0  # the window of the family's windowed layers (gpt-oss, gemma3)
+
+
+def tensor_table(
+    spec: TinySpec, *, sparse: bool, args: ModelArgs | None = None
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """Every tensor of a model of ``spec`` in file order: (GGUF name, numpy shape, kind), kind
+    "matrix" (a 2-D matrix or a 3-D stack), "norm" (a norm's weight), "bias" (a bias, the
+    routing's selection bias) or "row" (another vector: a gate's row). The tensors the spec's
+    family declares (``Family.block``, a mixture's experts in its MoE layers, leading dense
+    layers' FFN, NextN layers), with their required biases, learned positions where the family
+    has them, the down matrix and predictors (PWRI layout when ``sparse``). ``args`` (of the
+    spec's dimensions) gives the shapes where they are not the spec's own (a head size)."""
+    fam = family(spec.arch)
+    args = args or spec_args(spec, sparse=sparse)
+    d, ff, n_vocab = spec.n_embd, spec.n_ff, spec.n_vocab
+    out = [(Names.TOKEN_EMBD, (n_vocab, d), "matrix")]
+    if fam.rope is Rope.LEARNED:
+        out.append((Names.POS_EMBD, (spec.n_ctx + fam.position_offset, d), "matrix"))
+    usual = set(fam.usual_block)
+    if fam.attention == "mla":  # the latent attention's tensors of the spec's layout
+        usual -= {t for t in fam.block if t.field in mla_layout(args)[1]}
+    for l in range(spec.n_layer + spec.n_nextn):
+        moe = args.layer_moe(l)
+        for lt in fam.layer_block(moe):
+            if lt not in usual:
+                continue
+            name, shape = lt.name.format(l=l), tuple(getattr(args, x) for x in lt.shape)
+            kind = "matrix" if len(shape) > 1 else "norm" if "norm" in lt.field else "row"
+            out.append((name, shape, kind))
+            if lt.bias == "required" or (lt.bias == "optional" and spec.biases):
+                out.append((bias_name(name), shape[:1], "bias"))
+        if l >= spec.n_layer:  # a NextN layer's own tensors (llama.cpp checks their shapes)
+            out.append((f"blk.{l}.nextn.eh_proj.weight", (d, 2 * d), "matrix"))
+            for part in ("enorm", "hnorm", "shared_head_norm"):
+                out.append((f"blk.{l}.nextn.{part}.weight", (d,), "norm"))
+        if moe:  # the router and the experts' stacks, in place of the dense FFN
+            for lt in fam.experts:
+                name, shape = lt.name.format(l=l), tuple(getattr(args, x) for x in lt.shape)
+                out.append((name, shape, "bias" if len(shape) == 1 else "matrix"))
+                if lt.bias == "required" or (lt.bias == "optional" and spec.biases):
+                    out.append((bias_name(name), shape[:-1], "bias"))  # a stack's: (n_expert, rows)
+            continue
+        name = (Names.FFN_DOWN_T if sparse else Names.FFN_DOWN).format(l=l)
+        out.append((name, (ff, d) if sparse else (d, ff), "down_t" if sparse else "matrix"))
+        if fam.down_bias == "required":
+            out.append((bias_name(name), (d,), "bias"))
+        if sparse:
+            out.append((Names.FC1.format(l=l), (spec.n_pred_hidden, d), "matrix"))
+            out.append((Names.FC2.format(l=l), (ff, spec.n_pred_hidden), "matrix"))
+    out.append((Names.OUTPUT_NORM, (d,), "norm"))
+    if fam.output_norm_bias:
+        out.append((bias_name(Names.OUTPUT_NORM), (d,), "bias"))
+    if (not spec.tied or not fam.tied_output) and fam.output_tensor:  # tied where it can be
+        out.append((Names.OUTPUT, (n_vocab, d), "matrix"))
+        if fam.output_bias:
+            out.append((bias_name(Names.OUTPUT), (n_vocab,), "bias"))
+    return out
+
+
+def random_tensor(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
+    """A random f32 tensor of a ``tensor_table`` kind: matrices N(0, 1) / sqrt(columns) (a
+    "down_t" one drawn as HF's (n_embd, n_ff) and transposed), norms 1 + 0.1·N(0, 1), biases
+    0.1·N(0, 1) (a stack's: (n_expert, rows)), rows as one matrix row."""
+    if kind == "norm":
+        return (1.0 + 0.1 * rng.standard_normal(shape[0])).astype(np.float32)
+    if kind == "bias":
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if kind == "down_t":
+        return np.ascontiguousarray(random_tensor(shape[::-1], "matrix", rng).T)
+    rows, cols = (1, shape[0]) if kind == "row" else (int(np.prod(shape[:-1])), shape[-1])
+    a = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+    return a.reshape(shape)
 
 
 def tiny_tensors(
     spec: TinySpec, *, sparse: bool, seed: int = 0, args: ModelArgs | None = None
 ) -> dict[str, np.ndarray]:
     """Random f32 weights with GGUF names and numpy shapes (PWRI layout when ``sparse``): the
-    tensors the spec's family declares (``Family.block``), with their biases, learned
-    positions where the family has them, the down matrix and predictors. ``args`` (of the
-    spec's dimensions) gives the shapes where they are not the spec's own (a head size)."""
+    tensors of :func:`tensor_table`, drawn in its order from one generator."""
     rng = np.random.default_rng(seed)
-    fam = family(spec.arch)
-    args = args or spec_args(spec, sparse=sparse)
-    d, ff = spec.n_embd, spec.n_ff
-    n_vocab = spec.n_vocab
-
-    def mat(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
-
-    def norm(n: int = d) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    def bias(n: int) -> np.ndarray:
-        return (0.1 * rng.standard_normal(n)).astype(np.float32)
-
-    t = {Names.TOKEN_EMBD: mat(n_vocab, d)}
-    if fam.rope is Rope.LEARNED:
-        t[Names.POS_EMBD] = mat(spec.n_ctx + fam.position_offset, d)
-    for l in range(spec.n_layer):
-        for lt in fam.usual_block:
-            if args.moe and lt.field in DENSE_FFN:
-                continue
-            name, shape = lt.name.format(l=l), tuple(getattr(args, x) for x in lt.shape)
-            if len(shape) > 1:
-                t[name] = mat(*shape)
-            else:  # a norm's weight near 1; another vector (a gate's row) as a matrix row
-                t[name] = norm(*shape) if "norm" in lt.field else mat(1, *shape)[0]
-            if lt.bias == "required":  # optional biases are left out, as most files do
-                t[bias_name(name)] = bias(shape[0])
-        if args.moe:  # the router and the experts' stacks, in place of the dense FFN
-            for lt in fam.experts:
-                shape = tuple(getattr(args, x) for x in lt.shape)
-                t[lt.name.format(l=l)] = mat(int(np.prod(shape[:-1])), shape[-1]).reshape(shape)
-            continue
-        down = mat(d, ff)  # HF down_proj (n_embd, n_ff)
-        name = (Names.FFN_DOWN_T if sparse else Names.FFN_DOWN).format(l=l)
-        t[name] = np.ascontiguousarray(down.T) if sparse else down
-        if fam.down_bias == "required":
-            t[bias_name(name)] = bias(d)
-        if sparse:
-            t[Names.FC1.format(l=l)] = mat(spec.n_pred_hidden, d)
-            t[Names.FC2.format(l=l)] = mat(ff, spec.n_pred_hidden)
-    t[Names.OUTPUT_NORM] = norm()
-    if fam.output_norm_bias:
-        t[bias_name(Names.OUTPUT_NORM)] = bias(d)
-    if (not spec.tied or not fam.tied_output) and fam.output_tensor:  # tied where it can be
-        t[Names.OUTPUT] = mat(n_vocab, d)
-        if fam.output_bias:
-            t[bias_name(Names.OUTPUT)] = bias(n_vocab)
-    return t
+    return {
+        name: random_tensor(shape, kind, rng)
+        for name, shape, kind in tensor_table(spec, sparse=sparse, args=args)
+    }
 
 
 def vocab_kv(n_vocab: int = len(BYTE_VOCAB)) -> dict:
@@ -122,6 +161,12 @@ def spec_args(spec: TinySpec, n_vocab: int | None = None, *, sparse: bool = True
     the spec's."""
     head_dim = spec.key_length or spec.n_embd // spec.n_head
     fam = family(spec.arch)
+    mla = {}
+    if fam.attention == "mla":  # one cache head of the latent and the RoPE dims
+        head_dim = spec.kv_lora_rank + spec.n_rot
+        mla = dict(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
+                   key_length_mla=spec.key_length_mla, value_length_mla=spec.value_length_mla,
+                   kv_b=spec.kv_b)  # fmt: skip
     return ModelArgs(
         arch=spec.arch,
         n_vocab=n_vocab or spec.n_vocab,
@@ -129,9 +174,9 @@ def spec_args(spec: TinySpec, n_vocab: int | None = None, *, sparse: bool = True
         n_layer=spec.n_layer,
         n_ff=spec.n_ff,
         n_head=spec.n_head,
-        n_head_kv=spec.n_head_kv,
-        n_rot=head_dim,
-        key_length=spec.key_length,
+        n_head_kv=1 if mla else spec.n_head_kv,
+        n_rot=spec.n_rot or head_dim,
+        key_length=head_dim if mla else spec.key_length,
         rope_base=spec.rope_base,
         norm_eps=spec.norm_eps,
         n_ctx_train=spec.n_ctx,
@@ -142,8 +187,22 @@ def spec_args(spec: TinySpec, n_vocab: int | None = None, *, sparse: bool = True
         n_expert_used=spec.n_expert_used,
         n_ff_exp=(spec.n_ff_exp or spec.n_ff) if spec.n_expert else 0,
         expert_norm=dict(fam.key_defaults).get(Keys.EXPERT_WEIGHTS_NORM, True),
-        n_ff_shexp=(spec.n_ff_shexp or spec.n_ff) if spec.n_expert and fam.shared_expert else 0,
+        n_ff_shexp=_shared_width(spec, fam) if spec.n_expert and fam.shared_expert else 0,
+        n_expert_shared=spec.n_expert_shared if spec.n_expert and fam.shared_by_count else 0,
+        expert_gating=fam.expert_gating,
+        n_layer_dense=spec.n_layer_dense if spec.n_expert else 0,
+        n_layer_nextn=spec.n_nextn,
+        sliding_window=spec.sliding_window,
+        swa_layers=windowed_layers({}, fam, spec.n_layer, "tiny") if spec.sliding_window else (),
+        **mla,
     )
+
+
+def _shared_width(spec: TinySpec, fam) -> int:
+    """The shared expert's width: count · the experts' (glm4moe, deepseek2), or its own."""
+    if fam.shared_by_count:
+        return spec.n_expert_shared * (spec.n_ff_exp or spec.n_ff)
+    return spec.n_ff_shexp or spec.n_ff
 
 
 def tiny_kv(spec: TinySpec, *, threshold: float | None = None) -> dict:

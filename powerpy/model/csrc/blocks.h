@@ -25,7 +25,7 @@ struct Layer {
   const int64_t* rec;  // the record itself
   Mat q, k, v, o, fc1, fc2, gate, up, down;
   const float *attn_w, *attn_b, *ffn_w, *ffn_b, *post_attn, *post_ffn, *q_norm, *k_norm;
-  const float *bq, *bk, *bv, *bo, *bu, *bd, *tau;
+  const float *bq, *bk, *bv, *bo, *bu, *bd, *tau, *sinks;
   int flags, variant;
   int64_t window;
   float scale, softcap;
@@ -39,6 +39,7 @@ struct Layer {
         k_norm(rec_ptr(r[REC_QK_NORM + 1])), bq(rec_ptr(r[REC_BIAS])),
         bk(rec_ptr(r[REC_BIAS + 1])), bv(rec_ptr(r[REC_BIAS + 2])), bo(rec_ptr(r[REC_BIAS + 3])),
         bu(rec_ptr(r[REC_BIAS + 4])), bd(rec_ptr(r[REC_BIAS + 5])), tau(rec_ptr(r[REC_TAU])),
+        sinks(rec_ptr(r[REC_SINKS])),
         flags((int)r[REC_FLAGS]), variant((int)r[REC_VARIANT]), window(r[REC_WINDOW]),
         scale(rec_f32(r[REC_SCALE])), softcap(rec_f32(r[REC_SOFTCAP])) {}
 
@@ -94,6 +95,7 @@ inline void rope_heads(float* y, int64_t heads, int64_t hd, int64_t n_rot, bool 
 struct AttnOpts {
   float scale, softcap;
   int64_t window;
+  const float* sinks;  // (n_head) each head's sink logit, or null
   int64_t first(int64_t p) const { return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0; }
 };
 
@@ -116,7 +118,8 @@ static int attn_f32(const float* q, const void* kc, const void* vc, int cdt, int
         if (ao.softcap != 0.0f) s[t] = tanhf(s[t] / ao.softcap) * ao.softcap;
         mx = s[t] > mx ? s[t] : mx;
       }
-      float sum = 0.0f;
+      if (ao.sinks) mx = ao.sinks[h] > mx ? ao.sinks[h] : mx;
+      float sum = ao.sinks ? std::exp(ao.sinks[h] - mx) : 0.0f;
       for (int64_t t = c0; t < S; ++t) sum += (s[t] = std::exp(s[t] - mx));
       float* o = att + h * hd;
       for (int64_t i = 0; i < hd; ++i) o[i] = 0.0f;
@@ -126,7 +129,11 @@ static int attn_f32(const float* q, const void* kc, const void* vc, int cdt, int
   });
 }
 
-// One token's attention block: xa = the layer's attention norm of x; q, k, v = W·xa plus their
+static int mla_block(const Layer& L, const Heads& H, const float* rot, const float* x, void* kc,
+                     int cdt, int64_t pos, float* out, int act, int nthreads, double* ph);
+
+// One token's attention block (a latent attention's: mla.h mla_block): xa = the layer's
+// attention norm of x; q, k, v = W·xa plus their
 // row biases; each q and k head RMS-normed (q_norm, k_norm); RoPE by rot (null: none); q times
 // the scale where the layer scales q (LF_Q_SCALED, gemma) rather than the scores; k and v written
 // to the cache row pos (f32 or f16: cdt 0 / 1, rows of n_kv * hd); query head h reads kv head
@@ -137,6 +144,7 @@ static int attn_f32(const float* q, const void* kc, const void* vc, int cdt, int
 static int attn_block(const Layer& L, const Heads& H, const float* rot, const float* x, void* kc,
                       void* vc, int cdt, int64_t pos, float* out, int act, int nthreads,
                       double* ph = nullptr) {
+  if (L.flags & LF_MLA) return mla_block(L, H, rot, x, kc, cdt, pos, out, act, nthreads, ph);
   const int64_t hd = H.hd, nq = H.n_head * hd, nkv = H.n_kv * hd, S = pos + 1;
   const int64_t d = L.q.cols;
   const bool rope = L.flags & LF_ROPE;
@@ -188,10 +196,10 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
   const bool q_scaled = L.flags & LF_Q_SCALED;  // ggml_scale of q; the softmax scales by 1
   if (cdt == 1 && act) {  // llama.cpp's numerics (see attn_ggml)
     st = attn_ggml(q, (const uint16_t*)kc, (const uint16_t*)vc, pos, 1, H.n_head, H.n_kv, hd, att,
-                   nthreads, L.scale, q_scaled, L.softcap, L.window);
+                   nthreads, L.scale, q_scaled, L.softcap, L.window, 0, 0, 0, L.sinks);
   } else {
     for (int64_t i = 0; q_scaled && i < nq; ++i) q[i] *= L.scale;
-    const AttnOpts ao{q_scaled ? 1.0f : L.scale, L.softcap, L.window};
+    const AttnOpts ao{q_scaled ? 1.0f : L.scale, L.softcap, L.window, L.sinks};
     st = attn_f32(q, kc, vc, cdt, pos, H, ao, sc, att, nthreads);
   }
   if (!st) {
@@ -225,7 +233,8 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
   }
   for (int i = 0; i < 20; ++i) mats[20 + i] = L.rec[REC_SHEXP + i];  // a shared expert, or zeros
   return pp_moe_decode(mats, L.rec[REC_MOE], (int)L.rec[REC_MOE + 1], rec_f32(L.rec[REC_MOE + 2]),
-                       L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act, nthreads);
+                       L.rec + REC_ROUTE, L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act,
+                       nthreads);
 }
 
 // Whether a record's FFN matrices fit together: a variant of its kind (gated or not), a gate of

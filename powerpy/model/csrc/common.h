@@ -19,7 +19,7 @@
 #endif
 
 // Bumped whenever an export or its meaning changes; kernels.py refuses a library with another.
-#define PP_ABI_VERSION 21
+#define PP_ABI_VERSION 26
 
 // Code that is part of its caller (compile-time loops, the arch headers' block decoders).
 #define PP_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -30,11 +30,11 @@ namespace {
 enum DType {
   DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q8_0 = 3, DT_Q4_0 = 4,
   DT_Q4_1 = 5, DT_Q5_0 = 6, DT_Q5_1 = 7, DT_Q4_K = 8, DT_Q5_K = 9, DT_Q6_K = 10,
-  DT_Q4_KX8 = 11, DT_Q4_KX8V = 12, DT_Q4_0X8 = 13, DT_COUNT = 14
+  DT_Q4_KX8 = 11, DT_Q4_KX8V = 12, DT_Q4_0X8 = 13, DT_MXFP4 = 14, DT_COUNT = 15
 };  // Q4_KX8: Q4_K rows interleaved 8 at a time (q4_k_x8.h); V: every token in its GEMV's order;
-// Q4_0X8: Q4_0 rows interleaved 8 at a time (q4_0_x8.h)
+// Q4_0X8: Q4_0 rows interleaved 8 at a time (q4_0_x8.h); MXFP4: mxfp4.h's own kernels
 // ggml's type id of each DType (powerpy.formats.constants.GGMLType), by DType code.
-constexpr int GGML_TYPE_OF[DT_COUNT] = {0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14, -1, -1, -1};
+constexpr int GGML_TYPE_OF[DT_COUNT] = {0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14, -1, -1, -1, 39};
 inline bool is_x8(int dtype) {
   return dtype == DT_Q4_KX8 || dtype == DT_Q4_KX8V || dtype == DT_Q4_0X8;
 }
@@ -54,19 +54,22 @@ enum Status { PP_OK = 0, PP_ERR_INDEX = 1, PP_ERR_ARG = 2 };
 // mixture of experts' routing (LF_MOE): experts per token, renormalised weights, the weights'
 // scale (f32 bits). An MoE layer's FFN matrices are the router (fc1's slot), the gate, up and
 // down stacks (moe.h pp_moe_decode); a shared expert's 4 matrices (its gate row, gate, up, down;
-// zeros: none) follow at REC_SHEXP.
+// zeros: none; a gate row of zeros: an unscaled shared expert) follow at REC_SHEXP, then the
+// routing beyond top-k and the experts' biases at REC_ROUTE (moe.h Route); a latent
+// attention's (LF_MLA) per-head stacks and widths at REC_MLA (mla.h); a pointer to the heads'
+// attention sinks (GPT-OSS; 0: none) at REC_SINKS.
 enum LayerRecord {
   REC_ATTN = 0, REC_FFN = 20, REC_ATTN_NORM = 45, REC_FFN_NORM = 47, REC_POST_NORM = 49,
   REC_QK_NORM = 51, REC_BIAS = 53, REC_TAU = 59, REC_FLAGS = 60, REC_VARIANT = 61,
   REC_WINDOW = 62, REC_SCALE = 63, REC_SOFTCAP = 64, REC_MOE = 65, REC_SHEXP = 68,
-  REC_LEN = 88
+  REC_ROUTE = 88, REC_MLA = 97, REC_SINKS = 110, REC_LEN = 111
 };
 // REC_FLAGS: LayerNorm (else RMSNorm); RoPE, in NEOX pairs (i, i + n_rot / 2) or adjacent ones;
 // a parallel block (the FFN reads the block's input); the down matrix as a dense file stores it
 // (n_embd, n_ff); q scaled before q·k (else the scores, in the softmax); a mixture of experts.
 enum LayerFlags {
   LF_LAYER_NORM = 1, LF_ROPE = 2, LF_NEOX = 4, LF_PARALLEL = 8, LF_DOWN_STORED = 16,
-  LF_Q_SCALED = 32, LF_MOE = 64
+  LF_Q_SCALED = 32, LF_MOE = 64, LF_MLA = 128
 };
 
 int64_t g_prefetch_bytes = 8192;  // how far ahead (at least) the next-row prefetch reaches

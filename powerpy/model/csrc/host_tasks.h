@@ -5,6 +5,10 @@
 // stream's next host function, returns when the worker has written the cold rows' sum, which
 // the stream then copies back and adds. No Python, no GIL and no CUDA call runs in either.
 //
+// A mixture of experts' layer (its record flagged LF_MOE) is the same task over its routed
+// experts: the stream copies the router's choice (ids and weights, T x k) beside the input, and
+// the worker sums each routed expert's cold neurons (moe_cold_rows).
+//
 // A Worker is one thread with a queue (pp_worker_new; the decode plan owns it), which runs each
 // task's rows with the kernels' thread team of task->nthreads. Tasks run in the order they were
 // submitted. A task that fails sets its status, and the step that read it raises; a wait that
@@ -35,10 +39,14 @@ struct ColdTask {
   const int64_t* rec;     // the layer's record: its FFN half (gate, up, down, cut, variant)
   const float* x;         // (T, n_embd) the FFN's normed input
   const uint8_t* mask;    // (T, n_ff) the predictor's mask (nonzero: active), or null: every row
-  const uint8_t* cold;    // (n_ff) nonzero where the row stays on the host
+  const uint8_t* cold;    // (n_ff) nonzero where the row stays on the host (a mixture: per neuron
+                          // of its n_expert * n_ff)
   float* y;               // (T, n_embd) the cold rows' sum, written by the task
   int64_t* kept;          // (T) rows added per token, or null
+  const int64_t* ids;     // (T, k) a mixture's routed experts per token, largest weight first
+  const float* wts;       // (T, k) their routing weights
   int64_t T;              // tokens (sessions) of the step
+  int64_t k;              // experts per token (a mixture), else 0
   int32_t act;            // llama.cpp's rounding of quantized matmuls' activations
   int32_t nthreads;       // the task's thread team
   int32_t status;         // 0, or the first error of its last run
@@ -72,6 +80,69 @@ inline int cold_rows(ColdTask* t) {
   return st;
 }
 
+// A mixture's cold task: for each token and each of its k routed experts e in routing order,
+// the expert's cold neurons h_j = silu(gate_j . x) * (up_j . x) (its hot ones 0), the cut by
+// groups of h weighted by w_e (cut_groups, over the cold members: the device scores the hot
+// ones), y_e = (down_e . h) * w_e, and y = y_0 + y_1 + ...: moe_host.experts_host's steps with
+// a cold mask. Plain SwiGLU experts without biases (moe.py moe_cold_part builds the record).
+inline int moe_cold_rows(ColdTask* t) {
+  const Layer L(t->rec);
+  const Mat &gate = L.gate, &up = L.up, &down = L.down;
+  const int64_t d = gate.cols, k = t->k;
+  if (!(L.flags & LF_MOE) || d < 1 || k < 1 || !t->ids || !t->wts || down.nrows % d)
+    return PP_ERR_ARG;
+  const int64_t E = down.nrows / d;
+  if (E < 1 || gate.nrows % E || up.nrows != gate.nrows || up.cols != d || is_x8(gate.dtype) ||
+      gate.dtype != up.dtype)
+    return PP_ERR_ARG;
+  const int64_t ff = gate.nrows / E;
+  if (down.cols != ff || (is_x8(down.dtype) && (d % 8 || !t->act))) return PP_ERR_ARG;
+  int64_t* sel = (int64_t*)std::malloc(sizeof(int64_t) * ff);
+  float* buf = (float*)std::malloc(sizeof(float) * (2 * ff + d));
+  int st = sel && buf ? 0 : PP_ERR_ARG;
+  float *hs = buf, *h = buf + ff, *ye = buf + 2 * ff;
+  for (int64_t i = 0; i < t->T && !st; ++i) {
+    const float* x = t->x + i * d;
+    float* acc = t->y + i * d;
+    int64_t kept = 0;
+    for (int64_t s = 0; s < k && !st; ++s) {
+      const int64_t e = t->ids[i * k + s];
+      const float w = t->wts[i * k + s];
+      if (e < 0 || e >= E) {
+        st = PP_ERR_ARG;
+        break;
+      }
+      float* y = s ? ye : acc;
+      int64_t n = 0;
+      for (int64_t j = 0; j < ff; ++j)
+        if (t->cold[e * ff + j]) sel[n++] = e * ff + j;
+      if (!n) {  // every neuron of e is on the device: nothing of it here
+        for (int64_t j = 0; j < d; ++j) y[j] = 0.0f;
+      } else {
+        st = mat_glu(gate, up, x, sel, n, V_SWIGLU, hs, t->act, t->nthreads);
+        for (int64_t j = 0; j < ff; ++j) h[j] = 0.0f;
+        for (int64_t m = 0; m < n; ++m) h[sel[m] - e * ff] = hs[m];
+        if (L.tau) cut_groups(h, ff, cut_group(down.dtype), w, L.tau + e * ff, nullptr);
+        for (int64_t j = 0; j < ff; ++j) kept += h[j] != 0.0f;
+        if (!st && is_x8(down.dtype))
+          st = x8_experts(down.dtype, down.w, down.ld, d, ff, &e, 1, h, ff, y, t->act,
+                          t->nthreads);
+        else if (!st)
+          st = mat_gemv(sub_rows(down, e * d, d), h, nullptr, d, y, t->act, t->nthreads);
+      }
+      for (int64_t j = 0; j < d; ++j) y[j] *= w;  // weighted, then added in routing order
+      if (s)
+        for (int64_t j = 0; j < d; ++j) acc[j] += y[j];
+    }
+    if (t->kept) t->kept[i] = kept;
+  }
+  std::free(sel);
+  std::free(buf);
+  return st;
+}
+
+inline int run_task(ColdTask* t) { return t->k ? moe_cold_rows(t) : cold_rows(t); }
+
 struct Worker {
   std::mutex m;
   std::condition_variable queued, done;
@@ -99,7 +170,7 @@ struct Worker {
         t = q.front();
         q.pop_front();
       }
-      const int st = cold_rows(t);
+      const int st = run_task(t);
       {
         std::lock_guard<std::mutex> g(m);
         t->status = st;
@@ -148,7 +219,7 @@ void pp_host_wait(void* task) {
 // The task on the calling thread (tests; a device without host functions). Returns its status.
 int pp_cold_run(void* task) {
   ColdTask* t = (ColdTask*)task;
-  t->status = cold_rows(t);
+  t->status = run_task(t);
   t->ran_on = (uint64_t)std::hash<std::thread::id>()(std::this_thread::get_id());
   t->state = TASK_DONE;
   return t->status;
@@ -160,7 +231,9 @@ void pp_cold_task_layout(int64_t* out) {
       (int64_t)offsetof(ColdTask, worker), (int64_t)offsetof(ColdTask, rec),
       (int64_t)offsetof(ColdTask, x),      (int64_t)offsetof(ColdTask, mask),
       (int64_t)offsetof(ColdTask, cold),   (int64_t)offsetof(ColdTask, y),
-      (int64_t)offsetof(ColdTask, kept),   (int64_t)offsetof(ColdTask, T),
+      (int64_t)offsetof(ColdTask, kept),   (int64_t)offsetof(ColdTask, ids),
+      (int64_t)offsetof(ColdTask, wts),    (int64_t)offsetof(ColdTask, T),
+      (int64_t)offsetof(ColdTask, k),
       (int64_t)offsetof(ColdTask, act),    (int64_t)offsetof(ColdTask, nthreads),
       (int64_t)offsetof(ColdTask, status), (int64_t)offsetof(ColdTask, state),
       (int64_t)offsetof(ColdTask, ran_on), (int64_t)sizeof(ColdTask)};

@@ -116,11 +116,14 @@ inline float dot_f16(const uint16_t* x, const uint16_t* y, int64_t n, bool one) 
 
 // Softmax of scores s[0..S) (scaled by `scale`, ggml_soft_max_ext) into f16 weights p16, in
 // GW-cell chunks: each chunk's exps are summed as one vector (hsum_gw), the chunk sums in double.
-// llama.cpp's cache pads a row with masked cells; their exps are 0 and change no sum.
-inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
+// llama.cpp's cache pads a row with masked cells; their exps are 0 and change no sum. A sink
+// (GPT-OSS's per-head logit; NaN: none) joins the max and adds expf(sink - max) to the sum, as
+// ggml_soft_max_add_sinks, without a value.
+inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16, float sink = NAN) {
   float mx = -INFINITY;
   int64_t t1 = scale_max16(s, S, scale, mx);
   for (; t1 < S; ++t1) mx = (s[t1] *= scale) > mx ? s[t1] : mx;
+  if (!std::isnan(sink)) mx = mx > sink ? mx : sink;
   double sum = 0.0;
   for (int64_t t0 = 0; t0 < S; t0 += GW) {
     float e[16] = {};
@@ -130,6 +133,7 @@ inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
     for (int64_t t = 0; t < m; ++t) s[t0 + t] = e[t];
     sum += (double)hsum_gw(e);
   }
+  if (!std::isnan(sink)) sum += (double)expf(sink - mx);
   const float inv = (float)(1.0 / sum);
   int64_t t = store_f16x16(s, S, inv, p16);
   for (; t < S; ++t) p16[t] = float_to_half(s[t] * inv);
@@ -142,13 +146,19 @@ inline void softmax_f16(float* s, int64_t S, float scale, uint16_t* p16) {
 // (head_dim % GW == 0 for q·k, head_dim % 4 == 0 for the weighted sum of v). The scores'
 // scale (0: 1/sqrt(hd)) applies in the softmax, or to q before its f16 rounding (scale_q: the
 // graphs that ggml_scale q, gemma's and phi3's); softcap > 0 caps the scores at
-// softcap·tanh(s/softcap); window > 0 masks the keys more than window - 1 positions back.
+// softcap·tanh(s/softcap); window > 0 masks the keys more than window - 1 positions back. Values
+// may have their own head size hv and both caches their own row strides (k_ld, v_ld elements; 0:
+// n_kv * hd and n_kv * hv): a latent cache's values are the first hv dims of its key rows (MLA).
+// sinks (n_head, or null): each head's sink logit in its softmax (softmax_f16).
 static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
                      int64_t n_head, int64_t n_kv, int64_t hd, float* out, int nthreads,
                      float qk_scale = 0.0f, bool scale_q = false, float softcap = 0.0f,
-                     int64_t window = 0) {
-  const bool one_kq = T == 1 || hd % GW, one_kqv = T == 1 || hd % 4;
-  const int64_t nkv = n_kv * hd, group = n_head / n_kv, S = p0 + T;
+                     int64_t window = 0, int64_t hv = 0, int64_t k_ld = 0, int64_t v_ld = 0,
+                     const float* sinks = nullptr) {
+  hv = hv ? hv : hd;
+  const bool one_kq = T == 1 || hd % GW, one_kqv = T == 1 || hv % 4;
+  const int64_t nkv = k_ld ? k_ld : n_kv * hd, vld = v_ld ? v_ld : n_kv * hv;
+  const int64_t group = n_head / n_kv, S = p0 + T;
   const float qs = qk_scale > 0.0f ? qk_scale : 1.0f / std::sqrt((float)hd);
   const float scale = scale_q ? 1.0f : qs, cap_inv = softcap > 0.0f ? 1.0f / softcap : 0.0f;
   const int nt = team_size(nthreads, T * S * nkv * 8 * group);
@@ -156,7 +166,7 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
   // prompt's later tokens see more cells (a fixed half each left one thread 3/4 of the work)
   const int64_t jobs = T * n_head, lanes = (one_kqv ? 4 : 1) * GW;
   return run_dynamic(nt, jobs, 1, [&](int64_t a, int64_t b) -> int {
-    std::vector<float> s(S), acc(lanes * hd);
+    std::vector<float> s(S), acc(lanes * hv);
     std::vector<uint16_t> q16(hd), p16(S);
     for (int64_t job = jobs - b; job < jobs - a; ++job) {
       const int64_t i = job / n_head, h = job % n_head, n = p0 + i + 1;  // cells seen
@@ -170,38 +180,39 @@ static int attn_ggml(const float* q, const uint16_t* kc, const uint16_t* vc, int
       if (softcap > 0.0f)  // ggml_scale, ggml_tanh, ggml_scale
         for (int64_t t = c0; t < n; ++t) s[t] = tanhf(s[t] * cap_inv) * softcap;
       for (int64_t t = 0; t < c0; ++t) s[t] = -INFINITY;  // the mask: exp 0, weight 0
-      softmax_f16(s.data(), n, scale, p16.data());
+      softmax_f16(s.data(), n, scale, p16.data(), sinks ? sinks[h] : NAN);
       // out[d] = dot over cells of v[., d] and p16, cell t in lane (t / GW) % 4 (one token) or
       // 0, and t % GW; the padding cells of llama.cpp's cache add zeros, which change no sum.
-      float* o = out + i * n_head * hd + h * hd;
-      if (kqv16(vc, nkv, off, hd, n, one_kqv, p16.data(), s.data(), o)) continue;
-      std::fill(acc.begin(), acc.end(), 0.0f);  // (lanes, hd): lane-major sums
+      float* o = out + i * n_head * hv + h * hv;
+      const int64_t voff = h / group * hv;
+      if (kqv16(vc, vld, voff, hv, n, one_kqv, p16.data(), s.data(), o)) continue;
+      std::fill(acc.begin(), acc.end(), 0.0f);  // (lanes, hv): lane-major sums
       for (int64_t t = 0; t < n; ++t) {
         const vf p = v_set1(half_to_float(p16[t]));
-        float* ac = acc.data() + ((one_kqv ? (t / GW) % 4 * GW : 0) + t % GW) * hd;
-        const uint16_t* vr = vc + t * nkv + off;
+        float* ac = acc.data() + ((one_kqv ? (t / GW) % 4 * GW : 0) + t % GW) * hv;
+        const uint16_t* vr = vc + t * vld + voff;
         int64_t d = 0;
-        for (; d + VL <= hd; d += VL) v_store(ac + d, v_fma(v_load_h(vr + d), p, v_load(ac + d)));
-        for (; d < hd; ++d) ac[d] = std::fma(half_to_float(vr[d]), half_to_float(p16[t]), ac[d]);
+        for (; d + VL <= hv; d += VL) v_store(ac + d, v_fma(v_load_h(vr + d), p, v_load(ac + d)));
+        for (; d < hv; ++d) ac[d] = std::fma(half_to_float(vr[d]), half_to_float(p16[t]), ac[d]);
       }
       // lane l: (accumulators 0 + 2) + (1 + 3) for one token; then the GW lanes reduced as
       // ggml_vec_dot_f16 (one token) or tinyBLAS (a batch) does, VL dims at a time
       int64_t d0 = 0;
-      for (; d0 + VL <= hd; d0 += VL) {
+      for (; d0 + VL <= hv; d0 += VL) {
         const float* c = acc.data() + d0;
         vf L[16];
         for (int l = 0; l < GW; ++l)
-          L[l] = one_kqv ? v_add(v_add(v_load(c + l * hd), v_load(c + (2 * GW + l) * hd)),
-                                 v_add(v_load(c + (GW + l) * hd), v_load(c + (3 * GW + l) * hd)))
-                         : v_load(c + l * hd);
+          L[l] = one_kqv ? v_add(v_add(v_load(c + l * hv), v_load(c + (2 * GW + l) * hv)),
+                                 v_add(v_load(c + (GW + l) * hv), v_load(c + (3 * GW + l) * hv)))
+                         : v_load(c + l * hv);
         v_store(o + d0, one_kqv ? vreduce_gw(L) : hsum_gw(L));
       }
-      for (int64_t d = d0; d < hd; ++d) {
+      for (int64_t d = d0; d < hv; ++d) {
         const float* c = acc.data() + d;
         float lanes[16];
         for (int l = 0; l < GW; ++l)
-          lanes[l] = one_kqv ? (c[l * hd] + c[(2 * GW + l) * hd]) + (c[(GW + l) * hd] + c[(3 * GW + l) * hd])
-                             : c[l * hd];
+          lanes[l] = one_kqv ? (c[l * hv] + c[(2 * GW + l) * hv]) + (c[(GW + l) * hv] + c[(3 * GW + l) * hv])
+                             : c[l * hv];
         o[d] = one_kqv ? vreduce_gw(lanes) : hsum_gw(lanes);
       }
     }

@@ -33,6 +33,7 @@
 #include "q4_0_x8.h"          // the same for Q4_0
 #include "x8.h"              // the interleaved layouts' GEMV, GEMM, experts, dequant
 #include "numerics.h"        // attention, and llama.cpp's float steps
+#include "mxfp4.h"           // MXFP4 (GPT-OSS's experts): its own GEMV, GEMM, row sums
 // (after the Mat helpers below: blocks.h, the decode blocks of every family's layout)
 
 // ---- the exports' helpers -------------------------------------------------------------------
@@ -92,6 +93,8 @@ inline bool rows_as_x8(int dtype, int act) { return dtype == DT_Q4_0 && act && X
 
 static int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
                     int act, int nt) {
+  if (m.dtype == DT_MXFP4)
+    return mx_gemm(m.w, m.ld, m.nrows, m.cols, x, 0, 1, idx, k, out, 0, act, nt);
   if (is_x8(m.dtype)) return x8_gemv(m, x, idx, k, out, act, nt);
   if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
   if (idx && rows_as_x8(m.dtype, act))
@@ -105,6 +108,11 @@ static int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* ou
   const uint8_t* w[4];
   int64_t ld[4], nrows[4];
   if (nm < 1 || nm > 4) return PP_ERR_ARG;
+  if (m[0].dtype == DT_MXFP4) {  // one matrix at a time
+    int st = 0;
+    for (int i = 0; i < nm && !st; ++i) st = mat_gemv(m[i], x, nullptr, m[i].nrows, out[i], act, nt);
+    return st;
+  }
   for (int i = 0; i < nm; ++i) {
     if (m[i].dtype != m[0].dtype || m[i].cols != m[0].cols) return PP_ERR_ARG;
     w[i] = m[i].w;
@@ -122,11 +130,11 @@ static int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* ou
 // Every row's act(gate . x, up . x) for interleaved gate and up matrices.
 static int x8_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
                   int variant, float* out, int act, int nt) {
-  if (!is_x8(g.dtype) || g.nrows != u.nrows || g.cols != u.cols) return PP_ERR_ARG;
+  if (g.dtype != u.dtype || g.nrows != u.nrows || g.cols != u.cols) return PP_ERR_ARG;
   float* gv = (float*)std::malloc(sizeof(float) * (size_t)(k > 0 ? k : 1));
   if (!gv) return PP_ERR_ARG;
-  int st = x8_gemv(g, x, idx, k, gv, act, nt);
-  if (!st) st = x8_gemv(u, x, idx, k, out, act, nt);
+  int st = mat_gemv(g, x, idx, k, gv, act, nt);  // (an MXFP4 GLU's too)
+  if (!st) st = mat_gemv(u, x, idx, k, out, act, nt);
   const uint16_t* gt = variant == V_GEGLU ? gelu_lut(act) : nullptr;
   for (int64_t j = 0; j < k && !st; ++j) out[j] = activate(variant, gv[j], out[j], gt);
   std::free(gv);
@@ -135,7 +143,7 @@ static int x8_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx
 
 static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
                    int variant, float* out, int act, int nt) {
-  if (is_x8(u.dtype)) return x8_glu(g, u, x, idx, k, variant, out, act, nt);
+  if (is_x8(u.dtype) || u.dtype == DT_MXFP4) return x8_glu(g, u, x, idx, k, variant, out, act, nt);
   if (!valid_shape(u.dtype, u.cols) || g.dtype != u.dtype) return PP_ERR_ARG;
   if (idx && rows_as_x8(u.dtype, act))
     return x8_rows_glu<X8Q40>(g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out, act,
@@ -146,12 +154,15 @@ static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* id
 
 static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k, float* out,
                     int nt, const float* tau = nullptr, int64_t* kept = nullptr) {
+  if (m.dtype == DT_MXFP4)
+    return mx_axpy(m.w, m.ld, m.nrows, m.cols, h, 0, 1, idx, k, out, 0, nt, tau, kept);
   if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
   PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt, tau, kept)
 }
 
 #include "moe.h"  // mixtures of experts: the router in llama.cpp's order, the decode block
 #include "blocks.h"  // the decode blocks of every family's layout (MoE layers: moe.h's)
+#include "mla.h"     // DeepSeek-2's latent attention block
 #include "host_tasks.h"  // a hybrid layer's cold rows, run on a worker for a CUDA stream
 
 extern "C" {
@@ -231,6 +242,38 @@ void pp_rope_table_ext(const int64_t* pos, int64_t n, int64_t n_rot, float base,
   }
 }
 
+// YaRN's table (ggml's rope_yarn, ggml_rope_yarn_corr_dims): as pp_rope_table_ext, but pair j's
+// angle mixes the interpolated freq_scale * theta' and the extrapolated theta' = theta /
+// factors[j] by ramp_j * ext_factor, ramp_j 1 below the corner dims (from n_ctx_orig and the
+// betas) and 0 above, and cos and sin are multiplied by mscale * (1 + 0.1 * logf(1 /
+// freq_scale)). ggml's build fuses the first product of each sum into an FMA (as in its RoPE).
+void pp_rope_table_yarn(const int64_t* pos, int64_t n, int64_t n_rot, float base, float freq_scale,
+                        const float* factors, float mscale, float ext_factor, int64_t n_ctx_orig,
+                        float beta_fast, float beta_slow, float* out) {
+  const float theta_scale = powf(base, -2.0f / (float)n_rot);
+  const auto corr_dim = [&](float beta) {
+    return (float)n_rot * logf((float)n_ctx_orig / (beta * 2 * (float)M_PI)) / (2 * logf(base));
+  };
+  const float lo = std::max(0.0f, floorf(corr_dim(beta_fast)));
+  const float hi = std::min((float)(n_rot - 1), ceilf(corr_dim(beta_slow)));
+  const float ms = ext_factor != 0.0f ? mscale * std::fma(0.1f, logf(1.0f / freq_scale), 1.0f)
+                                      : mscale;
+  for (int64_t i = 0; i < n; ++i) {
+    float theta = (float)pos[i];
+    for (int64_t j = 0; j < n_rot / 2; ++j, theta *= theta_scale) {
+      const float extrap = theta / (factors ? factors[j] : 1.0f), interp = freq_scale * extrap;
+      float t = interp;
+      if (ext_factor != 0.0f) {
+        const float y = ((float)j - lo) / std::max(0.001f, hi - lo);  // j = i0 / 2
+        const float mix = (1 - std::min(1.0f, std::max(0.0f, y))) * ext_factor;
+        t = std::fma(interp, 1 - mix, extrap * mix);
+      }
+      out[(i * (n_rot / 2) + j) * 2] = cosf(t) * ms;
+      out[(i * (n_rot / 2) + j) * 2 + 1] = sinf(t) * ms;
+    }
+  }
+}
+
 // The plain table: no scaling, no factors.
 void pp_rope_table(const int64_t* pos, int64_t n, int64_t n_rot, float base, float* out) {
   pp_rope_table_ext(pos, n, n_rot, base, 1.0f, nullptr, 1.0f, out);
@@ -254,13 +297,24 @@ int pp_attn(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, 
 }
 
 // pp_attn with a scale of the scores (0: 1/sqrt(hd)) applied to q (scale_q) or in the softmax,
-// a soft-cap (0: none) and a sliding window (0: none), as attn_ggml takes them.
+// a soft-cap (0: none), a sliding window (0: none) and the heads' sinks (null: none), as
+// attn_ggml takes them.
 int pp_attn_ext(const float* q, const uint16_t* kc, const uint16_t* vc, int64_t p0, int64_t T,
                 int64_t n_head, int64_t n_kv, int64_t hd, float scale, int scale_q, float softcap,
-                int64_t window, float* out, int nthreads) {
+                int64_t window, const float* sinks, float* out, int nthreads) {
   if (T < 1 || n_kv < 1 || n_head % n_kv || window < 0) return PP_ERR_ARG;
   return attn_ggml(q, kc, vc, p0, T, n_head, n_kv, hd, out, nthreads, scale, scale_q != 0,
-                   softcap, window);
+                   softcap, window, 0, 0, 0, sinks);
+}
+
+// The latent attention of DeepSeek-2 (MLA, absorbed as llama.cpp computes it): n_head queries
+// of hk dims per token over one f16 cache of rows of hk dims (the latent, then the RoPE dims),
+// whose first hv dims are the values; scale as pp_attn_ext's. out (T, n_head * hv).
+int pp_attn_mla(const float* q, const uint16_t* kc, int64_t p0, int64_t T, int64_t n_head,
+                int64_t hk, int64_t hv, float scale, float* out, int nthreads) {
+  if (T < 1 || n_head < 1 || hv < 1 || hv > hk) return PP_ERR_ARG;
+  return attn_ggml(q, kc, kc, p0, T, n_head, 1, hk, out, nthreads, scale, false, 0.0f, 0, hv, hk,
+                   hk);
 }
 
 // ggml's GELU table (ggml_table_gelu_f16): for each f16 bit pattern i, the f16 of ggml_gelu_f32
@@ -320,12 +374,14 @@ int pp_abi_version(void) { return PP_ABI_VERSION; }
 int pp_layer_record_len(void) { return REC_LEN; }
 
 // The record's layout, for kernels.py to check against its own (RECORD_LAYOUT): the slots of
-// LayerRecord, the LF_* flags, then the variant codes, 26 int64 in all.
+// LayerRecord, the LF_* flags, then the variant codes, 31 int64 in all.
 void pp_layer_record_layout(int64_t* out) {
   const int64_t v[] = {REC_ATTN, REC_FFN, REC_ATTN_NORM, REC_FFN_NORM, REC_POST_NORM,
                        REC_QK_NORM, REC_BIAS, REC_TAU, REC_FLAGS, REC_VARIANT, REC_WINDOW,
-                       REC_SCALE, REC_SOFTCAP, REC_MOE, REC_SHEXP, REC_LEN, LF_LAYER_NORM, LF_ROPE,
-                       LF_NEOX, LF_PARALLEL, LF_DOWN_STORED, LF_Q_SCALED, LF_MOE, V_GEGLU,
+                       REC_SCALE, REC_SOFTCAP, REC_MOE, REC_SHEXP, REC_ROUTE, REC_MLA, REC_SINKS,
+                       REC_LEN,
+                       LF_LAYER_NORM, LF_ROPE,
+                       LF_NEOX, LF_PARALLEL, LF_DOWN_STORED, LF_Q_SCALED, LF_MOE, LF_MLA, V_GEGLU,
                        V_RELU, V_GELU, V_COUNT};
   for (size_t i = 0; i < sizeof v / sizeof v[0]; ++i) out[i] = v[i];
 }
@@ -357,6 +413,8 @@ int pp_gather_gemv(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t 
 int pp_gather_axpy(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
                    const float* h, const int64_t* idx, int64_t k, float* out, int accumulate,
                    int nthreads) {
+  if (dtype == DT_MXFP4)
+    return mx_axpy((const uint8_t*)W, ld, nrows, cols, h, 0, 1, idx, k, out, accumulate, nthreads);
   if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
   PP_DISPATCH(dtype, axpy_impl, (const uint8_t*)W, ld, nrows, cols, h, idx, k, out, accumulate,
               nthreads)
@@ -365,6 +423,9 @@ int pp_gather_axpy(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t 
 // out[t] = sum_{j: h[t][j] != 0} h[t][j] * W[j] for T tokens: h (T, nrows), out (T, cols).
 int pp_rows_sum(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
                 int64_t T, float* out, int nthreads) {
+  if (dtype == DT_MXFP4)
+    return mx_axpy((const uint8_t*)W, ld, nrows, cols, h, nrows, T, nullptr, nrows, out, 0,
+                   nthreads);
   if (!valid_shape(dtype, cols) || T < 0) return PP_ERR_ARG;
   PP_DISPATCH(dtype, rows_gemm_impl, (const uint8_t*)W, ld, nrows, cols, h, T, out, nthreads)
 }
@@ -384,6 +445,9 @@ int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ld
 int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
             int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need, int act,
             int nthreads) {
+  if (dtype == DT_MXFP4)
+    return mx_gemm((const uint8_t*)W, ld, nrows, cols, x, ldx, T, nullptr, nrows, out, ldo, act,
+                   nthreads);
   if (is_x8(dtype))
     return x8_layout(dtype, [&](auto X) {
       return x8_gemm<decltype(X)>((const uint8_t*)W, nrows, cols, x, ldx, T, out, ldo, act,
@@ -424,6 +488,7 @@ double pp_stream_read(const void* p, int64_t bytes, int nthreads) {
 // out[j, :] = W[idx[j], :] as f32 (idx == NULL: rows 0..k-1); out is (k, cols) contiguous.
 int pp_dequant_rows(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
                     const int64_t* idx, int64_t k, float* out, int nthreads) {
+  if (dtype == DT_MXFP4) return mx_dequant((const uint8_t*)W, ld, nrows, cols, idx, k, out);
   if (is_x8(dtype))
     return x8_layout(dtype, [&](auto X) {
       return x8_dequant<decltype(X)>((const uint8_t*)W, nrows, cols, idx, k, out, nthreads);

@@ -11,7 +11,9 @@ library bug and propagates (``run_case`` is both).
 The drafts and the raw writer are in ``files``, the model-file mutations in ``mutations``, the
 gpuidx/statistics mutations and the issue's seed cases in ``side_files``, the Falcon and OPT
 mutations (family "arch", on drafts of those families) and their seed cases in ``archs``, Gemma's
-and Phi-3's in ``windowed``, the mixtures of experts' (family "moe") in ``experts``. Used by
+and Phi-3's in ``windowed``, the mixtures of experts' (family "moe") in ``experts`` and
+``routing`` (DeepSeek-style routings and layer layouts), ``latent`` (DeepSeek-2's latent
+attention, YaRN) and ``oss`` (GPT-OSS's sinks, biases, window and MXFP4 stacks). Used by
 ``tests/test_fuzz_path.py`` (hypothesis), ``tests/test_cli_errors.py`` and ``tools/fuzz.py``
 (subprocesses).
 """
@@ -41,10 +43,19 @@ from powerpy.testing.fuzz.files import (
     pick,
     write_draft,
 )  # fmt: skip
+from powerpy.testing.fuzz.latent import LATENT_SEEDS
+from powerpy.testing.fuzz.oss import OSS_SEEDS
+from powerpy.testing.fuzz.routing import ROUTING_SEEDS
 from powerpy.testing.fuzz.side_files import SEED_CASES as SIDE_SEED_CASES
 from powerpy.testing.fuzz.windowed import WINDOWED_SEED_ARCHS, WINDOWED_SEED_CASES
 
-SEED_CASES = {**SIDE_SEED_CASES, **ARCH_SEED_CASES, **WINDOWED_SEED_CASES, **MOE_SEED_CASES}
+_MORE_MOE = {**ROUTING_SEEDS, **LATENT_SEEDS, **OSS_SEEDS}  # name -> (arch, fn)
+ROUTING_SEED_CASES = {name: ("moe", fn) for name, (_, fn) in _MORE_MOE.items()}
+SEED_CASES = {
+    **SIDE_SEED_CASES, **ARCH_SEED_CASES, **WINDOWED_SEED_CASES, **MOE_SEED_CASES,
+    **ROUTING_SEED_CASES,
+}  # fmt: skip
+SEED_MOE = {**SEED_MOE_ARCHS, **{name: arch for name, (arch, _) in _MORE_MOE.items()}}
 SEED_DRAFTS = {**SEED_ARCHS, **WINDOWED_SEED_ARCHS}  # name -> (arch, draft seed)
 
 
@@ -131,8 +142,8 @@ def prepare_seed_case(name: str, workdir: Path) -> Prepared:
     family, fn = SEED_CASES[name]
     arch = SEED_DRAFTS.get(name)  # (arch, seed) of the "arch" family's cases
     d = base_draft(True) if arch is None else arch_draft(arch[0], True, seed=arch[1])
-    if name in SEED_MOE_ARCHS:
-        d = moe_draft(SEED_MOE_ARCHS[name])
+    if name in SEED_MOE:
+        d = moe_draft(SEED_MOE[name])
     fn(d)
     return finish(d, family, name, 0, name, workdir)
 

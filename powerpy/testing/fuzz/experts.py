@@ -28,7 +28,7 @@ from powerpy.testing.fuzz.files import (
 )  # fmt: skip
 from powerpy.testing.tiny import spec_args
 
-MOE_ARCHS = ("llama", "qwen3moe", "qwen2moe")
+MOE_ARCHS = ("llama", "qwen3moe", "qwen2moe", "glm4moe", "deepseek2", "gpt-oss")
 MOE_SPECS = {
     "llama": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
                       n_expert_used=2),
@@ -36,6 +36,19 @@ MOE_SPECS = {
                          n_expert_used=2, n_ff_exp=32, arch="qwen3moe"),
     "qwen2moe": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
                          n_expert_used=2, n_ff_exp=32, n_ff_shexp=48, arch="qwen2moe"),
+    # a leading dense layer, then two MoE layers, and a NextN layer
+    "glm4moe": TinySpec(n_embd=32, n_layer=3, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
+                        n_expert_used=2, n_ff_exp=32, arch="glm4moe", n_layer_dense=1,
+                        n_nextn=1, n_rot=4, biases=True),
+    # the latent attention (q's low rank, attn_k_b/attn_v_b), a leading dense layer
+    "deepseek2": TinySpec(n_embd=32, n_layer=3, n_ff=64, n_head=2, n_expert=4, n_expert_used=2,
+                          n_ff_exp=32, arch="deepseek2", n_layer_dense=1, n_rot=8,
+                          q_lora_rank=16, kv_lora_rank=16, key_length_mla=24,
+                          value_length_mla=16),
+    # biases on attention and experts, sinks, a window of 4 on layer 0, q wider than n_embd
+    "gpt-oss": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
+                        n_expert_used=2, n_ff_exp=32, arch="gpt-oss", sliding_window=4,
+                        key_length=16),
 }  # fmt: skip
 SHARED = (Names.FFN_GATE_INP_SHEXP, Names.FFN_GATE_SHEXP, Names.FFN_UP_SHEXP, Names.FFN_DOWN_SHEXP)
 STACKS = (Names.FFN_GATE_EXPS, Names.FFN_UP_EXPS, Names.FFN_DOWN_EXPS)
@@ -44,14 +57,14 @@ F32, Q8_0 = GGMLType.F32, GGMLType.Q8_0
 
 def moe_draft(arch: str, seed: int = 0, *, quantized: bool = False) -> Draft:
     """The unmutated tiny MoE model of ``arch`` (a dense GGUF; 4 experts, 2 routed), F32, or
-    with Q8_0 expert stacks."""
+    with quantized expert stacks (Q8_0; gpt-oss: MXFP4, as its files ship them)."""
     spec = MOE_SPECS[arch]
     kv = spec_args(spec, sparse=False).to_gguf_kv(name=f"powerpy-fuzz-{arch}-moe") | vocab_kv()
+    qtype = GGMLType.MXFP4 if arch == "gpt-oss" else Q8_0
     tensors = []
     for name, a in tiny_tensors(spec, sparse=False, seed=seed).items():
         if quantized and any(name.endswith(s[7:]) for s in STACKS):
-            q = quants.quantize_q8_0(a)
-            tensors.append(Tensor(name, q, Q8_0, a.shape))
+            tensors.append(Tensor(name, quants.quantize(a, qtype), qtype, a.shape))
         else:
             tensors.append(Tensor(name, a, F32, a.shape))
     return Draft(False, dict(kv), tensors, arch=arch)
@@ -67,8 +80,20 @@ def moe_archs(*names: str) -> Callable:
     return deco
 
 
-def _layer(rng: np.random.Generator) -> int:
-    return int(rng.integers(2))
+def _layer(rng: np.random.Generator, d: Draft) -> int:
+    """One of the draft's two mixture-of-experts layers (after its leading dense ones)."""
+    return int(rng.integers(2)) + MOE_SPECS[d.arch].n_layer_dense
+
+
+def put_key(d: Draft, key: str, spec: tuple | None) -> str:
+    """The draft's key ``key`` (a template of its arch) set to ``spec``, or removed (None);
+    returns the mutation's description."""
+    short = key.split(".")[-1]
+    if spec is None:
+        d.kv.pop(d.key(key), None)
+        return f"no {short}"
+    d.kv[d.key(key)] = spec
+    return f"{short} = {spec[0]!r}"
 
 
 def _set(t: Tensor, a: np.ndarray) -> None:
@@ -76,7 +101,7 @@ def _set(t: Tensor, a: np.ndarray) -> None:
 
 
 def _f32(t: Tensor) -> np.ndarray:
-    """The tensor's values as f32 (a Q8_0 stack decoded)."""
+    """The tensor's values as f32 (a quantized stack decoded)."""
     if t.ggml_type == F32:
         return np.asarray(t.data)
     return quants.dequantize(t.data, t.ggml_type, t.shape)
@@ -114,7 +139,7 @@ def expert_used_count(d: Draft, rng: np.random.Generator) -> str:
 @moe_archs(*MOE_ARCHS)
 def stack_shape(d: Draft, rng: np.random.Generator) -> str:
     """An expert stack (or the router) transposed, an expert more or less, rows or columns cut."""
-    l = _layer(rng)
+    l = _layer(rng, d)
     name = pick(rng, (*STACKS, Names.FFN_GATE_INP)).format(l=l)
     t = d.tensor(name)
     a = _f32(t)
@@ -135,7 +160,7 @@ def stack_shape(d: Draft, rng: np.random.Generator) -> str:
 @moe_archs(*MOE_ARCHS)
 def stack_missing(d: Draft, rng: np.random.Generator) -> str:
     """An expert stack or the router of a layer removed."""
-    name = pick(rng, (*STACKS, Names.FFN_GATE_INP)).format(l=_layer(rng))
+    name = pick(rng, (*STACKS, Names.FFN_GATE_INP)).format(l=_layer(rng, d))
     d.tensors.remove(d.tensor(name))
     return f"no {name}"
 
@@ -145,7 +170,7 @@ def stack_missing(d: Draft, rng: np.random.Generator) -> str:
 def stack_type(d: Draft, rng: np.random.Generator) -> str:
     """An expert stack's type label changed under its data (F32 bytes labelled Q8_0 or F16),
     or its values NaN or huge."""
-    t = d.tensor(pick(rng, STACKS).format(l=_layer(rng)))
+    t = d.tensor(pick(rng, STACKS).format(l=_layer(rng, d)))
     if rng.integers(2):
         t.ggml_type = pick(rng, (GGMLType.Q8_0, GGMLType.F16, GGMLType.Q4_0))
         d.raw = True
@@ -180,7 +205,7 @@ def routing_keys(d: Draft, rng: np.random.Generator) -> str:
 def shared_expert(d: Draft, rng: np.random.Generator) -> str:
     """A shared expert's tensor missing, transposed, cut or as a (1, n) row; its width key 0,
     another width, huge or gone; or its gate row non-finite."""
-    name = pick(rng, SHARED).format(l=_layer(rng))
+    name = pick(rng, SHARED).format(l=_layer(rng, d))
     t = d.tensor(name)
     a = _f32(t)
     how = int(rng.integers(5))
@@ -216,7 +241,7 @@ def foreign_ffn(d: Draft, rng: np.random.Generator) -> str:
     which = int(rng.integers(3))
     if which == 0:
         a = np.zeros((64, 32), np.float32)
-        d.tensors.append(Tensor(Names.FFN_UP.format(l=_layer(rng)), a, F32, a.shape))
+        d.tensors.append(Tensor(Names.FFN_UP.format(l=_layer(rng, d)), a, F32, a.shape))
         return "a dense ffn_up beside the experts"
     if which == 1:
         del d.kv[d.key(Keys.EXPERT_COUNT)]
@@ -245,7 +270,9 @@ def placed(d: Draft, rng: np.random.Generator) -> str:
 
 
 # --- seed cases -----------------------------------------------------------------------------------
-def _kv(template: str, spec: tuple) -> Callable[[Draft], None]:
+def set_key(template: str, spec: tuple) -> Callable[[Draft], None]:
+    """A seed edit: the draft's key ``template`` (of its arch) set to ``spec``."""
+
     def fn(d: Draft) -> None:
         d.kv[d.key(template)] = spec
 
@@ -257,23 +284,24 @@ def _transpose_down(d: Draft) -> None:
     _set(t, _f32(t).transpose(0, 2, 1))
 
 
-def _drop(name: str) -> Callable[[Draft], None]:
+def drop_tensor(name: str) -> Callable[[Draft], None]:
+    """A seed edit: the draft's tensor ``name`` removed."""
     return lambda d: d.tensors.remove(d.tensor(name))
 
 
 # name -> (arch, fn); messages in tests/test_moe.py
 _MOE_SEEDS: dict[str, tuple[str, Callable[[Draft], None]]] = {
-    "moe_used_over_count": ("llama", _kv(Keys.EXPERT_USED_COUNT, (5, V.UINT32))),
-    "moe_count_too_small": ("llama", _kv(Keys.EXPERT_COUNT, (3, V.UINT32))),
+    "moe_used_over_count": ("llama", set_key(Keys.EXPERT_USED_COUNT, (5, V.UINT32))),
+    "moe_count_too_small": ("llama", set_key(Keys.EXPERT_COUNT, (3, V.UINT32))),
     "moe_down_transposed": ("llama", _transpose_down),
-    "moe_gate_missing": ("qwen3moe", _drop(Names.FFN_GATE_EXPS.format(l=0))),
+    "moe_gate_missing": ("qwen3moe", drop_tensor(Names.FFN_GATE_EXPS.format(l=0))),
     "moe_without_count": ("llama", lambda d: d.kv.pop(d.key(Keys.EXPERT_COUNT))),
-    "moe_norm_not_bool": ("qwen3moe", _kv(Keys.EXPERT_WEIGHTS_NORM, (1, V.UINT32))),
+    "moe_norm_not_bool": ("qwen3moe", set_key(Keys.EXPERT_WEIGHTS_NORM, (1, V.UINT32))),
     "moe_shared_width_zero": (
         "qwen2moe",
-        _kv(Keys.EXPERT_SHARED_FEED_FORWARD_LENGTH, (0, V.UINT32)),
+        set_key(Keys.EXPERT_SHARED_FEED_FORWARD_LENGTH, (0, V.UINT32)),
     ),
-    "moe_shared_down_missing": ("qwen2moe", _drop(Names.FFN_DOWN_SHEXP.format(l=1))),
+    "moe_shared_down_missing": ("qwen2moe", drop_tensor(Names.FFN_DOWN_SHEXP.format(l=1))),
 }
 MOE_SEED_CASES = {name: ("moe", fn) for name, (_, fn) in _MOE_SEEDS.items()}
 SEED_MOE_ARCHS = {name: arch for name, (arch, _) in _MOE_SEEDS.items()}

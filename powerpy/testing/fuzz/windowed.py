@@ -354,7 +354,7 @@ _SEEDS: dict[str, tuple[str, Callable[[Draft], None]]] = {
     "gemma2_pattern_string": ("gemma2", _key(Keys.SLIDING_WINDOW_PATTERN, "2", V.STRING)),
     "gemma3_q_norm_size": ("gemma3", _vec("blk.0.attn_q_norm.weight", _vector(SPEC.n_embd))),
     "gemma3_key_length_mismatch": ("gemma3", _key(Keys.VALUE_LENGTH, 8, V.UINT32)),
-    "gemma3_rope_yarn": ("gemma3", _key(Keys.ROPE_SCALING_TYPE, "yarn", V.STRING)),
+    "gemma3_rope_longrope": ("gemma3", _key(Keys.ROPE_SCALING_TYPE, "longrope", V.STRING)),
 }
 WINDOWED_SEED_CASES = {name: ("arch", fn) for name, (_, fn) in _SEEDS.items()}
 WINDOWED_SEED_ARCHS = {name: (arch, 0) for name, (arch, _) in _SEEDS.items()}
