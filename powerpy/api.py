@@ -150,9 +150,13 @@ class LLM:
     def chat_session(self, *, system: str | None = None, n_ctx: int | None = None) -> ChatSession:
         """A conversation that keeps its own KV cache between turns (see ``ChatSession``)."""
         return ChatSession(
-            self.model, self.tokenizer, system=system, n_ctx=n_ctx, opts=self.options,
+            self.model,
+            self.tokenizer,
+            system=system,
+            n_ctx=n_ctx,
+            opts=self.options,
             source=str(self.path),
-        )  # fmt: skip
+        )
 
     @property
     def sparsity(self) -> SparsityStats | None:
@@ -191,9 +195,14 @@ class LLM:
 
         ctx = ctx or min(256, self.model.args.n_ctx_train)
         res = profile(
-            self.model, self._ids(text), ctx=ctx, max_tokens=tokens,
-            target_sparsity=target_sparsity, progress=progress, numerics=self.options.numerics,
-        )  # fmt: skip
+            self.model,
+            self._ids(text),
+            ctx=ctx,
+            max_tokens=tokens,
+            target_sparsity=target_sparsity,
+            progress=progress,
+            numerics=self.options.numerics,
+        )
         res.model = self.name
         return res
 
@@ -231,9 +240,15 @@ class LLM:
         opts = TrainOptions(**options)
         out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="powerpy-"))
         report, _ = train_predictors(
-            self.model, self._ids(text), out, opts, tokens=tokens, progress=progress,
-            numerics=self.options.numerics, **kw,
-        )  # fmt: skip
+            self.model,
+            self._ids(text),
+            out,
+            opts,
+            tokens=tokens,
+            progress=progress,
+            numerics=self.options.numerics,
+            **kw,
+        )
         report.model, report.directory = self.name, str(out)
         return report
 
@@ -285,12 +300,18 @@ class LLM:
         from powerpy.benchmark import run_bench
 
         return run_bench(
-            self.model, name=self.name, n_prompt=n_prompt, n_gen=n_gen,
-            repetitions=repetitions, threshold=self.options.threshold,
-            cut_scale=self.options.cut_scale, first_token=self.tokenizer.bos_id or 0,
-            size_bytes=self.path.stat().st_size, numerics=self.options.numerics,
+            self.model,
+            name=self.name,
+            n_prompt=n_prompt,
+            n_gen=n_gen,
+            repetitions=repetitions,
+            threshold=self.options.threshold,
+            cut_scale=self.options.cut_scale,
+            first_token=self.tokenizer.bos_id or 0,
+            size_bytes=self.path.stat().st_size,
+            numerics=self.options.numerics,
             **kwargs,
-        )  # fmt: skip
+        )
 
     # --- display
     def __repr__(self) -> str:
@@ -336,10 +357,12 @@ class LLM:
             ("vocabulary", a.n_vocab),
             ("context (training)", a.n_ctx_train),
             ("mode", self.mode),
-            ("placement", "CPU only" if self.runtime is None
-             else f"hybrid on {self.runtime.device}"),
+            (
+                "placement",
+                "CPU only" if self.runtime is None else f"hybrid on {self.runtime.device}",
+            ),
             ("load time", f"{self.load_seconds:.2f} s"),
-        ]  # fmt: skip
+        ]
         return _html.pairs(self.name, items)
 
 
@@ -461,8 +484,15 @@ def load(
             placement_options.setdefault("index_path", stage_index_path(path, layers))
             links = stage_activations(act or path.parent / "activation", layers)
         with links as act:
-            llm.runtime = place(model, gf, budget, device=device, n_ctx=n_ctx,
-                                activation_dir=act, **placement_options)  # fmt: skip
+            llm.runtime = place(
+                model,
+                gf,
+                budget,
+                device=device,
+                n_ctx=n_ctx,
+                activation_dir=act,
+                **placement_options,
+            )
         if llm.runtime is not None:
             llm.model = llm.runtime.model
     stack_decode.prepare(llm.model, opts)  # the layouts decode reads, as llama.cpp repacks

@@ -114,11 +114,22 @@ def bytes_per_token(
             (a ReLU FFN: a zero's down row is skipped); None: all of them.
     """
     w, a = model.weights, model.args
-    out: dict[str, float] = {"attention": float(attention_weight_bytes(model)), "norms": 0.0,
-                             "ffn": 0.0, "predictor": 0.0}  # fmt: skip
+    out: dict[str, float] = {
+        "attention": float(attention_weight_bytes(model)),
+        "norms": 0.0,
+        "ffn": 0.0,
+        "predictor": 0.0,
+    }
     for l, b in enumerate(w.blk):
-        out["norms"] += _nbytes(b.attn_norm, b.attn_norm_b, b.attn_norm_2, b.attn_norm_2_b,
-                                b.ffn_norm, b.ffn_norm_b, b.ffn_down_b)  # fmt: skip
+        out["norms"] += _nbytes(
+            b.attn_norm,
+            b.attn_norm_b,
+            b.attn_norm_2,
+            b.attn_norm_2_b,
+            b.ffn_norm,
+            b.ffn_norm_b,
+            b.ffn_down_b,
+        )
         frac = 1.0 if active is None else float(active[l])
         if b.moe is not None:  # the router and the routed experts' matrices, whole: a cut
             ex = b.moe  # zeroes h, but the stored down columns are read row by row anyway
@@ -251,12 +262,23 @@ class _ModeBench:
             if proj > 0 and plan is not None:
                 attn_gb_s = attention_weight_bytes(model, plan.first) / proj / 1e6
             active = 1.0 if best.active is None else float(np.mean(best.active))
-            rows.append(BenchRow(
-                mode, f"tg{n_gen}", n_gen, best.tg, tps, bytes_per_token=b, gb_s=b * tps / 1e9,
-                ceiling_share=b * tps / 1e9 / best.ceiling, active_fraction=active,
-                phases_ms=best.phases, attention_gb_s=attn_gb_s,
-                attention_share=attn_gb_s / best.ceiling, bandwidth_gb_s=best.ceiling,
-            ))  # fmt: skip
+            rows.append(
+                BenchRow(
+                    mode,
+                    f"tg{n_gen}",
+                    n_gen,
+                    best.tg,
+                    tps,
+                    bytes_per_token=b,
+                    gb_s=b * tps / 1e9,
+                    ceiling_share=b * tps / 1e9 / best.ceiling,
+                    active_fraction=active,
+                    phases_ms=best.phases,
+                    attention_gb_s=attn_gb_s,
+                    attention_share=attn_gb_s / best.ceiling,
+                    bandwidth_gb_s=best.ceiling,
+                )
+            )
         return rows
 
 
@@ -294,8 +316,16 @@ def dispatch_overhead_ms(
     from powerpy.testing import TinySpec, write_tiny_model
 
     a = model.args
-    spec = TinySpec(n_embd=32, n_layer=a.n_layer, n_ff=64, n_head=2, n_head_kv=2, arch=a.arch,
-                    n_expert=a.n_expert, n_expert_used=a.n_expert_used)  # fmt: skip
+    spec = TinySpec(
+        n_embd=32,
+        n_layer=a.n_layer,
+        n_ff=64,
+        n_head=2,
+        n_head_kv=2,
+        arch=a.arch,
+        n_expert=a.n_expert,
+        n_expert_used=a.n_expert_used,
+    )
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "floor.gguf"
         write_tiny_model(path, spec, sparse=a.sparse)
@@ -360,8 +390,10 @@ class BenchResult:
         spread = ""
         if len(rs) > 1:
             spread = f", median of {len(rs)} paired rounds, {min(rs):.2f}-{max(rs):.2f}"
-        return (f"sparse/dense tg speed: {float(np.median(rs)):.2f}x{spread} (bytes read: "
-                f"{d.bytes_per_token / s.bytes_per_token:.2f}x)")  # fmt: skip
+        return (
+            f"sparse/dense tg speed: {float(np.median(rs)):.2f}x{spread} (bytes read: "
+            f"{d.bytes_per_token / s.bytes_per_token:.2f}x)"
+        )
 
     def table(self) -> str:
         """The llama-bench-style table ``powerpy bench`` prints, with the phase breakdown."""
@@ -381,8 +413,11 @@ class BenchResult:
             out.append(f"| {r.mode:6} | {r.test:6} | {r.tok_s:9.2f} | " + tail)
         tgs = [r for r in (self.tg("sparse"), self.tg("dense")) if r and r.bandwidth_gb_s]
         if tgs:
-            out.append("of BW: against the best read probe next to the run (" + ", ".join(
-                f"{r.mode} {r.bandwidth_gb_s:.1f} GB/s" for r in tgs) + ")")  # fmt: skip
+            out.append(
+                "of BW: against the best read probe next to the run ("
+                + ", ".join(f"{r.mode} {r.bandwidth_gb_s:.1f} GB/s" for r in tgs)
+                + ")"
+            )
         if (line := self.speedup()) is not None:
             out.append(line)
         for r in (self.tg("sparse"), self.tg("dense")):
@@ -390,8 +425,10 @@ class BenchResult:
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(r.phases_ms.items()))
                 out.append(f"{r.mode} tg ms/token by phase: {parts}")
                 if r.attention_gb_s:
-                    out.append(f"{r.mode} attention projections: {r.attention_gb_s:.2f} GB/s, "
-                               f"{100 * r.attention_share:.1f}% of BW")  # fmt: skip
+                    out.append(
+                        f"{r.mode} attention projections: {r.attention_gb_s:.2f} GB/s, "
+                        f"{100 * r.attention_share:.1f}% of BW"
+                    )
         if self.dispatch_ms:
             out.append(
                 f"python/dispatch floor (same depth, tiny matrices): {self.dispatch_ms:.2f} "
@@ -410,12 +447,16 @@ class BenchResult:
         for r in self.rows:
             tg = r.test.startswith("tg")
             rows.append(
-                (r.mode, r.test, f"{r.tok_s:.2f}",
-                 _html.pct(r.active_fraction) if tg else "",
-                 f"{r.bytes_per_token / 1e6:.1f}" if tg else "",
-                 f"{r.gb_s:.2f}" if tg else "",
-                 _html.pct(r.ceiling_share) if tg else "")
-            )  # fmt: skip
+                (
+                    r.mode,
+                    r.test,
+                    f"{r.tok_s:.2f}",
+                    _html.pct(r.active_fraction) if tg else "",
+                    f"{r.bytes_per_token / 1e6:.1f}" if tg else "",
+                    f"{r.gb_s:.2f}" if tg else "",
+                    _html.pct(r.ceiling_share) if tg else "",
+                )
+            )
         notes = [f"{self.threads} threads, measured read bandwidth {self.bandwidth_gb_s:.1f} GB/s"]
         if (line := self.speedup()) is not None:
             notes.append(line)

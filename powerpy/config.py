@@ -33,16 +33,22 @@ ACTIVATIONS = ("relu", "silu", "gelu")  # --ffn-act, config.json sparse_activati
 
 # the key each hyperparameter is read from (named by the refusals of ``ModelArgs.validate``)
 _FIELD_KEYS = {
-    "rope_base": Keys.ROPE_FREQ_BASE, "rope_scale": Keys.ROPE_SCALING_FACTOR,
-    "rope_attn_factor": Keys.ROPE_SCALING_ATTN_FACTOR, "key_length": Keys.KEY_LENGTH,
-    "sliding_window": Keys.SLIDING_WINDOW, "rope_orig_ctx": Keys.ROPE_SCALING_ORIG_CTX,
-    "rope_base_swa": Keys.ROPE_FREQ_BASE_SWA, "attn_scale": Keys.ATTENTION_SCALE,
-    "attn_softcap": Keys.ATTN_SOFTCAP, "final_softcap": Keys.FINAL_SOFTCAP,
-    "n_rot": Keys.ROPE_DIMENSION_COUNT, "rope_ext_factor": Keys.ROPE_SCALING_YARN_EXT_FACTOR,
+    "rope_base": Keys.ROPE_FREQ_BASE,
+    "rope_scale": Keys.ROPE_SCALING_FACTOR,
+    "rope_attn_factor": Keys.ROPE_SCALING_ATTN_FACTOR,
+    "key_length": Keys.KEY_LENGTH,
+    "sliding_window": Keys.SLIDING_WINDOW,
+    "rope_orig_ctx": Keys.ROPE_SCALING_ORIG_CTX,
+    "rope_base_swa": Keys.ROPE_FREQ_BASE_SWA,
+    "attn_scale": Keys.ATTENTION_SCALE,
+    "attn_softcap": Keys.ATTN_SOFTCAP,
+    "final_softcap": Keys.FINAL_SOFTCAP,
+    "n_rot": Keys.ROPE_DIMENSION_COUNT,
+    "rope_ext_factor": Keys.ROPE_SCALING_YARN_EXT_FACTOR,
     "rope_yarn_beta_fast": Keys.ROPE_SCALING_YARN_BETA_FAST,
     "rope_yarn_beta_slow": Keys.ROPE_SCALING_YARN_BETA_SLOW,
     "rope_yarn_log_mul": Keys.ROPE_SCALING_YARN_LOG_MUL,
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -375,16 +381,31 @@ class ModelArgs:
                 f"{source}: {named('n_rot')} is {self.n_rot}, which does not fit head "
                 f"{self.head_dim} (it must be even and between 2 and the head size)"
             )
-        for field in ("rope_base", "norm_eps", "rope_scale", "rope_attn_factor",
-                      "rope_yarn_beta_fast", "rope_yarn_beta_slow"):  # fmt: skip
+        for field in (
+            "rope_base",
+            "norm_eps",
+            "rope_scale",
+            "rope_attn_factor",
+            "rope_yarn_beta_fast",
+            "rope_yarn_beta_slow",
+        ):
             v = getattr(self, field)
             if not (math.isfinite(v) and v > 0):
                 raise ModelConfigError(
                     f"{source}: {named(field)} is {v}, it must be a finite number > 0"
                 )
-        unset_zero = ("key_length", "sliding_window", "rope_orig_ctx", "rope_base_swa",
-                      "rope_scale_swa", "attn_scale", "attn_softcap", "final_softcap",
-                      "rope_ext_factor", "rope_yarn_log_mul")  # fmt: skip
+        unset_zero = (
+            "key_length",
+            "sliding_window",
+            "rope_orig_ctx",
+            "rope_base_swa",
+            "rope_scale_swa",
+            "attn_scale",
+            "attn_softcap",
+            "final_softcap",
+            "rope_ext_factor",
+            "rope_yarn_log_mul",
+        )
         for field in unset_zero:
             v = getattr(self, field)
             if not (math.isfinite(v) and 0 <= v < 2**31):

@@ -115,14 +115,17 @@ def power_law(
     cov = prof.top_coverage(top)
     rule = "h ≠ 0" if prof.kind == "relu" else "|h|·‖down‖ > layer threshold"
     ax.text(
-        0.02, 0.04,
+        0.02,
+        0.04,
         f"{prof.n_tokens} tokens; active: {rule}\n"
         f"top {100 * top:g}% of neurons (rank ≤ {cut}) carry\n"
         f"{100 * cov.mean():.1f}% of activations (layers {100 * cov.min():.0f}–"
         f"{100 * cov.max():.0f}%)",
-        transform=ax.transAxes, fontsize=9, va="bottom",
+        transform=ax.transAxes,
+        fontsize=9,
+        va="bottom",
         bbox={"boxstyle": "round", "fc": "white", "ec": "0.7"},
-    )  # fmt: skip
+    )
     ax.set_xlabel("neuron rank in its layer (most active first)")
     ax.set_ylabel("activation frequency (share of tokens)")
     _title(ax, prof.model, title or "activation power law")
@@ -161,9 +164,14 @@ def coverage_vs_budget(
     x = curve.budgets / mib
     ax.axvspan(0, curve.dense_bytes / mib, color="0.9", zorder=0)
     ax.text(
-        curve.dense_bytes / mib / 2, 50, "dense tensors\n+ KV cache",
-        ha="center", va="center", fontsize=8, color="0.35",
-    )  # fmt: skip
+        curve.dense_bytes / mib / 2,
+        50,
+        "dense tensors\n+ KV cache",
+        ha="center",
+        va="center",
+        fontsize=8,
+        color="0.35",
+    )
     ax.plot(x, 100 * curve.coverage, "o-", color="C0", ms=4, lw=1.5)
     at = curve.budget_for(share)
     if at is not None:
@@ -171,15 +179,22 @@ def coverage_vs_budget(
         ax.plot([at / mib], [100 * share], "o", color="C3")
         ax.annotate(
             f"{100 * share:g}% at {at / mib:.3g} {unit}",
-            (at / mib, 100 * share), xytext=(8, -16), textcoords="offset points",
-            color="C3", fontsize=9,
-        )  # fmt: skip
+            (at / mib, 100 * share),
+            xytext=(8, -16),
+            textcoords="offset points",
+            color="C3",
+            fontsize=9,
+        )
     if mark is not None:
         ax.axvline(mark / mib, color="C2", lw=1.2)
         ax.annotate(
-            "budget", (mark / mib, 2), xytext=(4, 0), textcoords="offset points",
-            color="C2", fontsize=9,
-        )  # fmt: skip
+            "budget",
+            (mark / mib, 2),
+            xytext=(4, 0),
+            textcoords="offset points",
+            color="C2",
+            fontsize=9,
+        )
     ax.set_xlim(0, curve.full_bytes / mib * 1.02)
     ax.set_ylim(0, 102)
     ax.set_xlabel(f"VRAM budget ({unit})")

@@ -99,8 +99,9 @@ def write_gguf_py(
     return t
 
 
-def refused(tmp_path, spec: TinySpec, err, match: str, *, drop=(), edit=None, extra_kv=None,
-            seed: int = 1) -> None:  # fmt: skip
+def refused(
+    tmp_path, spec: TinySpec, err, match: str, *, drop=(), edit=None, extra_kv=None, seed: int = 1
+) -> None:
     """An F32 file of ``spec`` less the tensors ``drop``, edited by ``edit`` (its f32 tensors)
     and with ``extra_kv``, whose load raises ``err`` matching ``match``."""
     import pytest

@@ -65,8 +65,9 @@ class ServerProcess:
         """Send a request; returns (connection, response) with the body unread."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
         data = json.dumps(body).encode() if isinstance(body, (dict, list)) else body
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json",
-                                                       **(headers or {})})  # fmt: skip
+        conn.request(
+            method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})}
+        )
         return conn, conn.getresponse()
 
     def request(self, method: str, path: str, body=None, headers=None):

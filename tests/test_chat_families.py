@@ -161,29 +161,64 @@ class ChatFamily:
 
 FAMILIES = {
     "qwen2": ChatFamily(
-        "qwen2", QWEN25, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        eos="<|endoftext|>", eot="<|im_end|>", bpe=True,
+        "qwen2",
+        QWEN25,
+        ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+        eos="<|endoftext|>",
+        eot="<|im_end|>",
+        bpe=True,
     ),
     "gemma3": ChatFamily(
-        "gemma3", GEMMA3, ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
-        eos="<eos>", eot="<end_of_turn>", bos="<bos>",
+        "gemma3",
+        GEMMA3,
+        ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+        eos="<eos>",
+        eot="<end_of_turn>",
+        bos="<bos>",
         extra={Keys.ADD_SPACE_PREFIX: (False, GGUFValueType.BOOL)},
     ),
     "phi3": ChatFamily(
-        "phi3", PHI3, ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>",
-                       "<|system|>", "<|user|>"),
-        eos="<|endoftext|>", eot="<|end|>", bos="<s>", name="Phi-3-mini-tiny",
+        "phi3",
+        PHI3,
+        (
+            "<unk>",
+            "<s>",
+            "</s>",
+            "<|endoftext|>",
+            "<|assistant|>",
+            "<|end|>",
+            "<|system|>",
+            "<|user|>",
+        ),
+        eos="<|endoftext|>",
+        eot="<|end|>",
+        bos="<s>",
+        name="Phi-3-mini-tiny",
     ),
     # harmony: the turn ends at <|return|> (or <|call|>); <|end|> closes a message, not the
     # generation; llama.cpp's built-in rendering writes no system header
     "gpt-oss": ChatFamily(
-        "gpt-oss", HARMONY, ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
-                             "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>"),
-        eos="<|endoftext|>", eot="<|return|>", bpe=True, builtin=False,
+        "gpt-oss",
+        HARMONY,
+        (
+            "<|startoftext|>",
+            "<|endoftext|>",
+            "<|return|>",
+            "<|constrain|>",
+            "<|channel|>",
+            "<|start|>",
+            "<|end|>",
+            "<|message|>",
+            "<|call|>",
+        ),
+        eos="<|endoftext|>",
+        eot="<|return|>",
+        bpe=True,
+        builtin=False,
         extra={Keys.TOKENIZER_PRE: ("gpt-4o", GGUFValueType.STRING)},
         spec=dict(n_expert=4, n_expert_used=2, n_ff_exp=32, sliding_window=16, n_ctx=1024),
     ),
-}  # fmt: skip
+}
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi there"},
@@ -212,8 +247,9 @@ def write_chat_model(path: Path, fam: ChatFamily, seed: int = 0) -> Path:
     """A dense tiny model of ``fam`` whose greedy reply to any chat prompt is "OK", then the
     family's end-of-turn token (module docstring)."""
     rng = np.random.default_rng(seed)
-    spec = TinySpec(arch=fam.arch, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, tied=True,
-                    **fam.spec)  # fmt: skip
+    spec = TinySpec(
+        arch=fam.arch, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, tied=True, **fam.spec
+    )
     vocab = fam.vocab_kv()
     tok = Tokenizer.from_gguf_kv({k: v[0] for k, v in vocab.items()})
     start = encode_chat(tok, CONVERSATION[1:2], tokenize=True)[-1]  # the prompt's last token

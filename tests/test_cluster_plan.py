@@ -44,10 +44,15 @@ def test_pipeline_specs():
     assert [str(s) for s in got] == ["10.0.0.1:0-1", "pc2:2-3:6.5"]
     assert parse_pipeline("[::1]:0-3", 4) == [StageSpec(range(0, 4), "::1")]
     assert parse_pipeline("*:0-3", 4)[0].host is None
-    for bad, what in [("a:0-1", "covers layers 0-1"), ("a:0-1,b:3-3", "should start at layer 2"),
-                      ("a:0-2,b:1-3", "should start at layer 3"), ("a0-3", "HOST:FIRST-LAST"),
-                      ("a:0-3:x", "not a number"), ("a:3-0", "start at layer 0"),
-                      ("a:x-3", "FIRST-LAST")]:  # fmt: skip
+    for bad, what in [
+        ("a:0-1", "covers layers 0-1"),
+        ("a:0-1,b:3-3", "should start at layer 2"),
+        ("a:0-2,b:1-3", "should start at layer 3"),
+        ("a0-3", "HOST:FIRST-LAST"),
+        ("a:0-3:x", "not a number"),
+        ("a:3-0", "start at layer 0"),
+        ("a:x-3", "FIRST-LAST"),
+    ]:
         with pytest.raises(ValueError, match=what):
             parse_pipeline(bad, 4)
 
@@ -85,12 +90,14 @@ def test_vram_moves_work_off_the_cpu(model):
     assert gpu.stages[0].host_bytes < cpu.stages[0].host_bytes
     assert gpu.tok_s > cpu.tok_s
     # a second GPU node would not make it clearly faster: one stage still
-    two = plan_pipeline(path, [Node("a", 4 * size, 1 << 30), Node("b", 4 * size, 1 << 30)],
-                        n_ctx=64)  # fmt: skip
+    two = plan_pipeline(
+        path, [Node("a", 4 * size, 1 << 30), Node("b", 4 * size, 1 << 30)], n_ctx=64
+    )
     assert len(two.stages) == 1
     # the prediction of a split over one CPU node and one GPU node, as given
-    plan = predict(path, [Node("a", 4 * size), Node("g", 4 * size, 1 << 30)], "a:0-1,g:2-3",
-                   n_ctx=64)  # fmt: skip
+    plan = predict(
+        path, [Node("a", 4 * size), Node("g", 4 * size, 1 << 30)], "a:0-1,g:2-3", n_ctx=64
+    )
     assert [s.device_bytes > 0 for s in plan.stages] == [False, True]
     with pytest.raises(ValueError, match="none of the nodes"):
         predict(path, [Node("a", size)], "a:0-1,z:2-3")

@@ -49,7 +49,7 @@ def cluster():
             resources={"pc1": 1},
             object_store_memory=OBJECT_STORE,
             include_dashboard=False,
-        ),  # fmt: skip
+        ),
     )
     c.add_node(num_cpus=1, resources={"pc2": 1}, object_store_memory=OBJECT_STORE)
     ray.init(address=c.address, log_to_driver=False)
@@ -145,8 +145,14 @@ def test_a_stage_on_a_missing_node_or_failing_to_load(cluster, model):
 
 def _stream(srv, prompt, n, on_chunk=None):
     """The texts of a streamed greedy completion and how it ended ("stop", or the error)."""
-    body = {"model": "powerpy", "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "powerpy",
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     conn, resp = srv.connect("POST", "/v1/completions", body)
     texts, end = [], None
     try:
@@ -171,22 +177,40 @@ def _kill_stage(srv, index: int) -> float:
 
 def test_serve_pipeline_answers_as_one_process_and_fails_a_dead_stage(cluster, model):
     path, whole = model
-    srv = ServerProcess("-m", str(path), "--pipeline", STAGES, "--batch", "off", "-np", "2",
-                        "--stage-timeout", "20", env=_env(cluster), timeout=300)  # fmt: skip
+    srv = ServerProcess(
+        "-m",
+        str(path),
+        "--pipeline",
+        STAGES,
+        "--batch",
+        "off",
+        "-np",
+        "2",
+        "--stage-timeout",
+        "20",
+        env=_env(cluster),
+        timeout=300,
+    )
     try:
         client = srv.client()
-        r = client.completions.create(model="powerpy", prompt="Hello", max_tokens=12,
-                                      temperature=0, logprobs=3)  # fmt: skip
+        r = client.completions.create(
+            model="powerpy", prompt="Hello", max_tokens=12, temperature=0, logprobs=3
+        )
         assert r.choices[0].text == whole.generate("Hello", 12, temperature=0)
         chat = client.chat.completions.create(
-            model="powerpy", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
-            temperature=0, stream=True)  # fmt: skip
+            model="powerpy",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+        )
         assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
         status, _, health = srv.request("GET", "/health")
         assert status == 200, health
         killed = []
-        texts, end = _stream(srv, "Hello", 300,
-                             lambda n: n == 3 and killed.append(_kill_stage(srv, 1)))  # fmt: skip
+        texts, end = _stream(
+            srv, "Hello", 300, lambda n: n == 3 and killed.append(_kill_stage(srv, 1))
+        )
         assert killed and end is not None, (texts, end)
         assert time.monotonic() - killed[0] < 20  # within the step's deadline
         assert end["code"] == "engine_unavailable" and "stage 1 (layers 2-3" in end["message"]
@@ -206,14 +230,26 @@ def test_serve_pipeline_answers_as_one_process_and_fails_a_dead_stage(cluster, m
 
 def test_a_restarted_stage_continues_the_interrupted_sequence(cluster, model):
     path, _ = model
-    srv = ServerProcess("-m", str(path), "--pipeline", STAGES, "--batch", "off", "-np", "2",
-                        "--on-stage-failure", "restart", "--stage-timeout", "20",
-                        env=_env(cluster), timeout=300)  # fmt: skip
+    srv = ServerProcess(
+        "-m",
+        str(path),
+        "--pipeline",
+        STAGES,
+        "--batch",
+        "off",
+        "-np",
+        "2",
+        "--on-stage-failure",
+        "restart",
+        "--stage-timeout",
+        "20",
+        env=_env(cluster),
+        timeout=300,
+    )
     try:
         want, end = _stream(srv, "Once upon", 40)
         assert end is None and len(want) == 40
-        got, end = _stream(srv, "Once upon", 40,
-                           lambda n: n == 5 and _kill_stage(srv, 1))  # fmt: skip
+        got, end = _stream(srv, "Once upon", 40, lambda n: n == 5 and _kill_stage(srv, 1))
         assert end is None, end
         assert "".join(got) == "".join(want)  # the same greedy tokens, uninterrupted
         assert "re-running" in srv.log
@@ -226,24 +262,30 @@ def test_a_restarted_stage_continues_the_interrupted_sequence(cluster, model):
 
 def test_two_replicas_and_one_killed(cluster, model):
     path, whole = model
-    srv = ServerProcess("-m", str(path), "--replicas", "2", "-np", "2", env=_env(cluster),
-                        timeout=300)  # fmt: skip
+    srv = ServerProcess(
+        "-m", str(path), "--replicas", "2", "-np", "2", env=_env(cluster), timeout=300
+    )
     try:
         client = srv.client()
         want = whole.generate("Hello", 8, temperature=0)
         for _ in range(4):
-            r = client.completions.create(model="powerpy", prompt="Hello", max_tokens=8,
-                                          temperature=0)  # fmt: skip
+            r = client.completions.create(
+                model="powerpy", prompt="Hello", max_tokens=8, temperature=0
+            )
             assert r.choices[0].text == want
-        replicas = [n for n in ray.util.list_named_actors(all_namespaces=True)
-                    if "Replica" in n["name"] and "SERVE_REPLICA" in n["name"]]  # fmt: skip
+        replicas = [
+            n
+            for n in ray.util.list_named_actors(all_namespaces=True)
+            if "Replica" in n["name"] and "SERVE_REPLICA" in n["name"]
+        ]
         assert len(replicas) == 2, replicas
         ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]))
         ok = 0
         for _ in range(6):  # the other replica answers while Serve replaces the dead one
             try:
-                r = client.completions.create(model="powerpy", prompt="Hello", max_tokens=8,
-                                              temperature=0)  # fmt: skip
+                r = client.completions.create(
+                    model="powerpy", prompt="Hello", max_tokens=8, temperature=0
+                )
                 ok += r.choices[0].text == want
             except Exception:
                 time.sleep(0.5)

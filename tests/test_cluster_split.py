@@ -37,11 +37,17 @@ def _write(kind: str, path):
             Keys.DENSE_LAYERS: ([2], GGUFValueType.ARRAY, U32),
             Keys.FFN_DOWN_THRESHOLD: ([0.0, 0.01, 0.02, 0.0], GGUFValueType.ARRAY, F32),
         }
-        write_tiny_model(path, TinySpec(n_layer=4, n_ctx=512), sparse=True, seed=2,
-                         extra_kv=extra)  # fmt: skip
+        write_tiny_model(path, TinySpec(n_layer=4, n_ctx=512), sparse=True, seed=2, extra_kv=extra)
     else:
-        spec = TinySpec(n_layer=4, n_expert=4, n_expert_used=2, n_ff_exp=64, arch="qwen3moe",
-                        key_length=16, n_ctx=512)  # fmt: skip
+        spec = TinySpec(
+            n_layer=4,
+            n_expert=4,
+            n_expert_used=2,
+            n_ff_exp=64,
+            arch="qwen3moe",
+            key_length=16,
+            n_ctx=512,
+        )
         write_moe_model(path, spec, seed=3)
     return path
 
@@ -129,8 +135,7 @@ def test_the_scheduler_over_a_pipeline_equals_the_whole_model(split, batch):
         sched.start()
         try:
             got = [_collect(sched, p, 12, s, logprobs=2) for p, s in prompts]
-            got.append(_collect(sched, "The Lord is", 3, GREEDY, prompt_logprobs=True,
-                                logprobs=1))  # fmt: skip
+            got.append(_collect(sched, "The Lord is", 3, GREEDY, prompt_logprobs=True, logprobs=1))
             for _, done in got:
                 assert done.wait(60)
             runs[name] = [ev for ev, _ in got]
@@ -164,10 +169,13 @@ def test_per_layer_keys_follow_the_layers(tmp_path):
     assert view.kv[Keys.DENSE_LAYERS] == [1] and view.ends == (False, True)
     assert powerpy.load(path, layers=range(1, 4)).model.weights.blk[1].gated is False
     g = tmp_path / "g.gguf"
-    extra = {"gemma3.attention.sliding_window": (8, U32),
-             "gemma3.attention.sliding_window_pattern": (2, U32)}  # fmt: skip
-    write_tiny_model(g, TinySpec(arch="gemma3", n_layer=4, key_length=16), sparse=False,
-                     extra_kv=extra)  # fmt: skip
+    extra = {
+        "gemma3.attention.sliding_window": (8, U32),
+        "gemma3.attention.sliding_window_pattern": (2, U32),
+    }
+    write_tiny_model(
+        g, TinySpec(arch="gemma3", n_layer=4, key_length=16), sparse=False, extra_kv=extra
+    )
     ga = powerpy.load(g).model.args
     assert ga.swa_layers == (0, 2)
     assert powerpy.load(g, layers=range(1, 4)).model.args.swa_layers == (1,)
@@ -215,8 +223,9 @@ def test_a_dead_stage_fails_or_restarts_and_replays(tmp_path, restart):
     path = _write("dense", tmp_path / "m.gguf")
     whole = powerpy.load(path)
     stages = [Stage(path, range(0, 2)), Stage(path, range(2, 4), index=1)]
-    engine = PipelineEngine(FlakyTransport(stages, 6, path), whole.model.args, whole.options,
-                            restart=restart)  # fmt: skip
+    engine = PipelineEngine(
+        FlakyTransport(stages, 6, path), whole.model.args, whole.options, restart=restart
+    )
     born = engine.stages[1]["incarnation"]
     sched = Scheduler(engine, whole.tokenizer, whole.options, n_parallel=2, batch="off")
     sched.start()

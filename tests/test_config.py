@@ -198,9 +198,16 @@ def test_dense_layers_only_for_sparse_files() -> None:
 
 @pytest.mark.parametrize(
     "arch, layers",
-    [("llama", ()), ("qwen2", ()), ("qwen3", ()), ("phi3", ()), ("falcon", ()),
-     ("gemma2", (0, 2)), ("gemma3", (0, 1, 2))],
-)  # fmt: skip
+    [
+        ("llama", ()),
+        ("qwen2", ()),
+        ("qwen3", ()),
+        ("phi3", ()),
+        ("falcon", ()),
+        ("gemma2", (0, 2)),
+        ("gemma3", (0, 1, 2)),
+    ],
+)
 def test_the_sliding_window_applies_where_llama_cpp_applies_it(arch, layers) -> None:
     """llama.cpp reads ``{arch}.attention.sliding_window`` in gemma's graphs only (a pattern of
     windowed layers); llama (Mistral-style files), qwen2, qwen3, phi3 and falcon files attend
@@ -220,26 +227,50 @@ def test_the_sliding_window_applies_where_llama_cpp_applies_it(arch, layers) -> 
         ("gemma2", {}, dict(sliding_window=4096, attn_softcap=50.0, final_softcap=30.0)),
         # a family never reads the keys llama.cpp's loader for it does not: gemma3's final
         # soft-cap and local base, gemma2's caps and local base, none for the others
-        ("gemma3", {"attn_logit_softcapping": 5.0, "attention.scale": 0.5,
-                    "final_logit_softcapping": 7.0, "rope.freq_base_swa": 500.0},
-         dict(attn_softcap=0.0, attn_scale=0.0, final_softcap=7.0, rope_base_swa=500.0)),
-        ("gemma2", {"attention.scale": 0.5, "attn_logit_softcapping": 5.0,
-                    "rope.freq_base_swa": 500.0},
-         dict(attn_scale=0.0, attn_softcap=5.0, rope_base_swa=500.0)),
-        *((arch, {"final_logit_softcapping": 5.0, "attn_logit_softcapping": 5.0,
-                  "attention.scale": 0.5, "rope.freq_base_swa": 500.0},
-          dict(final_softcap=0.0, attn_softcap=0.0, attn_scale=0.0, rope_base_swa=0.0))
-          for arch in ("llama", "qwen2", "qwen3", "phi3", "falcon", "opt", "bamboo")),
+        (
+            "gemma3",
+            {
+                "attn_logit_softcapping": 5.0,
+                "attention.scale": 0.5,
+                "final_logit_softcapping": 7.0,
+                "rope.freq_base_swa": 500.0,
+            },
+            dict(attn_softcap=0.0, attn_scale=0.0, final_softcap=7.0, rope_base_swa=500.0),
+        ),
+        (
+            "gemma2",
+            {"attention.scale": 0.5, "attn_logit_softcapping": 5.0, "rope.freq_base_swa": 500.0},
+            dict(attn_scale=0.0, attn_softcap=5.0, rope_base_swa=500.0),
+        ),
+        *(
+            (
+                arch,
+                {
+                    "final_logit_softcapping": 5.0,
+                    "attn_logit_softcapping": 5.0,
+                    "attention.scale": 0.5,
+                    "rope.freq_base_swa": 500.0,
+                },
+                dict(final_softcap=0.0, attn_softcap=0.0, attn_scale=0.0, rope_base_swa=0.0),
+            )
+            for arch in ("llama", "qwen2", "qwen3", "phi3", "falcon", "opt", "bamboo")
+        ),
         # a scaling factor without a type is linear scaling; a factor of 0 is none
         ("llama", {"rope.scaling.factor": 4.0}, dict(rope_scale=4.0)),
         ("llama", {"rope.scaling.factor": 0.0}, dict(rope_scale=1.0)),
         # the window pattern: a period, or flags (past them: global)
-        ("gemma2", {"attention.sliding_window": 8, "attention.sliding_window_pattern": 3},
-         dict(swa_layers=(0, 1))),
-        ("gemma3", {"attention.sliding_window": 8, "attention.sliding_window_pattern": [0, 1]},
-         dict(swa_layers=(1,))),
+        (
+            "gemma2",
+            {"attention.sliding_window": 8, "attention.sliding_window_pattern": 3},
+            dict(swa_layers=(0, 1)),
+        ),
+        (
+            "gemma3",
+            {"attention.sliding_window": 8, "attention.sliding_window_pattern": [0, 1]},
+            dict(swa_layers=(1,)),
+        ),
     ],
-)  # fmt: skip
+)
 def test_family_keys_as_llama_cpp_reads_them(arch, keys, want) -> None:
     a = dataclasses.replace(BASE, arch=arch)
     kv, _ = _plain(a.to_gguf_kv())

@@ -14,10 +14,31 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("env", "workspace", "correctness", "roofline", "model", "full", "budgets", "kernels",
-            "targets")  # fmt: skip
-KEYS = ("env", "steps", "sections", "correctness", "memory", "roofline", "model", "full",
-        "kernels", "timing", "profile", "targets")  # fmt: skip
+SECTIONS = (
+    "env",
+    "workspace",
+    "correctness",
+    "roofline",
+    "model",
+    "full",
+    "budgets",
+    "kernels",
+    "targets",
+)
+KEYS = (
+    "env",
+    "steps",
+    "sections",
+    "correctness",
+    "memory",
+    "roofline",
+    "model",
+    "full",
+    "kernels",
+    "timing",
+    "profile",
+    "targets",
+)
 
 
 def test_dry_run_writes_every_section(tmp_path):

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README_MAX_LINES = 200
+README_MAX_LINES = 300  # a short user guide; the rest lives in docs/
 
 # Text files that may cite a page; the walk skips build outputs, caches and environments.
 TEXT_SUFFIXES = {".py", ".cpp", ".h", ".c", ".md", ".sh", ".toml", ".txt", ".json", ".ipynb"}

@@ -196,9 +196,14 @@ def test_a_falcon_qkv_of_the_wrong_height_is_refused(tmp_path):
     t = tiny_tensors(spec, sparse=True)
     name = Names.ATTN_QKV.format(l=0)
     t[name] = t[name][:-16]
-    _refused(tmp_path, spec, t, ModelConfigError,
-             r"tensor 'blk\.0\.attn_qkv\.weight' has shape \(112, 64\), but the hyperparameters "
-             r"need \(n_embd_qkv, n_embd\) = \(128, 64\)")  # fmt: skip
+    _refused(
+        tmp_path,
+        spec,
+        t,
+        ModelConfigError,
+        r"tensor 'blk\.0\.attn_qkv\.weight' has shape \(112, 64\), but the hyperparameters "
+        r"need \(n_embd_qkv, n_embd\) = \(128, 64\)",
+    )
 
 
 def test_an_opt_file_without_positions_or_a_bias_is_refused(tmp_path):

@@ -94,8 +94,9 @@ def pair(request, llama_cpp, tmp_path_factory):
     case, dtype = request.param.split("-")
     n_layer, n_head_kv, norm_2, tied, seed = CASES[case]
     path = tmp_path_factory.mktemp("falcon") / f"{request.param}.gguf"
-    write_falcon(path, n_layer=n_layer, n_head_kv=n_head_kv, norm_2=norm_2, tied=tied,
-                 dtype=dtype, seed=seed)  # fmt: skip
+    write_falcon(
+        path, n_layer=n_layer, n_head_kv=n_head_kv, norm_2=norm_2, tied=tied, dtype=dtype, seed=seed
+    )
     ref = llama_cpp.Llama(
         model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
     )
@@ -169,8 +170,9 @@ LAYER_NORM_CASES = {
 def test_layer_norm_families_match_llama_cpp(llama_cpp, tmp_path, arch, dtype):
     writer, seed, want = LAYER_NORM_CASES[arch]
     path = writer(tmp_path / f"{arch}-{dtype}.gguf", n_layer=3, dtype=dtype, seed=seed)
-    ref = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, n_threads=2,
-                          verbose=False)  # fmt: skip
+    ref = llama_cpp.Llama(
+        model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
+    )
     try:
         ours = load(path)
         a = ours.model.args

@@ -130,15 +130,21 @@ WINDOWED_MESSAGES = {
 MOE_MESSAGES = {
     "moe_used_over_count": ("llama.expert_used_count is 5", "llama.expert_count (4)"),
     "moe_count_too_small": ("'blk.0.ffn_gate_inp.weight' has shape (4, 32)", "= (3, 32)"),
-    "moe_down_transposed": ("'blk.1.ffn_down_exps.weight' has shape (4, 64, 32)",
-                            "(n_expert, n_embd, n_ff_exp) = (4, 32, 64)"),
-    "moe_gate_missing": ("'blk.0.ffn_gate_exps.weight' is missing",
-                         "(n_expert, n_ff_exp, n_embd) = (4, 32, 32)"),
+    "moe_down_transposed": (
+        "'blk.1.ffn_down_exps.weight' has shape (4, 64, 32)",
+        "(n_expert, n_embd, n_ff_exp) = (4, 32, 64)",
+    ),
+    "moe_gate_missing": (
+        "'blk.0.ffn_gate_exps.weight' is missing",
+        "(n_expert, n_ff_exp, n_embd) = (4, 32, 32)",
+    ),
     "moe_without_count": ("'blk.0.ffn_gate_inp.weight' belongs to a mixture of experts",),
     "moe_norm_not_bool": ("'qwen3moe.expert_weights_norm' must be a BOOL",),
     "moe_shared_width_zero": ("qwen2moe.expert_shared_feed_forward_length is 0", "must be > 0"),
-    "moe_shared_down_missing": ("'blk.1.ffn_down_shexp.weight' is missing",
-                                "(n_embd, n_ff_shexp) = (32, 48)"),
+    "moe_shared_down_missing": (
+        "'blk.1.ffn_down_shexp.weight' is missing",
+        "(n_embd, n_ff_shexp) = (32, 48)",
+    ),
     # glm4moe (powerpy.testing.fuzz.routing): the gating, groups, selection bias, dense layers
     "moe_gating_unknown": ("glm4moe.expert_gating_func is 4",),
     "moe_groups_uneven": ("glm4moe.expert_group_count 3", "do not fit glm4moe.expert_count (4)"),
@@ -155,7 +161,7 @@ MOE_MESSAGES = {
     "oss_window_missing": ("required key 'gpt-oss.attention.sliding_window' is missing",),
     "oss_window_pattern_odd": ("'gpt-oss.attention.sliding_window_pattern' must be one integer",),
     "oss_sinks_in_qwen3moe": ("'blk.0.attn_sinks.weight' is not part of a qwen3moe model",),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(

@@ -162,15 +162,28 @@ def write_phi3(
     return g.close()
 
 
-_GEMMA2_KEYS = {"sliding_window": WINDOW, "attn_logit_softcapping": 1.5,
-                "final_logit_softcapping": 8.0}  # fmt: skip
-_GEMMA3_KEYS = {"sliding_window": WINDOW, "rope_freq_base": 100000.0,
-                "rope_scaling_type": "linear", "rope_scaling_factor": 8.0}  # fmt: skip
+_GEMMA2_KEYS = {
+    "sliding_window": WINDOW,
+    "attn_logit_softcapping": 1.5,
+    "final_logit_softcapping": 8.0,
+}
+_GEMMA3_KEYS = {
+    "sliding_window": WINDOW,
+    "rope_freq_base": 100000.0,
+    "rope_scaling_type": "linear",
+    "rope_scaling_factor": 8.0,
+}
 # a period of 2, a local base, a factor without a type (linear), a final soft-cap (applied) and
 # an attention soft-cap (ignored)
-_GEMMA3_MORE = {"sliding_window": WINDOW, "rope_freq_base": 100000.0, "rope_scaling_factor": 8.0,
-                "sliding_window_pattern": 2, "rope_freq_base_swa": 500.0,
-                "final_logit_softcapping": 8.0, "attn_logit_softcapping": 0.5}  # fmt: skip
+_GEMMA3_MORE = {
+    "sliding_window": WINDOW,
+    "rope_freq_base": 100000.0,
+    "rope_scaling_factor": 8.0,
+    "sliding_window_pattern": 2,
+    "rope_freq_base_swa": 500.0,
+    "final_logit_softcapping": 8.0,
+    "attn_logit_softcapping": 0.5,
+}
 _PHI3_LONG = {"rope_scaling_orig_ctx_len": 256, "rope_scaling_attn_factors": 1.19}
 
 # name: (writer, its keyword arguments, seed, llama.cpp's n_ctx); the seeds give greedy runs
@@ -183,7 +196,7 @@ CASES = {
         dict(arch="gemma2", n_layer=2, keys={}, out_norm=6.0),
         0,
         256,
-    ),  # fmt: skip
+    ),
     # the 27B's 46 layers: q·k scaled by 1/sqrt(n_embd / n_head), not 1/sqrt(key_length)
     "gemma2-27b": (write_gemma, dict(arch="gemma2", n_layer=46, keys=_GEMMA2_KEYS), 3, 256),
     # the windowed layers as one flag per layer

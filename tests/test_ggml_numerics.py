@@ -26,16 +26,46 @@ def c():
 
 def _args(n_head=4, n_head_kv=2, head_dim=64, n_rot=None, base=10000.0) -> ModelArgs:
     return ModelArgs(
-        arch="llama", n_vocab=8, n_embd=n_head * head_dim, n_layer=1, n_ff=16, n_head=n_head,
-        n_head_kv=n_head_kv, n_rot=n_rot or head_dim, rope_base=base, norm_eps=1e-5,
-        n_ctx_train=4096, sparse=False, ffn_variant=FFNVariant.SWIGLU, sparse_threshold=0.0,
-    )  # fmt: skip
+        arch="llama",
+        n_vocab=8,
+        n_embd=n_head * head_dim,
+        n_layer=1,
+        n_ff=16,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_rot=n_rot or head_dim,
+        rope_base=base,
+        norm_eps=1e-5,
+        n_ctx_train=4096,
+        sparse=False,
+        ffn_variant=FFNVariant.SWIGLU,
+        sparse_threshold=0.0,
+    )
 
 
 def test_swiglu_vector_and_scalar_paths_agree(c) -> None:
     """17 values: 16 take the vector path, the 17th the scalar one; each value also alone."""
-    g = torch.tensor([-200.0, -88.0, -20.0, -1.5, -1e-3, 0.0, 1e-3, 0.5, 1.0, 3.0, 10.0, 30.0,
-                      87.0, 89.0, 200.0, float("-inf"), 2.5])  # fmt: skip
+    g = torch.tensor(
+        [
+            -200.0,
+            -88.0,
+            -20.0,
+            -1.5,
+            -1e-3,
+            0.0,
+            1e-3,
+            0.5,
+            1.0,
+            3.0,
+            10.0,
+            30.0,
+            87.0,
+            89.0,
+            200.0,
+            float("-inf"),
+            2.5,
+        ]
+    )
     u = torch.linspace(-2, 2, g.numel())
     got = gn.swiglu_(c, g.clone(), u)
     one_by_one = torch.stack(

@@ -31,9 +31,16 @@ pytestmark = pytest.mark.llama_cpp
 
 FROM_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 VEC_DOT = ctypes.CFUNCTYPE(
-    None, ctypes.c_int, ctypes.POINTER(ctypes.c_float), ctypes.c_size_t, ctypes.c_void_p,
-    ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-)  # fmt: skip
+    None,
+    ctypes.c_int,
+    ctypes.POINTER(ctypes.c_float),
+    ctypes.c_size_t,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+)
 
 
 class _Traits(ctypes.Structure):  # ggml-cpu.h: struct ggml_type_traits_cpu
@@ -72,8 +79,12 @@ def test_k_quant_dots_equal_ggmls(ggml, qtype):
     rb = cols // tr.block_size * tr.type_size
     traits = ggml.ggml_get_type_traits_cpu(int(qtype)).contents
     act = ggml.ggml_get_type_traits_cpu(traits.vec_dot_type).contents
-    w = np.stack([_quantize(traits, (rng.standard_normal(cols) * 0.05).astype(np.float32), rb)
-                  for _ in range(rows)])  # fmt: skip
+    w = np.stack(
+        [
+            _quantize(traits, (rng.standard_normal(cols) * 0.05).astype(np.float32), rb)
+            for _ in range(rows)
+        ]
+    )
     raw = torch.from_numpy(w)
     m = Matrix.of_quant(raw, qtype, cols)
     for scale in (0.01, 1.0, 30.0):
@@ -82,8 +93,9 @@ def test_k_quant_dots_equal_ggmls(ggml, qtype):
         want = np.zeros(rows, np.float32)
         for r in range(rows):
             s = ctypes.c_float()
-            VEC_DOT(traits.vec_dot)(cols, ctypes.byref(s), 0, w[r].ctypes.data, 0,
-                                    xq.ctypes.data, 0, 1)  # fmt: skip
+            VEC_DOT(traits.vec_dot)(
+                cols, ctypes.byref(s), 0, w[r].ctypes.data, 0, xq.ctypes.data, 0, 1
+            )
             want[r] = s.value
         got = lib.gather_gemv(m, torch.from_numpy(x), torch.arange(rows)).numpy()
         assert got.tobytes() == want.tobytes(), (qtype.name, scale, got[:4], want[:4])
@@ -94,8 +106,9 @@ def test_k_quant_dots_equal_ggmls(ggml, qtype):
             xq_t = _quantize(act, xs[t], 2 * cols)
             for r in range(rows):
                 s = ctypes.c_float()
-                VEC_DOT(traits.vec_dot)(cols, ctypes.byref(s), 0, w[r].ctypes.data, 0,
-                                        xq_t.ctypes.data, 0, 1)  # fmt: skip
+                VEC_DOT(traits.vec_dot)(
+                    cols, ctypes.byref(s), 0, w[r].ctypes.data, 0, xq_t.ctypes.data, 0, 1
+                )
                 want_t[t, r] = s.value
         assert lib.gemm(m, torch.from_numpy(xs)).numpy().tobytes() == want_t.tobytes()
         # GLU: gate and up rows through the same dot (ReGLU: relu(g) * u, exact in f32)
@@ -121,8 +134,12 @@ def test_mxfp4_dots_equal_ggmls(ggml, cols):
     traits = ggml.ggml_get_type_traits_cpu(int(t)).contents
     act = ggml.ggml_get_type_traits_cpu(traits.vec_dot_type).contents
     assert traits.vec_dot_type == int(GGMLType.Q8_0)
-    w = np.stack([_quantize(traits, (rng.standard_normal(cols) * 0.05).astype(np.float32), rb)
-                  for _ in range(rows)])  # fmt: skip
+    w = np.stack(
+        [
+            _quantize(traits, (rng.standard_normal(cols) * 0.05).astype(np.float32), rb)
+            for _ in range(rows)
+        ]
+    )
     raw = torch.from_numpy(w)
     m = Matrix.of_quant(raw, t, cols)
 
@@ -131,8 +148,9 @@ def test_mxfp4_dots_equal_ggmls(ggml, cols):
         out = np.zeros(rows, np.float32)
         for r in range(rows):
             s = ctypes.c_float()
-            VEC_DOT(traits.vec_dot)(cols, ctypes.byref(s), 0, w[r].ctypes.data, 0,
-                                    xq.ctypes.data, 0, 1)  # fmt: skip
+            VEC_DOT(traits.vec_dot)(
+                cols, ctypes.byref(s), 0, w[r].ctypes.data, 0, xq.ctypes.data, 0, 1
+            )
             out[r] = s.value
         return out
 
@@ -167,12 +185,17 @@ def _ggml_op(ggml, inputs: list[np.ndarray], op) -> np.ndarray:
     base = ctypes.CDLL(os.path.join(os.path.dirname(ggml._name), "libggml-base.so"))
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     for name, args, res in (
-        ("ggml_init", [_InitParams], vp), ("ggml_new_tensor_1d", [vp, ctypes.c_int, i64], vp),
-        ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp), ("ggml_mul_mat", [vp] * 3, vp),
-        ("ggml_norm", [vp, vp, ctypes.c_float], vp), ("ggml_new_graph", [vp], vp),
-        ("ggml_build_forward_expand", [vp, vp], None), ("ggml_get_data", [vp], vp),
-        ("ggml_nelements", [vp], i64), ("ggml_free", [vp], None),
-    ):  # fmt: skip
+        ("ggml_init", [_InitParams], vp),
+        ("ggml_new_tensor_1d", [vp, ctypes.c_int, i64], vp),
+        ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp),
+        ("ggml_mul_mat", [vp] * 3, vp),
+        ("ggml_norm", [vp, vp, ctypes.c_float], vp),
+        ("ggml_new_graph", [vp], vp),
+        ("ggml_build_forward_expand", [vp, vp], None),
+        ("ggml_get_data", [vp], vp),
+        ("ggml_nelements", [vp], i64),
+        ("ggml_free", [vp], None),
+    ):
         getattr(base, name).argtypes, getattr(base, name).restype = args, res
     ggml.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
     ctx = base.ggml_init(_InitParams(16 << 20, None, False))
@@ -276,11 +299,13 @@ def _ggml_repacked_mul_mat(ggml, raw: np.ndarray, qtype: GGMLType, x: np.ndarray
     base = ctypes.CDLL(os.path.join(os.path.dirname(ggml._name), "libggml-base.so"))
     vp, i64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
     for name, args, res in (
-        ("ggml_init", [_InitParams], vp), ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp),
+        ("ggml_init", [_InitParams], vp),
+        ("ggml_new_tensor_2d", [vp, ctypes.c_int, i64, i64], vp),
         ("ggml_backend_alloc_ctx_tensors_from_buft", [vp, vp], vp),
         ("ggml_backend_tensor_set", [vp, vp, sz, sz], None),
-        ("ggml_backend_buffer_free", [vp], None), ("ggml_free", [vp], None),
-    ):  # fmt: skip
+        ("ggml_backend_buffer_free", [vp], None),
+        ("ggml_free", [vp], None),
+    ):
         getattr(base, name).argtypes, getattr(base, name).restype = args, res
     repack = ggml._Z35ggml_backend_cpu_repack_buffer_typev  # ggml_backend_cpu_repack_buffer_type
     repack.restype = vp

@@ -33,8 +33,16 @@ from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions
 from powerpy.testing import TinySpec, tiny_tensors
 
-OSS = TinySpec(arch="gpt-oss", n_layer=3, n_ff=128, n_ff_exp=64, n_expert=8, n_expert_used=2,
-               sliding_window=8, key_length=32)  # fmt: skip
+OSS = TinySpec(
+    arch="gpt-oss",
+    n_layer=3,
+    n_ff=128,
+    n_ff_exp=64,
+    n_expert=8,
+    n_expert_used=2,
+    sliding_window=8,
+    key_length=32,
+)
 EXACT = Numerics(quantized_activations=False)
 TOKENS = torch.tensor([1, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33])
 
@@ -52,8 +60,10 @@ def _reference(t: dict, l: int, x: np.ndarray, k: int) -> np.ndarray:
         return t[bias_name(name) if bias else name].astype(np.float64)
 
     r, rb = get(Names.FFN_GATE_INP), get(Names.FFN_GATE_INP, True)
-    stacks = [(get(n), get(n, True)) for n in
-              (Names.FFN_GATE_EXPS, Names.FFN_UP_EXPS, Names.FFN_DOWN_EXPS)]  # fmt: skip
+    stacks = [
+        (get(n), get(n, True))
+        for n in (Names.FFN_GATE_EXPS, Names.FFN_UP_EXPS, Names.FFN_DOWN_EXPS)
+    ]
     (g, gb), (u, ub), (d, db) = stacks
     logits = x @ r.T + rb
     out = np.zeros_like(x)
@@ -215,8 +225,9 @@ def test_hybrid_equals_cpu_only(tmp_path, experts):
     ref = llm.model.forward(TOKENS, cache, opts, all_logits=True)
     rt = build_hybrid(llm.model, placement, Accelerator("cpu"), file=llm.file)
     assert not rt.skipped and rt.model.weights.blk[0].moe.hot.gate_b.shape == (200,)
-    got = rt.model.forward(TOKENS, rt.model.new_cache(32, dtype=torch.float32), opts,
-                           all_logits=True)  # fmt: skip
+    got = rt.model.forward(
+        TOKENS, rt.model.new_cache(32, dtype=torch.float32), opts, all_logits=True
+    )
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-3 * ref.abs().max())
     fake = build_hybrid(llm.model, placement, FakeCuda(), file=llm.file)
     logits = run_prefill_and_decode(fake.model, TOKENS, 32, 6, 3, llm.options)
@@ -229,9 +240,15 @@ def _refused(tmp_path, exc, match, drop=()):
 
 @pytest.mark.parametrize(
     "name",
-    ["blk.1.attn_sinks.weight", "blk.0.attn_v.bias", "blk.2.attn_output.bias",
-     "blk.1.ffn_gate_inp.bias", "blk.0.ffn_up_exps.bias", "blk.2.ffn_down_exps.bias"],
-)  # fmt: skip
+    [
+        "blk.1.attn_sinks.weight",
+        "blk.0.attn_v.bias",
+        "blk.2.attn_output.bias",
+        "blk.1.ffn_gate_inp.bias",
+        "blk.0.ffn_up_exps.bias",
+        "blk.2.ffn_down_exps.bias",
+    ],
+)
 def test_a_missing_tensor_is_named(tmp_path, name):
     _refused(tmp_path, FileFormatError, f"tensor {re.escape(repr(name))} is missing", [name])
 

@@ -194,9 +194,11 @@ def test_glu_applies_the_activation_and_the_cut(variant, impl):
     g, u = gu[:, :50], gu[:, 50:]
     want = {"swiglu": F.silu(g) * u, "reglu": F.relu(g) * u, "drelu": F.relu(g) * F.relu(u)}
     want = want[variant].masked_fill(want[variant].abs() < tau, 0.0)
-    op = gpu_kernels.glu if impl == "op" else (
-        lambda gu, tau, var: gpu_kernels.triton_glu(gu, tau, gpu_kernels.VARIANTS[var])
-    )  # fmt: skip
+    op = (
+        gpu_kernels.glu
+        if impl == "op"
+        else (lambda gu, tau, var: gpu_kernels.triton_glu(gu, tau, gpu_kernels.VARIANTS[var]))
+    )
     got = op(*_on(gu, tau), variant).cpu()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     got = op(*_on(gu), None, variant).cpu()

@@ -415,9 +415,19 @@ def budget_arg(nbytes: int) -> str:
 def solver_argv(act: Path, neuron: int, layer: int, capacity: int, vram: int, out: Path) -> list:
     """PowerInfer's solver arguments, as `python -m solver` takes them."""
     return [
-        "--activation", str(act), "--neuron", str(neuron), "--layer", str(layer),
-        "--capacity", str(capacity), "--vram-capacity", str(vram), "--output", str(out),
-    ]  # fmt: skip
+        "--activation",
+        str(act),
+        "--neuron",
+        str(neuron),
+        "--layer",
+        str(layer),
+        "--capacity",
+        str(capacity),
+        "--vram-capacity",
+        str(vram),
+        "--output",
+        str(out),
+    ]
 
 
 def test_gen_gpuidx_end_to_end(pwri_test_model, tmp_path: Path, capsys) -> None:

@@ -343,8 +343,9 @@ def test_cuda_budgets_cross_device(tmp_path):
     write_tiny_model(path, SPEC, sparse=True, seed=5, dtype=GGMLType.F16)
     want = run_logits(load(path, threshold=-1e30))
     for what, budget in budget_cases(path, 2, 2).items():
-        llm, rt = hybrid(path, index_of("full"), budget, device="cuda", kv_elem_bytes=2,
-                         threshold=-1e30)  # fmt: skip
+        llm, rt = hybrid(
+            path, index_of("full"), budget, device="cuda", kv_elem_bytes=2, threshold=-1e30
+        )
         assert rt.device_bytes <= budget, what
         torch.testing.assert_close(run_logits(llm), want, atol=3e-2, rtol=3e-2, msg=what)
 

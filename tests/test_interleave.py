@@ -37,8 +37,9 @@ def _weight(rows: int, cols: int, seed: int = 0, t: GGMLType = GGMLType.Q4_K) ->
     return QuantWeight(torch.from_numpy(np.ascontiguousarray(raw)), t, cols)
 
 
-@pytest.mark.parametrize(("t", "ld"), [(GGMLType.Q4_K, 3 * interleave.X8_SB),
-                                       (GGMLType.Q4_0, 24 * interleave.X8Q40_B)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("t", "ld"), [(GGMLType.Q4_K, 3 * interleave.X8_SB), (GGMLType.Q4_0, 24 * interleave.X8Q40_B)]
+)
 def test_pack_unpack_round_trip(lib, t, ld):
     w = _weight(48, 768, t=t)
     want = w.raw.clone()
@@ -82,8 +83,10 @@ def test_only_whole_matrix_products(lib):
         lib.gather_axpy(x8, torch.ones(2), torch.tensor([3, 1]))
 
 
-@pytest.mark.parametrize(("rows", "t"), [(12, GGMLType.Q4_K), (12, GGMLType.Q4_0),
-                                       (16, GGMLType.Q6_K), (16, GGMLType.Q8_0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("rows", "t"),
+    [(12, GGMLType.Q4_K), (12, GGMLType.Q4_0), (16, GGMLType.Q6_K), (16, GGMLType.Q8_0)],
+)
 def test_other_matrices_keep_their_rows(lib, rows, t):
     w = _weight(rows, 256, seed=4, t=t)  # 12 rows: not a multiple of 8
     assert w.dense_kernel()[1] is w.kernel()[1]

@@ -7,6 +7,7 @@ import is still an arrow between modules.
 from __future__ import annotations
 
 import ast
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +35,13 @@ LAYERS = [
     ("powerpy.commands", "powerpy.cli", "powerpy.__main__"),
 ]
 TRAINING = {"powerpy.pipeline.train"}
-MAX_LINES = 500
+# Size is a signal, not a design rule: a module past WARN_LINES is reported (cut it where its
+# concerns part, if they do); past FAIL_LINES it is an error. Never fold code to fit.
+WARN_LINES = 600
+FAIL_LINES = 1000
 CSRC = ROOT / "powerpy" / "model" / "csrc"  # the native kernels (one unity build)
-CSRC_MAX_LINES = 800
+CSRC_WARN_LINES = 800
+CSRC_FAIL_LINES = 1200
 
 
 def _modules() -> dict[str, Path]:
@@ -228,25 +233,33 @@ def test_the_fuzzer_stays_out_of_the_library() -> None:
     assert _layer("powerpy.testing.fuzz.cases") > _layer("powerpy.api") > _layer("powerpy.testing")
 
 
-def test_modules_are_small() -> None:
-    big = {}
-    for name, path in MODULES.items():
-        n = len(path.read_text(encoding="utf-8").splitlines())
-        if n > MAX_LINES:
-            big[name] = n
-    assert not big, big
+def _sizes(paths: dict[str, Path]) -> dict[str, int]:
+    return {name: len(p.read_text(encoding="utf-8").splitlines()) for name, p in paths.items()}
 
 
-def test_kernel_sources_are_small() -> None:
-    """No file of the native kernels is over CSRC_MAX_LINES lines."""
-    sizes = {
-        p.name: len(p.read_text(encoding="utf-8").splitlines())
-        for p in sorted(CSRC.iterdir())
-        if p.is_file()
-    }
-    assert "sparse_ffn.cpp" in sizes, sorted(sizes)
-    big = {name: n for name, n in sizes.items() if n > CSRC_MAX_LINES}
-    assert not big, big
+def _check_sizes(sizes: dict[str, int], warn: int, fail: int) -> None:
+    large = {name: n for name, n in sizes.items() if n > warn}
+    if large:
+        warnings.warn(f"over {warn} lines (cut where concerns part): {large}", stacklevel=2)
+    too_big = {name: n for name, n in sizes.items() if n > fail}
+    assert not too_big, f"over {fail} lines: {too_big}"
+
+
+def test_modules_are_not_huge() -> None:
+    _check_sizes(_sizes(MODULES), WARN_LINES, FAIL_LINES)
+
+
+def test_no_code_is_folded_to_fit() -> None:
+    """No formatter escapes: the code reads as the formatter lays it out."""
+    marker = "fmt: " + "skip"
+    folded = [n for n, p in MODULES.items() if marker in p.read_text(encoding="utf-8")]
+    assert not folded, folded
+
+
+def test_kernel_sources_are_not_huge() -> None:
+    paths = {p.name: p for p in sorted(CSRC.iterdir()) if p.is_file()}
+    assert any(p.suffix == ".cpp" for p in paths.values()), sorted(paths)
+    _check_sizes(_sizes(paths), CSRC_WARN_LINES, CSRC_FAIL_LINES)
 
 
 def test_the_graph_is_real() -> None:

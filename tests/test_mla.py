@@ -27,9 +27,22 @@ from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions
 from powerpy.testing import TinySpec, tiny_tensors
 
-SPEC = TinySpec(arch="deepseek2", n_embd=64, n_layer=3, n_ff=128, n_head=4, n_ff_exp=32,
-                n_expert=8, n_expert_used=2, n_layer_dense=1, n_rot=16, q_lora_rank=32,
-                kv_lora_rank=64, key_length_mla=48, value_length_mla=32)  # fmt: skip
+SPEC = TinySpec(
+    arch="deepseek2",
+    n_embd=64,
+    n_layer=3,
+    n_ff=128,
+    n_head=4,
+    n_ff_exp=32,
+    n_expert=8,
+    n_expert_used=2,
+    n_layer_dense=1,
+    n_rot=16,
+    q_lora_rank=32,
+    kv_lora_rank=64,
+    key_length_mla=48,
+    value_length_mla=32,
+)
 TOKENS = torch.tensor([1, 72, 101, 108, 108, 111, 44, 32, 119, 111])
 EXACT = RunOptions(numerics=Numerics(quantized_activations=False))
 YARN = {
@@ -52,9 +65,19 @@ def _reference_attention(t: dict, l: int, x: np.ndarray, kq_scale: float) -> np.
     RoPE scaling): per head k = [W_k c, k_r], v = W_v c over the whole prompt x (T, n_embd)
     normed; -> (T, n_embd)."""
     H, r, d_n, d_v, n_rot = 4, 64, 32, 32, 16
-    f = {k: t[k.format(l=l)].astype(np.float64) for k in (
-        Names.ATTN_Q_A, Names.ATTN_Q_A_NORM, Names.ATTN_Q_B, Names.ATTN_KV_A_MQA,
-        Names.ATTN_KV_A_NORM, Names.ATTN_K_B, Names.ATTN_V_B, Names.ATTN_OUTPUT)}  # fmt: skip
+    f = {
+        k: t[k.format(l=l)].astype(np.float64)
+        for k in (
+            Names.ATTN_Q_A,
+            Names.ATTN_Q_A_NORM,
+            Names.ATTN_Q_B,
+            Names.ATTN_KV_A_MQA,
+            Names.ATTN_KV_A_NORM,
+            Names.ATTN_K_B,
+            Names.ATTN_V_B,
+            Names.ATTN_OUTPUT,
+        )
+    }
     names = dict(zip(("qa", "qan", "qb", "kva", "kvn", "kb", "vb", "o"), f.values(), strict=True))
 
     def rms(v, w, eps=1e-5):
@@ -200,27 +223,51 @@ def _refused(tmp_path, err, match, *, spec=SPEC, drop=(), add=None, extra_kv=Non
 
 
 def test_a_missing_latent_tensor_or_both_layouts_are_named(tmp_path):
-    _refused(tmp_path, FileFormatError,
-             r"tensor 'blk\.1\.attn_k_b\.weight' is missing; a deepseek2 layer with q_lora_rank "
-             r"32 and attention\.key_length_mla set needs attn_q_a, attn_q_a_norm, attn_q_b, "
-             r"attn_k_b, attn_v_b", drop=[Names.ATTN_K_B.format(l=1)])  # fmt: skip
+    _refused(
+        tmp_path,
+        FileFormatError,
+        r"tensor 'blk\.1\.attn_k_b\.weight' is missing; a deepseek2 layer with q_lora_rank "
+        r"32 and attention\.key_length_mla set needs attn_q_a, attn_q_a_norm, attn_q_b, "
+        r"attn_k_b, attn_v_b",
+        drop=[Names.ATTN_K_B.format(l=1)],
+    )
     plain_q = {Names.ATTN_Q.format(l=0): np.zeros((4 * 48, 64), np.float32)}
-    _refused(tmp_path, ModelConfigError, r"tensor 'blk\.0\.attn_q\.weight' does not fit",
-             add=plain_q)  # fmt: skip
-    _refused(tmp_path, FileFormatError, r"'blk\.2\.attn_kv_a_mqa\.weight' is missing",
-             drop=[Names.ATTN_KV_A_MQA.format(l=2)])  # fmt: skip
+    _refused(
+        tmp_path, ModelConfigError, r"tensor 'blk\.0\.attn_q\.weight' does not fit", add=plain_q
+    )
+    _refused(
+        tmp_path,
+        FileFormatError,
+        r"'blk\.2\.attn_kv_a_mqa\.weight' is missing",
+        drop=[Names.ATTN_KV_A_MQA.format(l=2)],
+    )
 
 
 def test_latent_keys_that_make_no_attention_are_refused(tmp_path):
-    _refused(tmp_path, ModelConfigError, r"required key 'deepseek2\.attention\.kv_lora_rank'",
-             kv_drop=("deepseek2.attention.kv_lora_rank",))  # fmt: skip
-    _refused(tmp_path, ModelConfigError, r"required key 'deepseek2\.attention\.q_lora_rank'",
-             kv_drop=("deepseek2.attention.q_lora_rank",))  # fmt: skip
-    _refused(tmp_path, ModelConfigError,
-             r"deepseek2\.attention\.key_length_mla is 16; DeepSeek-2's latent attention needs",
-             extra_kv={Keys.KEY_LENGTH_MLA.format(arch="deepseek2"): (16, V.UINT32)})  # fmt: skip
-    _refused(tmp_path, ModelConfigError, r"rope\.scaling\.type is 'longrope'",
-             extra_kv={"deepseek2.rope.scaling.type": ("longrope", V.STRING)})  # fmt: skip
+    _refused(
+        tmp_path,
+        ModelConfigError,
+        r"required key 'deepseek2\.attention\.kv_lora_rank'",
+        kv_drop=("deepseek2.attention.kv_lora_rank",),
+    )
+    _refused(
+        tmp_path,
+        ModelConfigError,
+        r"required key 'deepseek2\.attention\.q_lora_rank'",
+        kv_drop=("deepseek2.attention.q_lora_rank",),
+    )
+    _refused(
+        tmp_path,
+        ModelConfigError,
+        r"deepseek2\.attention\.key_length_mla is 16; DeepSeek-2's latent attention needs",
+        extra_kv={Keys.KEY_LENGTH_MLA.format(arch="deepseek2"): (16, V.UINT32)},
+    )
+    _refused(
+        tmp_path,
+        ModelConfigError,
+        r"rope\.scaling\.type is 'longrope'",
+        extra_kv={"deepseek2.rope.scaling.type": ("longrope", V.STRING)},
+    )
 
 
 def test_the_native_block_decodes_the_stack_with_the_per_op_bits(tmp_path, monkeypatch):

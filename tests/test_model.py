@@ -292,10 +292,21 @@ def test_rope_rotates_adjacent_pairs_of_the_first_n_rot_dims(n_rot):
     from powerpy.model.attention import apply_rope, rope_tables
 
     args = ModelArgs(
-        arch="llama", n_vocab=8, n_embd=64, n_layer=1, n_ff=8, n_head=2, n_head_kv=1,
-        n_rot=n_rot, rope_base=10000.0, norm_eps=1e-5, n_ctx_train=64, sparse=False,
-        ffn_variant="swiglu", sparse_threshold=0.0,
-    )  # fmt: skip
+        arch="llama",
+        n_vocab=8,
+        n_embd=64,
+        n_layer=1,
+        n_ff=8,
+        n_head=2,
+        n_head_kv=1,
+        n_rot=n_rot,
+        rope_base=10000.0,
+        norm_eps=1e-5,
+        n_ctx_train=64,
+        sparse=False,
+        ffn_variant="swiglu",
+        sparse_threshold=0.0,
+    )
     x = torch.randn(5, 2, 32)  # (T, heads, head_dim) at positions 7..11
     got = apply_rope(x, rope_tables(args, torch.arange(7, 12)), n_rot).double().numpy()
     xd = x.double().numpy()

@@ -198,8 +198,12 @@ def test_interleaved_experts_run_alike_in_every_path(tmp_path, dtype):
     x = torch.randn(5, 256)
     ids, w = torch.tensor([[0, 3]] * 5), torch.full((5, 2), 0.5)
     many = moe.experts_host(0, ex, x, ids, w, None, RunOptions())[0]
-    one = torch.cat([moe.experts_host(0, ex, x[i : i + 1], ids[:1], w[:1], None, RunOptions())[0]
-                     for i in range(5)])  # fmt: skip
+    one = torch.cat(
+        [
+            moe.experts_host(0, ex, x[i : i + 1], ids[:1], w[:1], None, RunOptions())[0]
+            for i in range(5)
+        ]
+    )
     assert torch.equal(many, one)
 
 
@@ -310,8 +314,23 @@ def test_cut_writes_a_mixture_of_experts_cut_in_one_command(q8, tmp_path, capsys
     text = tmp_path / "t.txt"
     text.write_text("In the beginning God created the heaven and the earth. " * 40)
     out = tmp_path / "cut.gguf"
-    argv = ["cut", "-m", str(q8), "--text", str(text), "--ctx", "64", "--tokens", "512",
-            "-t", "1", "-s", "0.4", "-o", str(out)]  # fmt: skip
+    argv = [
+        "cut",
+        "-m",
+        str(q8),
+        "--text",
+        str(text),
+        "--ctx",
+        "64",
+        "--tokens",
+        "512",
+        "-t",
+        "1",
+        "-s",
+        "0.4",
+        "-o",
+        str(out),
+    ]
     assert main(argv) == 0
     assert "a copy with per-layer cuts" in capsys.readouterr().err
     llm = load(out)
@@ -334,8 +353,21 @@ def test_profile_counts_every_experts_neurons(q8, tmp_path):
     """`powerpy profile` on a MoE GGUF: one count per expert neuron, gen-gpuidx's input."""
     text = tmp_path / "t.txt"
     text.write_text("In the beginning God created the heaven and the earth. " * 10)
-    argv = ["profile", "-m", str(q8), "--text", str(text), "--ctx", "64", "-t", "1",
-            "--target-sparsity", "0.4", "-o", str(tmp_path / "prof")]  # fmt: skip
+    argv = [
+        "profile",
+        "-m",
+        str(q8),
+        "--text",
+        str(text),
+        "--ctx",
+        "64",
+        "-t",
+        "1",
+        "--target-sparsity",
+        "0.4",
+        "-o",
+        str(tmp_path / "prof"),
+    ]
     assert main(argv) == 0
     counts = torch.load(tmp_path / "prof" / "activation_0.pt", weights_only=True)
     assert counts.shape == (8 * 128,) and 0 < int((counts > 0).sum()) <= 8 * 128
@@ -410,14 +442,30 @@ def test_gen_gpuidx_places_the_hottest_experts(q8, tmp_path, capsys):
         fixed, neuron = base.plan.used, base.layers[0].neuron_bytes
     budget = fixed + 2 * 256 * neuron + 10  # two groups of 256 neurons: experts 0 and 1
     out = tmp_path / "m.gpuidx"
-    argv = ["gen-gpuidx", "-m", str(q8), "--vram-budget", repr(budget / 2**30), "--ctx", "64",
-            "--activation", str(tmp_path / "activation"), "-o", str(out)]  # fmt: skip
+    argv = [
+        "gen-gpuidx",
+        "-m",
+        str(q8),
+        "--vram-budget",
+        repr(budget / 2**30),
+        "--ctx",
+        "64",
+        "--activation",
+        str(tmp_path / "activation"),
+        "-o",
+        str(out),
+    ]
     assert main(argv) == 0
     idx = GpuIndex.read(out, n_layer=2, n_ff=1024)
     hot = np.concatenate(idx.gpu_bucket)
     assert set(hot.tolist()) <= set(range(256)) and len(hot) == 512  # experts 0 and 1, whole
-    llm = load(q8, vram_budget=budget / 2**30, device="cpu", n_ctx=64,
-               activation_dir=tmp_path / "activation")  # fmt: skip
+    llm = load(
+        q8,
+        vram_budget=budget / 2**30,
+        device="cpu",
+        n_ctx=64,
+        activation_dir=tmp_path / "activation",
+    )
     assert llm.runtime is not None and llm.runtime.placement.n_hot == 512
     assert llm.runtime.device_bytes <= budget
 
@@ -447,43 +495,69 @@ _refused = refused  # (tmp_path, spec, err, match, ...)
 
 def test_a_missing_or_misshapen_expert_stack_is_named_with_its_shape(tmp_path):
     name = Names.FFN_DOWN_EXPS.format(l=1)
-    _refused(tmp_path, SPEC, FileFormatError,
-             r"tensor 'blk\.1\.ffn_down_exps\.weight' is missing; .* \(it needs shape "
-             r"\(n_expert, n_embd, n_ff_exp\) = \(8, 64, 128\)\)", drop=[name])  # fmt: skip
+    _refused(
+        tmp_path,
+        SPEC,
+        FileFormatError,
+        r"tensor 'blk\.1\.ffn_down_exps\.weight' is missing; .* \(it needs shape "
+        r"\(n_expert, n_embd, n_ff_exp\) = \(8, 64, 128\)\)",
+        drop=[name],
+    )
 
     def swap(t):
         t[name] = np.ascontiguousarray(t[name].transpose(0, 2, 1))  # (8, 128, 64)
 
-    _refused(tmp_path, SPEC, ModelConfigError,
-             r"'blk\.1\.ffn_down_exps\.weight' has shape \(8, 128, 64\), but the hyperparameters "
-             r"need \(n_expert, n_embd, n_ff_exp\) = \(8, 64, 128\)", edit=swap)  # fmt: skip
+    _refused(
+        tmp_path,
+        SPEC,
+        ModelConfigError,
+        r"'blk\.1\.ffn_down_exps\.weight' has shape \(8, 128, 64\), but the hyperparameters "
+        r"need \(n_expert, n_embd, n_ff_exp\) = \(8, 64, 128\)",
+        edit=swap,
+    )
     router = Names.FFN_GATE_INP.format(l=0)
-    _refused(tmp_path, SPEC, ModelConfigError,
-             r"'blk\.0\.ffn_gate_inp\.weight' has shape \(7, 64\), but the hyperparameters need "
-             r"\(n_expert, n_embd\) = \(8, 64\)",
-             edit=lambda t: t.__setitem__(router, t[router][:7]))  # fmt: skip
+    _refused(
+        tmp_path,
+        SPEC,
+        ModelConfigError,
+        r"'blk\.0\.ffn_gate_inp\.weight' has shape \(7, 64\), but the hyperparameters need "
+        r"\(n_expert, n_embd\) = \(8, 64\)",
+        edit=lambda t: t.__setitem__(router, t[router][:7]),
+    )
     up = Names.FFN_UP_EXPS.format(l=0)
-    _refused(tmp_path, QWEN, ModelConfigError,
-             r"'blk\.0\.ffn_up_exps\.weight' has shape \(8, 32, 64\), but the hyperparameters "
-             r"need \(n_expert, n_ff_exp, n_embd\) = \(8, 64, 64\)",
-             edit=lambda t: t.__setitem__(up, np.ascontiguousarray(t[up][:, :32])))  # fmt: skip
+    _refused(
+        tmp_path,
+        QWEN,
+        ModelConfigError,
+        r"'blk\.0\.ffn_up_exps\.weight' has shape \(8, 32, 64\), but the hyperparameters "
+        r"need \(n_expert, n_ff_exp, n_embd\) = \(8, 64, 64\)",
+        edit=lambda t: t.__setitem__(up, np.ascontiguousarray(t[up][:, :32])),
+    )
 
 
 @pytest.mark.parametrize(
     "kv, match",
     [
-        ({"llama.expert_used_count": (9, GGUFValueType.UINT32)},
-         r"llama\.expert_used_count is 9, it must be between 1 and llama\.expert_count \(8\)"),
+        (
+            {"llama.expert_used_count": (9, GGUFValueType.UINT32)},
+            r"llama\.expert_used_count is 9, it must be between 1 and llama\.expert_count \(8\)",
+        ),
         ({"llama.expert_used_count": (0, GGUFValueType.UINT32)}, r"expert_used_count is 0"),
-        ({"llama.expert_weights_norm": (1, GGUFValueType.UINT32)},
-         r"'llama\.expert_weights_norm' must be a BOOL"),
-        ({"llama.expert_weights_scale": (-1.0, GGUFValueType.FLOAT32)},
-         r"expert_weights_scale is -1\.0"),
-        ({"llama.expert_count": (4, GGUFValueType.UINT32)},
-         r"ffn_gate_inp\.weight' has shape \(8, 64\), but the hyperparameters need "
-         r"\(n_expert, n_embd\) = \(4, 64\)"),
+        (
+            {"llama.expert_weights_norm": (1, GGUFValueType.UINT32)},
+            r"'llama\.expert_weights_norm' must be a BOOL",
+        ),
+        (
+            {"llama.expert_weights_scale": (-1.0, GGUFValueType.FLOAT32)},
+            r"expert_weights_scale is -1\.0",
+        ),
+        (
+            {"llama.expert_count": (4, GGUFValueType.UINT32)},
+            r"ffn_gate_inp\.weight' has shape \(8, 64\), but the hyperparameters need "
+            r"\(n_expert, n_embd\) = \(4, 64\)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_expert_keys_that_make_no_mixture_are_refused(tmp_path, kv, match):
     _refused(tmp_path, SPEC, ModelConfigError, match, extra_kv=kv)
 
@@ -500,13 +574,21 @@ def test_expert_tensors_without_a_count_and_experts_where_none_belong(tmp_path):
     with pytest.raises(ModelConfigError, match=msg):
         load(tmp_path / "a.gguf")
     dense = {k: v for k, v in tiny_tensors(plain, sparse=False).items() if "blk.0.ffn_up" in k}
-    _refused(tmp_path, SPEC, ModelConfigError,
-             r"tensor 'blk\.0\.ffn_up\.weight' is not part of a llama model, whose layers hold "
-             r".*ffn_down_exps", edit=lambda t: t.update(dense))  # fmt: skip
+    _refused(
+        tmp_path,
+        SPEC,
+        ModelConfigError,
+        r"tensor 'blk\.0\.ffn_up\.weight' is not part of a llama model, whose layers hold "
+        r".*ffn_down_exps",
+        edit=lambda t: t.update(dense),
+    )
     no_experts = TinySpec(arch="qwen3moe", n_layer=2, n_ff=128)
     write_gguf_py(tmp_path / "q.gguf", no_experts, GGMLType.F32)
-    with pytest.raises(ModelConfigError, match=r"qwen3moe is a mixture of experts, but "
-                       r"qwen3moe\.expert_count is 0"):  # fmt: skip
+    with pytest.raises(
+        ModelConfigError,
+        match=r"qwen3moe is a mixture of experts, but "
+        r"qwen3moe\.expert_count is 0",
+    ):
         load(tmp_path / "q.gguf")
 
 
@@ -516,10 +598,15 @@ def test_the_first_mixtral_layout_of_one_tensor_per_expert_is_refused_by_name(tm
             stack = t.pop(f"blk.1.ffn_{kind}_exps.weight")
             t.update({f"blk.1.ffn_{kind}.{e}.weight": stack[e] for e in range(len(stack))})
 
-    _refused(tmp_path, SPEC, ModelConfigError,
-             r"tensor 'blk\.1\.ffn_(gate|up|down)\.0\.weight' holds one expert of a mixture "
-             r"of experts on its own, the layout of the first Mixtral GGUFs.*download a newer "
-             r"conversion", edit=per_expert)  # fmt: skip
+    _refused(
+        tmp_path,
+        SPEC,
+        ModelConfigError,
+        r"tensor 'blk\.1\.ffn_(gate|up|down)\.0\.weight' holds one expert of a mixture "
+        r"of experts on its own, the layout of the first Mixtral GGUFs.*download a newer "
+        r"conversion",
+        edit=per_expert,
+    )
 
 
 def test_a_pwri_file_with_experts_and_a_placement_of_a_plain_gguf_are_refused(q8, tmp_path):
@@ -548,20 +635,48 @@ def test_valid_moe_drafts_run_plain_and_placed(tmp_path, one_thread, arch):
 
 
 _BENCH = {
-    "glm4moe": TinySpec(arch="glm4moe", n_layer=2, n_ff=128, n_ff_exp=32, n_expert=4,
-                        n_expert_used=2, n_layer_dense=1, n_rot=8),
-    "deepseek2": TinySpec(arch="deepseek2", n_layer=2, n_ff=128, n_ff_exp=32, n_expert=4,
-                          n_expert_used=2, n_layer_dense=1, n_rot=8, q_lora_rank=32,
-                          kv_lora_rank=32, key_length_mla=40, value_length_mla=32),
-    "gpt-oss": TinySpec(arch="gpt-oss", n_layer=2, n_ff=128, n_ff_exp=64, n_expert=4,
-                        n_expert_used=2, sliding_window=4, key_length=32),
-}  # fmt: skip
+    "glm4moe": TinySpec(
+        arch="glm4moe",
+        n_layer=2,
+        n_ff=128,
+        n_ff_exp=32,
+        n_expert=4,
+        n_expert_used=2,
+        n_layer_dense=1,
+        n_rot=8,
+    ),
+    "deepseek2": TinySpec(
+        arch="deepseek2",
+        n_layer=2,
+        n_ff=128,
+        n_ff_exp=32,
+        n_expert=4,
+        n_expert_used=2,
+        n_layer_dense=1,
+        n_rot=8,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        key_length_mla=40,
+        value_length_mla=32,
+    ),
+    "gpt-oss": TinySpec(
+        arch="gpt-oss",
+        n_layer=2,
+        n_ff=128,
+        n_ff_exp=64,
+        n_expert=4,
+        n_expert_used=2,
+        sliding_window=4,
+        key_length=32,
+    ),
+}
 
 
 @pytest.mark.parametrize(
-    "spec", [SPEC, QWEN, SHARED, *_BENCH.values()],
+    "spec",
+    [SPEC, QWEN, SHARED, *_BENCH.values()],
     ids=["mixtral", "qwen3moe", "qwen2moe", *_BENCH],
-)  # fmt: skip
+)
 def test_the_benchmark_writer_makes_models_that_run(tmp_path, spec):
     """``python -m powerpy.testing.moe`` (one tensor at a time) writes the tensors the loader
     wants, in one layout (a fused attn_qkv beside its parts was once written and refused);

@@ -41,13 +41,44 @@ IDS = [1] + [b + 3 for b in PROMPT.encode()]  # the byte tokens of the tiny voca
 N_GREEDY = 16
 TIE = 2e-3  # routing probabilities closer than this: f16 rounding may swap the experts
 
-DEEPSEEK = TinySpec(arch="deepseek2", n_embd=64, n_layer=3, n_ff=128, n_head=4, n_ff_exp=32,
-                    n_expert=8, n_expert_used=2, n_layer_dense=1, n_rot=16, q_lora_rank=32,
-                    kv_lora_rank=64, key_length_mla=48, value_length_mla=32)  # fmt: skip
-GLM = TinySpec(arch="glm4moe", n_layer=3, n_ff=128, n_ff_exp=32, n_expert=8, n_expert_used=2,
-               n_layer_dense=1, n_nextn=1, n_rot=8, biases=True)  # fmt: skip
-OSS = TinySpec(arch="gpt-oss", n_layer=3, n_ff=128, n_ff_exp=64, n_expert=8, n_expert_used=2,
-               sliding_window=32, key_length=32)  # fmt: skip
+DEEPSEEK = TinySpec(
+    arch="deepseek2",
+    n_embd=64,
+    n_layer=3,
+    n_ff=128,
+    n_head=4,
+    n_ff_exp=32,
+    n_expert=8,
+    n_expert_used=2,
+    n_layer_dense=1,
+    n_rot=16,
+    q_lora_rank=32,
+    kv_lora_rank=64,
+    key_length_mla=48,
+    value_length_mla=32,
+)
+GLM = TinySpec(
+    arch="glm4moe",
+    n_layer=3,
+    n_ff=128,
+    n_ff_exp=32,
+    n_expert=8,
+    n_expert_used=2,
+    n_layer_dense=1,
+    n_nextn=1,
+    n_rot=8,
+    biases=True,
+)
+OSS = TinySpec(
+    arch="gpt-oss",
+    n_layer=3,
+    n_ff=128,
+    n_ff_exp=64,
+    n_expert=8,
+    n_expert_used=2,
+    sliding_window=32,
+    key_length=32,
+)
 CASES = {  # name: (spec, matrix type, bit-identical)
     "mixtral-q8_0": (
         TinySpec(n_layer=3, n_ff=128, n_expert=8, n_expert_used=2),
@@ -130,7 +161,7 @@ CASES = {  # name: (spec, matrix type, bit-identical)
         ),
         GGMLType.Q4_K,
         True,
-    ),  # fmt: skip
+    ),
     # expert groups (DeepSeek-V3's routing, read for every family), two shared experts,
     # renormalized and scaled weights
     "glm4moe-groups-q8_0": (
@@ -148,7 +179,7 @@ CASES = {  # name: (spec, matrix type, bit-identical)
         ),
         GGMLType.Q8_0,
         True,
-    ),  # fmt: skip
+    ),
     # DeepSeek-2: the latent attention (its cache of the latent, absorbed heads), a leading
     # dense layer, shared experts; V2's softmax routing
     "deepseek2-q8_0": (DEEPSEEK, GGMLType.Q8_0, True),
@@ -175,7 +206,7 @@ CASES = {  # name: (spec, matrix type, bit-identical)
         ),
         GGMLType.Q4_K,
         True,
-    ),  # fmt: skip
+    ),
     # llama.cpp's first MLA converter's attn_kv_b: llama.cpp caches the heads, powerpy the
     # latent (docs/moe.md)
     "deepseek2-kv_b-f16": (replace(DEEPSEEK, kv_b=True), GGMLType.F16, False),
@@ -184,9 +215,11 @@ CASES = {  # name: (spec, matrix type, bit-identical)
     "gpt-oss-f16": (OSS, GGMLType.F16, False),
 }
 EXPERT_TYPES = {"gpt-oss-mxfp4": GGMLType.MXFP4}  # the experts' stacks, where not the matrices'
-_YARN = {"rope.scaling.type": ("yarn", GGUFValueType.STRING),
-         "rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
-         "rope.scaling.original_context_length": (64, GGUFValueType.UINT32)}  # fmt: skip
+_YARN = {
+    "rope.scaling.type": ("yarn", GGUFValueType.STRING),
+    "rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),
+    "rope.scaling.original_context_length": (64, GGUFValueType.UINT32),
+}
 DROP = {"glm4moe-q4_k": (".attn_q_norm.weight", ".attn_k_norm.weight")}  # GLM-4.5-Air's
 EXTRA_KV = {
     "deepseek2-v3-q8_0": {
@@ -224,8 +257,9 @@ def pair(request, llama_cpp, tmp_path_factory):
     t = tiny_tensors(spec, sparse=False, seed=seed)
     for name in [n for n in t if any(n.endswith(d) for d in DROP.get(request.param, ()))]:
         del t[name]
-    write_gguf_py(path, spec, dtype, experts=EXPERT_TYPES.get(request.param), extra_kv=extra,
-                  tensors=t)  # fmt: skip
+    write_gguf_py(
+        path, spec, dtype, experts=EXPERT_TYPES.get(request.param), extra_kv=extra, tensors=t
+    )
     ref = llama_cpp.Llama(
         model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
     )

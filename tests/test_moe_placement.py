@@ -29,11 +29,34 @@ from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
 from powerpy.testing import TinySpec
 
-GLM = TinySpec(arch="glm4moe", n_layer=3, n_ff=128, n_ff_exp=32, n_expert=8, n_expert_used=2,
-               n_layer_dense=1, n_nextn=1, n_rot=8, biases=True)  # fmt: skip
-DEEPSEEK = TinySpec(arch="deepseek2", n_embd=64, n_layer=3, n_ff=128, n_head=4, n_ff_exp=32,
-                    n_expert=8, n_expert_used=2, n_layer_dense=1, n_rot=16, q_lora_rank=32,
-                    kv_lora_rank=64, key_length_mla=48, value_length_mla=32)  # fmt: skip
+GLM = TinySpec(
+    arch="glm4moe",
+    n_layer=3,
+    n_ff=128,
+    n_ff_exp=32,
+    n_expert=8,
+    n_expert_used=2,
+    n_layer_dense=1,
+    n_nextn=1,
+    n_rot=8,
+    biases=True,
+)
+DEEPSEEK = TinySpec(
+    arch="deepseek2",
+    n_embd=64,
+    n_layer=3,
+    n_ff=128,
+    n_head=4,
+    n_ff_exp=32,
+    n_expert=8,
+    n_expert_used=2,
+    n_layer_dense=1,
+    n_rot=16,
+    q_lora_rank=32,
+    kv_lora_rank=64,
+    key_length_mla=48,
+    value_length_mla=32,
+)
 SPECS = {"glm4moe": GLM, "deepseek2": DEEPSEEK}
 TOKENS = torch.tensor([1, 72, 101, 108, 108, 111, 44, 32, 119, 111])
 N_CTX = 32
@@ -120,9 +143,21 @@ def test_gen_gpuidx_places_the_hottest_experts_and_no_dense_row(tmp_path):
         fixed, neuron = base.plan.used, base.layers[1].neuron_bytes
     budget = fixed + 2 * 64 * neuron + 10
     out = tmp_path / "m.gpuidx"
-    argv = ["gen-gpuidx", "-m", str(path), "--vram-budget", repr(budget / 2**30), "--ctx", "64",
-            "--activation", str(tmp_path / "activation"), "--batch", "32",
-            "-o", str(out)]  # fmt: skip
+    argv = [
+        "gen-gpuidx",
+        "-m",
+        str(path),
+        "--vram-budget",
+        repr(budget / 2**30),
+        "--ctx",
+        "64",
+        "--activation",
+        str(tmp_path / "activation"),
+        "--batch",
+        "32",
+        "-o",
+        str(out),
+    ]
     assert main(argv) == 0
     idx = GpuIndex.read(out, n_layer=GLM.n_layer, n_ff=n)
     assert len(idx.gpu_bucket[0]) == 0
@@ -164,8 +199,21 @@ def test_the_moe_flags_refuse_a_model_without_experts(tmp_path, capsys):
 
     path = tmp_path / "dense.gguf"
     write_tiny_model(path, TinySpec(), sparse=True)
-    argv = ["infer", "-m", str(path), "-p", "Hi", "-n", "1", "--n-cpu-moe", "1",
-            "--vram-budget", "1", "--accel-device", "cpu"]  # fmt: skip
+    argv = [
+        "infer",
+        "-m",
+        str(path),
+        "-p",
+        "Hi",
+        "-n",
+        "1",
+        "--n-cpu-moe",
+        "1",
+        "--vram-budget",
+        "1",
+        "--accel-device",
+        "cpu",
+    ]
     assert main(argv) != 0
     assert "has none; place it with --vram-budget alone" in capsys.readouterr().err
 

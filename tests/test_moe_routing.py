@@ -22,8 +22,19 @@ from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions, SparsityStats
 from powerpy.testing import TinySpec
 
-GLM = TinySpec(arch="glm4moe", n_layer=3, n_ff=128, n_ff_exp=32, n_expert=8, n_expert_used=3,
-               n_layer_dense=1, n_nextn=1, n_rot=8, biases=True, n_expert_shared=2)  # fmt: skip
+GLM = TinySpec(
+    arch="glm4moe",
+    n_layer=3,
+    n_ff=128,
+    n_ff_exp=32,
+    n_expert=8,
+    n_expert_used=3,
+    n_layer_dense=1,
+    n_nextn=1,
+    n_rot=8,
+    biases=True,
+    n_expert_shared=2,
+)
 GROUPS = {
     "glm4moe.expert_group_count": (4, V.UINT32),
     "glm4moe.expert_group_used_count": (2, V.UINT32),
@@ -151,10 +162,18 @@ def _refused(tmp_path, err, match, *, spec=GLM, **kw):
 
 
 def test_a_missing_selection_bias_or_shared_expert_is_named(tmp_path):
-    _refused(tmp_path, FileFormatError, r"tensor 'blk\.2\.exp_probs_b\.bias' is missing",
-             drop=[Names.EXP_PROBS_B.format(l=2)])  # fmt: skip
-    _refused(tmp_path, FileFormatError, r"tensor 'blk\.1\.ffn_down_shexp\.weight' is missing",
-             drop=[Names.FFN_DOWN_SHEXP.format(l=1)])  # fmt: skip
+    _refused(
+        tmp_path,
+        FileFormatError,
+        r"tensor 'blk\.2\.exp_probs_b\.bias' is missing",
+        drop=[Names.EXP_PROBS_B.format(l=2)],
+    )
+    _refused(
+        tmp_path,
+        FileFormatError,
+        r"tensor 'blk\.1\.ffn_down_shexp\.weight' is missing",
+        drop=[Names.FFN_DOWN_SHEXP.format(l=1)],
+    )
 
 
 def test_experts_in_a_leading_dense_layer_and_a_dense_ffn_beside_experts_are_refused(tmp_path):
@@ -163,35 +182,47 @@ def test_experts_in_a_leading_dense_layer_and_a_dense_ffn_beside_experts_are_ref
             if name.startswith("blk.1.ffn_") and "exps" in name:
                 t[name.replace("blk.1.", "blk.0.")] = t[name]
 
-    _refused(tmp_path, ModelConfigError,
-             r"'blk\.0\.ffn_gate_exps\.weight' belongs to a mixture of experts, but layer 0 is "
-             r"one of the 1 leading dense layers \(glm4moe\.leading_dense_block_count\)",
-             edit=experts_in_layer_0)  # fmt: skip
+    _refused(
+        tmp_path,
+        ModelConfigError,
+        r"'blk\.0\.ffn_gate_exps\.weight' belongs to a mixture of experts, but layer 0 is "
+        r"one of the 1 leading dense layers \(glm4moe\.leading_dense_block_count\)",
+        edit=experts_in_layer_0,
+    )
 
     def dense_in_layer_1(t):
         t["blk.1.ffn_up.weight"] = t["blk.0.ffn_up.weight"]
 
-    _refused(tmp_path, ModelConfigError,
-             r"'blk\.1\.ffn_up\.weight' is not part of a glm4moe model, whose mixture-of-experts "
-             r"layers hold", edit=dense_in_layer_1)  # fmt: skip
+    _refused(
+        tmp_path,
+        ModelConfigError,
+        r"'blk\.1\.ffn_up\.weight' is not part of a glm4moe model, whose mixture-of-experts "
+        r"layers hold",
+        edit=dense_in_layer_1,
+    )
 
 
 @pytest.mark.parametrize(
     "kv, match",
     [
-        ({"glm4moe.expert_group_count": (3, V.UINT32)},
-         r"expert_group_count 3 and glm4moe\.expert_group_used_count 2 do not fit "
-         r"glm4moe\.expert_count \(8\)"),
-        ({"glm4moe.expert_group_used_count": (1, V.UINT32)},
-         r"expert_used_count is 3, more than the 2 experts of the 1 groups"),
+        (
+            {"glm4moe.expert_group_count": (3, V.UINT32)},
+            r"expert_group_count 3 and glm4moe\.expert_group_used_count 2 do not fit "
+            r"glm4moe\.expert_count \(8\)",
+        ),
+        (
+            {"glm4moe.expert_group_used_count": (1, V.UINT32)},
+            r"expert_used_count is 3, more than the 2 experts of the 1 groups",
+        ),
         ({"glm4moe.expert_gating_func": (4, V.UINT32)}, r"expert_gating_func is 4"),
-        ({"glm4moe.leading_dense_block_count": (4, V.UINT32)},
-         r"leading_dense_block_count is 4, it must be between 0 and the 3 layers"),
-        ({"glm4moe.nextn_predict_layers": (4, V.UINT32)},
-         r"block_count is 4 with 4 NextN layers"),
+        (
+            {"glm4moe.leading_dense_block_count": (4, V.UINT32)},
+            r"leading_dense_block_count is 4, it must be between 0 and the 3 layers",
+        ),
+        ({"glm4moe.nextn_predict_layers": (4, V.UINT32)}, r"block_count is 4 with 4 NextN layers"),
         ({"glm4moe.expert_shared_count": (0, V.UINT32)}, r"expert_shared_count is 0"),
     ],
-)  # fmt: skip
+)
 def test_routing_keys_that_make_no_mixture_are_refused(tmp_path, kv, match):
     _refused(tmp_path, ModelConfigError, match, extra_kv=GROUPS | kv)
 

@@ -94,8 +94,12 @@ def write_case(path, name: str, *, sparse: bool, dtype=GGMLType.Q8_0, kv: dict |
             del t[Names.ATTN_NORM_2.format(l=l)], t[bias_name(Names.ATTN_NORM_2.format(l=l))]
         if extra == "biases":  # falcon's optional matrix biases
             down = (Names.FFN_DOWN_T if sparse else Names.FFN_DOWN).format(l=l)
-            for n in (Names.ATTN_QKV.format(l=l), Names.ATTN_OUTPUT.format(l=l),
-                      Names.FFN_UP.format(l=l), down):  # fmt: skip
+            for n in (
+                Names.ATTN_QKV.format(l=l),
+                Names.ATTN_OUTPUT.format(l=l),
+                Names.FFN_UP.format(l=l),
+                down,
+            ):
                 rows = t[n].shape[1] if n == down and sparse else t[n].shape[0]
                 t[bias_name(n)] = (0.1 * rng.standard_normal(rows)).astype(np.float32)
     out = []
@@ -215,8 +219,10 @@ def test_the_cut_runs_natively_and_counts_alike(files, monkeypatch, name):
     for kind in ("stack", "layers", "perop"):
         llm = load(cut, threshold=0.0)
         llm.sparsity.reset()
-        fractions[kind] = (decode(llm, kind, monkeypatch, llm.options)[0],
-                           llm.sparsity.active_fraction().copy())  # fmt: skip
+        fractions[kind] = (
+            decode(llm, kind, monkeypatch, llm.options)[0],
+            llm.sparsity.active_fraction().copy(),
+        )
     for kind in ("layers", "perop"):
         np.testing.assert_array_equal(fractions["stack"][0], fractions[kind][0])
         np.testing.assert_array_equal(fractions["stack"][1], fractions[kind][1])

@@ -54,10 +54,10 @@ def model_path(request, tmp_path_factory):
 def placed(path, accel, kv_elem_bytes=2, **load_kw):
     """The model with every layer fully placed on ``accel`` (an index of every neuron)."""
     llm = load(path, threshold=0.0, **load_kw)
-    index = GpuIndex.from_buckets([np.arange(SPEC.n_ff)] * SPEC.n_layer, SPEC.n_ff,
-                                  vram_capacity=0)  # fmt: skip
-    placement = Placement.for_model(llm.file, 1 << 40, index, n_ctx=8 * N_CTX,
-                                    kv_elem_bytes=kv_elem_bytes)  # fmt: skip
+    index = GpuIndex.from_buckets([np.arange(SPEC.n_ff)] * SPEC.n_layer, SPEC.n_ff, vram_capacity=0)
+    placement = Placement.for_model(
+        llm.file, 1 << 40, index, n_ctx=8 * N_CTX, kv_elem_bytes=kv_elem_bytes
+    )
     rt = build_hybrid(llm.model, placement, accel, file=llm.file)
     return llm, rt.model
 
@@ -130,8 +130,12 @@ def test_batches_pad_to_their_bucket(model_path):
         model.forward(torch.tensor(p), c, llm.options)
     for toks in ([5, 6, 7], [8, 9, 10]):
         got = model.decode_batch(torch.tensor(toks), caches, llm.options)
-        want = torch.cat([model.forward(torch.tensor([t]), c, llm.options)
-                          for t, c in zip(toks, solo, strict=True)])  # fmt: skip
+        want = torch.cat(
+            [
+                model.forward(torch.tensor([t]), c, llm.options)
+                for t, c in zip(toks, solo, strict=True)
+            ]
+        )
         # one product of 4 rows against 1 row at a time: f32 rounding (the cut amplifies it)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert model.plans.get(model, llm.options, 3).batch == 4
@@ -214,8 +218,9 @@ def test_a_hybrid_step_is_one_replay_with_its_host_tasks(model_path, budget):
     """A layer with FFN rows on the host is in the device step too: its cold rows are a task
     the stream submits and waits for (host functions, replayed with the graph). The replay
     equals the eager step bit for bit, and the CPU-only model up to f32 rounding."""
-    llm, model = placed_hybrid(model_path, Accelerator("cpu"), HYBRID[budget],
-                               exact_activations=True)  # fmt: skip
+    llm, model = placed_hybrid(
+        model_path, Accelerator("cpu"), HYBRID[budget], exact_activations=True
+    )
     opts = RunOptions(threshold=0.0, stats=llm.options.stats, numerics=llm.options.numerics)
     got = decode(model, opts)
     step = model.plans.get(model, opts, 1).device
@@ -238,8 +243,12 @@ def test_a_hybrid_batch_pads_to_its_bucket(model_path):
         for i, c in enumerate(cs):
             model.forward(torch.tensor(PROMPT[: 3 + i]), c, llm.options)
     got = model.decode_batch(torch.tensor([5, 6, 7]), caches, llm.options)
-    want = torch.cat([model.forward(torch.tensor([t]), c, llm.options)
-                      for t, c in zip([5, 6, 7], solo, strict=True)])  # fmt: skip
+    want = torch.cat(
+        [
+            model.forward(torch.tensor([t]), c, llm.options)
+            for t, c in zip([5, 6, 7], solo, strict=True)
+        ]
+    )
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert model.plans.get(model, llm.options, 3).device.cold.layers[0].task.T == 3
 
@@ -275,11 +284,30 @@ def test_two_fake_cuda_hybrid_steps_trace_alike(model_path):
 
 # ------------------------------------------------------------------- a mixture of experts
 MOE_SPECS = {
-    "qwen3moe": TinySpec(arch="qwen3moe", n_embd=64, n_layer=2, n_ff=64, n_head=4, n_head_kv=2,
-                         n_expert=8, n_expert_used=2, n_ff_exp=64),
-    "glm4moe": TinySpec(arch="glm4moe", n_layer=3, n_ff=128, n_ff_exp=32, n_expert=8,
-                        n_expert_used=2, n_layer_dense=1, n_nextn=1, n_rot=8, biases=True),
-}  # fmt: skip
+    "qwen3moe": TinySpec(
+        arch="qwen3moe",
+        n_embd=64,
+        n_layer=2,
+        n_ff=64,
+        n_head=4,
+        n_head_kv=2,
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=64,
+    ),
+    "glm4moe": TinySpec(
+        arch="glm4moe",
+        n_layer=3,
+        n_ff=128,
+        n_ff_exp=32,
+        n_expert=8,
+        n_expert_used=2,
+        n_layer_dense=1,
+        n_nextn=1,
+        n_rot=8,
+        biases=True,
+    ),
+}
 MOE_BUDGETS = {"router only": 0.0, "a third hot": 1 / 3, "most hot": 0.8, "all hot": 1.0}
 
 
@@ -298,16 +326,18 @@ def placed_moe(path, spec, accel, share: float, **load_kw):
     llm = load(path, **load_kw)
     n = spec.n_expert * spec.n_ff_exp
     rng = np.random.default_rng(7)
-    buckets = [np.sort(rng.choice(n, round(share * n), replace=False))
-               for _ in range(spec.n_layer)]  # fmt: skip
+    buckets = [np.sort(rng.choice(n, round(share * n), replace=False)) for _ in range(spec.n_layer)]
     index = GpuIndex.from_buckets(buckets, n, vram_capacity=0)
     placement = Placement.for_model(llm.file, 1 << 40, index, n_ctx=8 * N_CTX, kv_elem_bytes=4)
     return llm, build_hybrid(llm.model, placement, accel, file=llm.file).model
 
 
 def _moe_hosted(model) -> set[int]:
-    return {l for l, b in enumerate(model.weights.blk)
-            if b.moe is not None and (b.moe.hot is None or b.moe.hot.n_cold)}  # fmt: skip
+    return {
+        l
+        for l, b in enumerate(model.weights.blk)
+        if b.moe is not None and (b.moe.hot is None or b.moe.hot.n_cold)
+    }
 
 
 @pytest.mark.parametrize("budget", MOE_BUDGETS)
@@ -318,8 +348,9 @@ def test_a_mixtures_step_is_one_replay_with_its_host_tasks(moe_path, budget):
     rounding; the sparsity counts are the CPU-only model's."""
     arch, path = moe_path
     spec = MOE_SPECS[arch]
-    llm, model = placed_moe(path, spec, Accelerator("cpu"), MOE_BUDGETS[budget],
-                            exact_activations=True)  # fmt: skip
+    llm, model = placed_moe(
+        path, spec, Accelerator("cpu"), MOE_BUDGETS[budget], exact_activations=True
+    )
     assert plan_mod.device_refusal(model) is None
     opts = llm.options  # (its statistics and numerics)
     got = decode(model, opts)

@@ -24,8 +24,15 @@ from powerpy.formats.gguf_writer import write_gguf
 PARTS = ("attn_q", "attn_k", "attn_v")
 
 
-def relayout(src: Path, dst: Path, *, fuse: bool, part_biases: bool = False,
-             keep: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> Path:  # fmt: skip
+def relayout(
+    src: Path,
+    dst: Path,
+    *,
+    fuse: bool,
+    part_biases: bool = False,
+    keep: tuple[str, ...] = (),
+    drop: tuple[str, ...] = (),
+) -> Path:
     """``src`` with each layer's q/k/v fused into attn_qkv (``fuse``) or split out of it, row
     bytes unchanged. A fused matrix takes one fused bias, or (``part_biases``) keeps the parts'
     three; ``keep`` names tensors to copy as they are besides, ``drop`` tensors to leave out."""
@@ -61,8 +68,9 @@ def relayout(src: Path, dst: Path, *, fuse: bool, part_biases: bool = False,
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qkv")
-    qwen2 = write_model(tmp / "qwen2.gguf", arch="qwen2", n_layer=2, tied=False, dtype="q8_0",
-                        seed=0)  # fmt: skip
+    qwen2 = write_model(
+        tmp / "qwen2.gguf", arch="qwen2", n_layer=2, tied=False, dtype="q8_0", seed=0
+    )
     phi3 = write_phi3(tmp / "phi3.gguf", "q8_0", 0)
     return {
         "qwen2": qwen2,
@@ -76,13 +84,12 @@ def files(tmp_path_factory):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize(
-    "name", ["qwen2-fused", "qwen2-fused-part-biases", "phi3-split"]
-)  # fmt: skip
+@pytest.mark.parametrize("name", ["qwen2-fused", "qwen2-fused-part-biases", "phi3-split"])
 def test_each_layout_matches_llama_cpp_and_the_other(name, files, llama_cpp):
     path = files[name]
-    ref = llama_cpp.Llama(model_path=str(path), n_ctx=256, logits_all=True, n_threads=2,
-                          verbose=False)  # fmt: skip
+    ref = llama_cpp.Llama(
+        model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
+    )
     try:
         ours = load(path)
         blk = ours.model.weights.blk[0]
@@ -115,15 +122,24 @@ def test_fused_views_carry_the_biases(files):
     "case, error, words",
     [
         ("both", ModelConfigError, ("holds both", "blk.0.attn_qkv.weight", "blk.0.attn_k.weight")),
-        ("part-missing", FileFormatError,
-         ("blk.1.attn_v.weight' is missing", "so is the fused 'blk.1.attn_qkv.weight'")),
-        ("phi3-part-missing", FileFormatError,
-         ("blk.1.attn_v.weight' is missing", "so is the fused 'blk.1.attn_qkv.weight'")),
-        ("some-part-biases", ModelConfigError,
-         ("blk.0.attn_qkv.weight", "blk.0.attn_q.bias", "all three")),
+        (
+            "part-missing",
+            FileFormatError,
+            ("blk.1.attn_v.weight' is missing", "so is the fused 'blk.1.attn_qkv.weight'"),
+        ),
+        (
+            "phi3-part-missing",
+            FileFormatError,
+            ("blk.1.attn_v.weight' is missing", "so is the fused 'blk.1.attn_qkv.weight'"),
+        ),
+        (
+            "some-part-biases",
+            ModelConfigError,
+            ("blk.0.attn_qkv.weight", "blk.0.attn_q.bias", "all three"),
+        ),
         ("fused-and-part-biases", ModelConfigError, ("its own 'blk.0.attn_qkv.bias'",)),
     ],
-)  # fmt: skip
+)
 def test_bad_layouts_name_the_tensors(case, error, words, files, tmp_path):
     src, out = files["qwen2"], tmp_path / f"{case}.gguf"
     if case == "both":

@@ -42,9 +42,13 @@ WINDOW = 8
 
 
 def llama3_rope_factors(
-    head_dim: int, base: float, factor: float = 8.0, low: float = 1.0, high: float = 4.0,
+    head_dim: int,
+    base: float,
+    factor: float = 8.0,
+    low: float = 1.0,
+    high: float = 4.0,
     orig_ctx: int = 64,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """llama-3.1's RoPE factors as llama.cpp's converter computes them (``rope_freqs``)."""
     out = []
     for j in range(0, head_dim, 2):
@@ -60,10 +64,19 @@ def llama3_rope_factors(
 
 
 def write_model(
-    path: Path, *, arch: str, n_layer: int, tied: bool, dtype: str, seed: int,
-    key_length: int = 0, window: int = 0, rope_freqs: bool = False, n_embd: int = N_EMBD,
+    path: Path,
+    *,
+    arch: str,
+    n_layer: int,
+    tied: bool,
+    dtype: str,
+    seed: int,
+    key_length: int = 0,
+    window: int = 0,
+    rope_freqs: bool = False,
+    n_embd: int = N_EMBD,
     biases: bool = False,
-) -> Path:  # fmt: skip
+) -> Path:
     """A random dense llama/qwen2/qwen3 GGUF as llama.cpp's converters lay them out; ``biases``:
     a llama file's optional biases on attn_output, ffn_gate, ffn_up and ffn_down too."""
     d, ff = n_embd, 2 * n_embd
@@ -88,8 +101,11 @@ def write_model(
     big = 3.0 if tied else 1.0  # tied: sublayers that outweigh the embedding, so the output
     for l in range(n_layer):  # (token_embd) does not only see the last token
         f.vector(f"blk.{l}.attn_norm.weight", d)
-        for name, rows in (("attn_q", N_HEAD * hd), ("attn_k", N_HEAD_KV * hd),
-                           ("attn_v", N_HEAD_KV * hd)):  # fmt: skip
+        for name, rows in (
+            ("attn_q", N_HEAD * hd),
+            ("attn_k", N_HEAD_KV * hd),
+            ("attn_v", N_HEAD_KV * hd),
+        ):
             f.matrix(f"blk.{l}.{name}.weight", rows, d)
             if arch == "qwen2":
                 f.vector(f"blk.{l}.{name}.bias", rows, mean=0.0, std=0.5)
@@ -132,11 +148,19 @@ def pair(request, llama_cpp, tmp_path_factory):
     arch, n_layer, tied, seed, extra = CASES[case]
     tmp = tmp_path_factory.mktemp(case)
     written = "f16" if dtype in REQUANTIZED else dtype
-    path = write_model(tmp / f"{case}-{written}.gguf", arch=arch, n_layer=n_layer, tied=tied,
-                       dtype=written, seed=seed, **extra)  # fmt: skip
+    path = write_model(
+        tmp / f"{case}-{written}.gguf",
+        arch=arch,
+        n_layer=n_layer,
+        tied=tied,
+        dtype=written,
+        seed=seed,
+        **extra,
+    )
     if dtype in REQUANTIZED:
-        path = quantize_with_llama_cpp(llama_cpp, path, tmp / f"{case}-{dtype}.gguf",
-                                       REQUANTIZED[dtype])  # fmt: skip
+        path = quantize_with_llama_cpp(
+            llama_cpp, path, tmp / f"{case}-{dtype}.gguf", REQUANTIZED[dtype]
+        )
     ref = llama_cpp.Llama(
         model_path=str(path), n_ctx=256, logits_all=True, n_threads=2, verbose=False
     )

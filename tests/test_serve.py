@@ -75,9 +75,11 @@ def test_completions_greedy_equal_generate(server, reference):
         assert r.usage.prompt_tokens == len(reference.llm.tokenize(prompt))
         assert 0 < r.usage.completion_tokens <= n
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
-        chunks = list(client.completions.create(
-            model="powerpy", prompt=prompt, max_tokens=n, temperature=0, stream=True
-        ))  # fmt: skip
+        chunks = list(
+            client.completions.create(
+                model="powerpy", prompt=prompt, max_tokens=n, temperature=0, stream=True
+            )
+        )
         assert "".join(c.choices[0].text for c in chunks) == reference(prompt, n)
         assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
 
@@ -115,14 +117,23 @@ def test_stop_strings_never_leak(server, reference):
     stop = full[12:15]  # cut mid-text; tokens are single bytes, so streaming splits it
     want = full[: full.find(stop)]
     r = client.completions.create(
-        prompt="Once upon a time", max_tokens=40, temperature=0, stop=[stop, "\x00never"],
+        prompt="Once upon a time",
+        max_tokens=40,
+        temperature=0,
+        stop=[stop, "\x00never"],
         model="powerpy",
-    )  # fmt: skip
+    )
     assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
-    chunks = list(client.completions.create(
-        prompt="Once upon a time", max_tokens=40, temperature=0, stop=stop, stream=True,
-        model="powerpy",
-    ))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            prompt="Once upon a time",
+            max_tokens=40,
+            temperature=0,
+            stop=stop,
+            stream=True,
+            model="powerpy",
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -144,8 +155,10 @@ def test_models_health_metrics_and_llama_endpoints(server, reference):
     assert status == 200 and body["content"] == reference("Hello", 12)
     assert body["stop"] is True and body["tokens_predicted"] == 12 and body["stopped_limit"]
     conn, resp = server.connect(
-        "POST", "/completion", {"prompt": "Hello", "n_predict": 12, "temperature": 0,
-                                "stream": True})  # fmt: skip
+        "POST",
+        "/completion",
+        {"prompt": "Hello", "n_predict": 12, "temperature": 0, "stream": True},
+    )
     events = []
     while (data := next_data(resp)) is not None:
         events.append(json.loads(data))
@@ -171,8 +184,11 @@ def test_models_health_metrics_and_llama_endpoints(server, reference):
 # ----------------------------------------------------------------------------------- many clients
 def test_sixteen_streaming_clients(server, reference):
     """16 clients x 4 streamed greedy requests on 4 sessions: each equals the lone output."""
-    jobs = [(c, k, PROMPTS[(c + k) % len(PROMPTS)], 8 + 4 * ((c * 4 + k) % 5))
-            for c in range(16) for k in range(4)]  # fmt: skip
+    jobs = [
+        (c, k, PROMPTS[(c + k) % len(PROMPTS)], 8 + 4 * ((c * 4 + k) % 5))
+        for c in range(16)
+        for k in range(4)
+    ]
     wants = {(p, n): reference(p, n) for _, _, p, n in jobs}
     health_codes: list[int] = []
     stop = threading.Event()
@@ -191,8 +207,14 @@ def test_sixteen_streaming_clients(server, reference):
                 model="powerpy", prompt=prompt, max_tokens=n, temperature=0, stream=True
             )
             chunks = list(stream)
-            out.append((prompt, n, "".join(x.choices[0].text for x in chunks),
-                        chunks[-1].choices[0].finish_reason))  # fmt: skip
+            out.append(
+                (
+                    prompt,
+                    n,
+                    "".join(x.choices[0].text for x in chunks),
+                    chunks[-1].choices[0].finish_reason,
+                )
+            )
         return out
 
     poller = threading.Thread(target=poll_health)
@@ -215,8 +237,10 @@ def test_sixteen_streaming_clients(server, reference):
 
 def test_disconnect_frees_the_session(server):
     conn, resp = server.connect(
-        "POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 500, "ignore_eos": True,
-                                    "stream": True})  # fmt: skip
+        "POST",
+        "/v1/completions",
+        {"prompt": "Hello", "max_tokens": 500, "ignore_eos": True, "stream": True},
+    )
     assert resp.status == 200 and next_data(resp)
     conn.close()  # the client goes away mid-generation
     deadline = time.monotonic() + 20
@@ -286,8 +310,9 @@ def test_other_errors_and_the_server_goes_on(server, reference):
 @pytest.fixture(scope="module")
 def keyed(tiny):
     """One session, one queue place, an API key from the environment."""
-    s = ServerProcess("-m", str(tiny), "-t", "1", "-np", "1", "--queue", "1",
-                      env={"POWERPY_API_KEY": KEY})  # fmt: skip
+    s = ServerProcess(
+        "-m", str(tiny), "-t", "1", "-np", "1", "--queue", "1", env={"POWERPY_API_KEY": KEY}
+    )
     yield s
     s.stop(signal.SIGKILL)
 
@@ -334,8 +359,13 @@ def test_503_past_the_queue_and_disconnects(keyed):
 
 def test_ctrl_c_drains_running_requests(keyed, reference):
     auth = {"Authorization": f"Bearer {KEY}"}
-    body = {"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
-            "stream": True}  # fmt: skip
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     conn, resp = keyed.connect("POST", "/v1/completions", body, auth)
     texts = [json.loads(next_data(resp))["choices"][0]["text"]]
     keyed.proc.send_signal(signal.SIGINT)
@@ -360,9 +390,16 @@ def test_smollm2_chat_and_prefix_reuse(smollm2_path):
     answers "L'Étoile, la Cité, ..." here, in llama.cpp and in powerpy alike."""
     threads = str(torch.get_num_threads())  # as the reference below
     server = ServerProcess(
-        "-m", str(smollm2_path), "-np", "1", "--alias", "smol", "-t", threads,
+        "-m",
+        str(smollm2_path),
+        "-np",
+        "1",
+        "--alias",
+        "smol",
+        "-t",
+        threads,
         "--exact-activations",
-    )  # fmt: skip
+    )
     try:
         llm = load(smollm2_path, exact_activations=True)
         client = server.client()
@@ -373,12 +410,20 @@ def test_smollm2_chat_and_prefix_reuse(smollm2_path):
         want = llm.chat(messages, 24, temperature=0)
         assert r.choices[0].message.content == want
         assert "Paris" in want
-        messages += [{"role": "assistant", "content": want},
-                     {"role": "user", "content": "And of Germany?"}]  # fmt: skip
-        chunks = list(client.chat.completions.create(
-            model="smol", messages=messages, max_tokens=16, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-        ))  # fmt: skip
+        messages += [
+            {"role": "assistant", "content": want},
+            {"role": "user", "content": "And of Germany?"},
+        ]
+        chunks = list(
+            client.chat.completions.create(
+                model="smol",
+                messages=messages,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == llm.chat(messages, 16, temperature=0)
         usage = chunks[-1].usage

@@ -118,8 +118,10 @@ def test_decode_batch_on_a_hybrid_placement(tmp_path, mode):
     assert m.accel is not None and any(b.hot is not None for b in m.weights.blk)
     prompts = [llm.tokenize(p) for p in ("Hello", "x", "The Lord is my")]
     caches = [m.new_cache(32) for _ in prompts]
-    toks = [int(m.forward(torch.tensor(p), c, llm.options)[-1].argmax())
-            for p, c in zip(prompts, caches, strict=True)]  # fmt: skip
+    toks = [
+        int(m.forward(torch.tensor(p), c, llm.options)[-1].argmax())
+        for p, c in zip(prompts, caches, strict=True)
+    ]
     want = [llm.generate(p, 7, temperature=0) for p in ("Hello", "x", "The Lord is my")]
     got = [[t] for t in toks]
     for _ in range(6):

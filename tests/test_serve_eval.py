@@ -124,13 +124,33 @@ def test_lm_eval_local_completions(smol_server, smol, tmp_path):
     )
     t0 = time.monotonic()
     run = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
-         "--tasks", "powerpy_mc", "--include_path", str(tmp_path), "--output_path",
-         str(tmp_path / "out"), "--log_samples"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-        env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-             "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "local-completions",
+            "--model_args",
+            args,
+            "--tasks",
+            "powerpy_mc",
+            "--include_path",
+            str(tmp_path),
+            "--output_path",
+            str(tmp_path / "out"),
+            "--log_samples",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "HF_DATASETS_OFFLINE": "1",
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(ROOT),
+        },
+    )
     seconds = time.monotonic() - t0
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     (results,) = (tmp_path / "out").rglob("results_*.json")

@@ -149,9 +149,13 @@ def test_chat_top_logprobs(server, llm):
     ids = llm.apply_chat_template(messages, tokenize=True)
     client = server.client()
     r = client.chat.completions.create(
-        model="powerpy", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+        model="powerpy",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
         top_logprobs=3,
-    )  # fmt: skip
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     full = ids + ids_of(llm, [e.token for e in content])
@@ -160,20 +164,32 @@ def test_chat_top_logprobs(server, llm):
         tops = [t.logprob for t in e.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert e.logprob == pytest.approx(tops[0], abs=TOL)  # greedy
-    chunks = list(client.chat.completions.create(
-        model="powerpy", messages=messages, max_tokens=5, temperature=0, logprobs=True,
-        top_logprobs=3, stream=True,
-    ))  # fmt: skip
-    streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs
-                for e in c.choices[0].logprobs.content]  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="powerpy",
+            messages=messages,
+            max_tokens=5,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+        )
+    )
+    streamed = [
+        e.logprob
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
     assert streamed == pytest.approx([e.logprob for e in content], abs=TOL)  # prefix reused
 
 
 def test_llama_n_probs(server, llm):
     status, _, body = server.request(
-        "POST", "/completion",
+        "POST",
+        "/completion",
         {"prompt": "Hello", "n_predict": 4, "temperature": 0, "n_probs": 3, "return_tokens": True},
-    )  # fmt: skip
+    )
     assert status == 200
     probs = body["completion_probabilities"]
     assert [p["id"] for p in probs] == body["tokens"]
@@ -197,14 +213,25 @@ def test_n_choices_are_seeded_streams(server):
         assert one.choices[0].text == a.choices[i].text
     assert a.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
     chat = client.chat.completions.create(
-        model="powerpy", messages=[{"role": "user", "content": "x"}], max_tokens=6, n=2,
-        temperature=1.0, seed=7,
-    )  # fmt: skip
+        model="powerpy",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        seed=7,
+    )
     assert [c.index for c in chat.choices] == [0, 1]
-    chunks = list(client.chat.completions.create(
-        model="powerpy", messages=[{"role": "user", "content": "x"}], max_tokens=6, n=2,
-        temperature=1.0, seed=7, stream=True,
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="powerpy",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=6,
+            n=2,
+            temperature=1.0,
+            seed=7,
+            stream=True,
+        )
+    )
     texts = ["", ""]
     for c in chunks:
         for ch in c.choices:
@@ -221,12 +248,12 @@ BAD = [
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
         "top_logprobs",
-    ),  # fmt: skip
+    ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
         "top_logprobs",
-    ),  # fmt: skip
+    ),
     ("/completion", {"prompt": "Hi", "n_probs": 50}, "n_probs"),
 ]
 

@@ -109,39 +109,64 @@ def test_eight_clients_keep_their_own_schema(server):
 
 def test_json_object_streamed_and_llama_fields(server):
     client = server.client(timeout=300)
-    chunks = list(client.chat.completions.create(
-        model="powerpy", messages=[{"role": "user", "content": "Give me a JSON object."}],
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "s", "schema": small_schema(2)}},
-        temperature=0, max_tokens=100, stream=True,
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="powerpy",
+            messages=[{"role": "user", "content": "Give me a JSON object."}],
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": small_schema(2)},
+            },
+            temperature=0,
+            max_tokens=100,
+            stream=True,
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     jsonschema.validate(json.loads(text), small_schema(2))
     r = client.chat.completions.create(
-        model="powerpy", messages=[{"role": "user", "content": "Give me a JSON object."}],
-        response_format={"type": "json_object"}, temperature=0.8, seed=5, max_tokens=60,
-    )  # fmt: skip
+        model="powerpy",
+        messages=[{"role": "user", "content": "Give me a JSON object."}],
+        response_format={"type": "json_object"},
+        temperature=0.8,
+        seed=5,
+        max_tokens=60,
+    )
     text = r.choices[0].message.content
     if r.choices[0].finish_reason == "stop":  # a free object may run past max_tokens
         assert isinstance(json.loads(text), dict)
     assert text.startswith("{")
     status, _, body = server.request(
-        "POST", "/completion",
-        {"prompt": "Is the sky blue? Answer:", "grammar": 'root ::= " " ("yes" | "no")',
-         "n_predict": 10, "temperature": 0.8, "seed": 3},
-    )  # fmt: skip
+        "POST",
+        "/completion",
+        {
+            "prompt": "Is the sky blue? Answer:",
+            "grammar": 'root ::= " " ("yes" | "no")',
+            "n_predict": 10,
+            "temperature": 0.8,
+            "seed": 3,
+        },
+    )
     assert status == 200 and body["content"] in (" yes", " no") and body["stop_type"] == "eos"
     status, _, body = server.request(
-        "POST", "/completion",
+        "POST",
+        "/completion",
         {"prompt": "A person:", "json_schema": small_schema(3), "n_predict": 100, "seed": 1},
-    )  # fmt: skip
+    )
     assert status == 200
     jsonschema.validate(json.loads(body["content"]), small_schema(3))
     r = client.completions.create(
-        model="powerpy", prompt="JSON:", max_tokens=100, temperature=0,
-        extra_body={"response_format": {"type": "json_schema",
-                                        "json_schema": {"name": "s", "schema": small_schema(1)}}},
-    )  # fmt: skip
+        model="powerpy",
+        prompt="JSON:",
+        max_tokens=100,
+        temperature=0,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": small_schema(1)},
+            }
+        },
+    )
     jsonschema.validate(json.loads(r.choices[0].text), small_schema(1))
 
 
@@ -159,13 +184,13 @@ BAD = [
         },
         "response_format",
         "strng",
-    ),  # fmt: skip
+    ),
     (
         "/v1/chat/completions",
         {"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}},
         "response_format",
         "schema",
-    ),  # fmt: skip
+    ),
     ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "yaml"),
     ("/completion", {"grammar": 'root ::= ("yes" | '}, "grammar", "gbnf"),
     ("/completion", {"grammar": "root ::= undefined-rule"}, "grammar", "undefined"),
@@ -174,7 +199,7 @@ BAD = [
         {"json_schema": {"type": "object", "minProperties": "x"}},
         "json_schema",
         "json_schema",
-    ),  # fmt: skip
+    ),
 ]
 
 

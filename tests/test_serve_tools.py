@@ -78,11 +78,17 @@ def qwen_like(tmp_path_factory):
     tokens = ["<tool_call>"] + BYTE_VOCAB[1:]
     types = [TokenType.CONTROL, TokenType.CONTROL, TokenType.CONTROL]
     types += [TokenType.BYTE] * (len(tokens) - 3)
-    write_tiny_model(path, TinySpec(n_ctx=1024), sparse=False, seed=5, extra_kv={
-        Keys.TOKENS: (tokens, GGUFValueType.ARRAY),
-        Keys.TOKEN_TYPE: (np.array(types, np.int32), GGUFValueType.ARRAY),
-        Keys.CHAT_TEMPLATE: (QWEN_TEMPLATE, GGUFValueType.STRING),
-    })  # fmt: skip
+    write_tiny_model(
+        path,
+        TinySpec(n_ctx=1024),
+        sparse=False,
+        seed=5,
+        extra_kv={
+            Keys.TOKENS: (tokens, GGUFValueType.ARRAY),
+            Keys.TOKEN_TYPE: (np.array(types, np.int32), GGUFValueType.ARRAY),
+            Keys.CHAT_TEMPLATE: (QWEN_TEMPLATE, GGUFValueType.STRING),
+        },
+    )
     s = ServerProcess("-m", str(path), "-t", "1", "-np", "1")
     yield s
     assert s.stop() == 0, s.log
@@ -92,19 +98,31 @@ def test_forced_call_on_the_default_model(smol):
     client = smol.client(timeout=300)
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         r = client.chat.completions.create(
-            model="powerpy", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice,
-            temperature=0.8, seed=1, max_tokens=100,
-        )  # fmt: skip
+            model="powerpy",
+            messages=MESSAGES,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            temperature=0.8,
+            seed=1,
+            max_tokens=100,
+        )
         c = r.choices[0]
         assert c.finish_reason == "tool_calls", c.message
         (call,) = c.message.tool_calls
         check_call(call)
         if isinstance(choice, dict):
             assert call.function.name == "get_weather"
-    chunks = list(client.chat.completions.create(
-        model="powerpy", messages=MESSAGES, tools=[WEATHER], tool_choice="required",
-        temperature=0, max_tokens=100, stream=True,
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="powerpy",
+            messages=MESSAGES,
+            tools=[WEATHER],
+            tool_choice="required",
+            temperature=0,
+            max_tokens=100,
+            stream=True,
+        )
+    )
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].index == 0
     check_call(calls[0])
@@ -116,10 +134,13 @@ def test_auto_without_tool_support_is_a_400(smol):
     status, _, err = smol.request("POST", "/v1/chat/completions", body)
     assert_error(status, err, 400, "tool_choice")
     assert "no tool support" in err["error"]["message"]
-    for bad, param in [({"tools": [{"type": "nope"}]}, "tools.0"),
-                       ({"tools": [WEATHER], "tool_choice": {"type": "function",
-                                                            "function": {"name": "x"}}},
-                        "tool_choice")]:  # fmt: skip
+    for bad, param in [
+        ({"tools": [{"type": "nope"}]}, "tools.0"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+    ]:
         status, _, err = smol.request("POST", "/v1/chat/completions", {"messages": MESSAGES, **bad})
         assert_error(status, err, 400, param)
     r = smol.client().chat.completions.create(model="powerpy", messages=MESSAGES, max_tokens=3)
@@ -130,8 +151,16 @@ def test_auto_call_on_a_qwen_style_template(qwen_like):
     client = qwen_like.client()
     # the random model would rarely open a call by itself: the bias makes it; the grammar that
     # <tool_call> starts makes the call well-formed
-    kw = dict(model="powerpy", messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="auto",
-              max_tokens=200, temperature=0.8, seed=3, logit_bias={"0": 100})  # fmt: skip
+    kw = dict(
+        model="powerpy",
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="auto",
+        max_tokens=200,
+        temperature=0.8,
+        seed=3,
+        logit_bias={"0": 100},
+    )
     r = client.chat.completions.create(**kw)
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", c.message

@@ -28,18 +28,45 @@ from powerpy.testing.moe import write_moe_model
 THREADS = (1, 2, 3, 4)
 WIDE = TinySpec(n_embd=512, n_layer=2, n_ff=1536, n_head=8, n_head_kv=4, n_pred_hidden=64)
 MOE = TinySpec(
-    n_embd=512, n_layer=2, n_ff=512, n_head=8, n_head_kv=4, arch="qwen3moe", n_expert=8,
-    n_expert_used=2, n_ff_exp=512,
-)  # fmt: skip
+    n_embd=512,
+    n_layer=2,
+    n_ff=512,
+    n_head=8,
+    n_head_kv=4,
+    arch="qwen3moe",
+    n_expert=8,
+    n_expert_used=2,
+    n_ff_exp=512,
+)
 OSS = TinySpec(
-    n_embd=512, n_layer=2, n_ff=512, n_head=8, n_head_kv=4, arch="gpt-oss", n_expert=8,
-    n_expert_used=2, n_ff_exp=512, sliding_window=8, key_length=64,
-)  # fmt: skip
+    n_embd=512,
+    n_layer=2,
+    n_ff=512,
+    n_head=8,
+    n_head_kv=4,
+    arch="gpt-oss",
+    n_expert=8,
+    n_expert_used=2,
+    n_ff_exp=512,
+    sliding_window=8,
+    key_length=64,
+)
 MLA = TinySpec(
-    arch="deepseek2", n_embd=512, n_layer=2, n_ff=1024, n_head=8, n_ff_exp=512, n_expert=8,
-    n_expert_used=2, n_layer_dense=1, n_rot=32, q_lora_rank=256, kv_lora_rank=512,
-    key_length_mla=96, value_length_mla=64,
-)  # fmt: skip
+    arch="deepseek2",
+    n_embd=512,
+    n_layer=2,
+    n_ff=1024,
+    n_head=8,
+    n_ff_exp=512,
+    n_expert=8,
+    n_expert_used=2,
+    n_layer_dense=1,
+    n_rot=32,
+    q_lora_rank=256,
+    kv_lora_rank=512,
+    key_length_mla=96,
+    value_length_mla=64,
+)
 
 # Runs in a fresh interpreter: argv[1] the thread count, argv[2] the JSON list of cases.
 SCRIPT = r"""
@@ -75,8 +102,9 @@ def cases(tmp_path_factory) -> list:
     for dtype in (GGMLType.F16, GGMLType.Q4_0):
         pwri[dtype] = d / f"wide-{dtype.name}.powerinfer.gguf"
         write_tiny_model(pwri[dtype], WIDE, sparse=True, seed=3, dtype=dtype)
-    tau = {Keys.FFN_DOWN_THRESHOLD: ([0.02] * WIDE.n_layer, GGUFValueType.ARRAY,
-                                     GGUFValueType.FLOAT32)}  # fmt: skip
+    tau = {
+        Keys.FFN_DOWN_THRESHOLD: ([0.02] * WIDE.n_layer, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    }
     cut = d / "cut.gguf"
     write_tiny_model(cut, WIDE, sparse=False, seed=4, dtype=GGMLType.F16, extra_kv=tau)
     moe = write_moe_model(d / "moe.gguf", MOE, GGMLType.Q8_0, seed=5)
@@ -107,8 +135,12 @@ def _digests(threads: int, cases: list) -> dict:
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(threads), json.dumps(cases)],
-        capture_output=True, text=True, env=env, timeout=600, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -334,9 +334,18 @@ def test_spm_score_ties_match_llama_cpp(tmp_path):
     types = [2, 3, 3] + [6] * 256
     scores = [0.0] * len(pieces)
     for piece, score in [
-        ("▁", -1.0), ("a", -1.0), ("b", -1.0), ("ab", -2.0), ("ba", -2.0), ("aa", -2.0),
-        ("▁a", -2.0), ("bab", -2.0), ("aba", -3.0), ("▁ab", -1.5), ("abab", -2.0),
-    ]:  # fmt: skip
+        ("▁", -1.0),
+        ("a", -1.0),
+        ("b", -1.0),
+        ("ab", -2.0),
+        ("ba", -2.0),
+        ("aa", -2.0),
+        ("▁a", -2.0),
+        ("bab", -2.0),
+        ("aba", -3.0),
+        ("▁ab", -1.5),
+        ("abab", -2.0),
+    ]:
         pieces.append(piece)
         types.append(1)
         scores.append(score)
@@ -463,16 +472,18 @@ def _tiny_kv(**extra) -> dict:
 def test_metadata_checks_accept_valid_forms():
     base = Tokenizer.from_gguf_kv(_tiny_kv())
     assert base.encode("a b") == [1, 3, 4]
-    forms = _tiny_kv(**{
-        "tokenizer.ggml.tokens": np.asarray(["<unk>", "<s>", "</s>", "▁a", "▁b"], dtype=object),
-        "tokenizer.ggml.scores": [0, 0, 0, -1.0, -2.0],  # ints and floats
-        "tokenizer.ggml.token_type": (2, 3, 3, 1, 1),
-        "tokenizer.ggml.bos_token_id": np.uint32(1),
-        "tokenizer.ggml.eos_token_id": np.asarray([2], dtype=np.uint32),  # a one-item array
-        "tokenizer.ggml.add_bos_token": np.bool_(False),
-        "tokenizer.ggml.add_eos_token": [True],
-        "tokenizer.ggml.unknown_token_id": None,  # None reads as absent
-    })  # fmt: skip
+    forms = _tiny_kv(
+        **{
+            "tokenizer.ggml.tokens": np.asarray(["<unk>", "<s>", "</s>", "▁a", "▁b"], dtype=object),
+            "tokenizer.ggml.scores": [0, 0, 0, -1.0, -2.0],  # ints and floats
+            "tokenizer.ggml.token_type": (2, 3, 3, 1, 1),
+            "tokenizer.ggml.bos_token_id": np.uint32(1),
+            "tokenizer.ggml.eos_token_id": np.asarray([2], dtype=np.uint32),  # a one-item array
+            "tokenizer.ggml.add_bos_token": np.bool_(False),
+            "tokenizer.ggml.add_eos_token": [True],
+            "tokenizer.ggml.unknown_token_id": None,  # None reads as absent
+        }
+    )
     tok = Tokenizer.from_gguf_kv(forms)
     assert (tok.bos_id, tok.eos_id, tok.add_bos, tok.add_eos) == (1, 2, False, True)
     assert tok.encode("a b") == [3, 4]
@@ -501,8 +512,11 @@ _BAD_METADATA = [
     ("tokenizer.ggml.token_type", np.ones(_N + 2, np.int32), f"integers, one per token ({_N})"),
     ("tokenizer.ggml.merges", "a b", "'a b' (str): must be an array of strings"),
     ("tokenizer.ggml.merges", ["a b", 3], "item 1 is 3 (int)"),
-    ("tokenizer.ggml.bos_token_id", float("inf"),
-     f"inf (float): a special-token id must be one integer in [0, {_N})"),
+    (
+        "tokenizer.ggml.bos_token_id",
+        float("inf"),
+        f"inf (float): a special-token id must be one integer in [0, {_N})",
+    ),
     ("tokenizer.ggml.bos_token_id", np.asarray([], np.uint32), "[] (ndarray of 0)"),
     ("tokenizer.ggml.bos_token_id", [1, 2], "(list of 2)"),
     ("tokenizer.ggml.bos_token_id", -1, "-1 (int)"),
@@ -516,7 +530,7 @@ _BAD_METADATA = [
     ("tokenizer.ggml.add_eos_token", [], "[] (list of 0): must be a boolean"),
     ("tokenizer.ggml.add_eos_token", np.float32(1), "1.0 (float32): must be a boolean"),
     ("tokenizer.ggml.add_space_prefix", 0, "0 (int): must be a boolean"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("key", "value", "want"), _BAD_METADATA)

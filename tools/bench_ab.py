@@ -25,8 +25,21 @@ from pathlib import Path
 def bench(checkout: Path, args: argparse.Namespace) -> dict[str, float]:
     """One ``powerpy bench --json`` run of ``checkout``: {row: tok/s}."""
     env = dict(os.environ, PYTHONPATH=str(checkout.resolve()), OMP_WAIT_POLICY="passive")
-    cmd = [sys.executable, "-m", "powerpy", "bench", "--json", "-t", str(args.threads),
-           "-p", str(args.prompt), "-n", str(args.gen), "-r", str(args.reps)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "powerpy",
+        "bench",
+        "--json",
+        "-t",
+        str(args.threads),
+        "-p",
+        str(args.prompt),
+        "-n",
+        str(args.gen),
+        "-r",
+        str(args.reps),
+    ]
     if args.model:
         cmd += ["-m", str(Path(args.model).resolve())]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd="/")

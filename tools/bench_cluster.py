@@ -75,22 +75,30 @@ def hops(args) -> None:
     n_layer, n_embd = whole.model.args.n_layer, whole.model.args.n_embd
     halves = [range(0, n_layer // 2), range(n_layer // 2, n_layer)]
     local = PipelineEngine.in_process(path, halves)
-    ray.init(num_cpus=2, object_store_memory=100 << 20, include_dashboard=False,
-             log_to_driver=False)  # fmt: skip
+    ray.init(
+        num_cpus=2, object_store_memory=100 << 20, include_dashboard=False, log_to_driver=False
+    )
     remote = start_pipeline(path, [StageSpec(h) for h in halves], threads=1)
-    runs: dict[str, list[float]] = {"one process": [], "2 stages, this process": [],
-                                    "2 stages, Ray actors": []}  # fmt: skip
+    runs: dict[str, list[float]] = {
+        "one process": [],
+        "2 stages, this process": [],
+        "2 stages, Ray actors": [],
+    }
     engines = [whole.model, local, remote]
-    print(f"load average before: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs); "
-          f"{path.name}: {n_layer} layers, n_embd {n_embd}")  # fmt: skip
+    print(
+        f"load average before: {os.getloadavg()[0]:.2f} ({os.cpu_count()} CPUs); "
+        f"{path.name}: {n_layer} layers, n_embd {n_embd}"
+    )
     for r in range(args.rounds):
         order = list(zip(runs, engines, strict=True))
         for name, engine in order if r % 2 == 0 else order[::-1]:
             runs[name].append(decode_tok_s(engine, whole.tokenizer, whole.options, args.n))
     med = {k: statistics.median(v) for k, v in runs.items()}
     for k, v in med.items():
-        print(f"{k:>24}: {v:7.1f} tok/s  ({1e3 / v:6.2f} ms/token; rounds "
-              f"{', '.join(f'{x:.1f}' for x in runs[k])})")  # fmt: skip
+        print(
+            f"{k:>24}: {v:7.1f} tok/s  ({1e3 / v:6.2f} ms/token; rounds "
+            f"{', '.join(f'{x:.1f}' for x in runs[k])})"
+        )
     extra = 1e6 * (1 / med["2 stages, Ray actors"] - 1 / med["2 stages, this process"])
     calls = len(halves)  # actor calls a token makes: one per stage
     print(
@@ -127,20 +135,38 @@ def write_header_only(path: Path, args, n_layer: int = 80) -> Path:
     from powerpy.formats.gguf_writer import GGUFStreamWriter
     from powerpy.testing import TinySpec, spec_args
 
-    spec = TinySpec(n_embd=8192, n_layer=n_layer, n_ff=28672, n_head=64, n_head_kv=8,
-                    n_ctx=4096, n_vocab=32000, n_pred_hidden=1024)  # fmt: skip
+    spec = TinySpec(
+        n_embd=8192,
+        n_layer=n_layer,
+        n_ff=28672,
+        n_head=64,
+        n_head_kv=8,
+        n_ctx=4096,
+        n_vocab=32000,
+        n_pred_hidden=1024,
+    )
     kv = spec_args(spec, sparse=True).to_gguf_kv(name="relullama-70b-shape", vocab_size=True)
     q, f, h16 = GGMLType.Q4_0, GGMLType.F32, GGMLType.F16
     d, ff, gqa, h = spec.n_embd, spec.n_ff, 1024, spec.n_pred_hidden
-    table = [(Names.TOKEN_EMBD, (32000, d), q), (Names.OUTPUT_NORM, (d,), f),
-             (Names.OUTPUT, (32000, d), q)]  # fmt: skip
+    table = [
+        (Names.TOKEN_EMBD, (32000, d), q),
+        (Names.OUTPUT_NORM, (d,), f),
+        (Names.OUTPUT, (32000, d), q),
+    ]
     for l in range(n_layer):
-        for name, shape, t in ((Names.ATTN_NORM, (d,), f), (Names.ATTN_Q, (d, d), q),
-                               (Names.ATTN_K, (gqa, d), q), (Names.ATTN_V, (gqa, d), q),
-                               (Names.ATTN_OUTPUT, (d, d), q), (Names.FFN_NORM, (d,), f),
-                               (Names.FFN_GATE, (ff, d), q), (Names.FFN_UP, (ff, d), q),
-                               (Names.FFN_DOWN_T, (ff, d), q), (Names.FC1, (h, d), h16),
-                               (Names.FC2, (ff, h), h16)):  # fmt: skip
+        for name, shape, t in (
+            (Names.ATTN_NORM, (d,), f),
+            (Names.ATTN_Q, (d, d), q),
+            (Names.ATTN_K, (gqa, d), q),
+            (Names.ATTN_V, (gqa, d), q),
+            (Names.ATTN_OUTPUT, (d, d), q),
+            (Names.FFN_NORM, (d,), f),
+            (Names.FFN_GATE, (ff, d), q),
+            (Names.FFN_UP, (ff, d), q),
+            (Names.FFN_DOWN_T, (ff, d), q),
+            (Names.FC1, (h, d), h16),
+            (Names.FC2, (ff, h), h16),
+        ):
             table.append((name.format(l=l), shape, t))
     w = GGUFStreamWriter(path, kv, table, magic=b"PWRI")
     fout = w.writer.fout[0]
@@ -163,11 +189,17 @@ def model(args) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = write_header_only(Path(d) / "relullama-70b-shape.powerinfer.gguf", args)
         size = path.stat().st_size
-        print(f"ReluLLaMA-70B shape, Q4_0 PWRI: {size / gib:.1f} GiB; each PC {args.ram} GiB "
-              f"RAM, {args.vram} GiB VRAM, {args.host_bw} / {args.gpu_bw} GB/s; hop "
-              f"{args.hop_ms} ms")  # fmt: skip
-        pc = dict(ram=int(args.ram * gib), vram=int(args.vram * gib),
-                  host_bw=args.host_bw * 1e9, gpu_bw=args.gpu_bw * 1e9)  # fmt: skip
+        print(
+            f"ReluLLaMA-70B shape, Q4_0 PWRI: {size / gib:.1f} GiB; each PC {args.ram} GiB "
+            f"RAM, {args.vram} GiB VRAM, {args.host_bw} / {args.gpu_bw} GB/s; hop "
+            f"{args.hop_ms} ms"
+        )
+        pc = dict(
+            ram=int(args.ram * gib),
+            vram=int(args.vram * gib),
+            host_bw=args.host_bw * 1e9,
+            gpu_bw=args.gpu_bw * 1e9,
+        )
         one, two = [Node("pc1", **pc)], [Node("pc1", **pc), Node("pc2", **pc)]
         for activity in (args.activity, 1.0):
             kw = dict(n_ctx=4096, activity=activity, hop_seconds=args.hop_ms / 1e3)
@@ -177,8 +209,10 @@ def model(args) -> None:
             print(f"\nFFN activity {activity:g}:")
             print(alone.table())
             print(half.table())
-            print(f"auto over two PCs chooses {len(auto.stages)} stage(s); the 2-stage split "
-                  f"predicts {half.tok_s / alone.tok_s:.2f}x the tok/s of one PC")  # fmt: skip
+            print(
+                f"auto over two PCs chooses {len(auto.stages)} stage(s); the 2-stage split "
+                f"predicts {half.tok_s / alone.tok_s:.2f}x the tok/s of one PC"
+            )
 
 
 def main() -> int:
@@ -193,8 +227,12 @@ def main() -> int:
     m.add_argument("--vram", type=float, default=24.0, help="GiB of VRAM per PC (24)")
     m.add_argument("--host-bw", type=float, default=50.0, help="GB/s read from RAM (50)")
     m.add_argument("--gpu-bw", type=float, default=900.0, help="GB/s read from VRAM (900)")
-    m.add_argument("--activity", type=float, default=0.2,
-                   help="share of FFN rows a token reads (0.2, a ReLU-sparse model)")  # fmt: skip
+    m.add_argument(
+        "--activity",
+        type=float,
+        default=0.2,
+        help="share of FFN rows a token reads (0.2, a ReLU-sparse model)",
+    )
     m.add_argument("--hop-ms", type=float, default=1.7, help="ms per stage boundary (1.7)")
     args = p.parse_args()
     hops(args) if args.what == "hops" else model(args)

@@ -148,8 +148,7 @@ def run_xgrammar(pieces, special, eos, tokens, schema):
 
     t0 = time.perf_counter()
     vocab = [b"" if i in set(special) else p for i, p in enumerate(pieces)]
-    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW,
-                             vocab_size=len(pieces), stop_token_ids=[eos])  # fmt: skip
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(pieces), stop_token_ids=[eos])
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     setup = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -212,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     big = synthetic_vocab(pieces, special, args.large)
     vocabs[f"{len(big) // 1000}k (synthetic)"] = (big, greedy_tokenize(big, special, text))
-    print("| engine | vocabulary | setup s | compile ms | first mask us | mask mean us | p50 us "
-          "| p90 us | steps |")  # fmt: skip
+    print(
+        "| engine | vocabulary | setup s | compile ms | first mask us | mask mean us | p50 us "
+        "| p90 us | steps |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in args.engines:
         for label, (vocab, tokens) in vocabs.items():
@@ -223,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {name} | {label} | failed: {type(e).__name__}: {e} ||||")
                 continue
             first, us = times[0] * 1e6, np.array(times[1:]) * 1e6
-            print(f"| {name} | {label} | {setup:.2f} | {compile_s * 1e3:.1f} | {first:.0f} | "
-                  f"{statistics.fmean(us):.0f} | {np.percentile(us, 50):.0f} | "
-                  f"{np.percentile(us, 90):.0f} | {len(us)} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {name} | {label} | {setup:.2f} | {compile_s * 1e3:.1f} | {first:.0f} | "
+                f"{statistics.fmean(us):.0f} | {np.percentile(us, 50):.0f} | "
+                f"{np.percentile(us, 90):.0f} | {len(us)} |",
+                flush=True,
+            )
     return 0
 
 

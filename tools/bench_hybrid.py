@@ -69,8 +69,11 @@ def write_synthetic(path: Path, spec: TinySpec, seed: int = 0) -> Path:
     out = []
     for name in list(t):
         arr = t.pop(name)
-        out.append((name, arr.astype(np.float16), GGMLType.F16) if arr.ndim == 2 else
-                   (name, arr, GGMLType.F32))  # fmt: skip
+        out.append(
+            (name, arr.astype(np.float16), GGMLType.F16)
+            if arr.ndim == 2
+            else (name, arr, GGMLType.F32)
+        )
     write_gguf(path, tiny_kv(spec), out, magic=b"PWRI")
     return path
 
@@ -145,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         path = args.model
         if path is None:
-            path = write_synthetic(tmp / f"synthetic-{args.shape}.powerinfer.gguf",
-                                   SHAPES[args.shape])  # fmt: skip
+            path = write_synthetic(
+                tmp / f"synthetic-{args.shape}.powerinfer.gguf", SHAPES[args.shape]
+            )
         base = load(path)
         a = base.model.args
         rng = np.random.default_rng(0)
@@ -207,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         del configs, cpu
 
     print(f"predicted-active neurons (CPU-only run): {100 * active:.1f}%")
-    print(f"{'budget':<11} {'bytes':>11} {'used':>11} {'dense':>6} {'KV':>4} {'hot %':>6} "
-          f"{'tok/s':>8} {'vs CPU':>7}")  # fmt: skip
+    print(
+        f"{'budget':<11} {'bytes':>11} {'used':>11} {'dense':>6} {'KV':>4} {'hot %':>6} "
+        f"{'tok/s':>8} {'vs CPU':>7}"
+    )
     for r in rows:
         extra = ("", "", "", "", "")
         if "used" in r:

@@ -43,8 +43,14 @@ PROMPTS = [
 
 def stream_one(host: str, port: int, prompt: str, max_tokens: int, key: str | None):
     """(time to first token s, total s, completion tokens) of one streamed completion."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
@@ -96,16 +102,29 @@ def level(host: str, port: int, clients: int, args) -> dict[str, float]:
 
 
 def start_server(args, batch: str) -> tuple[subprocess.Popen, str, int, str]:
-    cmd = [sys.executable, "-m", "powerpy", "serve", "--port", "0", "-np", str(args.parallel),
-           "--batch", batch, "-c", str(args.ctx_size)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "powerpy",
+        "serve",
+        "--port",
+        "0",
+        "-np",
+        str(args.parallel),
+        "--batch",
+        batch,
+        "-c",
+        str(args.ctx_size),
+    ]
     if args.model:
         cmd += ["-m", args.model]
     if args.threads:
         cmd += ["-t", str(args.threads)]
     cmd += args.serve_args.split() if args.serve_args else []
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
     info = []
     for line in proc.stderr:
         info.append(line.rstrip())
@@ -145,8 +164,11 @@ def main() -> int:
         try:
             for n in levels:
                 r = level(host, port, n, args)
-                print(f"| {batch} | {n} | {r['requests']} | {r['tok_s']:.1f} | "
-                      f"{r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} |", flush=True)  # fmt: skip
+                print(
+                    f"| {batch} | {n} | {r['requests']} | {r['tok_s']:.1f} | "
+                    f"{r['ttft_p50']:.3f} | {r['ttft_p99']:.3f} |",
+                    flush=True,
+                )
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGINT)

@@ -60,8 +60,12 @@ def dense_gguf_from_pwri(src: Path, out: Path) -> Path:
             if n.endswith(".ffn_down_t.weight"):
                 n, shape = n.replace(".ffn_down_t.", ".ffn_down."), shape[::-1]
             table.append((n.replace(".ffn_down_t.bias", ".ffn_down.bias"), shape, t.ggml_type))
-        drop = (Keys.SPARSE_THRESHOLD, Keys.SPARSE_ACTIVATION, Keys.DENSE_LAYERS,
-                Keys.FFN_DOWN_THRESHOLD)  # fmt: skip
+        drop = (
+            Keys.SPARSE_THRESHOLD,
+            Keys.SPARSE_ACTIVATION,
+            Keys.DENSE_LAYERS,
+            Keys.FFN_DOWN_THRESHOLD,
+        )
         kv = {k: v for k, v in gf.typed_kv().items() if k not in drop}
         with GGUFStreamWriter(out, kv, table) as w:
             for src_name, (name, shape, ggml_type) in zip(names, table, strict=True):
@@ -98,24 +102,27 @@ FAMILY_SHAPES = {
     # Qwen2.5-0.5B
     "qwen2": dict(n_embd=896, n_layer=24, n_ff=4864, n_head=14, n_head_kv=2, n_vocab=151936),
     # Qwen3-0.6B (head size 128, not 1024 / 16)
-    "qwen3": dict(n_embd=1024, n_layer=28, n_ff=3072, n_head=16, n_head_kv=8, key_length=128,
-                  n_vocab=151936),
+    "qwen3": dict(
+        n_embd=1024, n_layer=28, n_ff=3072, n_head=16, n_head_kv=8, key_length=128, n_vocab=151936
+    ),
     # gemma-3-270m (head size 256); gemma and gemma2 in the same dimensions (their smallest
     # models are 2.5B and 2.6B)
-    "gemma3": dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256,
-                   n_vocab=262144),
-    "gemma2": dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256,
-                   n_vocab=256000),
-    "gemma": dict(n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256,
-                  n_vocab=256000),
+    "gemma3": dict(
+        n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256, n_vocab=262144
+    ),
+    "gemma2": dict(
+        n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256, n_vocab=256000
+    ),
+    "gemma": dict(
+        n_embd=640, n_layer=18, n_ff=2048, n_head=4, n_head_kv=1, key_length=256, n_vocab=256000
+    ),
     # phi-2's layout (parallel block, biases everywhere) and vocabulary in half its width
     "phi2": dict(n_embd=1280, n_layer=24, n_ff=5120, n_head=20, n_head_kv=20, n_vocab=51200),
     # StableLM 2 1.6B's layout and vocabulary in half its width (LayerNorms with biases)
-    "stablelm": dict(n_embd=1024, n_layer=24, n_ff=2816, n_head=16, n_head_kv=16,
-                     n_vocab=100352),
+    "stablelm": dict(n_embd=1024, n_layer=24, n_ff=2816, n_head=16, n_head_kv=16, n_vocab=100352),
     # Phi-3's layout (fused qkv and gate+up) in Qwen2.5-0.5B's dimensions, Phi-3's vocabulary
     "phi3": dict(n_embd=896, n_layer=24, n_ff=4864, n_head=14, n_head_kv=14, n_vocab=32064),
-}  # fmt: skip
+}
 
 
 def family_model(arch: str, dtype: str, work: Path) -> Path:
@@ -163,9 +170,14 @@ def _llama_cpp_server(conn, path: str, n_ctx: int, n_batch: int, threads: int) -
     # also time the output matrix for every prompt token); prompts on the same threads as
     # decode (llama-cpp-python's default for n_threads_batch is every CPU)
     ref = llama_cpp.Llama(
-        model_path=path, n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-        n_threads_batch=threads, logits_all=False, verbose=False,
-    )  # fmt: skip
+        model_path=path,
+        n_ctx=n_ctx,
+        n_batch=n_batch,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=False,
+        verbose=False,
+    )
     llama_cpp_pp(ref, WARM_IDS)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
@@ -217,9 +229,14 @@ class LlamaCpp:
             import llama_cpp
 
             self.ref = llama_cpp.Llama(
-                model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
-                n_threads_batch=threads, logits_all=False, verbose=False,
-            )  # fmt: skip
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_threads=threads,
+                n_threads_batch=threads,
+                logits_all=False,
+                verbose=False,
+            )
             llama_cpp_pp(self.ref, WARM_IDS)
         else:
             self.worker = Worker(_llama_cpp_server, str(path), n_ctx, n_batch, threads)
@@ -275,13 +292,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="one GGUF for both (default SmolLM2)")
     ap.add_argument(
-        "--shape", choices=("tiny", "0.5b", "1b", "7b"),
+        "--shape",
+        choices=("tiny", "0.5b", "1b", "7b"),
         help="synthetic model shape (0.5b: a dense model of --arch, FAMILY_SHAPES)",
-    )  # fmt: skip
+    )
     ap.add_argument(
-        "--arch", choices=sorted({"falcon", *FAMILY_SHAPES}), default="llama",
+        "--arch",
+        choices=sorted({"falcon", *FAMILY_SHAPES}),
+        default="llama",
         help="synthetic model family (tiny, 1b, 7b: llama, falcon)",
-    )  # fmt: skip
+    )
     ap.add_argument("--dtype", choices=("f16", "q8_0", "q4_0"), default="f16")
     ap.add_argument("--work", type=Path, default=Path("/tmp/powerpy-compare"))
     ap.add_argument("-n", type=int, default=64, help="decoded tokens (0: no tg test)")

@@ -830,8 +830,9 @@ def sec_targets(ctx: Ctx) -> dict:
             "ratio": tok / cpu if tok and cpu else None,
             "value": tok >= times * cpu if tok and cpu else None,
         }
-    slower = [k for k, r in timing.items() if k != "cpu" and r.get("tok_s") and cpu
-              and r["tok_s"] < cpu]  # fmt: skip
+    slower = [
+        k for k, r in timing.items() if k != "cpu" and r.get("tok_s") and cpu and r["tok_s"] < cpu
+    ]
     targets["never_slower_than_cpu"] = {
         "rule": "every budget's tok/s >= CPU-only's",
         "ratio": None,
@@ -856,8 +857,9 @@ def sec_targets(ctx: Ctx) -> dict:
         "value": full_ms <= 2 * roof if full_ms and roof else None,
     }
     fr = {(r.get("model"), r.get("mode")): r for r in data.get("full", [])}
-    f16d, f16s, q4d = (fr.get(k, {}) for k in (("F16", "dense"), ("F16", "sparse"),
-                                               ("Q4_0", "dense")))  # fmt: skip
+    f16d, f16s, q4d = (
+        fr.get(k, {}) for k in (("F16", "dense"), ("F16", "sparse"), ("Q4_0", "dense"))
+    )
     roof_tok = (data.get("roofline") or {}).get("tok_s")
 
     def at_least(value, bound):
@@ -992,20 +994,44 @@ def render_markdown(data: dict) -> str:
     )
     md += ["## Model", "", _fmt(data.get("model")), ""]
     roof = data.get("roofline")
-    md += ["Roofline (torch dense decode, a replayed graph and eager): "
-           + (_fmt(roof) if roof else "not measured"), ""]  # fmt: skip
+    md += [
+        "Roofline (torch dense decode, a replayed graph and eager): "
+        + (_fmt(roof) if roof else "not measured"),
+        "",
+    ]
     md += ["## Everything placed (graph and eager)", ""]
     md += _table(
         data.get("full", []),
-        ["model", "mode", "active", "graph_tok_s", "weight_gb_s", "graph_host_ms",
-         "graph_wait_ms", "graph_captured", "eager_tok_s", "eager_host_ms", "graph_capture_error"],
-    )  # fmt: skip
+        [
+            "model",
+            "mode",
+            "active",
+            "graph_tok_s",
+            "weight_gb_s",
+            "graph_host_ms",
+            "graph_wait_ms",
+            "graph_captured",
+            "eager_tok_s",
+            "eager_host_ms",
+            "graph_capture_error",
+        ],
+    )
     md += ["## Decode timing", ""]
     md += _table(
         data.get("timing", []),
-        ["budget", "bytes", "hot_share", "active", "graph_tok_s", "eager_tok_s", "graph_host_ms",
-         "graph_cpu_busy", "graph_plan", "phase_ms"],
-    )  # fmt: skip
+        [
+            "budget",
+            "bytes",
+            "hot_share",
+            "active",
+            "graph_tok_s",
+            "eager_tok_s",
+            "graph_host_ms",
+            "graph_cpu_busy",
+            "graph_plan",
+            "phase_ms",
+        ],
+    )
     md += ["## Fused kernels alone", ""]
     md += _table(data.get("kernels", []), ["op", "case", "us", "gb_s"])
     mem = data.get("memory") or {}

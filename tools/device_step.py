@@ -108,8 +108,11 @@ def roofline(shape: synth.Shape, dev: torch.device, dtype: torch.dtype, n_tok: i
     try:
         graph = StepGraph.capture(kind, body, dev)
         graph_s = timed(dev, graph.replay, n_tok)
-        out |= {"ms_per_token": 1e3 * graph_s, "tok_s": 1 / graph_s,
-                "weight_gb_s": weight_bytes / graph_s / 1e9}  # fmt: skip
+        out |= {
+            "ms_per_token": 1e3 * graph_s,
+            "tok_s": 1 / graph_s,
+            "weight_gb_s": weight_bytes / graph_s / 1e9,
+        }
     except CaptureError as e:
         out |= {"graph_error": str(e), "ms_per_token": None, "tok_s": None}
     return out
@@ -236,24 +239,62 @@ def kernel_rates(shape: synth.Shape, dev: torch.device, reps: int) -> list[dict]
             raw = blocks(torch.randn(r, c, device=dev))
             for T in (1, 8):
                 x = torch.randn(T, c, device=dev)
-                add("linear", f"{name} {label} {r}x{c} T={T}", raw.numel(),
-                    gpu_kernels.linear_op, raw, x, code, c, None, None)  # fmt: skip
+                add(
+                    "linear",
+                    f"{name} {label} {r}x{c} T={T}",
+                    raw.numel(),
+                    gpu_kernels.linear_op,
+                    raw,
+                    x,
+                    code,
+                    c,
+                    None,
+                    None,
+                )
             need = torch.rand(1, ff, device=dev) < 0.1
             x = torch.randn(1, c, device=dev)
             every = torch.arange(ff, device=dev)
-            add("linear", f"{name} {label} 10% needed", raw.numel() // 10,
-                gpu_kernels.linear_op, raw, x, code, c, need, every)  # fmt: skip
+            add(
+                "linear",
+                f"{name} {label} 10% needed",
+                raw.numel() // 10,
+                gpu_kernels.linear_op,
+                raw,
+                x,
+                code,
+                c,
+                need,
+                every,
+            )
         raw = blocks(torch.randn(ff, d, device=dev))
         for share in (1.0, 0.1):
             h = torch.randn(1, ff, device=dev) * (torch.rand(1, ff, device=dev) < share)
-            add("rows_sum", f"{name} down {ff}x{d} {share:.0%} nonzero", int(raw.numel() * share),
-                gpu_kernels.rows_sum_op, raw, h, code, d)  # fmt: skip
+            add(
+                "rows_sum",
+                f"{name} down {ff}x{d} {share:.0%} nonzero",
+                int(raw.numel() * share),
+                gpu_kernels.rows_sum_op,
+                raw,
+                h,
+                code,
+                d,
+            )
     for length in (256, 2048):
         k = torch.randn(length + 1, n_kv, hd, device=dev).half()
         q = torch.randn(1, shape.n_head, hd, device=dev)
         base = torch.zeros(1, dtype=torch.long, device=dev)
         pos = torch.tensor([length - 1], device=dev)
-        add("decode_attention", f"{length} positions", 2 * length * n_kv * hd * 2,
-            gpu_kernels.decode_attention, q, k, torch.randn_like(k), base, pos,
-            scale=hd**-0.5, span=length)  # fmt: skip
+        add(
+            "decode_attention",
+            f"{length} positions",
+            2 * length * n_kv * hd * 2,
+            gpu_kernels.decode_attention,
+            q,
+            k,
+            torch.randn_like(k),
+            base,
+            pos,
+            scale=hd**-0.5,
+            span=length,
+        )
     return rows

@@ -155,8 +155,9 @@ class RayTransport:
                 if time.monotonic() > deadline:
                     raise RuntimeError(_first_line(e)) from None
                 if isinstance(e, ActorDiedError):  # for good: start it anew on its node
-                    log.warning("stage %d is gone for good (%s): starting it again", index,
-                                _first_line(e))  # fmt: skip
+                    log.warning(
+                        "stage %d is gone for good (%s): starting it again", index, _first_line(e)
+                    )
                     actor = self.actors[index] = self._start(index)
                 else:  # restarting
                     time.sleep(POLL)
@@ -238,11 +239,23 @@ def start_pipeline(
     for i, info in enumerate(infos):
         info["actor"] = f"{run_id}-stage{i}"
     for i, info in enumerate(infos):
-        log.info("stage %d: layers %s on %s, loaded in %.1f s", i, info["layers"], info["host"],
-                 info["load_seconds"])  # fmt: skip
+        log.info(
+            "stage %d: layers %s on %s, loaded in %.1f s",
+            i,
+            info["layers"],
+            info["host"],
+            info["load_seconds"],
+        )
     run = RunOptions(sparse=not load_options.get("dense", False))
-    return PipelineEngine(transport, args, run, timeout=timeout, restart=restart,
-                          restart_timeout=load_timeout, tokenizer=tokenizer)  # fmt: skip
+    return PipelineEngine(
+        transport,
+        args,
+        run,
+        timeout=timeout,
+        restart=restart,
+        restart_timeout=load_timeout,
+        tokenizer=tokenizer,
+    )
 
 
 def _loaded(actors: list[Any], specs: Sequence[StageSpec], timeout: float) -> list[dict]:
@@ -252,8 +265,10 @@ def _loaded(actors: list[Any], specs: Sequence[StageSpec], timeout: float) -> li
     for i, (ref, s) in enumerate(zip(refs, specs, strict=True)):
         where = f"stage {i} (layers {layer_span(s.layers)} on {s.host or 'any node'})"
         if ref not in ready:
-            problems.append(f"{where} did not load within {timeout:g} s (is there a node with "
-                            "free CPUs and GPUs for it?)")  # fmt: skip
+            problems.append(
+                f"{where} did not load within {timeout:g} s (is there a node with "
+                "free CPUs and GPUs for it?)"
+            )
             continue
         try:
             info = ray.get(ref)
@@ -298,14 +313,20 @@ def node_for(host: str | None) -> str | None:
 def _names(node: dict[str, Any], host: str) -> bool:
     own = set(node.get("Resources", {})) - STANDARD_RESOURCES
     own = {r for r in own if not r.startswith("node:")}
-    return host in (node.get("NodeManagerAddress"), node.get("NodeManagerHostname"),
-                    node.get("NodeID")) or host in own  # fmt: skip
+    return (
+        host
+        in (node.get("NodeManagerAddress"), node.get("NodeManagerHostname"), node.get("NodeID"))
+        or host in own
+    )
 
 
 def _node_has(node: str | None, resource: str) -> float:
     """How much of ``resource`` the node has (any node: the most one has)."""
-    amounts = [float(n.get("Resources", {}).get(resource, 0.0)) for n in ray.nodes()
-               if n.get("Alive") and (node is None or n["NodeID"] == node)]  # fmt: skip
+    amounts = [
+        float(n.get("Resources", {}).get(resource, 0.0))
+        for n in ray.nodes()
+        if n.get("Alive") and (node is None or n["NodeID"] == node)
+    ]
     return max(amounts, default=0.0)
 
 

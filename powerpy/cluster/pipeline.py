@@ -278,13 +278,15 @@ class PipelineEngine:
         heads = tuple(r.head() for r in rows)  # built now: a restart may have lost a sampler
         calls = []
         for i in range(self.n_stages):
-            calls.append(Call(
-                segs,
-                mode if len(rows) > 1 or mode == PREFILL else SEQUENTIAL,
-                tokens=tuple(t for r in rows for t in r.tokens) if i == 0 else None,
-                heads=heads if i == self.n_stages - 1 else (),
-                release=tuple(released),
-            ))  # fmt: skip
+            calls.append(
+                Call(
+                    segs,
+                    mode if len(rows) > 1 or mode == PREFILL else SEQUENTIAL,
+                    tokens=tuple(t for r in rows for t in r.tokens) if i == 0 else None,
+                    heads=heads if i == self.n_stages - 1 else (),
+                    release=tuple(released),
+                )
+            )
         return calls
 
     def _gather(self, chains: list[list[Call]]) -> list[Any]:
@@ -334,10 +336,17 @@ class PipelineEngine:
     def _error(self, down: StageDown) -> StageError:
         info = self.transport.infos[down.index]
         what = "did not answer in time" if down.timed_out else "died"
-        msg = (f"stage {down.index} (layers {info.get('layers')} on {info.get('host')}) {what}: "
-               f"{down.error}")  # fmt: skip
-        detail = {"message": msg, "stage": down.index, "host": info.get("host"),
-                  "layers": info.get("layers"), "error": down.error}  # fmt: skip
+        msg = (
+            f"stage {down.index} (layers {info.get('layers')} on {info.get('host')}) {what}: "
+            f"{down.error}"
+        )
+        detail = {
+            "message": msg,
+            "stage": down.index,
+            "host": info.get("host"),
+            "layers": info.get("layers"),
+            "error": down.error,
+        }
         return StageError(msg, detail)
 
     def _down(self, down: StageDown) -> None:

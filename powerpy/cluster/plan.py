@@ -108,8 +108,10 @@ class Plan:
     def table(self) -> str:
         """The plan as ``powerpy plan`` prints it."""
         lines = [f"{self.model}: {len(self.stages)} stage(s), --pipeline {self.pipeline}"]
-        lines.append(f"{'stage':>5} {'node':<16} {'layers':<9} {'RAM':>10} {'VRAM':>10} "
-                     f"{'hot FFN':>8} {'tok/s':>8}")  # fmt: skip
+        lines.append(
+            f"{'stage':>5} {'node':<16} {'layers':<9} {'RAM':>10} {'VRAM':>10} "
+            f"{'hot FFN':>8} {'tok/s':>8}"
+        )
         for i, s in enumerate(self.stages):
             lines.append(
                 f"{i:>5} {s.node.name:<16} {layer_span(s.spec.layers):<9} "
@@ -117,9 +119,11 @@ class Plan:
                 f"{100 * s.hot_share:>7.1f}% {1 / max(s.seconds, 1e-12):>8.1f}"
             )
         hops = len(self.stages) - 1
-        lines.append(f"predicted: {self.tok_s:.2f} tok/s for one sequence (stages "
-                     f"{1e3 * sum(s.seconds for s in self.stages):.1f} ms + {hops} hop(s) x "
-                     f"{1e3 * self.hop_seconds:.1f} ms per token)")  # fmt: skip
+        lines.append(
+            f"predicted: {self.tok_s:.2f} tok/s for one sequence (stages "
+            f"{1e3 * sum(s.seconds for s in self.stages):.1f} ms + {hops} hop(s) x "
+            f"{1e3 * self.hop_seconds:.1f} ms per token)"
+        )
         return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
     def to_dict(self) -> dict:
@@ -138,7 +142,7 @@ class Plan:
                     "tok_s": 1 / s.seconds,
                 }
                 for s in self.stages
-            ],  # fmt: skip
+            ],
             "notes": self.notes,
         }
 
@@ -201,9 +205,15 @@ def offload(
 
 
 def stage_cost(
-    layers: _Layers, a: int, b: int, node: Node, placed: tuple[int, int, bool, int], *,
-    last: bool, activity: float,
-) -> tuple[int, int, float, float]:  # fmt: skip
+    layers: _Layers,
+    a: int,
+    b: int,
+    node: Node,
+    placed: tuple[int, int, bool, int],
+    *,
+    last: bool,
+    activity: float,
+) -> tuple[int, int, float, float]:
     """(RAM, VRAM, seconds per token, hot FFN share) of layers [a, b) on ``node`` with
     ``placed`` (``offload``'s four values) on its GPU: every dense byte and the active share of
     the FFN read once a step, from where it lies (the hot rows an even share of the FFN)."""
@@ -215,8 +225,9 @@ def stage_cost(
     kv, kv_read = layers.kv * (b - a), layers.kv_read * (b - a)
     host_read = (dense - gpu_dense) + (head - gpu_head) + (1 - share) * activity * ffn
     gpu_read = gpu_dense + gpu_head + share * activity * ffn
-    host_read, gpu_read = (host_read, gpu_read + kv_read) if kv_gpu else (host_read + kv_read,
-                                                                          gpu_read)  # fmt: skip
+    host_read, gpu_read = (
+        (host_read, gpu_read + kv_read) if kv_gpu else (host_read + kv_read, gpu_read)
+    )
     seconds = host_read / node.host_bw + gpu_read / node.gpu_bw
     weights = dense + ffn + layers.total(HOST, a, b) + layers.shared + head
     weights += layers.embed if a == 0 or (last and layers.tied) else 0
@@ -269,16 +280,23 @@ def plan_pipeline(
         if single is not None and (best is None or best[0] * MIN_SPLIT_GAIN > single[0]):
             best = single  # one node holds it: a split must win clearly (peers were slower)
         if best is None:
-            need = int(sum(layers.by[c].sum() for c in layers.by) + layers.head + layers.embed
-                       + layers.shared + layers.kv * args.n_layer)  # fmt: skip
+            need = int(
+                sum(layers.by[c].sum() for c in layers.by)
+                + layers.head
+                + layers.embed
+                + layers.shared
+                + layers.kv * args.n_layer
+            )
             have = sum(n.ram + n.vram for n in order)
             raise ValueError(
                 f"{path}: the model needs about {fmt_bytes(need)} of RAM and VRAM with its KV "
                 f"cache, the {len(order)} node(s) have {fmt_bytes(have)} free: add a machine "
                 "or a smaller context (-c)"
             )
-        stages = [_exact(gf, args, *cut, n_ctx, kv_elem_bytes, vram_budget, layers, activity)
-                  for cut in best[1]]  # fmt: skip
+        stages = [
+            _exact(gf, args, *cut, n_ctx, kv_elem_bytes, vram_budget, layers, activity)
+            for cut in best[1]
+        ]
     return Plan(str(path), stages, hop_seconds, _notes(gf, args, activity))
 
 
@@ -317,11 +335,23 @@ def predict(
                     f"--pipeline {s}: {s.host!r} is none of the nodes ({', '.join(by_name)})"
                 )
             budget = vram_budget if s.vram_budget is None else s.vram_budget
-            st = _exact(gf, args, s.layers.start, s.layers.stop, node, n_ctx, kv_elem_bytes,
-                        budget, layers, activity)  # fmt: skip
+            st = _exact(
+                gf,
+                args,
+                s.layers.start,
+                s.layers.stop,
+                node,
+                n_ctx,
+                kv_elem_bytes,
+                budget,
+                layers,
+                activity,
+            )
             if st.host_bytes > RAM_HEADROOM * node.ram:
-                notes.append(f"stage {s} needs {fmt_bytes(st.host_bytes)} of RAM, {node.name} "
-                             f"has {fmt_bytes(node.ram)} free")  # fmt: skip
+                notes.append(
+                    f"stage {s} needs {fmt_bytes(st.host_bytes)} of RAM, {node.name} "
+                    f"has {fmt_bytes(node.ram)} free"
+                )
             stages.append(st)
     return Plan(str(path), stages, hop_seconds, notes + _notes(gf, args, activity))
 
@@ -342,8 +372,10 @@ def _notes(gf: GGUFFile, args: ModelArgs, activity: float) -> list[str]:
     if not (gf.sparse or args.moe):
         notes.append("a dense GGUF runs on the CPUs: hybrid placement needs a PWRI file or experts")
     if args.sparse and activity == 1.0:
-        notes.append("predictor-gated FFN counted as dense (an upper bound): --activity sets "
-                     "the share of rows a token reads")  # fmt: skip
+        notes.append(
+            "predictor-gated FFN counted as dense (an upper bound): --activity sets "
+            "the share of rows a token reads"
+        )
     return notes
 
 
@@ -368,8 +400,9 @@ def _best_split(layers: _Layers, n_layer: int, nodes: list[Node], vram_budget, a
                 if cost[s - 1, a] == inf:
                     continue
                 placed = offload(layers, a, b, budget, last=last)
-                ram, _, sec, _ = stage_cost(layers, a, b, node, placed, last=last,
-                                            activity=activity)  # fmt: skip
+                ram, _, sec, _ = stage_cost(
+                    layers, a, b, node, placed, last=last, activity=activity
+                )
                 if ram <= RAM_HEADROOM * node.ram and cost[s - 1, a] + sec < cost[s, b]:
                     cost[s, b], back[s, b] = cost[s - 1, a] + sec, a
     if cost[s_count, n_layer] == inf:

@@ -61,8 +61,11 @@ def deploy(
     scaling: dict[str, Any] = {"num_replicas": lo}
     if hi > lo:
         target = max(1, slots // 2)
-        scaling = {"autoscaling_config": dict(min_replicas=lo, max_replicas=hi,
-                                              target_ongoing_requests=target)}  # fmt: skip
+        scaling = {
+            "autoscaling_config": dict(
+                min_replicas=lo, max_replicas=hi, target_ongoing_requests=target
+            )
+        }
     app = Replica.options(
         ray_actor_options={"num_cpus": cpus},
         max_ongoing_requests=slots,

@@ -21,9 +21,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens (pp test)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens (tg test)")
     p.add_argument(
-        "-r", "--repetitions", type=int, default=1,
+        "-r",
+        "--repetitions",
+        type=int,
+        default=1,
         help="rounds: each mode runs once per round, in turn; a row is its best run",
-    )  # fmt: skip
+    )
     p.add_argument("--sparse-only", action="store_true", help="skip the dense comparison")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     add_plot_arg(p, "ms per token by phase, sparse vs dense")

@@ -32,9 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=4096, help="calibration tokens (default 4096)")
     p.add_argument("--ctx", type=int, default=256, help="calibration window length (default 256)")
     p.add_argument(
-        "-o", "--outfile", required=True,
+        "-o",
+        "--outfile",
+        required=True,
         help="output file (.powerinfer.gguf for a dense GGUF; a copy's name otherwise)",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--outtype",
         choices=("f32", "f16", "q8_0", "q4_0", "q4_1", "auto"),
@@ -62,18 +64,29 @@ def run(args: argparse.Namespace) -> int:
     ids = text_ids(llm, args)
     src = args.text or f"KJV {args.kjv}"
     cuts = down_cuts(
-        llm.model, ids, args.share, ctx=args.ctx, max_tokens=args.tokens,
-        numerics=llm.options.numerics, progress=sys.stderr.isatty(),
-    )  # fmt: skip
+        llm.model,
+        ids,
+        args.share,
+        ctx=args.ctx,
+        max_tokens=args.tokens,
+        numerics=llm.options.numerics,
+        progress=sys.stderr.isatty(),
+    )
     if copy:
         out = write_cut(llm.path, args.outfile, cuts, progress=sys.stderr.isatty())
         what = "a copy with per-layer cuts"
     else:
         how = {"cut_share": args.share, "cut_text": src, "cut_tokens": args.tokens}
         out = write_cut_model(
-            llm.path, args.outfile, cuts, activation=a.ffn_variant.activation,
-            outtype=args.outtype, name=args.name, extra=how, progress=sys.stderr.isatty(),
-        )  # fmt: skip
+            llm.path,
+            args.outfile,
+            cuts,
+            activation=a.ffn_variant.activation,
+            outtype=args.outtype,
+            name=args.name,
+            extra=how,
+            progress=sys.stderr.isatty(),
+        )
         what = f"{a.n_layer} layers ungated"
     print(
         f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {what}, cuts at "

@@ -44,8 +44,14 @@ def _short(value: Any, max_items: int) -> str:
     return repr(value)
 
 
-def dump(path: str, *, kv: bool = True, tensors: bool = True, max_items: int = MAX_ITEMS,
-         out: TextIO | None = None) -> None:  # fmt: skip
+def dump(
+    path: str,
+    *,
+    kv: bool = True,
+    tensors: bool = True,
+    max_items: int = MAX_ITEMS,
+    out: TextIO | None = None,
+) -> None:
     """Print a file's header, key/values and/or tensor table.
 
     Args:

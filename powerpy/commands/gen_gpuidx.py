@@ -40,9 +40,11 @@ def register(subparsers: Any) -> None:
         "--activation", metavar="DIR", help="activation_{i}.pt directory (default: beside model)"
     )
     p.add_argument(
-        "--ctx", type=int, default=None,
+        "--ctx",
+        type=int,
+        default=None,
         help="KV cache positions (default: the training context, at most 4096, as infer)",
-    )  # fmt: skip
+    )
     p.add_argument("--batch", type=int, default=256, help="group size in neurons")
     p.add_argument(
         "--threshold", type=int, default=0, help="smallest non-zero neuron count per layer"
@@ -148,8 +150,13 @@ def run(args: argparse.Namespace) -> int:
 
         with read_gguf(model_path) as model:
             curve = coverage_curve(
-                model, stats, n_ctx=args.ctx, kv_elem_bytes=4 if args.memory_f32 else 2,
-                batch=args.batch, include=(budget,), name=model_path.name,
-            )  # fmt: skip
+                model,
+                stats,
+                n_ctx=args.ctx,
+                kv_elem_bytes=4 if args.memory_f32 else 2,
+                batch=args.batch,
+                include=(budget,),
+                name=model_path.name,
+            )
         save_plot(plot.coverage_vs_budget(curve, mark=budget), args.plot)
     return 0

@@ -135,8 +135,9 @@ def load_pipeline(args: argparse.Namespace):
         from powerpy.cluster.plan import plan_pipeline
 
         connect(args.ray_address)
-        plan = plan_pipeline(path, cluster_nodes(), n_ctx=n_ctx * args.parallel,
-                             vram_budget=args.vram_budget)  # fmt: skip
+        plan = plan_pipeline(
+            path, cluster_nodes(), n_ctx=n_ctx * args.parallel, vram_budget=args.vram_budget
+        )
         print(plan.table(), file=sys.stderr)
         specs = plan.specs
     else:
@@ -165,11 +166,21 @@ def load_pipeline(args: argparse.Namespace):
         restart=args.on_stage_failure == "restart",
         address=args.ray_address,
     )
-    stages = [{"stage": i, "host": s["host"], "layers": s["layers"], "actor": s["actor"]}
-              for i, s in enumerate(engine.stages)]  # fmt: skip
+    stages = [
+        {"stage": i, "host": s["host"], "layers": s["layers"], "actor": s["actor"]}
+        for i, s in enumerate(engine.stages)
+    ]
     lines = "".join(f"\n  stage {s['stage']}: layers {s['layers']} on {s['host']}" for s in stages)
-    return Served(engine, tokenizer, engine.options, path, model_args, n_ctx,
-                  {"pipeline": stages}, f", pipeline of {len(stages)} stages{lines}")  # fmt: skip
+    return Served(
+        engine,
+        tokenizer,
+        engine.options,
+        path,
+        model_args,
+        n_ctx,
+        {"pipeline": stages},
+        f", pipeline of {len(stages)} stages{lines}",
+    )
 
 
 def run_replicas(args: argparse.Namespace, build: Callable) -> int:
@@ -188,8 +199,14 @@ def run_replicas(args: argparse.Namespace, build: Callable) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.append(True))
     try:
-        deploy(functools.partial(build, args), replicas=(lo, hi), host=args.host, port=port,
-               cpus=max(1, args.threads), slots=args.parallel + args.queue)  # fmt: skip
+        deploy(
+            functools.partial(build, args),
+            replicas=(lo, hi),
+            host=args.host,
+            port=port,
+            cpus=max(1, args.threads),
+            slots=args.parallel + args.queue,
+        )
         what = f"{lo}" if lo == hi else f"{lo} to {hi} (autoscaled)"
         print(f"{what} replicas of {args.model or 'the default model'}", file=sys.stderr)
         url_host = f"[{args.host}]" if ":" in args.host else args.host

@@ -167,13 +167,17 @@ def qkv_block(fused: bool = False) -> tuple[LayerTensor, ...]:
     part = dict(bias="optional", part_of="attn_qkv", optional=fused)
     return (
         LayerTensor(
-            "attn_qkv", Names.ATTN_QKV, ("n_embd_qkv", "n_embd"), optional=not fused,
-            bias="optional", split=QKV_SPLIT,
+            "attn_qkv",
+            Names.ATTN_QKV,
+            ("n_embd_qkv", "n_embd"),
+            optional=not fused,
+            bias="optional",
+            split=QKV_SPLIT,
         ),
         LayerTensor("attn_q", Names.ATTN_Q, ("n_embd_q", "n_embd"), **part),
         LayerTensor("attn_k", Names.ATTN_K, ("n_embd_gqa", "n_embd"), **part),
         LayerTensor("attn_v", Names.ATTN_V, ("n_embd_gqa", "n_embd"), **part),
-    )  # fmt: skip
+    )
 
 
 # The dense FFN's matrices (``Block`` fields) that a mixture of experts replaces, with the down
@@ -184,10 +188,18 @@ DENSE_FFN = ("ffn_gate", "ffn_up")
 # ``Family.reads``: elsewhere a file may carry them (converters copy them) and llama.cpp's
 # graph does not apply them, so neither does powerpy.
 FAMILY_KEYS = frozenset(
-    {Keys.ATTENTION_SCALE, Keys.ATTN_SOFTCAP, Keys.FINAL_SOFTCAP, Keys.ROPE_FREQ_BASE_SWA,
-     Keys.LEADING_DENSE_BLOCK_COUNT, Keys.EXPERT_SHARED_COUNT, Keys.EXPERT_GATING_FUNC,
-     Keys.NEXTN_PREDICT_LAYERS, Keys.ROPE_SCALING_YARN_LOG_MUL}
-)  # fmt: skip
+    {
+        Keys.ATTENTION_SCALE,
+        Keys.ATTN_SOFTCAP,
+        Keys.FINAL_SOFTCAP,
+        Keys.ROPE_FREQ_BASE_SWA,
+        Keys.LEADING_DENSE_BLOCK_COUNT,
+        Keys.EXPERT_SHARED_COUNT,
+        Keys.EXPERT_GATING_FUNC,
+        Keys.NEXTN_PREDICT_LAYERS,
+        Keys.ROPE_SCALING_YARN_LOG_MUL,
+    }
+)
 
 # How a router's logits become the probabilities that choose a token's experts
 # (``Keys.EXPERT_GATING_FUNC``'s values 1 to 3): softmax over all experts, a sigmoid of each

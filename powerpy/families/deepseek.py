@@ -33,7 +33,7 @@ from powerpy.families.experts import (
     PROBS_BIAS,
     SHARED_BY_COUNT_KEYS,
     UNGATED_SHARED_EXPERT,
-)  # fmt: skip
+)
 from powerpy.formats.constants import GGUFValueType, Keys, Names
 
 LITE_LAYERS = (26, 27)  # llama.cpp: DeepSeek-V2-Lite, GigaChat3-10B-A1.8B
@@ -49,15 +49,16 @@ MLA_BLOCK = (
     LayerTensor("attn_kv_a_mqa", Names.ATTN_KV_A_MQA, ("kv_a_rows", "n_embd")),
     LayerTensor("attn_kv_a_norm", Names.ATTN_KV_A_NORM, ("kv_lora_rank",)),
     LayerTensor("attn_k_b", Names.ATTN_K_B, ("n_head", "kv_lora_rank", "qk_nope"), optional=True),
-    LayerTensor("attn_v_b", Names.ATTN_V_B, ("n_head", "value_length_mla", "kv_lora_rank"),
-                optional=True),
+    LayerTensor(
+        "attn_v_b", Names.ATTN_V_B, ("n_head", "value_length_mla", "kv_lora_rank"), optional=True
+    ),
     LayerTensor("attn_kv_b", Names.ATTN_KV_B, ("n_embd_kv_b", "kv_lora_rank"), optional=True),
     LayerTensor("attn_output", Names.ATTN_OUTPUT, ("n_embd", "n_embd_mla_v")),
     LayerTensor("ffn_norm", Names.FFN_NORM, ("n_embd",)),
     LayerTensor("ffn_gate", Names.FFN_GATE, ("n_ff", "n_embd")),  # the leading dense layers
     LayerTensor("ffn_up", Names.FFN_UP, ("n_ff", "n_embd")),
     *UNGATED_SHARED_EXPERT,
-)  # fmt: skip
+)
 
 
 Q_LOW = ("attn_q_a", "attn_q_a_norm", "attn_q_b")  # q's low-rank pair (attn_q without it)
@@ -106,9 +107,14 @@ def mla_args(get: Callable[..., Any], n_layer: int, source: str) -> dict:
                 "model"
             )
     return dict(
-        q_lora_rank=q_lora, kv_lora_rank=kv_lora, key_length_mla=k_mla, value_length_mla=v_mla,
-        kv_b=kv_b, key_length=kv_lora + n_rot, n_head_kv=1,
-    )  # fmt: skip
+        q_lora_rank=q_lora,
+        kv_lora_rank=kv_lora,
+        key_length_mla=k_mla,
+        value_length_mla=v_mla,
+        kv_b=kv_b,
+        key_length=kv_lora + n_rot,
+        n_head_kv=1,
+    )
 
 
 def mla_kv(a: Any) -> dict:
@@ -146,7 +152,7 @@ FAMILY = Family(
             Keys.EXPERT_GATING_FUNC,
             Keys.ROPE_SCALING_YARN_LOG_MUL,
         }
-    ),  # fmt: skip
+    ),
     requires=SHARED_BY_COUNT_KEYS,
     attention="mla",
     extra_args=mla_args,

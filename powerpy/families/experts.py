@@ -38,9 +38,13 @@ SHARED_EXPERT = (
 UNGATED_SHARED_EXPERT = SHARED_EXPERT[1:]
 # the keys llama.cpp's loader requires of a DeepSeek-style mixture (glm4moe, deepseek2)
 SHARED_BY_COUNT_KEYS = frozenset(
-    {Keys.EXPERT_COUNT, Keys.EXPERT_USED_COUNT, Keys.EXPERT_SHARED_COUNT,
-     Keys.EXPERT_FEED_FORWARD_LENGTH}
-)  # fmt: skip
+    {
+        Keys.EXPERT_COUNT,
+        Keys.EXPERT_USED_COUNT,
+        Keys.EXPERT_SHARED_COUNT,
+        Keys.EXPERT_FEED_FORWARD_LENGTH,
+    }
+)
 
 
 def expert_args(fam: Family, n_expert: int, sparse: bool, get, source: str) -> dict[str, Any]:

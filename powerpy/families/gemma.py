@@ -74,7 +74,7 @@ GEMMA2 = Family(
         (Keys.SLIDING_WINDOW, 4096),
         (Keys.ATTN_SOFTCAP, 50.0),
         (Keys.FINAL_SOFTCAP, 30.0),
-    ),  # fmt: skip
+    ),
     reads=frozenset({Keys.ATTN_SOFTCAP, Keys.FINAL_SOFTCAP, Keys.ROPE_FREQ_BASE_SWA}),
     extra_args=_extra(46, local_base=False),
 )

@@ -20,17 +20,19 @@ def model_kv(a: Any, *, name: str | None = None, vocab_size: bool = False) -> di
     kv: dict = {Keys.ARCHITECTURE: (arch, GGUFValueType.STRING)}
     if name is not None:
         kv[Keys.NAME] = (name, GGUFValueType.STRING)
-    kv.update({
-        Keys.CONTEXT_LENGTH.format(arch=arch): (a.n_ctx_train, u32),
-        Keys.EMBEDDING_LENGTH.format(arch=arch): (a.n_embd, u32),
-        Keys.BLOCK_COUNT.format(arch=arch): (a.n_layer + a.n_layer_nextn, u32),
-        Keys.FEED_FORWARD_LENGTH.format(arch=arch): (a.n_ff, u32),
-        Keys.ROPE_DIMENSION_COUNT.format(arch=arch): (a.n_rot, u32),
-        Keys.ROPE_FREQ_BASE.format(arch=arch): (a.rope_base, f32),
-        Keys.HEAD_COUNT.format(arch=arch): (a.n_head, u32),
-        Keys.HEAD_COUNT_KV.format(arch=arch): (a.n_head_kv, u32),
-        a.family.norm.eps_key.format(arch=arch): (a.norm_eps, f32),
-    })  # fmt: skip
+    kv.update(
+        {
+            Keys.CONTEXT_LENGTH.format(arch=arch): (a.n_ctx_train, u32),
+            Keys.EMBEDDING_LENGTH.format(arch=arch): (a.n_embd, u32),
+            Keys.BLOCK_COUNT.format(arch=arch): (a.n_layer + a.n_layer_nextn, u32),
+            Keys.FEED_FORWARD_LENGTH.format(arch=arch): (a.n_ff, u32),
+            Keys.ROPE_DIMENSION_COUNT.format(arch=arch): (a.n_rot, u32),
+            Keys.ROPE_FREQ_BASE.format(arch=arch): (a.rope_base, f32),
+            Keys.HEAD_COUNT.format(arch=arch): (a.n_head, u32),
+            Keys.HEAD_COUNT_KV.format(arch=arch): (a.n_head_kv, u32),
+            a.family.norm.eps_key.format(arch=arch): (a.norm_eps, f32),
+        }
+    )
     if vocab_size:
         kv[Keys.VOCAB_SIZE.format(arch=arch)] = (a.n_vocab, u32)
     optional = (  # written when set: (key, value, unset value, type)

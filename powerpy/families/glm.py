@@ -17,7 +17,7 @@ from powerpy.families.experts import (
     PROBS_BIAS,
     SHARED_BY_COUNT_KEYS,
     UNGATED_SHARED_EXPERT,
-)  # fmt: skip
+)
 from powerpy.formats.constants import Keys, Names
 
 BLOCK = (
@@ -51,6 +51,6 @@ FAMILY = Family(
             Keys.EXPERT_GATING_FUNC,
             Keys.NEXTN_PREDICT_LAYERS,
         }
-    ),  # fmt: skip
+    ),
     requires=SHARED_BY_COUNT_KEYS,
 )

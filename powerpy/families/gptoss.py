@@ -51,5 +51,5 @@ FAMILY = Family(
             Keys.SLIDING_WINDOW,
             Keys.EXPERT_FEED_FORWARD_LENGTH,
         }
-    ),  # fmt: skip
+    ),
 )

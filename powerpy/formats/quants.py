@@ -400,9 +400,16 @@ def _quantize_bf16(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
 
 
 QUANTIZE_TYPES = frozenset(
-    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1,
-     GGMLType.MXFP4}
-)  # fmt: skip
+    {
+        GGMLType.F32,
+        GGMLType.F16,
+        GGMLType.BF16,
+        GGMLType.Q8_0,
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.MXFP4,
+    }
+)
 
 
 def quantize_q4_1(x: npt.ArrayLike) -> npt.NDArray[np.uint8]:

@@ -153,9 +153,16 @@ def attend_pool(
         kl.index_copy_(0, rows, k.to(kl.dtype))
         vl.index_copy_(0, rows, v.to(vl.dtype))
     return gpu_kernels.decode_attention(
-        q, kl, vl, base, pos, scale=a.attn_scale or a.head_dim**-0.5, softcap=a.attn_softcap,
-        window=window, span=kl.shape[0] - 1,
-    )  # fmt: skip
+        q,
+        kl,
+        vl,
+        base,
+        pos,
+        scale=a.attn_scale or a.head_dim**-0.5,
+        softcap=a.attn_softcap,
+        window=window,
+        span=kl.shape[0] - 1,
+    )
 
 
 def _attend_explicit(

@@ -244,8 +244,9 @@ class Accelerator:
             host_call(dep, fn, arg)
             return
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        err = _cudart().cudaLaunchHostFunc(ctypes.c_void_p(stream), ctypes.c_void_p(fn),
-                                           ctypes.c_void_p(arg))  # fmt: skip
+        err = _cudart().cudaLaunchHostFunc(
+            ctypes.c_void_p(stream), ctypes.c_void_p(fn), ctypes.c_void_p(arg)
+        )
         if err:
             raise RuntimeError(f"cudaLaunchHostFunc failed (cudaError {err})")
 

@@ -39,9 +39,15 @@ def layer_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, b: Tensor | None, eps: floa
     b = None if b is None else b.float().contiguous()
     y = torch.empty_like(x)
     c.pp_layer_norm(
-        x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(),
-        x.numel() // x.shape[-1], x.shape[-1], eps, y.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        w.data_ptr(),
+        None if b is None else b.data_ptr(),
+        x.numel() // x.shape[-1],
+        x.shape[-1],
+        eps,
+        y.data_ptr(),
+        torch.get_num_threads(),
+    )
     return y
 
 
@@ -50,9 +56,14 @@ def rms_norm(c: ctypes.CDLL, x: Tensor, w: Tensor, eps: float) -> Tensor:
     x, w = x.contiguous(), w.float().contiguous()
     y = torch.empty_like(x)
     c.pp_rms_norm(
-        x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, y.data_ptr(),
+        x.data_ptr(),
+        w.data_ptr(),
+        x.numel() // x.shape[-1],
+        x.shape[-1],
+        eps,
+        y.data_ptr(),
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return y
 
 
@@ -90,9 +101,15 @@ def gemm_f32(c: ctypes.CDLL, w: Tensor, x: Tensor) -> Tensor | None:
     x = x.float().contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
     st = c.pp_gemm_f32_gw(
-        w.data_ptr(), w.stride(0), w.shape[0], w.shape[1], x.data_ptr(), x.shape[0],
-        out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        w.data_ptr(),
+        w.stride(0),
+        w.shape[0],
+        w.shape[1],
+        x.data_ptr(),
+        x.shape[0],
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return None if st else out
 
 
@@ -118,15 +135,30 @@ def rope_table(
     ff_ptr = None if ff is None else ff.data_ptr()
     if args.rope_ext_factor:  # YaRN: its ramp and magnitude (families.rope_scaling)
         c.pp_rope_table_yarn(
-            pos.data_ptr(), pos.numel(), args.n_rot, base, freq_scale, ff_ptr, args.rope_mscale,
-            args.rope_ext_factor, args.rope_orig_ctx or args.n_ctx_train,
-            args.rope_yarn_beta_fast, args.rope_yarn_beta_slow, out.data_ptr(),
-        )  # fmt: skip
+            pos.data_ptr(),
+            pos.numel(),
+            args.n_rot,
+            base,
+            freq_scale,
+            ff_ptr,
+            args.rope_mscale,
+            args.rope_ext_factor,
+            args.rope_orig_ctx or args.n_ctx_train,
+            args.rope_yarn_beta_fast,
+            args.rope_yarn_beta_slow,
+            out.data_ptr(),
+        )
     else:
         c.pp_rope_table_ext(
-            pos.data_ptr(), pos.numel(), args.n_rot, base, freq_scale, ff_ptr, args.rope_mscale,
+            pos.data_ptr(),
+            pos.numel(),
+            args.n_rot,
+            base,
+            freq_scale,
+            ff_ptr,
+            args.rope_mscale,
             out.data_ptr(),
-        )  # fmt: skip
+        )
     return torch.view_as_complex(out)
 
 
@@ -163,10 +195,22 @@ def attention(
     out = torch.empty(T, args.n_head * args.head_dim, dtype=torch.float32)
     sk = None if sinks is None else sinks.float().contiguous()
     st = c.pp_attn_ext(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), p0, T, args.n_head, args.n_head_kv,
-        args.head_dim, args.attn_scale, int(args.family.scale_q), args.attn_softcap, window,
-        None if sk is None else sk.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        p0,
+        T,
+        args.n_head,
+        args.n_head_kv,
+        args.head_dim,
+        args.attn_scale,
+        int(args.family.scale_q),
+        args.attn_softcap,
+        window,
+        None if sk is None else sk.data_ptr(),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if st:
         raise ValueError(f"attention: invalid arguments (status {st})")
     return out
@@ -181,9 +225,17 @@ def attention_mla(c: ctypes.CDLL, q: Tensor, k: Tensor, p0: int, scale: float, h
     T, n_head, hk = q.shape
     out = torch.empty(T, n_head * hv, dtype=torch.float32)
     st = c.pp_attn_mla(
-        q.data_ptr(), k.data_ptr(), p0, T, n_head, hk, hv, scale, out.data_ptr(),
+        q.data_ptr(),
+        k.data_ptr(),
+        p0,
+        T,
+        n_head,
+        hk,
+        hv,
+        scale,
+        out.data_ptr(),
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if st:
         raise ValueError(f"attention_mla: invalid arguments (status {st})")
     return out

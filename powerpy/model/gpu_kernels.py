@@ -129,10 +129,25 @@ def triton_linear(w, x, qtype: int, cols: int, need=None, bucket=None) -> Tensor
     bt = 1 if T == 1 else MAX_TILE_T  # a batch: tensor-core tiles of 16 tokens (padded)
     br = 16 if bt == 1 else 32
     _launch(
-        "_linear_kernel", (_cdiv(rows, br), _cdiv(T, bt)),
-        w, x.contiguous(), y, need, bucket, rows, T, nb, w.shape[1], k, n_ff,
-        QT=qtype, HAS_NEED=need is not None, BR=br, BT=bt, BB=8 if qtype == 0 else 4,
-    )  # fmt: skip
+        "_linear_kernel",
+        (_cdiv(rows, br), _cdiv(T, bt)),
+        w,
+        x.contiguous(),
+        y,
+        need,
+        bucket,
+        rows,
+        T,
+        nb,
+        w.shape[1],
+        k,
+        n_ff,
+        QT=qtype,
+        HAS_NEED=need is not None,
+        BR=br,
+        BT=bt,
+        BB=8 if qtype == 0 else 4,
+    )
     return y
 
 
@@ -168,10 +183,21 @@ def triton_rows_sum(w, h, qtype: int, cols: int) -> Tensor:
         return part.new_zeros(T, cols)
     bt = 1 if T == 1 else MAX_TILE_T
     _launch(
-        "_rows_sum_kernel", (_cdiv(nb, 4), split, _cdiv(T, bt)),
-        w, h.contiguous(), part, rows, T, nb, w.shape[1], _cdiv(rows, split),
-        QT=qtype, BR=16, BB=4, BT=bt,
-    )  # fmt: skip
+        "_rows_sum_kernel",
+        (_cdiv(nb, 4), split, _cdiv(T, bt)),
+        w,
+        h.contiguous(),
+        part,
+        rows,
+        T,
+        nb,
+        w.shape[1],
+        _cdiv(rows, split),
+        QT=qtype,
+        BR=16,
+        BB=4,
+        BT=bt,
+    )
     return part.sum(0)
 
 
@@ -207,9 +233,17 @@ def triton_glu(gu: Tensor, tau: Tensor | None, variant: int) -> Tensor:
     if T * k == 0:
         return h
     _launch(
-        "_glu_kernel", (_cdiv(T * k, 1024),),
-        gu.contiguous(), tau, h, k, T * k, HAS_TAU=tau is not None, VAR=variant, B=1024,
-    )  # fmt: skip
+        "_glu_kernel",
+        (_cdiv(T * k, 1024),),
+        gu.contiguous(),
+        tau,
+        h,
+        k,
+        T * k,
+        HAS_TAU=tau is not None,
+        VAR=variant,
+        B=1024,
+    )
     return h
 
 
@@ -263,9 +297,16 @@ def _softcap(s: Tensor, cap: float) -> Tensor:
 
 
 def triton_decode_attention(
-    q: Tensor, k: Tensor, v: Tensor, base: Tensor, pos: Tensor,
-    scale: float, softcap: float, window: int, span: int,
-) -> Tensor:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    base: Tensor,
+    pos: Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    span: int,
+) -> Tensor:
     """``powerpy::decode_attention`` by the Triton kernels: a program per (session, kv head,
     chunk of :data:`ATTN_CHUNK` positions) keeps its softmax's running max, sum and weighted
     values (the split of flash-decoding); a second launch merges the chunks."""
@@ -279,23 +320,56 @@ def triton_decode_attention(
         return out
     group = n_head // n_kv
     _launch(
-        "_decode_attn_kernel", (B, n_kv, splits),
-        q.contiguous(), k, v, base, pos, part_o, part_ml, n_head, n_kv, hd, k.stride(0),
-        ATTN_CHUNK, splits, scale, softcap, window,
-        G=_pow2(group), D=_pow2(hd), BS=16, HAS_CAP=bool(softcap), HAS_WIN=window > 0,
-    )  # fmt: skip
+        "_decode_attn_kernel",
+        (B, n_kv, splits),
+        q.contiguous(),
+        k,
+        v,
+        base,
+        pos,
+        part_o,
+        part_ml,
+        n_head,
+        n_kv,
+        hd,
+        k.stride(0),
+        ATTN_CHUNK,
+        splits,
+        scale,
+        softcap,
+        window,
+        G=_pow2(group),
+        D=_pow2(hd),
+        BS=16,
+        HAS_CAP=bool(softcap),
+        HAS_WIN=window > 0,
+    )
     _launch(
-        "_attn_merge_kernel", (B, n_head),
-        part_o, part_ml, out, hd, splits, D=_pow2(hd), NS=_pow2(splits),
-    )  # fmt: skip
+        "_attn_merge_kernel",
+        (B, n_head),
+        part_o,
+        part_ml,
+        out,
+        hd,
+        splits,
+        D=_pow2(hd),
+        NS=_pow2(splits),
+    )
     return out
 
 
 @torch.library.custom_op("powerpy::decode_attention", mutates_args=())
 def decode_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, base: Tensor, pos: Tensor,
-    scale: float, softcap: float, window: int, span: int,
-) -> Tensor:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    base: Tensor,
+    pos: Tensor,
+    scale: float,
+    softcap: float,
+    window: int,
+    span: int,
+) -> Tensor:
     """q (B, n_head, hd) f32, k and v (rows, n_kv, hd) one layer of the pool, base and pos (B,)
     int64 -> (B, n_head·hd) f32: query b at position pos[b] over its rows base[b] ..
     base[b] + pos[b] (the last ``window`` of them when > 0), scores times ``scale``, soft-capped
@@ -327,8 +401,9 @@ def _(q, k, v, base, pos, scale, softcap, window, span):
 
 def decode_attention(q, k, v, base, pos, *, scale, softcap=0.0, window=0, span) -> Tensor:
     """:func:`decode_attention_op` with keywords."""
-    return decode_attention_op(q, k, v, base, pos, float(scale), float(softcap or 0.0),
-                               int(window or 0), int(span))  # fmt: skip
+    return decode_attention_op(
+        q, k, v, base, pos, float(scale), float(softcap or 0.0), int(window or 0), int(span)
+    )
 
 
 # ----------------------------------------------------------------------------------- rope_kv
@@ -352,18 +427,44 @@ def triton_rope_kv(q, k, v, table, pos, rows, kc, vc, n_rot: int, neox: bool) ->
     out = torch.empty(B, n_head, hd, dtype=torch.float32, device=q.device)
     if B:
         _launch(
-            "_rope_kv_kernel", (B, n_head + n_kv),
-            q, k, v, q.stride(0), k.stride(0), v.stride(0), table, pos, rows, kc, vc, out,
-            n_head, n_kv, hd, n_rot, kc.stride(0), NEOX=neox, D=_pow2(hd),
-        )  # fmt: skip
+            "_rope_kv_kernel",
+            (B, n_head + n_kv),
+            q,
+            k,
+            v,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            table,
+            pos,
+            rows,
+            kc,
+            vc,
+            out,
+            n_head,
+            n_kv,
+            hd,
+            n_rot,
+            kc.stride(0),
+            NEOX=neox,
+            D=_pow2(hd),
+        )
     return out
 
 
 @torch.library.custom_op("powerpy::rope_kv", mutates_args=("kc", "vc"))
 def rope_kv_op(
-    q: Tensor, k: Tensor, v: Tensor, table: Tensor, pos: Tensor, rows: Tensor, kc: Tensor,
-    vc: Tensor, n_rot: int, neox: bool,
-) -> Tensor:  # fmt: skip
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    table: Tensor,
+    pos: Tensor,
+    rows: Tensor,
+    kc: Tensor,
+    vc: Tensor,
+    n_rot: int,
+    neox: bool,
+) -> Tensor:
     """q (B, n_head, hd), k and v (B, n_kv, hd) f32 (rows may be strided views of one q/k/v
     projection), table (positions, n_rot/2, 2) f32 (cos, sin) of every position, pos and rows
     (B,) int64 -> q turned at pos (B, n_head, hd) f32; k turned and v are written at ``rows``

@@ -31,10 +31,20 @@ from powerpy.errors import PowerpyError
 log = logging.getLogger(__name__)
 
 # ops whose output depends on data the host must read: no graph can hold them
-HOST_SYNC_OPS = frozenset({
-    "nonzero", "_local_scalar_dense", "item", "masked_select", "unique", "_unique2",
-    "unique_consecutive", "repeat_interleave", "bincount", "argwhere",
-})  # fmt: skip
+HOST_SYNC_OPS = frozenset(
+    {
+        "nonzero",
+        "_local_scalar_dense",
+        "item",
+        "masked_select",
+        "unique",
+        "_unique2",
+        "unique_consecutive",
+        "repeat_interleave",
+        "bincount",
+        "argwhere",
+    }
+)
 
 
 class CaptureError(PowerpyError):

@@ -41,17 +41,34 @@ class ColdTask(ctypes.Structure):
     """``struct ColdTask`` of ``csrc/host_tasks.h`` (its layout is checked against the C one)."""
 
     _fields_ = [
-        ("worker", _p), ("rec", _p), ("x", _p), ("mask", _p), ("cold", _p), ("y", _p),
-        ("kept", _p), ("ids", _p), ("wts", _p), ("T", _i64), ("k", _i64), ("act", _i32),
-        ("nthreads", _i32), ("status", _i32), ("state", _i32), ("ran_on", _u64),
-    ]  # fmt: skip
+        ("worker", _p),
+        ("rec", _p),
+        ("x", _p),
+        ("mask", _p),
+        ("cold", _p),
+        ("y", _p),
+        ("kept", _p),
+        ("ids", _p),
+        ("wts", _p),
+        ("T", _i64),
+        ("k", _i64),
+        ("act", _i32),
+        ("nthreads", _i32),
+        ("status", _i32),
+        ("state", _i32),
+        ("ran_on", _u64),
+    ]
 
 
 # the library's exports of this module (set on first use; kernels.py binds the others)
 _SIGNATURES = {
-    "pp_worker_new": ([], _p), "pp_worker_free": ([_p], None), "pp_host_submit": ([_p], None),
-    "pp_host_wait": ([_p], None), "pp_cold_run": ([_p], _i32), "pp_cold_task_layout": ([_p], None),
-}  # fmt: skip
+    "pp_worker_new": ([], _p),
+    "pp_worker_free": ([_p], None),
+    "pp_host_submit": ([_p], None),
+    "pp_host_wait": ([_p], None),
+    "pp_cold_run": ([_p], _i32),
+    "pp_cold_task_layout": ([_p], None),
+}
 
 
 def check_layout(lib: kernels.KernelLibrary) -> None:
@@ -105,8 +122,10 @@ class ColdLayer:
             part = moe.moe_cold_part(blk, opts)
             n, hot, k = ex.n_neurons, ex.hot, ex.n_used
         if part is None:
-            raise HostRowsError("host rows the native cold task cannot read (their types, or "
-                                "the experts' activation)")  # fmt: skip
+            raise HostRowsError(
+                "host rows the native cold task cannot read (their types, or "
+                "the experts' activation)"
+            )
         self.part = part  # keeps the matrices and vectors the record points into
         self.record = layer_record.record(part)
         d = args.n_embd
@@ -124,11 +143,22 @@ class ColdLayer:
         self.masked = ex is None and blk.gates(opts)  # the predictor's mask selects
         routed = (self.ids.data_ptr(), self.wts.data_ptr()) if ex is not None else (None, None)
         self.task = ColdTask(
-            worker.ptr, ctypes.addressof(self.record), self.x.data_ptr(),
-            self.mask.data_ptr() if self.masked else None, self.cold.data_ptr(),
-            self.y.data_ptr(), self.kept.data_ptr(), *routed, batch, k, kernels.act_code(),
-            torch.get_num_threads(), 0, 0, 0,
-        )  # fmt: skip
+            worker.ptr,
+            ctypes.addressof(self.record),
+            self.x.data_ptr(),
+            self.mask.data_ptr() if self.masked else None,
+            self.cold.data_ptr(),
+            self.y.data_ptr(),
+            self.kept.data_ptr(),
+            *routed,
+            batch,
+            k,
+            kernels.act_code(),
+            torch.get_num_threads(),
+            0,
+            0,
+            0,
+        )
         self.ptr = ctypes.addressof(self.task)
 
 
@@ -148,8 +178,9 @@ class ColdTasks:
         for l, blk in enumerate(model.weights.blk):
             if hosted(blk, model.accel):
                 try:
-                    self.layers[l] = ColdLayer(blk, model.args, opts, model.accel, self.worker,
-                                               batch)  # fmt: skip
+                    self.layers[l] = ColdLayer(
+                        blk, model.args, opts, model.accel, self.worker, batch
+                    )
                 except HostRowsError as e:
                     raise HostRowsError(f"layer {l}: {e}") from None
 

@@ -44,8 +44,14 @@ def _libc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]  # fmt: skip
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.mmap.restype = ctypes.c_void_p
     except (OSError, TypeError, AttributeError):
         return None

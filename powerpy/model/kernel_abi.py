@@ -38,19 +38,46 @@ QUANT_TYPES = tuple(
 )
 # FFN variants (enum Variant): gated h = act(gate·x, up·x) (pp_glu_gemv), then ungated act(up·x)
 VARIANTS = {
-    FFNVariant.REGLU: 0, FFNVariant.DRELU: 1, FFNVariant.SWIGLU: 2, FFNVariant.GEGLU: 3,
-    FFNVariant.RELU: 4, FFNVariant.GELU: 5,
-}  # fmt: skip
+    FFNVariant.REGLU: 0,
+    FFNVariant.DRELU: 1,
+    FFNVariant.SWIGLU: 2,
+    FFNVariant.GEGLU: 3,
+    FFNVariant.RELU: 4,
+    FFNVariant.GELU: 5,
+}
 # The decode blocks' layer record (enum LayerRecord, built by powerpy.model.layer_record): its
 # slots, then the LayerFlags bits; checked at load against pp_layer_record_layout
 RECORD_SLOTS = {
-    "attn": 0, "ffn": 20, "attn_norm": 45, "ffn_norm": 47, "post_norm": 49, "qk_norm": 51,
-    "bias": 53, "tau": 59, "flags": 60, "variant": 61, "window": 62, "scale": 63, "softcap": 64,
-    "moe": 65, "shexp": 68, "route": 88, "mla": 97, "sinks": 110,
-}  # fmt: skip
+    "attn": 0,
+    "ffn": 20,
+    "attn_norm": 45,
+    "ffn_norm": 47,
+    "post_norm": 49,
+    "qk_norm": 51,
+    "bias": 53,
+    "tau": 59,
+    "flags": 60,
+    "variant": 61,
+    "window": 62,
+    "scale": 63,
+    "softcap": 64,
+    "moe": 65,
+    "shexp": 68,
+    "route": 88,
+    "mla": 97,
+    "sinks": 110,
+}
 LAYER_RECORD_LEN = 111  # int64 per record; checked at load
-RECORD_FLAGS = {"layer_norm": 1, "rope": 2, "neox": 4, "parallel": 8, "down_stored": 16,
-                "q_scaled": 32, "moe": 64, "mla": 128}  # fmt: skip
+RECORD_FLAGS = {
+    "layer_norm": 1,
+    "rope": 2,
+    "neox": 4,
+    "parallel": 8,
+    "down_stored": 16,
+    "q_scaled": 32,
+    "moe": 64,
+    "mla": 128,
+}
 RECORD_LAYOUT = (*RECORD_SLOTS.values(), LAYER_RECORD_LEN, *RECORD_FLAGS.values(), 3, 4, 5, 6)
 
 _i64, _i32, _p, _f = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float

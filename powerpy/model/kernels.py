@@ -172,8 +172,9 @@ class KernelLibrary:
         zero (a MoE cut's; ``csrc/moe.h`` ``down_runs``): h (T, cols) -> (T, rows) f32."""
         h = as_f32(h)
         out = torch.empty(h.shape[0], w.nrows, dtype=_F32)
-        st = self.cdll.pp_down_runs(*w.args, h.data_ptr(), h.shape[0], out.data_ptr(), act_code(),
-                                    _threads())  # fmt: skip
+        st = self.cdll.pp_down_runs(
+            *w.args, h.data_ptr(), h.shape[0], out.data_ptr(), act_code(), _threads()
+        )
         if st:
             _raise(st, "down_runs", None, w.nrows)
         return out
@@ -307,9 +308,18 @@ class KernelLibrary:
         k, v, pos = cache
         out = torch.empty(x.numel(), dtype=_F32)
         st = self.cdll.pp_attn_decode(
-            rec, *heads, None if rot is None else rot.data_ptr(), x.data_ptr(), k.data_ptr(),
-            v.data_ptr(), CACHE_CODES[k.dtype], pos, out.data_ptr(), act_code(), _threads(),
-        )  # fmt: skip
+            rec,
+            *heads,
+            None if rot is None else rot.data_ptr(),
+            x.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            CACHE_CODES[k.dtype],
+            pos,
+            out.data_ptr(),
+            act_code(),
+            _threads(),
+        )
         if st:
             _raise(st, "attn_decode")
         return out
@@ -338,9 +348,13 @@ class KernelLibrary:
         return self.cdll.pp_stream_read(buf.data_ptr(), buf.numel() * buf.itemsize, _threads())
 
     def dequant_rows(
-        self, w: Matrix, idx: Tensor | None, start: int = 0, count: int | None = None,
+        self,
+        w: Matrix,
+        idx: Tensor | None,
+        start: int = 0,
+        count: int | None = None,
         out: Tensor | None = None,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """Rows as f32 (k, cols): ``W[idx]``, or rows ``start:start+count`` when idx is None."""
         if idx is None:
             count = w.nrows - start if count is None else count

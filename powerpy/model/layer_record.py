@@ -114,12 +114,14 @@ def attention_part(blk, a: ModelArgs, l: int) -> Part | None:
     if any(b is False for b in biases) or norm[0] is None:
         return None
     vecs = [
-        (S["attn_norm"], norm[0]), (S["attn_norm"] + 1, norm[1]),
+        (S["attn_norm"], norm[0]),
+        (S["attn_norm"] + 1, norm[1]),
         (S["post_norm"], blk.post_attention_norm),
-        (S["qk_norm"], blk.attn_q_norm), (S["qk_norm"] + 1, blk.attn_k_norm),
+        (S["qk_norm"], blk.attn_q_norm),
+        (S["qk_norm"] + 1, blk.attn_k_norm),
         *((S["bias"] + i, b) for i, b in enumerate(biases)),
         (S["sinks"], blk.attn_sinks),
-    ]  # fmt: skip
+    ]
     if not all(p.vec(s, t) for s, t in vecs):
         return None
     if a.family.scale_q:  # ggml_scale of q before q·k (gemma's, phi3's graphs)
@@ -164,10 +166,13 @@ def ffn_part(blk, a: ModelArgs, opts: RunOptions, *, cold: bool = False) -> Part
     parallel = a.family.residual is Residual.PARALLEL
     norm = (blk.attn_norm, blk.attn_norm_b) if parallel else (blk.ffn_norm, blk.ffn_norm_b)
     vecs = [
-        (S["ffn_norm"], norm[0]), (S["ffn_norm"] + 1, norm[1]),
-        (S["post_norm"] + 1, blk.post_ffw_norm), (S["bias"] + 4, biases[3]),
-        (S["bias"] + 5, blk.ffn_down_b), (S["tau"], tau),
-    ]  # fmt: skip
+        (S["ffn_norm"], norm[0]),
+        (S["ffn_norm"] + 1, norm[1]),
+        (S["post_norm"] + 1, blk.post_ffw_norm),
+        (S["bias"] + 4, biases[3]),
+        (S["bias"] + 5, blk.ffn_down_b),
+        (S["tau"], tau),
+    ]
     if cold:  # the task gets the normed input: no norm, bias or post norm of the block's
         vecs = [(S["bias"] + 4, biases[3]), (S["tau"], tau)]
     elif norm[0] is None:

@@ -234,8 +234,9 @@ def load_weights(
                 fields.update(_part_biases(src, fam, t, l, fields))
         native = _native(args, fields)
         if fam.attention == "mla":  # the latent attention's weights, as one field
-            fields |= dict(mla=latent(fields, args, l, str(gf.path)), attn_q=None, attn_k=None,
-                           attn_v=None)  # fmt: skip
+            fields |= dict(
+                mla=latent(fields, args, l, str(gf.path)), attn_q=None, attn_k=None, attn_v=None
+            )
         if moe_layer:
             blocks.append(_moe_block(src, args, l, fields, native))
             continue

@@ -41,8 +41,17 @@ from powerpy.model.matrices import Weight
 from powerpy.model.norms import rms_norm
 
 # the Block fields the latent attention reads from a deepseek2 layer (families/deepseek.py)
-FIELDS = ("attn_q_a", "attn_q_a_norm", "attn_q_b", "attn_q", "attn_kv_a_mqa", "attn_kv_a_norm",
-          "attn_k_b", "attn_v_b", "attn_kv_b")  # fmt: skip
+FIELDS = (
+    "attn_q_a",
+    "attn_q_a_norm",
+    "attn_q_b",
+    "attn_q",
+    "attn_kv_a_mqa",
+    "attn_kv_a_norm",
+    "attn_k_b",
+    "attn_v_b",
+    "attn_kv_b",
+)
 
 
 @dataclass
@@ -117,11 +126,18 @@ def latent(fields: dict, args, l: int, path: str) -> Latent:
         k_b, k_rows = row_slices(t["attn_k_b"], (r,) * H, repack=False), False
         v_b = row_slices(t["attn_v_b"], (d_v,) * H, repack=False)
     return Latent(
-        kv_a=t["attn_kv_a_mqa"], kv_a_norm=t["attn_kv_a_norm"], k_b=k_b, v_b=v_b,
-        kq_scale=mla_kq_scale(args, args.key_length_mla), q=t["attn_q"], q_a=t["attn_q_a"],
-        q_a_norm=t["attn_q_a_norm"], q_b=t["attn_q_b"], k_rows=k_rows,
+        kv_a=t["attn_kv_a_mqa"],
+        kv_a_norm=t["attn_kv_a_norm"],
+        k_b=k_b,
+        v_b=v_b,
+        kq_scale=mla_kq_scale(args, args.key_length_mla),
+        q=t["attn_q"],
+        q_a=t["attn_q_a"],
+        q_a_norm=t["attn_q_a_norm"],
+        q_b=t["attn_q_b"],
+        k_rows=k_rows,
         stacks=None if args.kv_b else (t["attn_k_b"], t["attn_v_b"]),
-    )  # fmt: skip
+    )
 
 
 def mla_part(blk, a, l: int) -> layer_record.Part | None:
@@ -135,8 +151,12 @@ def mla_part(blk, a, l: int) -> layer_record.Part | None:
         return None
     p = layer_record.Part(lib, flags=RECORD_FLAGS["rope"] | RECORD_FLAGS["mla"])
     S = RECORD_SLOTS
-    mats = [(S["attn"], m.q if m.q is not None else m.q_a), (S["attn"] + 5, m.kv_a),
-            (S["attn"] + 10, m.q_b), (S["attn"] + 15, blk.attn_output)]  # fmt: skip
+    mats = [
+        (S["attn"], m.q if m.q is not None else m.q_a),
+        (S["attn"] + 5, m.kv_a),
+        (S["attn"] + 10, m.q_b),
+        (S["attn"] + 15, blk.attn_output),
+    ]
     if any(p.mat(slot, w) is not None for slot, w in mats):
         return None  # a matrix the kernels cannot read (False) or a bias
     for slot, w in zip((S["mla"], S["mla"] + 5), m.stacks, strict=True):
@@ -144,8 +164,11 @@ def mla_part(blk, a, l: int) -> layer_record.Part | None:
         if k is None or k[0] is not lib:
             return None
         p.matrix(slot, k[1])
-    vecs = ((S["attn_norm"], blk.attn_norm), (S["qk_norm"], m.q_a_norm),
-            (S["qk_norm"] + 1, m.kv_a_norm))  # fmt: skip
+    vecs = (
+        (S["attn_norm"], blk.attn_norm),
+        (S["qk_norm"], m.q_a_norm),
+        (S["qk_norm"] + 1, m.kv_a_norm),
+    )
     if not all(p.vec(s, t) for s, t in vecs):
         return None
     for i, v in enumerate((a.kv_lora_rank, a.qk_nope, a.value_length_mla)):

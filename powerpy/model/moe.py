@@ -44,8 +44,16 @@ from powerpy.model.split import run_split
 from powerpy.model.timing import phase
 
 SWIGLU = FFNVariant.SWIGLU
-__all__ = ["ExpertHot", "Experts", "Routing", "mixture", "placed_dense", "route", "router_logits",
-           "softmax"]  # fmt: skip
+__all__ = [
+    "ExpertHot",
+    "Experts",
+    "Routing",
+    "mixture",
+    "placed_dense",
+    "route",
+    "router_logits",
+    "softmax",
+]
 
 
 @dataclass
@@ -267,8 +275,9 @@ def moe_ffn(
                 y = on_device()
         if opts.stats is not None:  # the neurons added, as the host counts them
             routed = None if hot is None else _routed_hot(hot, ids_d)
-            opts.stats.record_counts(l, routed if counts is None else
-                                     counts if routed is None else counts + routed)  # fmt: skip
+            opts.stats.record_counts(
+                l, routed if counts is None else counts if routed is None else counts + routed
+            )
         return move(accel, y, x.device)
 
     def hot_part(x_d: Tensor, sel: list[Tensor]) -> Tensor:
@@ -281,8 +290,9 @@ def moe_ffn(
             opts.stats.record_counts(l, kept + (0 if hot is None else hot.per_expert[ids_h].sum(1)))
         return y
 
-    return run_split(accel, x, [ids, w], hot_part if hot is not None else None, cold_part, opts,
-                     keep=(hot_tau,))  # fmt: skip
+    return run_split(
+        accel, x, [ids, w], hot_part if hot is not None else None, cold_part, opts, keep=(hot_tau,)
+    )
 
 
 def mixture(
@@ -349,8 +359,10 @@ def route_args(ex: Experts) -> tuple[list[int], list[Tensor]]:
     gating code, selection bias, expert groups, groups used, router bias, activation, gate, up
     and down biases) and the host tensors its pointers point into."""
     r = ex.routing
-    vecs = [None if v is None else as_f32(v) for v in (r.probs_b, r.router_b, ex.gate_b, ex.up_b,
-                                                       ex.down_b)]  # fmt: skip
+    vecs = [
+        None if v is None else as_f32(v)
+        for v in (r.probs_b, r.router_b, ex.gate_b, ex.up_b, ex.down_b)
+    ]
     ptr = [0 if v is None else v.data_ptr() for v in vecs]
     act = int(ex.act == "swiglu_oai")
     return [r.code, ptr[0], *r.groups, ptr[1], act, *ptr[2:]], [v for v in vecs if v is not None]
@@ -417,10 +429,21 @@ def moe_decode(l: int, blk, x: OnDevices, a, thr: float, opts: RunOptions) -> Te
     y = torch.empty(r.numel(), dtype=torch.float32)
     route, _biases = route_args(ex)
     kept = lib.cdll.pp_moe_decode(
-        Matrix.pack(mats), ex.n_used, int(ex.norm), ex.scale, (ctypes.c_int64 * 9)(*route),
-        0 if tau is None else tau.data_ptr(), r.data_ptr(), w.data_ptr(), a.norm_eps,
-        y.data_ptr(), None, None, act_code(), torch.get_num_threads(),
-    )  # fmt: skip
+        Matrix.pack(mats),
+        ex.n_used,
+        int(ex.norm),
+        ex.scale,
+        (ctypes.c_int64 * 9)(*route),
+        0 if tau is None else tau.data_ptr(),
+        r.data_ptr(),
+        w.data_ptr(),
+        a.norm_eps,
+        y.data_ptr(),
+        None,
+        None,
+        act_code(),
+        torch.get_num_threads(),
+    )
     if kept < 0:
         raise ValueError(f"moe_decode: invalid arguments (status {-kept})")
     if opts.stats is not None:

@@ -68,9 +68,14 @@ class PlanKey:
     @classmethod
     def of(cls, opts: RunOptions, batch: int) -> PlanKey:
         return cls(
-            opts.sparse, opts.threshold, opts.cut_scale, opts.numerics,
-            opts.stats is not None, opts.timer is not None or not opts.graphs, batch,
-        )  # fmt: skip
+            opts.sparse,
+            opts.threshold,
+            opts.cut_scale,
+            opts.numerics,
+            opts.stats is not None,
+            opts.timer is not None or not opts.graphs,
+            batch,
+        )
 
 
 class DeviceCounts:
@@ -233,12 +238,15 @@ class DeviceStep:
         if self.counts is not None:
             opts = dataclasses.replace(opts, stats=self.counts)
         with numerics.using(DEVICE_NUMERICS):
-            step = Step([self._pool_cache] * B, [1] * B, self.pos, self.base, self.tables,
-                        self.cold)  # fmt: skip
+            step = Step(
+                [self._pool_cache] * B, [1] * B, self.pos, self.base, self.tables, self.cold
+            )
             rots = [None] * m.args.n_layer
             if self.tables is not None and not accel.fused:  # RoPE by torch ops: rows of pos
-                rots = [OnDevices(accel, torch.view_as_complex(t.index_select(0, self.pos)))
-                        for t in self.tables]  # fmt: skip
+                rots = [
+                    OnDevices(accel, torch.view_as_complex(t.index_select(0, self.pos)))
+                    for t in self.tables
+                ]
             x = m.layers(self.x, step, rots, opts, "batch")
             accel.copy_out(self.out, m.head(x, opts))
         if self.counts is not None:
@@ -288,8 +296,9 @@ class DeviceStep:
             self.graph = StepGraph.capture(kind, self.body, self.accel.device)
         except CaptureError as e:
             self.reason = str(e)
-            log.warning("decode step of %d: no %s graph (%s); running it eagerly", self.batch,
-                        kind, e)  # fmt: skip
+            log.warning(
+                "decode step of %d: no %s graph (%s); running it eagerly", self.batch, kind, e
+            )
 
 
 class DecodePlan:
@@ -302,8 +311,9 @@ class DecodePlan:
         self._lock = threading.Lock()  # the fixed buffers serve one step at a time
         if self.refusal is None:
             try:
-                self.device = DeviceStep(model, opts, batch,
-                                         graph=opts.graphs and opts.timer is None)  # fmt: skip
+                self.device = DeviceStep(
+                    model, opts, batch, graph=opts.graphs and opts.timer is None
+                )
             except HostRowsError as e:
                 self.refusal = str(e)
                 log.info("decode step of %d: the per-layer path (%s)", batch, e)

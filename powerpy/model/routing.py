@@ -70,9 +70,11 @@ class Routing:
         accelerator's ``to_device``)."""
         b, rb = self.probs_b, self.router_b
         return Routing(
-            self.gating, None if b is None else move(b), *self.groups,
+            self.gating,
+            None if b is None else move(b),
+            *self.groups,
             None if rb is None else move(rb),
-        )  # fmt: skip
+        )
 
     @property
     def groups(self) -> tuple[int, int]:

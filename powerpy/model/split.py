@@ -176,8 +176,11 @@ def split_ffn(
         hot_tau = None if hot is None else scaled_cut(hot.tau, opts)
 
         def hot_part():
-            return None if hot is None else _hot(hot, x_dev, act_dev, variant, accel.gather_hot,
-                                                 hot_tau)  # fmt: skip
+            return (
+                None
+                if hot is None
+                else _hot(hot, x_dev, act_dev, variant, accel.gather_hot, hot_tau)
+            )
 
         with phase(opts.timer, "ffn_split"):
             return move(accel, cold.run(l, x_dev, act_dev, hot_part), x.device)
@@ -202,8 +205,9 @@ def split_ffn(
 
         def cold_cut(x_host: Tensor, sel_host: list[Tensor]) -> Tensor:
             act_host = sel_host[0] if sel_host else None
-            y, kept = ffn_cut(x_host, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant,
-                              act_host, tau)  # fmt: skip
+            y, kept = ffn_cut(
+                x_host, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, variant, act_host, tau
+            )
             if opts.stats is not None:
                 opts.stats.record_counts(l, kept)
             return y
@@ -221,8 +225,9 @@ def split_ffn(
             opts.stats.record(l, act_host)  # a hybrid's statistics count the predicted rows
         return _cold(blk, hot, x_host, act_host, variant, tau)  # (T, n_embd) on the host
 
-    return run_split(accel, x, sel, hot_part if hot is not None else None, cold_part, opts,
-                     keep=(tau_dev,))  # fmt: skip
+    return run_split(
+        accel, x, sel, hot_part if hot is not None else None, cold_part, opts, keep=(tau_dev,)
+    )
 
 
 def run_split(

@@ -92,12 +92,23 @@ class StackPlan:
         counts = np.zeros(n_layer, dtype=np.int64)
         clock = np.zeros(len(PHASES)) if opts.timer is not None else None
         st = self.lib.cdll.pp_decode_layers(
-            n_layer, self.records.ctypes.data, ptrs.ctypes.data, *layer_record.heads(args),
-            k.data_ptr(), v.data_ptr(), k.stride(0) * k.element_size(), CACHE_CODES[k.dtype],
-            cache.pos, thr, out.data_ptr(), counts.ctypes.data,
-            None if clock is None else clock.ctypes.data, len(PHASES), kernels.act_code(),
+            n_layer,
+            self.records.ctypes.data,
+            ptrs.ctypes.data,
+            *layer_record.heads(args),
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0) * k.element_size(),
+            CACHE_CODES[k.dtype],
+            cache.pos,
+            thr,
+            out.data_ptr(),
+            counts.ctypes.data,
+            None if clock is None else clock.ctypes.data,
+            len(PHASES),
+            kernels.act_code(),
             torch.get_num_threads(),
-        )  # fmt: skip
+        )
         if st:
             raise ValueError(f"decode_layers: invalid arguments (status {st})")
         if clock is not None:

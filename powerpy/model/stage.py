@@ -113,8 +113,11 @@ class StageFile(GGUFFile):
         self.tensors = tensors
         found = ModelArgs.from_gguf(self)
         if found != own:
-            diff = [f.name for f in dataclasses.fields(own) if getattr(found, f.name) !=
-                    getattr(own, f.name)]  # fmt: skip
+            diff = [
+                f.name
+                for f in dataclasses.fields(own)
+                if getattr(found, f.name) != getattr(own, f.name)
+            ]
             raise ModelConfigError(
                 f"{base.path}: layers {layer_span(layers)} do not read back as a model of their "
                 f"own ({', '.join(diff)} differ); this architecture cannot be split there"

@@ -39,11 +39,27 @@ def check_part(gf: GGUFFile, fam, part, l: int, fused_read: bool) -> None:
 # Per-layer tensors some family has (their GGUF base names): a file of a family that lacks one
 # of them is of another architecture, or corrupt. Other unknown tensors are ignored.
 _LAYOUT_BASES = {
-    "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_norm_2", "ffn_gate", "ffn_norm", "ffn_up",
-    "ffn_down", "ffn_down_t", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
-    "attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm", "exp_probs_b",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_qkv",
+    "attn_norm_2",
+    "ffn_gate",
+    "ffn_norm",
+    "ffn_up",
+    "ffn_down",
+    "ffn_down_t",
+    "ffn_gate_inp",
+    "ffn_gate_exps",
+    "ffn_up_exps",
+    "ffn_down_exps",
+    "attn_q_norm",
+    "attn_k_norm",
+    "post_attention_norm",
+    "post_ffw_norm",
+    "exp_probs_b",
     "attn_sinks",
-}  # fmt: skip
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
 _EXPERT_BASES = {"ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "exp_probs_b"}
 # the first Mixtral GGUFs' layout: one 2-D tensor per expert (blk.N.ffn_gate.E.weight)

@@ -341,8 +341,10 @@ class Model:
             if y is None:
                 xn = self.norm(inp(blk.ffn_norm.device), blk.ffn_norm, blk.ffn_norm_b)
                 pred_in = blk.predictor_input(inp, opts)
-                f = self._down_bias(blk, self._to(self._ffn(l, blk, xn, pred_in, step, thr, opts,
-                                                            ffn_mode), h.device))  # fmt: skip
+                f = self._down_bias(
+                    blk,
+                    self._to(self._ffn(l, blk, xn, pred_in, step, thr, opts, ffn_mode), h.device),
+                )
                 if blk.post_ffw_norm is not None:
                     f = self.norm(f, blk.post_ffw_norm)
                 y = h + f
@@ -428,8 +430,9 @@ class Model:
             dev, p0 = cache.device, cache.pos  # attention runs where the cache is
             cache.k[l, p0 : p0 + m].copy_(self._to(k[s : s + m], dev))
             cache.v[l, p0 : p0 + m].copy_(self._to(v[s : s + m], dev))
-            out = attend(a, self._to(q[s : s + m], dev), cache, l, p0, window=window,
-                         sinks=blk.attn_sinks)  # fmt: skip
+            out = attend(
+                a, self._to(q[s : s + m], dev), cache, l, p0, window=window, sinks=blk.attn_sinks
+            )
             outs.append(self._to(out, blk.attn_output.device))
         return blk.attn_output.linear(outs[0] if len(outs) == 1 else torch.cat(outs))
 
@@ -446,8 +449,9 @@ class Model:
         table = None if step.tables is None else step.tables[l]
         if table is not None and self.accel is not None and self.accel.fused:
             neox = a.family.rope is Rope.NEOX
-            q = gpu_kernels.rope_kv_op(q, k, v, table, pos, base + pos, pool[0][l], pool[1][l],
-                                       a.n_rot, neox)  # fmt: skip
+            q = gpu_kernels.rope_kv_op(
+                q, k, v, table, pos, base + pos, pool[0][l], pool[1][l], a.n_rot, neox
+            )
             return attend_pool(a, q, None, None, pool, l, pos, base, window=window)
         if rot is not None:
             q = apply_rope(q, rot(dev), a.n_rot, a.family.rope)

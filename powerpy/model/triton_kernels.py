@@ -63,10 +63,23 @@ def _block_values(w, r, b, row_bytes, m2, QT: tl.constexpr):
 
 @triton.jit
 def _linear_kernel(
-    w, x, y, need, bucket, rows, T, nb, row_bytes, k, n_ff,
-    QT: tl.constexpr, HAS_NEED: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+    w,
+    x,
+    y,
+    need,
+    bucket,
+    rows,
+    T,
+    nb,
+    row_bytes,
+    k,
+    n_ff,
+    QT: tl.constexpr,
+    HAS_NEED: tl.constexpr,
+    BR: tl.constexpr,
+    BT: tl.constexpr,
     BB: tl.constexpr,
-):  # fmt: skip
+):
     # y[t, r] = sum_c W[r, c] x[t, c] for BT tokens x BR rows; grid (cdiv(rows, BR), cdiv(T, BT))
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
@@ -74,8 +87,14 @@ def _linear_kernel(
     tmask = t < T
     if HAS_NEED:
         neuron = tl.load(bucket + r % k, mask=rmask, other=0)
-        nd = tl.load(need + t[:, None] * n_ff + neuron[None, :],
-                     mask=tmask[:, None] & rmask[None, :], other=0) != 0  # fmt: skip
+        nd = (
+            tl.load(
+                need + t[:, None] * n_ff + neuron[None, :],
+                mask=tmask[:, None] & rmask[None, :],
+                other=0,
+            )
+            != 0
+        )
         rneed = (tl.max(nd.to(tl.int32), axis=0) > 0) & rmask  # rows some token needs
     else:
         nd = tmask[:, None] & rmask[None, :]
@@ -99,15 +118,28 @@ def _linear_kernel(
             wt = tl.reshape(tl.join(lo, hi), (BR, BB * 32))  # (BR, K): block, element, half
             xt = tl.reshape(tl.join(x_lo, x_hi), (BT, BB * 32))
             acc += tl.dot(xt, tl.trans(wt), input_precision="ieee")
-    tl.store(y + t[:, None] * rows + r[None, :], tl.where(nd, acc, 0.0),
-             mask=tmask[:, None] & rmask[None, :])  # fmt: skip
+    tl.store(
+        y + t[:, None] * rows + r[None, :],
+        tl.where(nd, acc, 0.0),
+        mask=tmask[:, None] & rmask[None, :],
+    )
 
 
 @triton.jit
 def _rows_sum_kernel(
-    w, h, part, rows, T, nb, row_bytes, chunk,
-    QT: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr, BT: tl.constexpr,
-):  # fmt: skip
+    w,
+    h,
+    part,
+    rows,
+    T,
+    nb,
+    row_bytes,
+    chunk,
+    QT: tl.constexpr,
+    BR: tl.constexpr,
+    BB: tl.constexpr,
+    BT: tl.constexpr,
+):
     # part[s, t, c] = sum_{r in chunk s} h[t, r] W[r, c]; grid (cdiv(nb, BB), SPLIT, cdiv(T, BT))
     b = tl.program_id(0) * BB + tl.arange(0, BB)
     s = tl.program_id(1)
@@ -180,11 +212,28 @@ def _tanh(x):
 
 @triton.jit
 def _decode_attn_kernel(
-    q, k, v, base, pos, part_o, part_ml, n_head, n_kv, hd, row_stride, chunk, splits, scale,
-    softcap, window,
-    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, HAS_CAP: tl.constexpr,
+    q,
+    k,
+    v,
+    base,
+    pos,
+    part_o,
+    part_ml,
+    n_head,
+    n_kv,
+    hd,
+    row_stride,
+    chunk,
+    splits,
+    scale,
+    softcap,
+    window,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    HAS_CAP: tl.constexpr,
     HAS_WIN: tl.constexpr,
-):  # fmt: skip
+):
     # one (session b, kv head, chunk of positions): the chunk's softmax state for the group's q
     # heads; grid (B, n_kv, splits)
     b = tl.program_id(0)
@@ -202,8 +251,11 @@ def _decode_attn_kernel(
     gm = g < group
     dm = d < hd
     heads = kh * group + g
-    qv = tl.load(q + (b * n_head + heads)[:, None] * hd + d[None, :],
-                 mask=gm[:, None] & dm[None, :], other=0.0)  # fmt: skip
+    qv = tl.load(
+        q + (b * n_head + heads)[:, None] * hd + d[None, :],
+        mask=gm[:, None] & dm[None, :],
+        other=0.0,
+    )
     m_i = tl.full((G,), float("-inf"), tl.float32)
     l_i = tl.zeros((G,), tl.float32)
     acc = tl.zeros((G, D), tl.float32)
@@ -239,17 +291,37 @@ def _attn_merge_kernel(part_o, part_ml, out, hd, splits, D: tl.constexpr, NS: tl
     l = tl.load(part_ml + (at + sp) * 2 + 1, mask=spm, other=0.0)  # noqa: E741
     wgt = tl.exp(m - tl.max(m, axis=0))  # chunks past the position: exp(-inf) = 0
     d = tl.arange(0, D)
-    o = tl.load(part_o + (at + sp)[:, None] * hd + d[None, :],
-                mask=spm[:, None] & (d < hd)[None, :], other=0.0)  # fmt: skip
+    o = tl.load(
+        part_o + (at + sp)[:, None] * hd + d[None, :],
+        mask=spm[:, None] & (d < hd)[None, :],
+        other=0.0,
+    )
     res = tl.sum(o * wgt[:, None], axis=0) / tl.sum(l * wgt, axis=0)
     tl.store(out + (at // splits) * hd + d, res, mask=d < hd)
 
 
 @triton.jit
 def _rope_kv_kernel(
-    q, k, v, sq, sk, sv, table, pos, rows, kc, vc, out, n_head, n_kv, hd, n_rot, kc_row,
-    NEOX: tl.constexpr, D: tl.constexpr,
-):  # fmt: skip
+    q,
+    k,
+    v,
+    sq,
+    sk,
+    sv,
+    table,
+    pos,
+    rows,
+    kc,
+    vc,
+    out,
+    n_head,
+    n_kv,
+    hd,
+    n_rot,
+    kc_row,
+    NEOX: tl.constexpr,
+    D: tl.constexpr,
+):
     # one head of session b: q's turned into out, or k's turned and v into the pool's row;
     # grid (B, n_head + n_kv)
     b = tl.program_id(0)

@@ -174,8 +174,9 @@ def write_cut_model(
             None if activation == "relu" else activation,
             {"ffn_down_threshold": cuts, "powerpy": {"calibration": meta}},
         )
-        return convert(src, d, out, outtype=outtype, activation=activation, name=name,
-                       progress=progress)  # fmt: skip
+        return convert(
+            src, d, out, outtype=outtype, activation=activation, name=name, progress=progress
+        )
 
 
 def write_cut(
@@ -212,7 +213,8 @@ def write_cut(
             )
         kv = gf.typed_kv()
         kv[Keys.FFN_DOWN_THRESHOLD] = (cuts, GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
-        out = write_gguf(dst, kv, gf.tensor_specs(), magic=gf.magic, alignment=gf.alignment,
-                         progress=progress)  # fmt: skip
+        out = write_gguf(
+            dst, kv, gf.tensor_specs(), magic=gf.magic, alignment=gf.alignment, progress=progress
+        )
     log.info("wrote %s with per-layer cuts %s", dst, [round(t, 6) for t in cuts])
     return out

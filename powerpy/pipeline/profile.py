@@ -338,8 +338,9 @@ def profile(
             raise ValueError("dump_samples needs a dump directory")
         n = min(dump_samples, n_total)
         picks = np.sort(np.random.default_rng(seed).choice(n_total, n, replace=False))
-        writer = _SampleWriter(Path(dump_dir) / SAMPLES_DIR, a.n_layer, a.n_embd, a.ffn_neurons,
-                               picks)  # fmt: skip
+        writer = _SampleWriter(
+            Path(dump_dir) / SAMPLES_DIR, a.n_layer, a.n_embd, a.ffn_neurons, picks
+        )
 
     dn = down_norms(model)
     if kind != KIND_RELU and thr is None:

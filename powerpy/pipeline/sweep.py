@@ -118,10 +118,14 @@ class SweepResult:
     def _repr_html_(self) -> str:
         rows = [("dense", "0.0%", f"{self.dense_ppl:.4f}", "-")]
         rows += [
-            (_setting(self.kind, p.setting), _html.pct(p.skipped), f"{p.ppl:.4f}",
-             f"{100 * p.increase:+.2f}%")
+            (
+                _setting(self.kind, p.setting),
+                _html.pct(p.skipped),
+                f"{p.ppl:.4f}",
+                f"{100 * p.increase:+.2f}%",
+            )
             for p in self.points
-        ]  # fmt: skip
+        ]
         head = _HEADS[self.kind]
         note = f"skipped at +3% perplexity: {_html.pct(self.skipped_at(0.03))}"
         title = f"{self.model}: perplexity vs skipped FFN neurons ({self.kind})"

@@ -83,10 +83,17 @@ class TrainReport:
         from powerpy import _html
 
         rows = [
-            (r.layer, r.hidden, f"{r.recall:.4f}", f"{r.precision:.4f}",
-             _html.pct(r.pred_active), _html.pct(r.true_active), r.epochs)
+            (
+                r.layer,
+                r.hidden,
+                f"{r.recall:.4f}",
+                f"{r.precision:.4f}",
+                _html.pct(r.pred_active),
+                _html.pct(r.true_active),
+                r.epochs,
+            )
             for r in self.layers
-        ]  # fmt: skip
+        ]
         s = self.summary()
         notes = []
         if s:

@@ -44,11 +44,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ATTN", "CAPACITY_MODES", "CATEGORY_ORDER", "DENSE_LEVELS", "FFN", "FFN_NORM", "GIB", "HOST",
-    "HOT_FFN", "KV", "KV_K", "KV_V", "OUTPUT", "PREDICTOR", "CapacityMode", "FfnLayout",
-    "OffloadEntry", "OffloadPlan", "budget_bytes", "capacity_exact", "capacity_upstream",
-    "classify_tensor", "hot_capacity", "kv_cache_bytes", "plan_offload",
-]  # fmt: skip
+    "ATTN",
+    "CAPACITY_MODES",
+    "CATEGORY_ORDER",
+    "DENSE_LEVELS",
+    "FFN",
+    "FFN_NORM",
+    "GIB",
+    "HOST",
+    "HOT_FFN",
+    "KV",
+    "KV_K",
+    "KV_V",
+    "OUTPUT",
+    "PREDICTOR",
+    "CapacityMode",
+    "FfnLayout",
+    "OffloadEntry",
+    "OffloadPlan",
+    "budget_bytes",
+    "capacity_exact",
+    "capacity_upstream",
+    "classify_tensor",
+    "hot_capacity",
+    "kv_cache_bytes",
+    "plan_offload",
+]
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -90,8 +90,10 @@ def stack_qkv(accel: Accelerator, blk: Block) -> None:
     views = [FusedWeight(qkv.raw.narrow(0, s, e - s), qkv.ggml_type, qkv.cols) for s, e in spans]
     if biased == {True}:
         bias = accel.adopt(torch.cat([p.bias for p in parts]))
-        views = [BiasedWeight(v, bias.narrow(0, s, e - s))
-                 for v, (s, e) in zip(views, spans, strict=True)]  # fmt: skip
+        views = [
+            BiasedWeight(v, bias.narrow(0, s, e - s))
+            for v, (s, e) in zip(views, spans, strict=True)
+        ]
         qkv = BiasedWeight(qkv, bias)
     blk.attn_q, blk.attn_k, blk.attn_v = views
     blk.attn_qkv = qkv
@@ -125,11 +127,23 @@ def expert_hot(accel: Accelerator, ex: Experts, bucket: Tensor) -> ExpertHot:
     per_expert = torch.bincount(experts, minlength=ex.n_expert)
     tau = None if ex.tau is None else accel.to_device(ex.tau[bucket])
     down_t = to_device(accel, DenseWeight(rows))
-    gate_b, up_b = (None if b is None else accel.to_device(b.reshape(-1)[bucket])
-                    for b in (ex.gate_b, ex.up_b))  # fmt: skip
-    return ExpertHot(bucket.numel(), gate, up, down_t, accel.to_device(bucket), cold,
-                     per_expert, tau, gate_b, up_b, accel.to_device(per_expert),
-                     int(cold.sum()))  # fmt: skip
+    gate_b, up_b = (
+        None if b is None else accel.to_device(b.reshape(-1)[bucket]) for b in (ex.gate_b, ex.up_b)
+    )
+    return ExpertHot(
+        bucket.numel(),
+        gate,
+        up,
+        down_t,
+        accel.to_device(bucket),
+        cold,
+        per_expert,
+        tau,
+        gate_b,
+        up_b,
+        accel.to_device(per_expert),
+        int(cold.sum()),
+    )
 
 
 _warned: set[GGMLType] = set()

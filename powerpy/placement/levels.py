@@ -6,9 +6,20 @@ from __future__ import annotations
 import re
 
 __all__ = [
-    "ATTN", "CATEGORY_ORDER", "DENSE_LEVELS", "FFN", "FFN_NORM", "HOST", "HOT_FFN", "KV", "KV_K",
-    "KV_V", "OUTPUT", "PREDICTOR", "classify_tensor",
-]  # fmt: skip
+    "ATTN",
+    "CATEGORY_ORDER",
+    "DENSE_LEVELS",
+    "FFN",
+    "FFN_NORM",
+    "HOST",
+    "HOT_FFN",
+    "KV",
+    "KV_K",
+    "KV_V",
+    "OUTPUT",
+    "PREDICTOR",
+    "classify_tensor",
+]
 
 # --- categories, in offload order (docs/architecture.md#dense-offload-order) ---------------------
 ATTN = "attn"  # attn_norm(_2), q, k, v, qkv, attn_output, rot_embd, q/k norms (+ biases)

@@ -74,10 +74,15 @@ def layer_rows(p: Any) -> list[tuple[str, int, str, int, str]]:
     """``(layer, hot neurons, share of neurons, bytes, coverage)`` per layer, then the total."""
     cov = p.coverage
     rows = [
-        (str(i), lp.k, _pct(lp.k, lp.n_ff), lp.hot_bytes,
-         f"{100 * cov[i]:.2f}%" if cov is not None else "-")
+        (
+            str(i),
+            lp.k,
+            _pct(lp.k, lp.n_ff),
+            lp.hot_bytes,
+            f"{100 * cov[i]:.2f}%" if cov is not None else "-",
+        )
         for i, lp in enumerate(p.layers)
-    ]  # fmt: skip
+    ]
     total_cov = f"{100 * p.total_coverage:.2f}%" if p.total_coverage is not None else "-"
     total = p.n_ff * p.n_layer
     rows.append(("total", p.n_hot, _pct(p.n_hot, total), p.hot_bytes, total_cov))

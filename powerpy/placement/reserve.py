@@ -89,8 +89,11 @@ def device_budget(budget: int, reserve: DeviceReserve, free_vram: int | None) ->
         logger.warning(
             "--vram-budget %s and the %s the device needs besides do not fit the %s free: "
             "placing %s",
-            _mib(budget), _mib(reserve.total), _mib(free_vram), _mib(fits),
-        )  # fmt: skip
+            _mib(budget),
+            _mib(reserve.total),
+            _mib(free_vram),
+            _mib(fits),
+        )
         line += f"; the budget was clamped to {_mib(fits)} ({_mib(free_vram)} free)"
         budget = fits
     return budget, line

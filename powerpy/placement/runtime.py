@@ -247,14 +247,18 @@ def build_hybrid(
     for blk in weights.blk:  # a placed router's biases go with it (the plan charges them)
         if blk.moe is not None and accel.holds(_storage(blk.moe.router)):
             blk.moe.routing = blk.moe.routing.moved(accel.to_device)
-            dense += sum(_nbytes(b) for b in (blk.moe.routing.probs_b, blk.moe.routing.router_b)
-                         if b is not None)  # fmt: skip
+            dense += sum(
+                _nbytes(b)
+                for b in (blk.moe.routing.probs_b, blk.moe.routing.router_b)
+                if b is not None
+            )
     for blk in weights.blk:
         stack_qkv(accel, blk)
     kv = None
     if placement.kv_on_gpu:
-        kv = KVPlacement(torch.float16 if placement.kv_elem_bytes == 2 else torch.float32,
-                         placement.n_ctx)  # fmt: skip  # positions of all sessions together
+        kv = KVPlacement(
+            torch.float16 if placement.kv_elem_bytes == 2 else torch.float32, placement.n_ctx
+        )  # positions of all sessions together
 
     hot_bytes = index_bytes = 0
     extra_host: list[Tensor] = []
@@ -267,14 +271,16 @@ def build_hybrid(
             hot_bytes += blk.moe.hot.device_bytes
             index_bytes += blk.moe.hot.index_bytes
             if accel.emulated:
-                extra_host += [m.storage for m in (blk.moe.hot.gate, blk.moe.hot.up,
-                                                   blk.moe.hot.down_t)]  # fmt: skip
+                extra_host += [
+                    m.storage for m in (blk.moe.hot.gate, blk.moe.hot.up, blk.moe.hot.down_t)
+                ]
             continue
         cold = torch.ones(a.n_ff, dtype=torch.bool)
         cold[bucket] = False
         # the accelerator moves the rows ("cpu": kept as copied)
-        gate, up, down_t, gate_up = hot_rows(accel, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t,
-                                              bucket)  # fmt: skip
+        gate, up, down_t, gate_up = hot_rows(
+            accel, blk.ffn_gate, blk.ffn_up, blk.ffn_down_t, bucket
+        )
         blk.hot = HotRows(
             lp.k,
             gate,

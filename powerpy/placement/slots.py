@@ -16,9 +16,17 @@ __all__ = ["get_slot", "set_slot", "weight_slots"]
 
 # DeepSeek-2's latent attention: GGUF base name -> its ``mla.Latent`` field (k_b and v_b are
 # per-head lists; a fused attn_kv_b fills both)
-_LATENT = {"attn_q": "q", "attn_q_a": "q_a", "attn_q_a_norm": "q_a_norm", "attn_q_b": "q_b",
-           "attn_kv_a_mqa": "kv_a", "attn_kv_a_norm": "kv_a_norm", "attn_k_b": ("k_b",),
-           "attn_v_b": ("v_b",), "attn_kv_b": ("k_b", "v_b")}  # fmt: skip
+_LATENT = {
+    "attn_q": "q",
+    "attn_q_a": "q_a",
+    "attn_q_a_norm": "q_a_norm",
+    "attn_q_b": "q_b",
+    "attn_kv_a_mqa": "kv_a",
+    "attn_kv_a_norm": "kv_a_norm",
+    "attn_k_b": ("k_b",),
+    "attn_v_b": ("v_b",),
+    "attn_kv_b": ("k_b", "v_b"),
+}
 
 
 def get_slot(obj: Any, attr: str | int) -> Any:

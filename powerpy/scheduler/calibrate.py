@@ -37,8 +37,10 @@ def time_decode(
     n_vocab = engine.args.n_vocab
     caches = [engine.new_cache(min(n_ctx, engine.args.n_ctx_train)) for _ in range(n)]
     picks = [greedy(-1 - i) for i in range(n)]  # a short distinct prompt per session
-    works = [Prefill(c, [(7 * i + j * 13 + 1) % n_vocab for j in range(8)], picks[i])
-             for i, c in enumerate(caches)]  # fmt: skip
+    works = [
+        Prefill(c, [(7 * i + j * 13 + 1) % n_vocab for j in range(8)], picks[i])
+        for i, c in enumerate(caches)
+    ]
     toks = [_token(d) for d in engine.prefill(works, opts)]
     dt = 0.0
     for step in range(steps + 1):  # the first step warms up

@@ -341,8 +341,9 @@ class Scheduler:
             start, last = s.cache.pos, len(chunk) == len(s.pending)
             score = None
             if req.prompt_logprobs:  # row i predicts the prompt's token at start + 1 + i
-                score = Score(tuple(req.prompt[start + 1 : start + 1 + len(chunk)]),
-                              req.logprobs or 0)  # fmt: skip
+                score = Score(
+                    tuple(req.prompt[start + 1 : start + 1 + len(chunk)]), req.logprobs or 0
+                )
             try:
                 draws = last and not (req.prompt_logprobs and s.budget <= 0)
                 pick = self._pick(s) if draws else None

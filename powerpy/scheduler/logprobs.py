@@ -47,8 +47,10 @@ def prompt_logprobs(logits: Tensor, next_ids: Sequence[int], k: int) -> list[Tok
     chosen = rows.gather(1, ids[:, None])[:, 0].tolist()
     if k > 0:
         values, top_ids = torch.topk(rows, min(k, rows.shape[1]), dim=-1)
-        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), values.tolist(),
-                                                               strict=True)]  # fmt: skip
+        tops = [
+            tuple(zip(i, v, strict=True))
+            for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)
+        ]
     else:
         tops = [()] * len(chosen)
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(next_ids, chosen, tops, strict=True)]

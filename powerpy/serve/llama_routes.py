@@ -114,8 +114,13 @@ async def completion(request: HTTPRequest):
                 if isinstance(ev, Delta):
                     tokens.extend(ev.tokens)
                     if ev.text or n_probs:
-                        out = {"content": ev.text, "tokens": list(ev.tokens), "stop": False,
-                               "id_slot": -1, "index": 0}  # fmt: skip
+                        out = {
+                            "content": ev.text,
+                            "tokens": list(ev.tokens),
+                            "stop": False,
+                            "id_slot": -1,
+                            "index": 0,
+                        }
                         if n_probs:
                             out["completion_probabilities"] = lp.llama(tok, ev.logprobs)
                         yield out

@@ -59,8 +59,9 @@ class _SchedulerCollector:
         )
         rows = s["decode_rows"] / s["decode_steps"] if s["decode_steps"] else 0.0
         yield GaugeMetricFamily("powerpy_decode_batch_size", "Mean tokens per decode forward", rows)
-        yield GaugeMetricFamily("powerpy_queue_depth", "Requests waiting for a slot",
-                                s["queue_depth"])  # fmt: skip
+        yield GaugeMetricFamily(
+            "powerpy_queue_depth", "Requests waiting for a slot", s["queue_depth"]
+        )
         yield GaugeMetricFamily("powerpy_slots_busy", "Slots running a request", s["slots_busy"])
         yield GaugeMetricFamily("powerpy_slots_total", "Session slots", s["slots_total"])
         if s["active_fraction"] is not None:

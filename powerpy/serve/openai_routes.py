@@ -279,8 +279,9 @@ async def chat_completions(request: HTTPRequest):
     grammar = await response_grammar(svc, body.response_format)
     if plan is not None:
         if grammar is not None and plan.forced:
-            raise bad_request("a forced tool call and a response_format exclude each other",
-                              param="tool_choice")  # fmt: skip
+            raise bad_request(
+                "a forced tool call and a response_format exclude each other", param="tool_choice"
+            )
         forced, lazy = plan.grammar(tok), plan.lazy(tok)
         if forced is not None:
             grammar = await svc.grammar(*forced, param="tools")
@@ -364,8 +365,14 @@ async def chat_completions(request: HTTPRequest):
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 reason = "tool_calls"
-        choices.append({"index": i, "message": message, "logprobs": logprobs_of(c.logprobs),
-                        "finish_reason": reason})  # fmt: skip
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": logprobs_of(c.logprobs),
+                "finish_reason": reason,
+            }
+        )
     return JSONResponse(
         {**chunk(choices, "chat.completion"), "usage": usage([c.final for c in results], n)}
     )
@@ -374,8 +381,13 @@ async def chat_completions(request: HTTPRequest):
 # ----------------------------------------------------------------------------------- models
 def model_card(svc: Service) -> dict[str, Any]:
     c = svc.config
-    return {"id": c.model_id, "object": "model", "created": c.created, "owned_by": "powerpy",
-            "meta": c.info}  # fmt: skip
+    return {
+        "id": c.model_id,
+        "object": "model",
+        "created": c.created,
+        "owned_by": "powerpy",
+        "meta": c.info,
+    }
 
 
 @router.get("/v1/models")

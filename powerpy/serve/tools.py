@@ -107,15 +107,18 @@ def plan(tools: list[Any] | None, choice: Any, template: str | None) -> ToolPlan
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise bad_request(f"tools.{i}: expected {{'type': 'function', 'function': {{...}}}}",
-                              param=f"tools.{i}")  # fmt: skip
+            raise bad_request(
+                f"tools.{i}: expected {{'type': 'function', 'function': {{...}}}}",
+                param=f"tools.{i}",
+            )
         name = fn.get("name")
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
             raise bad_request(f"tools.{i}: a function needs a name", param=f"tools.{i}")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise bad_request(f"tools.{i}: parameters must be a JSON schema object",
-                              param=f"tools.{i}")  # fmt: skip
+            raise bad_request(
+                f"tools.{i}: parameters must be a JSON schema object", param=f"tools.{i}"
+            )
         functions[name] = fn
     choice = "auto" if choice is None else choice
     if choice == "none":
@@ -127,8 +130,9 @@ def plan(tools: list[Any] | None, choice: Any, template: str | None) -> ToolPlan
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in functions:
-            raise bad_request(f"tool_choice names {name!r}, which is not among the tools",
-                              param="tool_choice")  # fmt: skip
+            raise bad_request(
+                f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+            )
         forced = [name]
     else:
         raise bad_request(
@@ -179,11 +183,16 @@ def parse(text: str, style: str) -> tuple[str | None, list[dict[str, Any]]]:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return text, []
         args = obj.get("arguments", {})
-        calls.append({
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
-        })  # fmt: skip
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": json.dumps(args, ensure_ascii=False),
+                },
+            }
+        )
     if not calls:
         return text, []
     return rest or None, calls

@@ -65,8 +65,10 @@ def write_moe_model(
         raise ValueError("write_moe_model needs a spec with experts (n_expert > 0)")
     kv = spec_args(spec, sparse=False).to_gguf_kv(name="powerpy-synthetic-moe") | vocab_kv()
     rows = tensor_table(spec, sparse=False)
-    table = [(name, shape, _type(name, shape, kind, dtype, experts or dtype))
-             for name, shape, kind in rows]  # fmt: skip
+    table = [
+        (name, shape, _type(name, shape, kind, dtype, experts or dtype))
+        for name, shape, kind in rows
+    ]
     with GGUFStreamWriter(path, kv, table) as w:
         for i, ((name, shape, kind), (_, _, t)) in enumerate(zip(rows, table, strict=True)):
             a = _encoded(_values(shape, kind, np.random.default_rng([seed, i])), t)
@@ -77,9 +79,11 @@ def write_moe_model(
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="write a synthetic mixture-of-experts GGUF")
     ap.add_argument("output")
-    ap.add_argument("--arch", default="llama",
-                    choices=("llama", "qwen3moe", "qwen2moe", "glm4moe", "deepseek2",
-                             "gpt-oss"))  # fmt: skip
+    ap.add_argument(
+        "--arch",
+        default="llama",
+        choices=("llama", "qwen3moe", "qwen2moe", "glm4moe", "deepseek2", "gpt-oss"),
+    )
     ap.add_argument("--n-embd", type=int, default=1024)
     ap.add_argument("--n-layer", type=int, default=8)
     ap.add_argument("--n-head", type=int, default=16)
@@ -87,37 +91,71 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n-ff", type=int, default=1024, help="each expert's FFN width")
     ap.add_argument("--n-expert", type=int, default=8)
     ap.add_argument("--n-expert-used", type=int, default=2)
-    ap.add_argument("--n-ff-shexp", type=int, default=0, help="qwen2moe: the shared expert's "
-                    "FFN width (0: --n-ff)")  # fmt: skip
-    ap.add_argument("--n-ff-dense", type=int, default=0, help="glm4moe, deepseek2: the leading "
-                    "dense layers' FFN width (0: 4 · --n-ff)")  # fmt: skip
-    ap.add_argument("--n-layer-dense", type=int, default=0, help="glm4moe, deepseek2: leading "
-                    "dense layers")  # fmt: skip
+    ap.add_argument(
+        "--n-ff-shexp",
+        type=int,
+        default=0,
+        help="qwen2moe: the shared expert's FFN width (0: --n-ff)",
+    )
+    ap.add_argument(
+        "--n-ff-dense",
+        type=int,
+        default=0,
+        help="glm4moe, deepseek2: the leading dense layers' FFN width (0: 4 · --n-ff)",
+    )
+    ap.add_argument(
+        "--n-layer-dense", type=int, default=0, help="glm4moe, deepseek2: leading dense layers"
+    )
     ap.add_argument("--head-dim", type=int, default=0, help="the head size (0: n_embd / n_head)")
     ap.add_argument("--n-rot", type=int, default=0, help="rotated dims per head (0: all)")
     ap.add_argument("--kv-lora-rank", type=int, default=512, help="deepseek2: the latent")
-    ap.add_argument("--q-lora-rank", type=int, default=0, help="deepseek2: q's low rank (0: a "
-                    "plain attn_q)")  # fmt: skip
+    ap.add_argument(
+        "--q-lora-rank", type=int, default=0, help="deepseek2: q's low rank (0: a plain attn_q)"
+    )
     ap.add_argument("--dtype", default="q8_0", choices=("f32", "f16", "q8_0", "q4_0"))
-    ap.add_argument("--experts-dtype", default=None, choices=("f16", "q8_0", "q4_0", "mxfp4"),
-                    help="the experts' stacks (default: --dtype)")  # fmt: skip
-    ap.add_argument("--sliding-window", type=int, default=128, help="gpt-oss: the window of "
-                    "its even layers")  # fmt: skip
+    ap.add_argument(
+        "--experts-dtype",
+        default=None,
+        choices=("f16", "q8_0", "q4_0", "mxfp4"),
+        help="the experts' stacks (default: --dtype)",
+    )
+    ap.add_argument(
+        "--sliding-window", type=int, default=128, help="gpt-oss: the window of its even layers"
+    )
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    experts = dict(n_expert=a.n_expert, n_expert_used=a.n_expert_used, n_ff_exp=a.n_ff,
-                   n_ff_shexp=a.n_ff_shexp, n_layer_dense=a.n_layer_dense)  # fmt: skip
+    experts = dict(
+        n_expert=a.n_expert,
+        n_expert_used=a.n_expert_used,
+        n_ff_exp=a.n_ff,
+        n_ff_shexp=a.n_ff_shexp,
+        n_layer_dense=a.n_layer_dense,
+    )
     n_ff = a.n_ff_dense or (4 * a.n_ff if a.n_layer_dense else a.n_ff)
     head = a.head_dim or a.n_embd // a.n_head
     extra: dict = {"key_length": a.head_dim, "n_rot": a.n_rot}
     if a.arch == "deepseek2":  # MLA heads: the head size of q·k (n_rot of it turned), v's too
         n_rot = a.n_rot or 64
-        extra = dict(n_rot=n_rot, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
-                     key_length_mla=head + n_rot, value_length_mla=head)  # fmt: skip
+        extra = dict(
+            n_rot=n_rot,
+            q_lora_rank=a.q_lora_rank,
+            kv_lora_rank=a.kv_lora_rank,
+            key_length_mla=head + n_rot,
+            value_length_mla=head,
+        )
     if a.arch == "gpt-oss":
         extra["sliding_window"] = a.sliding_window
-    spec = TinySpec(a.n_embd, a.n_layer, n_ff, a.n_head, a.n_head_kv, arch=a.arch, n_ctx=4096,
-                    **experts, **extra)  # fmt: skip
+    spec = TinySpec(
+        a.n_embd,
+        a.n_layer,
+        n_ff,
+        a.n_head,
+        a.n_head_kv,
+        arch=a.arch,
+        n_ctx=4096,
+        **experts,
+        **extra,
+    )
     ex = GGMLType[a.experts_dtype.upper()] if a.experts_dtype else None
     write_moe_model(a.output, spec, GGMLType[a.dtype.upper()], experts=ex, seed=a.seed)
 

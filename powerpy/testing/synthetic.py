@@ -89,11 +89,35 @@ from powerpy.testing.tiny import TinySpec, encode_array, spec_args, vocab_kv
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "ARCH_SHAPES", "ARCHS", "C", "DTYPES", "FALCON_SHAPES", "FILE_TYPE", "LN_EPS", "Neurons",
-    "OPT_SHAPES", "Plan", "RMS_EPS", "SHAPES", "SIGMA_E", "SIGMA_P", "Shape", "TIED_OUTPUT",
-    "encode", "generate", "key_values", "layer_norm", "layer_table", "neurons", "plan_for",
-    "rms_norm", "scaled_to", "target_probs", "tensor_infos", "write_synthetic_model",
-]  # fmt: skip
+    "ARCH_SHAPES",
+    "ARCHS",
+    "C",
+    "DTYPES",
+    "FALCON_SHAPES",
+    "FILE_TYPE",
+    "LN_EPS",
+    "Neurons",
+    "OPT_SHAPES",
+    "Plan",
+    "RMS_EPS",
+    "SHAPES",
+    "SIGMA_E",
+    "SIGMA_P",
+    "Shape",
+    "TIED_OUTPUT",
+    "encode",
+    "generate",
+    "key_values",
+    "layer_norm",
+    "layer_table",
+    "neurons",
+    "plan_for",
+    "rms_norm",
+    "scaled_to",
+    "target_probs",
+    "tensor_infos",
+    "write_synthetic_model",
+]
 
 
 SHAPES = {
@@ -129,8 +153,9 @@ def encode(w: torch.Tensor, ggml_type: GGMLType) -> np.ndarray:
 def key_values(plan: Plan, name: str, threshold: float | None) -> dict:
     """The file's key/values (``ModelArgs.to_gguf_kv``, the byte vocabulary, file type)."""
     s, fam = plan.shape, family(plan.arch)
-    spec = TinySpec(s.n_embd, s.n_layer, s.n_ff, s.n_head, s.n_head_kv, s.hidden, n_ctx=s.n_ctx,
-                    arch=plan.arch)  # fmt: skip
+    spec = TinySpec(
+        s.n_embd, s.n_layer, s.n_ff, s.n_head, s.n_head_kv, s.hidden, n_ctx=s.n_ctx, arch=plan.arch
+    )
     kv = spec_args(spec, s.n_vocab).to_gguf_kv(name=name)  # the family's sparse FFN
     if fam.rope is Rope.LEARNED:  # no rotation: no RoPE keys
         for key in (Keys.ROPE_DIMENSION_COUNT, Keys.ROPE_FREQ_BASE):
@@ -228,8 +253,16 @@ def write_synthetic_model(
         raise ValueError(f"{out}: needs {total / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free")
     log.info(
         "%s %s %s: %d layers, n_embd %d, n_ff %d, H %d, %.2f GiB -> %s",
-        arch, shape_name, dtype, s.n_layer, s.n_embd, s.n_ff, s.hidden, total / 2**30, out,
-    )  # fmt: skip
+        arch,
+        shape_name,
+        dtype,
+        s.n_layer,
+        s.n_embd,
+        s.n_ff,
+        s.hidden,
+        total / 2**30,
+        out,
+    )
 
     prefix = "powerpy-synthetic" if arch == "llama" else f"powerpy-synthetic-{arch}"
     name = f"{prefix}-{shape_name}-{dtype}"

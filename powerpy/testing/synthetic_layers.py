@@ -105,8 +105,13 @@ def layer_table(plan: Plan, l: int) -> list[tuple[str, str, tuple[int, ...], GGM
     fc2) with ".bias" added for a bias. Required biases are written, optional ones are not."""
     fam, s = family(plan.arch), plan.shape
     gqa = s.n_embd // s.n_head * s.n_head_kv
-    dims = {"n_embd": s.n_embd, "n_ff": s.n_ff, "n_embd_gqa": gqa, "n_embd_q": s.n_embd,
-            "n_embd_qkv": s.n_embd + 2 * gqa}  # fmt: skip
+    dims = {
+        "n_embd": s.n_embd,
+        "n_ff": s.n_ff,
+        "n_embd_gqa": gqa,
+        "n_embd_q": s.n_embd,
+        "n_embd_qkv": s.n_embd + 2 * gqa,
+    }
     out: list[tuple[str, str, tuple[int, ...], GGMLType]] = []
 
     def add(key: str, template: str, shape: tuple[int, ...], ggml_type: GGMLType, bias: str):
@@ -355,8 +360,14 @@ def generate(
         log.info(
             "layer %3d: predicted active %.3f (target %.3f), true active %.3f, recall %.3f, "
             "residual rms %.2f  [%.0f s]",
-            l, pred, active, true, recall, float(X[:, 1:].pow(2).mean().sqrt()), time.time() - t0,
-        )  # fmt: skip
+            l,
+            pred,
+            active,
+            true,
+            recall,
+            float(X[:, 1:].pow(2).mean().sqrt()),
+            time.time() - t0,
+        )
     yield Names.OUTPUT_NORM, 1.0 + 0.1 * torch.randn(d, generator=gen)
     if fam.output_norm_bias:
         yield bias_name(Names.OUTPUT_NORM), 0.1 * torch.randn(d, generator=gen)

@@ -164,9 +164,13 @@ def spec_args(spec: TinySpec, n_vocab: int | None = None, *, sparse: bool = True
     mla = {}
     if fam.attention == "mla":  # one cache head of the latent and the RoPE dims
         head_dim = spec.kv_lora_rank + spec.n_rot
-        mla = dict(q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank,
-                   key_length_mla=spec.key_length_mla, value_length_mla=spec.value_length_mla,
-                   kv_b=spec.kv_b)  # fmt: skip
+        mla = dict(
+            q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank,
+            key_length_mla=spec.key_length_mla,
+            value_length_mla=spec.value_length_mla,
+            kv_b=spec.kv_b,
+        )
     return ModelArgs(
         arch=spec.arch,
         n_vocab=n_vocab or spec.n_vocab,

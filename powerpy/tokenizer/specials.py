@@ -59,39 +59,96 @@ HIDDEN_ATTRS = TokenAttr.CONTROL | TokenAttr.UNKNOWN  # not rendered unless aske
 
 # --- token texts llama.cpp recognises by name -----------------------------------------------------
 EOT_TEXTS = (
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<EOT>", "_<EOT>", "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>",
-)  # fmt: skip
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    "<end_of_utterance>",
+)
 EOM_TEXTS = ("<|eom_id|>",)
 FIM_TEXTS = {
     "fim_pre": (
-        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
-        "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>",
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<\uff5cfim\u2581begin\uff5c>",
+        "<PRE>",
+        "\u2581<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
     ),
     "fim_suf": (
-        "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
-        "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>",
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<\uff5cfim\u2581hole\uff5c>",
+        "<SUF>",
+        "\u2581<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
     ),
     "fim_mid": (
-        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
-        "\u2581<MID>", "<|code_middle|>", "<|middle|>",
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<\uff5cfim\u2581end\uff5c>",
+        "<MID>",
+        "\u2581<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
     ),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
-}  # fmt: skip
-EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
-})  # fmt: skip
+}
+EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",
+        "[e~[",
+    }
+)
 ROLE_KEYS = {
-    "bos": Keys.BOS_ID, "eos": Keys.EOS_ID, "eot": Keys.EOT_ID, "eom": Keys.EOM_ID,
-    "unk": Keys.UNK_ID, "sep": Keys.SEP_ID, "pad": Keys.PAD_ID, "mask": Keys.MASK_ID,
-    "fim_pre": Keys.FIM_PRE_ID, "fim_suf": Keys.FIM_SUF_ID, "fim_mid": Keys.FIM_MID_ID,
-    "fim_pad": Keys.FIM_PAD_ID, "fim_rep": Keys.FIM_REP_ID, "fim_sep": Keys.FIM_SEP_ID,
-}  # fmt: skip
+    "bos": Keys.BOS_ID,
+    "eos": Keys.EOS_ID,
+    "eot": Keys.EOT_ID,
+    "eom": Keys.EOM_ID,
+    "unk": Keys.UNK_ID,
+    "sep": Keys.SEP_ID,
+    "pad": Keys.PAD_ID,
+    "mask": Keys.MASK_ID,
+    "fim_pre": Keys.FIM_PRE_ID,
+    "fim_suf": Keys.FIM_SUF_ID,
+    "fim_mid": Keys.FIM_MID_ID,
+    "fim_pad": Keys.FIM_PAD_ID,
+    "fim_rep": Keys.FIM_REP_ID,
+    "fim_sep": Keys.FIM_SEP_ID,
+}
 ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 
 

@@ -26,7 +26,7 @@ from powerpy.testing.fuzz.files import (
     Tensor,
     mutation,
     pick,
-)  # fmt: skip
+)
 
 F32 = GGMLType.F32
 
@@ -175,10 +175,17 @@ def layer_norm_eps(d: Draft, rng: np.random.Generator) -> str:
     if kind == 1:
         d.kv[key] = pick(
             rng,
-            (("1e-5", V.STRING), ([1e-5, 1e-5], V.ARRAY, V.FLOAT32), ([], V.ARRAY, V.FLOAT32),
-             (True, V.BOOL), (0, V.UINT32), (1, V.INT32), (1e-5, V.FLOAT64), ([1e-5], V.ARRAY,
-             V.FLOAT32)),
-        )  # fmt: skip
+            (
+                ("1e-5", V.STRING),
+                ([1e-5, 1e-5], V.ARRAY, V.FLOAT32),
+                ([], V.ARRAY, V.FLOAT32),
+                (True, V.BOOL),
+                (0, V.UINT32),
+                (1, V.INT32),
+                (1e-5, V.FLOAT64),
+                ([1e-5], V.ARRAY, V.FLOAT32),
+            ),
+        )
     else:
         d.kv[key] = (pick(rng, FLOATS), pick(rng, (V.FLOAT32, V.FLOAT64)))
     return f"{key} = {d.kv[key][:2]!r:.60}"

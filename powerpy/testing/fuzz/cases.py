@@ -42,7 +42,7 @@ from powerpy.testing.fuzz.files import (
     base_draft,
     pick,
     write_draft,
-)  # fmt: skip
+)
 from powerpy.testing.fuzz.latent import LATENT_SEEDS
 from powerpy.testing.fuzz.oss import OSS_SEEDS
 from powerpy.testing.fuzz.routing import ROUTING_SEEDS
@@ -52,9 +52,12 @@ from powerpy.testing.fuzz.windowed import WINDOWED_SEED_ARCHS, WINDOWED_SEED_CAS
 _MORE_MOE = {**ROUTING_SEEDS, **LATENT_SEEDS, **OSS_SEEDS}  # name -> (arch, fn)
 ROUTING_SEED_CASES = {name: ("moe", fn) for name, (_, fn) in _MORE_MOE.items()}
 SEED_CASES = {
-    **SIDE_SEED_CASES, **ARCH_SEED_CASES, **WINDOWED_SEED_CASES, **MOE_SEED_CASES,
+    **SIDE_SEED_CASES,
+    **ARCH_SEED_CASES,
+    **WINDOWED_SEED_CASES,
+    **MOE_SEED_CASES,
     **ROUTING_SEED_CASES,
-}  # fmt: skip
+}
 SEED_MOE = {**SEED_MOE_ARCHS, **{name: arch for name, (arch, _) in _MORE_MOE.items()}}
 SEED_DRAFTS = {**SEED_ARCHS, **WINDOWED_SEED_ARCHS}  # name -> (arch, draft seed)
 
@@ -212,7 +215,19 @@ def families() -> dict[str, list[str]]:
 
 
 __all__ = [
-    "BUDGET_GIB", "FAMILIES", "MUTATIONS", "OUTCOMES", "SEED_CASES", "GeneratorError", "Prepared",
-    "arch_draft", "base_draft", "families", "finish", "prepare", "prepare_seed_case", "run",
+    "BUDGET_GIB",
+    "FAMILIES",
+    "MUTATIONS",
+    "OUTCOMES",
+    "SEED_CASES",
+    "GeneratorError",
+    "Prepared",
+    "arch_draft",
+    "base_draft",
+    "families",
+    "finish",
+    "prepare",
+    "prepare_seed_case",
+    "run",
     "run_case",
-]  # fmt: skip
+]

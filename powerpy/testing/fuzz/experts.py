@@ -25,31 +25,85 @@ from powerpy.testing.fuzz.files import (
     Tensor,
     mutation,
     pick,
-)  # fmt: skip
+)
 from powerpy.testing.tiny import spec_args
 
 MOE_ARCHS = ("llama", "qwen3moe", "qwen2moe", "glm4moe", "deepseek2", "gpt-oss")
 MOE_SPECS = {
-    "llama": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
-                      n_expert_used=2),
-    "qwen3moe": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
-                         n_expert_used=2, n_ff_exp=32, arch="qwen3moe"),
-    "qwen2moe": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
-                         n_expert_used=2, n_ff_exp=32, n_ff_shexp=48, arch="qwen2moe"),
+    "llama": TinySpec(
+        n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4, n_expert_used=2
+    ),
+    "qwen3moe": TinySpec(
+        n_embd=32,
+        n_layer=2,
+        n_ff=64,
+        n_head=4,
+        n_head_kv=2,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_exp=32,
+        arch="qwen3moe",
+    ),
+    "qwen2moe": TinySpec(
+        n_embd=32,
+        n_layer=2,
+        n_ff=64,
+        n_head=4,
+        n_head_kv=2,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_exp=32,
+        n_ff_shexp=48,
+        arch="qwen2moe",
+    ),
     # a leading dense layer, then two MoE layers, and a NextN layer
-    "glm4moe": TinySpec(n_embd=32, n_layer=3, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
-                        n_expert_used=2, n_ff_exp=32, arch="glm4moe", n_layer_dense=1,
-                        n_nextn=1, n_rot=4, biases=True),
+    "glm4moe": TinySpec(
+        n_embd=32,
+        n_layer=3,
+        n_ff=64,
+        n_head=4,
+        n_head_kv=2,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_exp=32,
+        arch="glm4moe",
+        n_layer_dense=1,
+        n_nextn=1,
+        n_rot=4,
+        biases=True,
+    ),
     # the latent attention (q's low rank, attn_k_b/attn_v_b), a leading dense layer
-    "deepseek2": TinySpec(n_embd=32, n_layer=3, n_ff=64, n_head=2, n_expert=4, n_expert_used=2,
-                          n_ff_exp=32, arch="deepseek2", n_layer_dense=1, n_rot=8,
-                          q_lora_rank=16, kv_lora_rank=16, key_length_mla=24,
-                          value_length_mla=16),
+    "deepseek2": TinySpec(
+        n_embd=32,
+        n_layer=3,
+        n_ff=64,
+        n_head=2,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_exp=32,
+        arch="deepseek2",
+        n_layer_dense=1,
+        n_rot=8,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        key_length_mla=24,
+        value_length_mla=16,
+    ),
     # biases on attention and experts, sinks, a window of 4 on layer 0, q wider than n_embd
-    "gpt-oss": TinySpec(n_embd=32, n_layer=2, n_ff=64, n_head=4, n_head_kv=2, n_expert=4,
-                        n_expert_used=2, n_ff_exp=32, arch="gpt-oss", sliding_window=4,
-                        key_length=16),
-}  # fmt: skip
+    "gpt-oss": TinySpec(
+        n_embd=32,
+        n_layer=2,
+        n_ff=64,
+        n_head=4,
+        n_head_kv=2,
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_exp=32,
+        arch="gpt-oss",
+        sliding_window=4,
+        key_length=16,
+    ),
+}
 SHARED = (Names.FFN_GATE_INP_SHEXP, Names.FFN_GATE_SHEXP, Names.FFN_UP_SHEXP, Names.FFN_DOWN_SHEXP)
 STACKS = (Names.FFN_GATE_EXPS, Names.FFN_UP_EXPS, Names.FFN_DOWN_EXPS)
 F32, Q8_0 = GGMLType.F32, GGMLType.Q8_0
@@ -113,9 +167,18 @@ def _f32(t: Tensor) -> np.ndarray:
 def expert_count(d: Draft, rng: np.random.Generator) -> str:
     """expert_count 0, 1, one more or less, huge, negative, or not an integer."""
     n = MOE_SPECS[d.arch].n_expert
-    spec = pick(rng, [(v, V.UINT32) for v in (0, 1, n - 1, n + 1, 2 * n)]
-                + [(pick(rng, INTS), V.UINT64), (pick(rng, SIGNED), V.INT32), ("4", V.STRING),
-                   (4.0, V.FLOAT32), ([4, 4], V.ARRAY, V.INT32), (True, V.BOOL)])  # fmt: skip
+    spec = pick(
+        rng,
+        [(v, V.UINT32) for v in (0, 1, n - 1, n + 1, 2 * n)]
+        + [
+            (pick(rng, INTS), V.UINT64),
+            (pick(rng, SIGNED), V.INT32),
+            ("4", V.STRING),
+            (4.0, V.FLOAT32),
+            ([4, 4], V.ARRAY, V.INT32),
+            (True, V.BOOL),
+        ],
+    )
     d.kv[d.key(Keys.EXPERT_COUNT)] = spec
     return f"expert_count = {spec[0]!r}"
 
@@ -129,8 +192,17 @@ def expert_used_count(d: Draft, rng: np.random.Generator) -> str:
     if choice == 0:
         del d.kv[key]
         return "no expert_used_count"
-    spec = pick(rng, [(0, V.UINT32), (4, V.UINT32), (5, V.UINT32), (pick(rng, INTS), V.UINT64),
-                      (pick(rng, SIGNED), V.INT32), (2.5, V.FLOAT32)])  # fmt: skip
+    spec = pick(
+        rng,
+        [
+            (0, V.UINT32),
+            (4, V.UINT32),
+            (5, V.UINT32),
+            (pick(rng, INTS), V.UINT64),
+            (pick(rng, SIGNED), V.INT32),
+            (2.5, V.FLOAT32),
+        ],
+    )
     d.kv[key] = spec
     return f"expert_used_count = {spec[0]!r}"
 

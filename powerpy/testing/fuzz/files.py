@@ -21,9 +21,17 @@ from powerpy.formats.gguf_writer import write_gguf
 from powerpy.testing import BYTE_VOCAB, TinySpec, tiny_kv, tiny_tensors
 
 FAMILIES = (
-    "kv", "hparams", "tokenizer", "tensors", "alignment", "predictor", "gpuidx", "stats", "arch",
+    "kv",
+    "hparams",
+    "tokenizer",
+    "tensors",
+    "alignment",
+    "predictor",
+    "gpuidx",
+    "stats",
+    "arch",
     "moe",
-)  # fmt: skip
+)
 # the families that mutate the model file itself (a second mutation on top is drawn from these)
 MODEL_FAMILIES = ("kv", "hparams", "tokenizer", "tensors", "alignment", "predictor")
 ARCHS = ("falcon", "opt")  # the families of ``arch_draft`` built by ``synthetic``
@@ -110,8 +118,16 @@ def arch_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
     from powerpy.testing import synthetic
 
     n_kv = {"falcon": 1 if seed % 2 == 0 else SPEC.n_head_kv, "opt": SPEC.n_head}[arch]
-    shape = synthetic.Shape(SPEC.n_embd, SPEC.n_ff, SPEC.n_layer, SPEC.n_head, n_kv, SPEC.n_ctx,
-                            len(BYTE_VOCAB), SPEC.n_pred_hidden)  # fmt: skip
+    shape = synthetic.Shape(
+        SPEC.n_embd,
+        SPEC.n_ff,
+        SPEC.n_layer,
+        SPEC.n_head,
+        n_kv,
+        SPEC.n_ctx,
+        len(BYTE_VOCAB),
+        SPEC.n_pred_hidden,
+    )
     f32 = GGMLType.F32
     plan = synthetic.Plan(shape, f32, f32, f32, arch)
     kv = synthetic.key_values(plan, f"powerpy-fuzz-{arch}", 0.0 if sparse else None)
@@ -206,8 +222,12 @@ def write_draft(path: Path, d: Draft) -> None:
     """Write ``d`` with ``write_gguf``, or as raw bytes when it must or the writer refuses it."""
     if not d.raw:
         try:
-            write_gguf(path, d.kv, [(t.name, t.data, t.ggml_type, t.shape) for t in d.tensors],
-                       magic=b"PWRI" if d.sparse else b"GGUF")  # fmt: skip
+            write_gguf(
+                path,
+                d.kv,
+                [(t.name, t.data, t.ggml_type, t.shape) for t in d.tensors],
+                magic=b"PWRI" if d.sparse else b"GGUF",
+            )
         except ValueError:  # the writer refuses the mutation: write the bytes ourselves
             write_raw(path, d)
     else:
@@ -218,9 +238,16 @@ def write_draft(path: Path, d: Draft) -> None:
 
 
 # --- shared value pools ---------------------------------------------------------------------------
-HP_KEYS = (Keys.EMBEDDING_LENGTH, Keys.BLOCK_COUNT, Keys.FEED_FORWARD_LENGTH,
-           Keys.HEAD_COUNT, Keys.HEAD_COUNT_KV, Keys.ROPE_DIMENSION_COUNT,
-           Keys.CONTEXT_LENGTH, Keys.VOCAB_SIZE)  # fmt: skip
+HP_KEYS = (
+    Keys.EMBEDDING_LENGTH,
+    Keys.BLOCK_COUNT,
+    Keys.FEED_FORWARD_LENGTH,
+    Keys.HEAD_COUNT,
+    Keys.HEAD_COUNT_KV,
+    Keys.ROPE_DIMENSION_COUNT,
+    Keys.CONTEXT_LENGTH,
+    Keys.VOCAB_SIZE,
+)
 FLOAT_KEYS = (Keys.ROPE_FREQ_BASE, Keys.RMS_EPS)
 SPECIAL_KEYS = (Keys.BOS_ID, Keys.EOS_ID, Keys.UNK_ID, Keys.PAD_ID, Keys.EOT_ID)
 FLAG_KEYS = (Keys.ADD_BOS, Keys.ADD_EOS, Keys.ADD_SPACE_PREFIX)

@@ -23,13 +23,31 @@ from powerpy.testing.fuzz.experts import (
 )
 from powerpy.testing.fuzz.files import FLOATS, INTS, SIGNED, Draft, Tensor, mutation, pick
 
-LATENT_KEYS = (Keys.Q_LORA_RANK, Keys.KV_LORA_RANK, Keys.KEY_LENGTH_MLA, Keys.VALUE_LENGTH_MLA,
-               Keys.ROPE_DIMENSION_COUNT)  # fmt: skip
-LATENT = (Names.ATTN_Q_A, Names.ATTN_Q_A_NORM, Names.ATTN_Q_B, Names.ATTN_KV_A_MQA,
-          Names.ATTN_KV_A_NORM, Names.ATTN_K_B, Names.ATTN_V_B, Names.ATTN_OUTPUT)  # fmt: skip
-YARN_KEYS = (Keys.ROPE_SCALING_FACTOR, Keys.ROPE_SCALING_YARN_EXT_FACTOR,
-             Keys.ROPE_SCALING_YARN_BETA_FAST, Keys.ROPE_SCALING_YARN_BETA_SLOW,
-             Keys.ROPE_SCALING_YARN_LOG_MUL, Keys.ROPE_SCALING_ORIG_CTX)  # fmt: skip
+LATENT_KEYS = (
+    Keys.Q_LORA_RANK,
+    Keys.KV_LORA_RANK,
+    Keys.KEY_LENGTH_MLA,
+    Keys.VALUE_LENGTH_MLA,
+    Keys.ROPE_DIMENSION_COUNT,
+)
+LATENT = (
+    Names.ATTN_Q_A,
+    Names.ATTN_Q_A_NORM,
+    Names.ATTN_Q_B,
+    Names.ATTN_KV_A_MQA,
+    Names.ATTN_KV_A_NORM,
+    Names.ATTN_K_B,
+    Names.ATTN_V_B,
+    Names.ATTN_OUTPUT,
+)
+YARN_KEYS = (
+    Keys.ROPE_SCALING_FACTOR,
+    Keys.ROPE_SCALING_YARN_EXT_FACTOR,
+    Keys.ROPE_SCALING_YARN_BETA_FAST,
+    Keys.ROPE_SCALING_YARN_BETA_SLOW,
+    Keys.ROPE_SCALING_YARN_LOG_MUL,
+    Keys.ROPE_SCALING_ORIG_CTX,
+)
 
 
 @mutation("moe")
@@ -38,9 +56,19 @@ def latent_keys(d: Draft, rng: np.random.Generator) -> str:
     """A latent rank or head width 0, smaller than the RoPE dims, another width, huge,
     negative, not an integer, or gone."""
     key = pick(rng, LATENT_KEYS)
-    spec = pick(rng, [(0, V.UINT32), (4, V.UINT32), (8, V.UINT32), (24, V.UINT32),
-                      (pick(rng, INTS), V.UINT64), (pick(rng, SIGNED), V.INT32),
-                      (16.0, V.FLOAT32), None])  # fmt: skip
+    spec = pick(
+        rng,
+        [
+            (0, V.UINT32),
+            (4, V.UINT32),
+            (8, V.UINT32),
+            (24, V.UINT32),
+            (pick(rng, INTS), V.UINT64),
+            (pick(rng, SIGNED), V.INT32),
+            (16.0, V.FLOAT32),
+            None,
+        ],
+    )
     return put_key(d, key, spec)
 
 

@@ -26,7 +26,7 @@ from powerpy.testing.fuzz.files import (
     mutation,
     pick,
     scalar_key,
-)  # fmt: skip
+)
 
 
 # --- kv: value types ------------------------------------------------------------------------------
@@ -87,8 +87,15 @@ def drop_key(d: Draft, rng: np.random.Generator) -> str:
 @mutation("kv")
 def extra_key(d: Draft, rng: np.random.Generator) -> str:
     """An optional key added with a random value of any type."""
-    keys = (Keys.ALIGNMENT, d.key(Keys.VOCAB_SIZE), Keys.SPARSE_ACTIVATION, Keys.CHAT_TEMPLATE,
-            Keys.MERGES, Keys.TOKENIZER_PRE, "llama.rope.scaling.type")  # fmt: skip
+    keys = (
+        Keys.ALIGNMENT,
+        d.key(Keys.VOCAB_SIZE),
+        Keys.SPARSE_ACTIVATION,
+        Keys.CHAT_TEMPLATE,
+        Keys.MERGES,
+        Keys.TOKENIZER_PRE,
+        "llama.rope.scaling.type",
+    )
     key = pick(rng, keys)
     d.kv[key] = any_value(rng)
     return f"{key} = {d.kv[key]!r:.80}"
@@ -331,8 +338,9 @@ def optional_bias(d: Draft, rng: np.random.Generator) -> str:
     added: of its matrix's rows (it must run), of another length, 2-D, or non-finite."""
     down = Names.FFN_DOWN_T if d.sparse else Names.FFN_DOWN
     d_, ff = SPEC.n_embd, SPEC.n_ff
-    weight, n = pick(rng, [(Names.ATTN_OUTPUT, d_), (Names.FFN_GATE, ff), (Names.FFN_UP, ff),
-                           (down, d_)])  # fmt: skip
+    weight, n = pick(
+        rng, [(Names.ATTN_OUTPUT, d_), (Names.FFN_GATE, ff), (Names.FFN_UP, ff), (down, d_)]
+    )
     name = weight.format(l=int(rng.integers(SPEC.n_layer))).replace(".weight", ".bias")
     kind = pick(rng, ("rows", "rows", "length", "2d", "values"))
     a = (0.1 * np.random.default_rng(5).standard_normal(n)).astype(np.float32)

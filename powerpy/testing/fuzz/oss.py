@@ -81,17 +81,43 @@ def window(d: Draft, rng: np.random.Generator) -> str:
     which = int(rng.integers(3))
     if which == 0:
         key = Keys.SLIDING_WINDOW
-        spec = pick(rng, [(0, V.UINT32), (1, V.UINT32), (4096, V.UINT32),
-                          (pick(rng, INTS), V.UINT64), (pick(rng, SIGNED), V.INT32),
-                          (4.0, V.FLOAT32), None])  # fmt: skip
+        spec = pick(
+            rng,
+            [
+                (0, V.UINT32),
+                (1, V.UINT32),
+                (4096, V.UINT32),
+                (pick(rng, INTS), V.UINT64),
+                (pick(rng, SIGNED), V.INT32),
+                (4.0, V.FLOAT32),
+                None,
+            ],
+        )
     elif which == 1:
         key = Keys.SLIDING_WINDOW_PATTERN
-        spec = pick(rng, [(0, V.UINT32), (1, V.UINT32), (3, V.UINT32), ([1, 1], V.ARRAY, V.BOOL),
-                          ([True], V.ARRAY, V.BOOL), ("2", V.STRING)])  # fmt: skip
+        spec = pick(
+            rng,
+            [
+                (0, V.UINT32),
+                (1, V.UINT32),
+                (3, V.UINT32),
+                ([1, 1], V.ARRAY, V.BOOL),
+                ([True], V.ARRAY, V.BOOL),
+                ("2", V.STRING),
+            ],
+        )
     else:
         key = Keys.ROPE_FREQ_BASE_SWA
-        spec = pick(rng, [(0.0, V.FLOAT32), (-1.0, V.FLOAT32), (float("nan"), V.FLOAT32),
-                          (1e-30, V.FLOAT32), (150000.0, V.FLOAT32)])  # fmt: skip
+        spec = pick(
+            rng,
+            [
+                (0.0, V.FLOAT32),
+                (-1.0, V.FLOAT32),
+                (float("nan"), V.FLOAT32),
+                (1e-30, V.FLOAT32),
+                (150000.0, V.FLOAT32),
+            ],
+        )
     return put_key(d, key, spec)
 
 

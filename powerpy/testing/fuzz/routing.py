@@ -38,9 +38,19 @@ def gating(d: Draft, rng: np.random.Generator) -> str:
         key = Keys.EXPERT_GATING_FUNC
         spec = pick(rng, [*codes, (pick(rng, INTS), V.UINT64), ("2", V.STRING)])
     elif which == 1:
-        key, spec = Keys.EXPERT_GROUP_COUNT, pick(
-            rng, [(2, V.UINT32), (3, V.UINT32), (4, V.UINT32), (pick(rng, INTS), V.UINT64),
-                  (pick(rng, SIGNED), V.INT32)])  # fmt: skip
+        key, spec = (
+            Keys.EXPERT_GROUP_COUNT,
+            pick(
+                rng,
+                [
+                    (2, V.UINT32),
+                    (3, V.UINT32),
+                    (4, V.UINT32),
+                    (pick(rng, INTS), V.UINT64),
+                    (pick(rng, SIGNED), V.INT32),
+                ],
+            ),
+        )
         d.kv[d.key(Keys.EXPERT_GROUP_USED_COUNT)] = pick(rng, [(1, V.UINT32), (2, V.UINT32)])
     else:
         d.kv[d.key(Keys.EXPERT_GROUP_COUNT)] = (2, V.UINT32)
@@ -57,8 +67,18 @@ def gating(d: Draft, rng: np.random.Generator) -> str:
 def layer_counts(d: Draft, rng: np.random.Generator) -> str:
     """leading_dense_block_count or nextn_predict_layers 0, more, all, huge, negative or gone."""
     key = pick(rng, (Keys.LEADING_DENSE_BLOCK_COUNT, Keys.NEXTN_PREDICT_LAYERS))
-    spec = pick(rng, [(0, V.UINT32), (2, V.UINT32), (3, V.UINT32), (4, V.UINT32),
-                      (pick(rng, INTS), V.UINT64), (pick(rng, SIGNED), V.INT32), None])  # fmt: skip
+    spec = pick(
+        rng,
+        [
+            (0, V.UINT32),
+            (2, V.UINT32),
+            (3, V.UINT32),
+            (4, V.UINT32),
+            (pick(rng, INTS), V.UINT64),
+            (pick(rng, SIGNED), V.INT32),
+            None,
+        ],
+    )
     return put_key(d, key, spec)
 
 

@@ -27,7 +27,7 @@ from powerpy.testing.fuzz.files import (
     mutation,
     pick,
     write_draft,
-)  # fmt: skip
+)
 
 
 # --- gpuidx files ---------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def _odd_stats(kind: str, rng: np.random.Generator) -> Callable[[Path], None]:
                     ),
                 )
             )
-        ),  # fmt: skip
+        ),
         "values": lambda: save(
             dense.index_fill(
                 0, torch.tensor([3]), pick(rng, (math.nan, math.inf, -1.0, -math.inf, 1e38))
@@ -220,9 +220,24 @@ def _truncated_pickle(t: Any, rng: np.random.Generator) -> Callable[[Path], None
     return write
 
 
-STATS_KINDS = ("sparse_coo", "sparse_csr", "quantized", "meta", "nested", "length", "ndim", "dtype",
-               "values", "not_tensor", "noncontiguous", "truncated", "unsafe_pickle", "garbage",
-               "legacy", "directory")  # fmt: skip
+STATS_KINDS = (
+    "sparse_coo",
+    "sparse_csr",
+    "quantized",
+    "meta",
+    "nested",
+    "length",
+    "ndim",
+    "dtype",
+    "values",
+    "not_tensor",
+    "noncontiguous",
+    "truncated",
+    "unsafe_pickle",
+    "garbage",
+    "legacy",
+    "directory",
+)
 
 
 def _stats_mutation(kind: str) -> None:

@@ -29,7 +29,7 @@ from powerpy.testing.fuzz.files import (
     Tensor,
     mutation,
     pick,
-)  # fmt: skip
+)
 
 F32 = GGMLType.F32
 HEAD = 16  # gemma's key_length, not n_embd / n_head (8)
@@ -59,22 +59,30 @@ def windowed_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
     u32, f32 = V.UINT32, V.FLOAT32
     keys: dict[str, tuple] = {Keys.SLIDING_WINDOW: (WINDOW, u32)}
     if arch == "phi3":
-        keys |= {Keys.ROPE_DIMENSION_COUNT: (PHI3_ROT, u32),
-                 Keys.ROPE_SCALING_ORIG_CTX: (ORIG_CTX, u32),
-                 Keys.ROPE_SCALING_ATTN_FACTOR: (1.19, f32)}  # fmt: skip
+        keys |= {
+            Keys.ROPE_DIMENSION_COUNT: (PHI3_ROT, u32),
+            Keys.ROPE_SCALING_ORIG_CTX: (ORIG_CTX, u32),
+            Keys.ROPE_SCALING_ATTN_FACTOR: (1.19, f32),
+        }
     else:
-        keys |= {Keys.KEY_LENGTH: (HEAD, u32), Keys.VALUE_LENGTH: (HEAD, u32),
-                 Keys.ROPE_DIMENSION_COUNT: (HEAD, u32),
-                 Keys.FINAL_SOFTCAP: (30.0, f32)}  # fmt: skip
+        keys |= {
+            Keys.KEY_LENGTH: (HEAD, u32),
+            Keys.VALUE_LENGTH: (HEAD, u32),
+            Keys.ROPE_DIMENSION_COUNT: (HEAD, u32),
+            Keys.FINAL_SOFTCAP: (30.0, f32),
+        }
     if arch == "gemma2":
         keys[Keys.ATTN_SOFTCAP] = (50.0, f32)
     if arch in ("stablelm", "phi2"):  # a quarter of each head turns (StableLM 2; phi-2: 0.4)
         keys[Keys.ROPE_DIMENSION_COUNT] = (HEAD // 4, u32)
     if arch == "gemma3":
-        keys |= {Keys.ROPE_FREQ_BASE: (1e6, f32), Keys.ROPE_FREQ_BASE_SWA: (1e4, f32),
-                 Keys.ROPE_SCALING_TYPE: ("linear", V.STRING),
-                 Keys.ROPE_SCALING_FACTOR: (8.0, f32),
-                 Keys.SLIDING_WINDOW_PATTERN: (2, u32)}  # fmt: skip
+        keys |= {
+            Keys.ROPE_FREQ_BASE: (1e6, f32),
+            Keys.ROPE_FREQ_BASE_SWA: (1e4, f32),
+            Keys.ROPE_SCALING_TYPE: ("linear", V.STRING),
+            Keys.ROPE_SCALING_FACTOR: (8.0, f32),
+            Keys.SLIDING_WINDOW_PATTERN: (2, u32),
+        }
     kv |= {k.format(arch=arch): v for k, v in keys.items()}
     if sparse:
         kv[Keys.SPARSE_THRESHOLD] = (0.0, f32)
@@ -90,9 +98,17 @@ def windowed_draft(arch: str, sparse: bool = True, seed: int = 0) -> Draft:
 def _typed_odd(rng: np.random.Generator, good: float) -> tuple:
     """A value of the wrong kind for a number key: a string, an array, an empty array, a bool,
     or a signed integer."""
-    return pick(rng, ((str(good), V.STRING), ([good, good], V.ARRAY, V.FLOAT32),
-                      ([], V.ARRAY, V.FLOAT32), (True, V.BOOL), (-1, V.INT32),
-                      ([good], V.ARRAY, V.FLOAT32)))  # fmt: skip
+    return pick(
+        rng,
+        (
+            (str(good), V.STRING),
+            ([good, good], V.ARRAY, V.FLOAT32),
+            ([], V.ARRAY, V.FLOAT32),
+            (True, V.BOOL),
+            (-1, V.INT32),
+            ([good], V.ARRAY, V.FLOAT32),
+        ),
+    )
 
 
 def _number(rng: np.random.Generator, good: float, integer: bool) -> tuple:
@@ -131,12 +147,25 @@ def window_pattern(d: Draft, rng: np.random.Generator) -> str:
     """The window pattern: a period (0, 1, huge, negative), flags of any length, integer or
     not, or a value of another kind."""
     key = d.key(Keys.SLIDING_WINDOW_PATTERN)
-    d.kv[key] = pick(rng, (
-        (0, V.UINT32), (1, V.UINT32), (3, V.UINT32), (2**32 - 1, V.UINT32), (2**40, V.UINT64),
-        (-1, V.INT32), (1.5, V.FLOAT32), ("2", V.STRING), ([], V.ARRAY, V.BOOL),
-        ([True], V.ARRAY, V.BOOL), ([False, True, True, False, True], V.ARRAY, V.BOOL),
-        ([0, 7], V.ARRAY, V.INT32), ([0.5, 1.0], V.ARRAY, V.FLOAT32), (["1"], V.ARRAY, V.STRING),
-    ))  # fmt: skip
+    d.kv[key] = pick(
+        rng,
+        (
+            (0, V.UINT32),
+            (1, V.UINT32),
+            (3, V.UINT32),
+            (2**32 - 1, V.UINT32),
+            (2**40, V.UINT64),
+            (-1, V.INT32),
+            (1.5, V.FLOAT32),
+            ("2", V.STRING),
+            ([], V.ARRAY, V.BOOL),
+            ([True], V.ARRAY, V.BOOL),
+            ([False, True, True, False, True], V.ARRAY, V.BOOL),
+            ([0, 7], V.ARRAY, V.INT32),
+            ([0.5, 1.0], V.ARRAY, V.FLOAT32),
+            (["1"], V.ARRAY, V.STRING),
+        ),
+    )
     return f"{key} = {d.kv[key][:2]!r:.60}"
 
 
@@ -172,16 +201,31 @@ def head_length(d: Draft, rng: np.random.Generator) -> str:
 def rope_keys(d: Draft, rng: np.random.Generator) -> str:
     """RoPE scaling (type, factor, attn_factor, original context), the local base or the rotary
     dims: removed, another scaling type, odd numbers, or values of a wrong kind."""
-    template, good, integer = pick(rng, (
-        (Keys.ROPE_SCALING_FACTOR, 8.0, False), (Keys.ROPE_SCALING_ATTN_FACTOR, 1.19, False),
-        (Keys.ROPE_SCALING_ORIG_CTX, ORIG_CTX, True), (Keys.ROPE_FREQ_BASE_SWA, 1e4, False),
-        (Keys.ROPE_DIMENSION_COUNT, HEAD, True), (Keys.ROPE_SCALING_TYPE, 0, False),
-    ))  # fmt: skip
+    template, good, integer = pick(
+        rng,
+        (
+            (Keys.ROPE_SCALING_FACTOR, 8.0, False),
+            (Keys.ROPE_SCALING_ATTN_FACTOR, 1.19, False),
+            (Keys.ROPE_SCALING_ORIG_CTX, ORIG_CTX, True),
+            (Keys.ROPE_FREQ_BASE_SWA, 1e4, False),
+            (Keys.ROPE_DIMENSION_COUNT, HEAD, True),
+            (Keys.ROPE_SCALING_TYPE, 0, False),
+        ),
+    )
     if template == Keys.ROPE_SCALING_TYPE:
         key = d.key(template)
-        d.kv[key] = pick(rng, (("yarn", V.STRING), ("longrope", V.STRING), ("", V.STRING),
-                               ("LINEAR", V.STRING), ("none", V.STRING), (1, V.UINT32),
-                               (["linear"], V.ARRAY, V.STRING)))  # fmt: skip
+        d.kv[key] = pick(
+            rng,
+            (
+                ("yarn", V.STRING),
+                ("longrope", V.STRING),
+                ("", V.STRING),
+                ("LINEAR", V.STRING),
+                ("none", V.STRING),
+                (1, V.UINT32),
+                (["linear"], V.ARRAY, V.STRING),
+            ),
+        )
         if rng.integers(2):
             d.kv[d.key(Keys.ROPE_SCALING_FACTOR)] = (pick(rng, (0.0, 2.0, 1e-30)), V.FLOAT32)
         return f"{key} = {d.kv[key][:2]!r:.60}"
@@ -249,8 +293,12 @@ def phi3_tensors(d: Draft, rng: np.random.Generator) -> str:
         t = d.tensor(Names.ATTN_QKV.format(l=l))
         n_kv = (t.shape[0] - d_) // 2
         rows = np.asarray(t.data).reshape(t.shape[0], -1)
-        parts = zip((Names.ATTN_Q, Names.ATTN_K, Names.ATTN_V), (0, d_, d_ + n_kv),
-                    (d_, d_ + n_kv, t.shape[0]), strict=True)  # fmt: skip
+        parts = zip(
+            (Names.ATTN_Q, Names.ATTN_K, Names.ATTN_V),
+            (0, d_, d_ + n_kv),
+            (d_, d_ + n_kv, t.shape[0]),
+            strict=True,
+        )
         i = d.tensors.index(t)
         d.tensors[i : i + 1] = [
             Tensor(n.format(l=l), np.ascontiguousarray(rows[a:b]), t.ggml_type, (b - a, d_))
@@ -262,8 +310,12 @@ def phi3_tensors(d: Draft, rng: np.random.Generator) -> str:
         return f"{t.name} split{'' if drop is None else f', part {drop} dropped'}"
     if kind in ("up", "qkv"):
         t = d.tensor((Names.FFN_UP if kind == "up" else Names.ATTN_QKV).format(l=l))
-        rows = pick(rng, (ff, 2 * ff - 1, 2 * ff + 1, 3 * ff) if kind == "up"
-                    else (d_, 3 * d_, t.shape[0] - 1, t.shape[0] + 8))  # fmt: skip
+        rows = pick(
+            rng,
+            (ff, 2 * ff - 1, 2 * ff + 1, 3 * ff)
+            if kind == "up"
+            else (d_, 3 * d_, t.shape[0] - 1, t.shape[0] + 8),
+        )
         a = np.zeros((rows, d_), np.float32)
         t.data, t.shape = a, a.shape
         return f"{t.name} has {rows} rows"
@@ -277,9 +329,13 @@ def phi3_tensors(d: Draft, rng: np.random.Generator) -> str:
     if how == "drop":
         d.tensors.remove(t)
         return f"without {t.name}"
-    a = {"length": _vector(PHI3_ROT), "2d": np.ones((2, PHI3_ROT // 2), np.float32),
-         "zero": _vector(3, 0.0), "negative": _vector(3, -1.0),
-         "nan": _vector(3, math.nan)}[how]  # fmt: skip
+    a = {
+        "length": _vector(PHI3_ROT),
+        "2d": np.ones((2, PHI3_ROT // 2), np.float32),
+        "zero": _vector(3, 0.0),
+        "negative": _vector(3, -1.0),
+        "nan": _vector(3, math.nan),
+    }[how]
     t.data, t.shape = a, a.shape
     return f"{t.name} {how} {t.shape}"
 
