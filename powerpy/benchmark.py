@@ -303,6 +303,17 @@ def bench_mode(
     return m.rows(n_prompt, n_gen, first_token)
 
 
+def _tiny_mla(a) -> dict:
+    """Latent attention's dimensions at the floor model's size (2 heads of n_embd 32)."""
+    return dict(
+        n_rot=8,
+        q_lora_rank=16 if a.q_lora_rank else 0,
+        kv_lora_rank=32,
+        key_length_mla=24,
+        value_length_mla=16,
+    )
+
+
 def dispatch_overhead_ms(
     model: Model, sparse: bool, n_gen: int = 32, numerics: Numerics = DEFAULT_NUMERICS
 ) -> float:
@@ -325,6 +336,11 @@ def dispatch_overhead_ms(
         arch=a.arch,
         n_expert=a.n_expert,
         n_expert_used=a.n_expert_used,
+        # the family's structure at tiny widths: the same kinds of layers and steps
+        n_expert_shared=a.n_expert_shared,
+        n_layer_dense=a.n_layer_dense,
+        sliding_window=8 if a.sliding_window else 0,
+        **(_tiny_mla(a) if a.kv_lora_rank else {}),
     )
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "floor.gguf"

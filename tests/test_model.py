@@ -517,3 +517,39 @@ def test_dense_layers_run_ungated(tmp_path, monkeypatch, fused):
         llm.frac = stats.active_fraction()
     np.testing.assert_allclose(torch.cat(a.out), torch.cat(b.out), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(a.frac, b.frac)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        TinySpec(
+            arch="gpt-oss", n_layer=3, n_ff_exp=32, n_expert=4, n_expert_used=2, sliding_window=8
+        ),
+        TinySpec(
+            arch="deepseek2",
+            n_layer=3,
+            n_ff_exp=32,
+            n_expert=4,
+            n_expert_used=2,
+            n_layer_dense=1,
+            n_rot=16,
+            kv_lora_rank=64,
+            key_length_mla=48,
+            value_length_mla=32,
+        ),
+        TinySpec(
+            arch="glm4moe", n_layer=3, n_ff_exp=32, n_expert=4, n_expert_used=2, n_layer_dense=1
+        ),
+    ],
+    ids=lambda s: s.arch,
+)
+def test_the_dispatch_floor_is_a_tiny_model_of_the_same_family(tmp_path, spec):
+    """``powerpy bench``'s floor writes a tiny model with the family's keys (a window, a
+    latent, leading dense layers) and times it; it used to refuse gpt-oss for its window."""
+    from powerpy import benchmark
+    from powerpy.testing.moe import write_moe_model
+
+    path = write_moe_model(tmp_path / f"{spec.arch}.gguf", spec)
+    llm = load(path)
+    ms = benchmark.dispatch_overhead_ms(llm.model, sparse=False, n_gen=2)
+    assert 0.0 < ms < 1e4

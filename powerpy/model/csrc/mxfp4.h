@@ -21,16 +21,23 @@ inline float e8m0_half(uint8_t e) {  // 2^(e - 128), subnormal for e < 2 (ggml's
   return f;
 }
 
-// lane[l] = sum over elements 4l .. 4l + 3 of block p's values (doubled) times a's int8 values.
-inline void mx_lanes(const uint8_t* p, const QAct& a, int32_t* lane) {
 #if defined(__AVX2__)
+// The 8 lanes of mx_lanes (below) in a register.
+inline __m256i mx_lanes8(const uint8_t* p, const QAct& a) {
   const __m128i tab = _mm_loadu_si128((const __m128i*)MX_VALUES), m4 = _mm_set1_epi8(0x0f);
   const __m128i bits = _mm_loadu_si128((const __m128i*)(p + 1));
   const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(tab, _mm_and_si128(_mm_srli_epi16(bits, 4), m4)),
                                      _mm_shuffle_epi8(tab, _mm_and_si128(bits, m4)));
   const __m256i y = _mm256_loadu_si256((const __m256i*)a.qs);
   const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w));
-  _mm256_storeu_si256((__m256i*)lane, _mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+  return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+#endif
+
+// lane[l] = sum over elements 4l .. 4l + 3 of block p's values (doubled) times a's int8 values.
+inline void mx_lanes(const uint8_t* p, const QAct& a, int32_t* lane) {
+#if defined(__AVX2__)
+  _mm256_storeu_si256((__m256i*)lane, mx_lanes8(p, a));
 #else
   for (int l = 0; l < 8; ++l) {
     int32_t s = 0;
@@ -43,10 +50,49 @@ inline void mx_lanes(const uint8_t* p, const QAct& a, int32_t* lane) {
 #endif
 }
 
-// dot(row, x) for a row of nb blocks and x's Q8_0 chunks a, in ggml's order (above).
+// dot(row, x) for a row of nb blocks and x's Q8_0 chunks a, in ggml's order (above). The AVX2
+// path keeps the two accumulators in registers: a vector FMA rounds each lane as std::fma does,
+// so every path gives the same bits.
 inline float mx_dot(const uint8_t* row, const QAct* a, int64_t nb) {
-  float acc[2][8] = {};
+  float sum[8];
   int64_t b = 0;
+#if defined(__AVX512BW__)
+  // Two blocks a step in one 512-bit register: the low half is the first accumulator (blocks
+  // b), the high half the second (blocks b + 1). |w| times y with y's sign flipped where w < 0
+  // is the AVX2 path's sign trick without a 512-bit sign instruction.
+  const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)MX_VALUES));
+  const __m128i m4 = _mm_set1_epi8(0x0f);
+  const __m512i zero = _mm512_setzero_si512(), ones = _mm512_set1_epi16(1);
+  __m512 acc = _mm512_setzero_ps();
+  for (; b + 1 < nb; b += 2) {
+    const uint8_t* p = row + b * MX_TS;
+    const __m128i b0 = _mm_loadu_si128((const __m128i*)(p + 1));
+    const __m128i b1 = _mm_loadu_si128((const __m128i*)(p + MX_TS + 1));
+    const __m256i n0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b0, 4), m4), _mm_and_si128(b0, m4));
+    const __m256i n1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b1, 4), m4), _mm_and_si128(b1, m4));
+    const __m512i w = _mm512_shuffle_epi8(tab, _mm512_inserti64x4(_mm512_castsi256_si512(n0), n1, 1));
+    const __m512i y = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[b].qs)),
+        _mm256_loadu_si256((const __m256i*)a[b + 1].qs), 1);
+    const __m512i ys = _mm512_mask_sub_epi8(y, _mm512_movepi8_mask(w), zero, y);
+    const __m512i lanes = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), ys), ones);
+    const float d0 = a[b].d * e8m0_half(p[0]), d1 = a[b + 1].d * e8m0_half(p[MX_TS]);
+    const __m512 d = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+    acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(lanes), acc);
+  }
+  _mm256_storeu_ps(sum, _mm256_add_ps(_mm512_castps512_ps256(acc),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1))));
+#elif defined(__AVX2__)
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (; b + 1 < nb; b += 2) {
+    const uint8_t* p = row + b * MX_TS;
+    const float d0 = a[b].d * e8m0_half(p[0]), d1 = a[b + 1].d * e8m0_half(p[MX_TS]);
+    acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(mx_lanes8(p, a[b])), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(mx_lanes8(p + MX_TS, a[b + 1])), acc1);
+  }
+  _mm256_storeu_ps(sum, _mm256_add_ps(acc0, acc1));
+#else
+  float acc[2][8] = {};
   for (; b + 1 < nb; b += 2)
     for (int i = 0; i < 2; ++i) {
       int32_t lane[8];
@@ -54,8 +100,8 @@ inline float mx_dot(const uint8_t* row, const QAct* a, int64_t nb) {
       const float d = a[b + i].d * e8m0_half(row[(b + i) * MX_TS]);
       for (int l = 0; l < 8; ++l) acc[i][l] = std::fma(d, (float)lane[l], acc[i][l]);
     }
-  float sum[8];
   for (int l = 0; l < 8; ++l) sum[l] = acc[0][l] + acc[1][l];
+#endif
   float s = hsum8(sum);
   if (b < nb) {
     int32_t lane[8];
