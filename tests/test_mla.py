@@ -278,9 +278,10 @@ def test_the_native_block_decodes_the_stack_with_the_per_op_bits(tmp_path, monke
     write_gguf_py(tmp_path / "q8.gguf", SPEC, GGMLType.Q8_0, seed=2, extra_kv=YARN)
     model = load(tmp_path / "q8.gguf").model
     assert stack_decode.plan_for(model, RunOptions()).first == 0  # every layer, the dense one too
-    calls = []
-    attention = mla.attention
+    calls, stacks = [], []
+    attention, stack_run = mla.attention, stack_decode.StackPlan.run
     monkeypatch.setattr(mla, "attention", lambda *a: calls.append(1) or attention(*a))
+    monkeypatch.setattr(stack_decode.StackPlan, "run", lambda *a: stacks.append(1) or stack_run(*a))
 
     def run() -> torch.Tensor:
         cache = model.new_cache(32)
@@ -289,6 +290,7 @@ def test_the_native_block_decodes_the_stack_with_the_per_op_bits(tmp_path, monke
 
     native = run()
     assert len(calls) == 3  # the prompt's, per op; no decode step's
+    assert len(stacks) == 4  # each decode step one call (the latent cache: v a view of k)
     monkeypatch.setattr(transformer, "attention_block", lambda *a: None)  # the per-op path
     monkeypatch.setattr(stack_decode, "usable", lambda *a: False)
     per_op = run()

@@ -68,9 +68,13 @@ class KVCache:
         return self.k.device
 
     @property
+    def latent(self) -> bool:
+        """A latent cache (MLA): the values are a view of the keys' first dims, one tensor."""
+        return self.v.data_ptr() == self.k.data_ptr()
+
+    @property
     def nbytes(self) -> int:
-        shared = self.v.data_ptr() == self.k.data_ptr()  # a latent cache: one tensor
-        return (1 if shared else 2) * self.k.numel() * self.k.element_size()
+        return (1 if self.latent else 2) * self.k.numel() * self.k.element_size()
 
     def reset(self) -> None:
         self.pos = 0

@@ -179,8 +179,9 @@ def _native(blk, args, l: int, opts: RunOptions) -> bool:
 
 def usable(cache: KVCache, opts: RunOptions) -> bool:
     """Whether a step with this cache and these options may take the one-call path: kernels
-    on, a host cache of a kernel type, no observer or oracle (they need every neuron). A
-    per-phase timer reads the native phase clock (``PHASES``)."""
+    on, a host cache of a kernel type (a latent cache's values are a view of its keys, which
+    the latent block reads), no observer or oracle (they need every neuron). A per-phase timer
+    reads the native phase clock (``PHASES``)."""
     return (
         opts.numerics.native
         and opts.observer is None
@@ -188,5 +189,5 @@ def usable(cache: KVCache, opts: RunOptions) -> bool:
         and cache.k.device.type == "cpu"
         and cache.k.dtype in CACHE_CODES
         and cache.k.is_contiguous()
-        and cache.v.is_contiguous()
+        and (cache.v.is_contiguous() or cache.latent)
     )
