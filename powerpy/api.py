@@ -327,7 +327,7 @@ class LLM:
         if not self.sparse_run:
             return "dense"
         blk, o = self.model.weights.blk, self.options
-        gated = sum(b.gated for b in blk)
+        gated = sum(b.sparse_layer for b in blk)
         cut = sum(b.down_tau is not None for b in blk) if o.cut_scale else 0
         parts = [f"threshold {o.threshold:g}"] if gated == len(blk) else []
         if 0 < gated < len(blk):

@@ -16,7 +16,7 @@ from powerpy._fs import huge_page_buffer
 from powerpy.model import stack_decode
 from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
 from powerpy.model.numerics import Numerics
-from powerpy.model.options import RunOptions, SparsityStats
+from powerpy.model.options import SPARSE, RunOptions, SparsityStats
 from powerpy.model.timing import PhaseTimer
 from powerpy.model.transformer import Model
 
@@ -138,14 +138,15 @@ def bytes_per_token(
                 ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes
             )
             continue
-        if active is not None and b.down_tau is not None and not (b.gated and b.fc1 is not None):
+        gates = active is not None and b.gates(SPARSE)  # the predictor gates it (its own test)
+        if active is not None and b.down_tau is not None and not gates:
             # an ungated layer with a cut reads every gate and up row, and the kept down rows
             out["ffn"] += _nbytes(b.ffn_gate, b.ffn_up) + frac * b.ffn_down_t.nbytes
         elif active is None and down_read is not None:
             out["ffn"] += _nbytes(b.ffn_gate, b.ffn_up) + down_read[l] * b.ffn_down_t.nbytes
         else:
             out["ffn"] += frac * _ffn_layer_bytes(model, l)
-        if active is not None and b.fc1 is not None and b.fc2 is not None and b.gated:
+        if gates:
             out["predictor"] += b.fc1.nbytes + b.fc2.nbytes
     out["output"] = _nbytes(w.output, w.output_norm, w.output_norm_b)
     out["embedding_row"] = w.token_embd.nbytes / a.n_vocab

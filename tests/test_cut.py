@@ -245,7 +245,7 @@ def test_the_cut_in_one_command_on_a_qwen2_model(tmp_path, capsys):
     assert gf.kv[Keys.SPARSE_ACTIVATION] == "silu" and len(gf.kv[Keys.FFN_DOWN_THRESHOLD]) == 2
     dense, cut = load(src), load(out)
     assert cut.model.args.ffn_variant is dense.model.args.ffn_variant
-    assert all(not b.gated and b.down_tau is not None for b in cut.model.weights.blk)
+    assert all(not b.sparse_layer and b.down_tau is not None for b in cut.model.weights.blk)
     ids = dense.tokenize(text.read_text(encoding="utf-8"), add_bos=False)[:256]
     off = load(out, cut_scale=0.0)
     # the same values up to the order of the down sums (the dense file's dot products, the PWRI

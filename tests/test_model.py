@@ -502,7 +502,7 @@ def test_dense_layers_run_ungated(tmp_path, monkeypatch, fused):
     write_gguf(keep_all, tiny_kv(SPEC), [(n, x, f32) for n, x in t2.items()], magic=b"PWRI")
     a, b = load(listed, threshold=0.0), load(keep_all, threshold=0.0)
     assert a.model.args.dense_layers == (1,)
-    assert [blk.gated for blk in a.model.weights.blk] == [True, False]
+    assert [blk.sparse_layer for blk in a.model.weights.blk] == [True, False]
     for llm in (a, b):
         llm.sparsity.reset()
     got, want = _logits(a, TOKENS), _logits(b, TOKENS)  # prefill

@@ -265,7 +265,7 @@ def load_weights(
                 ffn_down_b=down_b,
                 fc1=fc1,
                 fc2=fc2,
-                gated=l not in args.dense_layers,
+                sparse_layer=l not in args.dense_layers,
                 down_tau=cut_taus(row_norms(down_t), cuts[l]) if cut else None,
                 native=native,
             )

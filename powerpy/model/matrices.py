@@ -174,10 +174,17 @@ class DenseWeight:
         return res if out is None else out.add_(res)
 
     def rows_sum(self, h: Tensor) -> Tensor:
-        """``h @ W`` for a batch: h (T, rows) -> (T, cols) f32 (a neuron-major down matrix). With
-        the native kernels each token's row is its own row sum's bits (``KernelLibrary.rows_sum``:
-        the same at any thread count and batch); else BLAS."""
+        """``h @ W``, the rows summed scaled by h: h (T, rows) -> (T, cols) f32 (a neuron-major
+        down matrix). On a device: one matmul in W's dtype (no f32 copy). On the host with the
+        native kernels each token's row has the bits of its own one-token row sum, at any thread
+        count and in any batch: one token sums its nonzero rows (``gather_axpy``), a batch takes
+        the tiled row sums (``KernelLibrary.rows_sum``, ``pp_rows_sum``), which read a row once
+        per tile of tokens and skip rows no token of the tile needs; else BLAS."""
+        if self.w.device.type != "cpu":
+            return (h.to(self.w.dtype) @ self.w).float()
         kern = self.kernel()
+        if kern is not None and h.shape[0] == 1:
+            return self.gather_axpy(h[0], torch.arange(self.w.shape[0]))[None]  # whole rows
         if kern is not None:
             return kern[0].rows_sum(kern[1], h)
         h = h.float()
@@ -219,14 +226,24 @@ class QuantWeight:
     except :meth:`dequantize`.
     """
 
-    def __init__(self, raw: Tensor, ggml_type: GGMLType, cols: int, gathered=False, repack=True):
+    def __init__(
+        self,
+        raw: Tensor,
+        ggml_type: GGMLType,
+        cols: int,
+        gathered=False,
+        repack=True,
+        native=True,
+    ):
+        """``native`` False: never the host kernels (a device copy's torch decoding, e.g.
+        ``gpu_kernels.DeviceQuantWeight``'s blocks on the emulated device)."""
         tr = TYPE_TRAITS[ggml_type]
         assert raw.dtype == torch.uint8 and raw.dim() == 2
         assert raw.shape[1] == cols // tr.block_size * tr.type_size, (raw.shape, cols)
         self.raw = raw  # (rows, row_bytes)
         self.ggml_type = ggml_type
         self.cols = cols
-        self._kernel_ok = ggml_type in _KERNEL_QUANTS and _kernel_ok(raw)
+        self._kernel_ok = native and ggml_type in _KERNEL_QUANTS and _kernel_ok(raw)
         self._mat: kernels.Matrix | None = None
         self._x8: kernels.Matrix | None | bool = None if repack else False  # (False: rows kept)
         self.gathered = gathered  # also read row by row (a sparse FFN): interleaving keeps rows
@@ -325,9 +342,15 @@ class QuantWeight:
         return res if out is None else out.add_(res)
 
     def rows_sum(self, h: Tensor) -> Tensor:
-        """``h @ W`` for a batch: h (T, rows) -> (T, cols) f32 (a neuron-major down matrix),
-        native as :meth:`DenseWeight.rows_sum`, else tiles of decoded rows and BLAS."""
+        """``h @ W``, the rows summed scaled by h: h (T, rows) -> (T, cols) f32 (a neuron-major
+        down matrix). On a device: the matrix decoded, one matmul; on the host native as
+        :meth:`DenseWeight.rows_sum` (one token: whole rows streamed), else tiles of decoded
+        rows and BLAS."""
+        if self.raw.device.type != "cpu":
+            return h.float() @ self.dequantize()
         kern = self.kernel()
+        if kern is not None and h.shape[0] == 1:
+            return self.gather_axpy(h[0], torch.arange(self.raw.shape[0]))[None]  # whole rows
         if kern is not None:
             return kern[0].rows_sum(kern[1], h)
         h = h.float()
@@ -430,10 +453,11 @@ class TransposedWeight:
 @runtime_checkable
 class Weight(Protocol):
     """A ``(rows, cols)`` matrix as the model computes with it, wherever it lives (host or
-    device) and however it is stored: :class:`DenseWeight`, :class:`QuantWeight` (and its
-    ``gpu_kernels.FusedWeight``), :class:`TransposedWeight`, ``biased.BiasedWeight``.
-    ``kernel()`` is (library, matrix) when the running call may compute it with the native
-    kernels, else None."""
+    device) and however it is stored: :class:`DenseWeight`, :class:`QuantWeight` (and
+    ``gpu_kernels.DeviceQuantWeight``, its blocks on a device), :class:`TransposedWeight`,
+    ``biased.BiasedWeight``. ``kernel()`` is (library, matrix) when the running call may compute
+    it with the native kernels, else None. ``rows_sum(h)`` is ``h @ W``: the rows summed scaled
+    by h, each kind by its fastest path (the FFN's down pass)."""
 
     @property
     def shape(self) -> tuple[int, int]: ...

@@ -33,7 +33,7 @@ class StackPlan:
         lib: the kernel library.
         records: (n_layer, LAYER_RECORD_LEN) int64, the C records (pointers into ``keep``).
         keep: the matrices and f32 vectors the records point into (kept alive here).
-        gated: the layers with predictors, a cut or experts (their counts go to the statistics
+        counted: the layers with predictors, a cut or experts (their counts go to the statistics
             in sparse runs; the experts' in every run, as their routing is never off).
         experts: the layers that are mixtures of experts.
     """
@@ -41,7 +41,7 @@ class StackPlan:
     lib: KernelLibrary
     records: np.ndarray
     keep: list
-    gated: np.ndarray  # (k,) int64 layer ids
+    counted: np.ndarray  # (k,) int64 layer ids (``layer_record.counted``, or experts)
     first: int = 0  # the plan runs layers first.. (a hybrid's host-only layers)
     experts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -63,10 +63,10 @@ class StackPlan:
             return None
         records = np.ascontiguousarray(np.array(recs, dtype=np.int64).reshape(-1, LAYER_RECORD_LEN))
         moe = [b.moe is not None for b in blocks]
-        gated = np.flatnonzero(
+        counted = np.flatnonzero(
             [layer_record.counted(b, opts) or e for b, e in zip(blocks, moe, strict=True)]
         )
-        return StackPlan(lib, records, keep, gated, first, experts=np.flatnonzero(moe))
+        return StackPlan(lib, records, keep, counted, first, experts=np.flatnonzero(moe))
 
     def run(
         self, args, x: Tensor, cache: KVCache, rots: list, thr: float, opts: RunOptions
@@ -114,7 +114,7 @@ class StackPlan:
         if clock is not None:
             for name, secs in zip(PHASES, clock.tolist(), strict=True):
                 opts.timer.add(name, secs)
-        rows = self.gated if opts.sparse else self.experts
+        rows = self.counted if opts.sparse else self.experts
         if opts.stats is not None and rows.size:
             opts.stats.record_step(rows + self.first, counts[rows])
         return out[None]
