@@ -209,6 +209,26 @@ def test_threshold_key_precedence(tmp_path):
     assert load(path, threshold=0.25).options.threshold == 0.25
 
 
+def test_the_threshold_env_var_is_the_cli_default_not_the_library(tmp_path, monkeypatch):
+    """``LLAMA_SPARSE_PRED_THRESHOLD`` is read by the command line as the default of
+    ``--sparse-threshold``; ``load`` takes its parameter, then the file's key."""
+    import argparse
+
+    from powerpy.commands.common import sparse_threshold
+
+    path = tmp_path / "thr.powerinfer.gguf"
+    write_tiny_model(path, SPEC, sparse=True, threshold=-1.5)
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "0.75")
+    assert load(path).options.threshold == -1.5  # the library does not read the environment
+    assert sparse_threshold(argparse.Namespace(sparse_threshold=None)) == 0.75
+    assert sparse_threshold(argparse.Namespace(sparse_threshold=0.25)) == 0.25  # the flag wins
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "x")
+    with pytest.raises(ValueError, match="LLAMA_SPARSE_PRED_THRESHOLD='x' is not a number"):
+        sparse_threshold(argparse.Namespace(sparse_threshold=None))
+    monkeypatch.delenv("LLAMA_SPARSE_PRED_THRESHOLD")
+    assert sparse_threshold(argparse.Namespace(sparse_threshold=None)) is None
+
+
 def test_threshold_key_must_be_float32(tmp_path):
     from powerpy.formats.constants import GGMLType, GGUFValueType
 
