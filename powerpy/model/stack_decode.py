@@ -9,7 +9,6 @@ in the same order, so the results are the same bits.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,26 +124,32 @@ class StackPlan:
 # per-layer path times the predictor inside the FFN.
 PHASES = ("attention", "attention_proj", "ffn", "predictor", "ffn_down")
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mode: plan}
+
+def plan_key(opts: RunOptions) -> tuple:
+    """What a host plan depends on in ``opts``: the mode, the cut scale of a sparse run and the
+    activations' rounding (the matrices' layouts)."""
+    return (opts.sparse, opts.sparse and opts.cut_scale, opts.numerics.quantized_activations)
 
 
 def plan_for(model, opts: RunOptions) -> StackPlan | None:
     """The model's plan for ``opts.sparse`` and ``opts.cut_scale``, built on first use (None:
     per-layer calls). It covers the layers from the first one after which every layer is on
     the host: all of a CPU-only model, the host part of a hybrid one (a placement fills the
-    device from layer 0 on)."""
-    plans = _PLANS.setdefault(model, {})
-    key = (opts.sparse, opts.sparse and opts.cut_scale, opts.numerics.quantized_activations)
-    if key not in plans:
-        blocks = model.weights.blk
-        first = len(blocks)
-        while first > 0 and _native(blocks[first - 1], model.args, first - 1, opts):
-            first -= 1
-        plan = None
-        if first < len(blocks):
-            plan = StackPlan.build(blocks[first:], model.args, opts, first)
-        plans[key] = plan
-    return plans[key]
+    device from layer 0 on). The model keeps it with its other decode plans
+    (``model.plans``, ``powerpy.model.plan.Plans.host``): data derived from its weights and
+    the options' :func:`plan_key`, the same for every session."""
+    return model.plans.host(plan_key(opts), lambda: build_plan(model, opts))
+
+
+def build_plan(model, opts: RunOptions) -> StackPlan | None:
+    """A new :func:`plan_for` (not kept)."""
+    blocks = model.weights.blk
+    first = len(blocks)
+    while first > 0 and _native(blocks[first - 1], model.args, first - 1, opts):
+        first -= 1
+    if first == len(blocks):
+        return None
+    return StackPlan.build(blocks[first:], model.args, opts, first)
 
 
 def prepare(model, opts: RunOptions) -> None:
