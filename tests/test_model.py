@@ -441,6 +441,23 @@ def test_a_timed_step_reads_the_native_phase_clock(sparse_path, monkeypatch):
     )
 
 
+def test_bytes_per_token_counts_the_kv_cache_at_its_element_size(sparse_path):
+    """A step's KV bytes are the caches' own: 2 bytes an element by default (f16), 4 with
+    ``cache_type="f32"``; the predictors count where the model's own ``Block.gates`` says."""
+    from powerpy import benchmark
+    from powerpy.model.options import RunOptions
+
+    for cache_type, size in (("f16", 2), ("f32", 4)):
+        model = load(sparse_path[0], cache_type=cache_type).model
+        assert model.new_cache(4).k.element_size() == size
+        a = model.args
+        got = benchmark.bytes_per_token(model, 10.0, None)["kv"]
+        assert got == 2 * a.n_layer * 10.0 * a.n_embd_gqa * size
+    active = np.ones(a.n_layer)
+    pred = sum(b.fc1.nbytes + b.fc2.nbytes for b in model.weights.blk if b.gates(RunOptions()))
+    assert pred > 0 and benchmark.bytes_per_token(model, 10.0, active)["predictor"] == pred
+
+
 def test_bench_runs_the_modes_in_paired_rounds_beside_read_probes(sparse_path, monkeypatch):
     """``run_bench`` runs sparse and dense in turn each round, with a read probe after each:
     a tg row is its fastest run, judged against the best probe next to that run, and the
