@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load": "powerpy.api",
     "LLM": "powerpy.api",
-    "bench": "powerpy.api",
+    "bench": "powerpy.benchmark",
     "ChatSession": "powerpy.chat",
     "generate": "powerpy.generate",
     "stream_generate": "powerpy.generate",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,15 +32,9 @@ from powerpy.sampling import SamplingParams
 from powerpy.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from powerpy.benchmark import BenchResult
-    from powerpy.pipeline.profile import ProfileResult
-    from powerpy.pipeline.sweep import SweepResult
-    from powerpy.pipeline.train_report import TrainReport
     from powerpy.placement.runtime import HybridRuntime
 
 log = logging.getLogger(__name__)
-
-THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
 
 
 @dataclass
@@ -169,150 +162,6 @@ class LLM:
         name = self.path.name.removesuffix(".gguf").removesuffix(".powerinfer")
         return name or self.path.name
 
-    # --- research: what sparsity does (``powerpy.plot`` draws these results)
-    def _ids(self, text: str | Sequence[int]) -> list[int]:
-        return self.tokenize(text, add_bos=False) if isinstance(text, str) else list(text)
-
-    def profile(
-        self,
-        text: str | Sequence[int],
-        tokens: int | None = 20_000,
-        *,
-        ctx: int | None = None,
-        target_sparsity: float = 0.5,
-        progress: bool = True,
-    ) -> ProfileResult:
-        """Activation statistics of the model on a text (``pipeline.profile.profile``).
-
-        Args:
-            text: the text, or its token ids.
-            tokens: tokens to run, spread over the text (None: all).
-            ctx: window length (default: min(256, the training context)).
-            target_sparsity: SiLU models: the per-layer share of scores counted inactive.
-            progress: show a tqdm bar.
-        """
-        from powerpy.pipeline.profile import profile
-
-        ctx = ctx or min(256, self.model.args.n_ctx_train)
-        res = profile(
-            self.model,
-            self._ids(text),
-            ctx=ctx,
-            max_tokens=tokens,
-            target_sparsity=target_sparsity,
-            progress=progress,
-            numerics=self.options.numerics,
-        )
-        res.model = self.name
-        return res
-
-    def train_predictors(
-        self,
-        text: str | Sequence[int],
-        out_dir: str | os.PathLike[str] | None = None,
-        *,
-        tokens: int | None = 20_000,
-        progress: bool = True,
-        **options,
-    ) -> TrainReport:
-        """Profile the model on a text and train one predictor per layer
-        (docs/architecture.md#predictor-training).
-
-        Args:
-            text: the training text, or its token ids.
-            out_dir: the predictor directory (``model_{l}.pt``, ``config.json``, statistics);
-                default: a new temporary directory, named in ``report.directory``.
-            tokens: tokens to profile and train on.
-            progress: tqdm bars.
-            **options: fields of ``pipeline.train.TrainOptions`` (``hidden``, ``epochs``,
-                ...) and ``ctx``, ``target_sparsity`` of ``train_predictors``.
-
-        Returns:
-            The held-out metrics per layer. The model keeps its own predictors: build a PWRI
-            file with ``powerpy convert`` to run the new ones.
-        """
-        import tempfile
-
-        from powerpy.pipeline.train import TrainOptions, train_predictors
-
-        kw = {k: options.pop(k) for k in ("ctx", "target_sparsity") if k in options}
-        kw.setdefault("ctx", min(256, self.model.args.n_ctx_train))
-        opts = TrainOptions(**options)
-        out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="powerpy-"))
-        report, _ = train_predictors(
-            self.model,
-            self._ids(text),
-            out,
-            opts,
-            tokens=tokens,
-            progress=progress,
-            numerics=self.options.numerics,
-            **kw,
-        )
-        report.model, report.directory = self.name, str(out)
-        return report
-
-    def sparsity_sweep(
-        self,
-        text: str | Sequence[int],
-        thresholds: Sequence[float] | None = None,
-        *,
-        oracle: Sequence[float] | None = None,
-        cut: Sequence[float] | None = None,
-        ctx: int | None = None,
-        chunks: int | None = 8,
-        progress: bool = True,
-    ) -> SweepResult:
-        """Perplexity and skipped share at each predictor threshold, or of the top-k oracle at
-        each skipped share (``oracle=[0.2, 0.5, ...]``), or of the file's cuts at each scale
-        (``cut=[0.5, 1, 2]``), on held-out text.
-
-        Args:
-            text: held-out text, or its token ids.
-            thresholds: predictor thresholds (default ``sweep.DEFAULT_THRESHOLDS``).
-            oracle: run the oracle at these skipped shares instead of the predictors.
-            cut: run the file's cuts (``powerpy.ffn_down_threshold``) at these scales instead.
-            ctx: chunk length (default: min(512, the training context)).
-            chunks: at most this many chunks (None: the whole text).
-            progress: tqdm bars.
-        """
-        from powerpy.pipeline import sweep
-
-        kw = dict(
-            ctx=ctx or min(512, self.model.args.n_ctx_train),
-            chunks=chunks,
-            bos_id=self.tokenizer.bos_id if self.tokenizer.add_bos else None,
-            name=self.name,
-            progress=progress,
-            numerics=self.options.numerics,
-        )
-        ids = self._ids(text)
-        if oracle is not None:
-            return sweep.oracle_sweep(self.model, ids, oracle, **kw)
-        if cut is not None:
-            return sweep.cut_sweep(self.model, ids, cut, **kw)
-        return sweep.sparsity_sweep(self.model, ids, thresholds or sweep.DEFAULT_THRESHOLDS, **kw)
-
-    def bench(
-        self, n_prompt: int = 128, n_gen: int = 32, repetitions: int = 1, **kwargs
-    ) -> BenchResult:
-        """Prompt and generation speed, sparse and dense (``benchmark.run_bench``)."""
-        from powerpy.benchmark import run_bench
-
-        return run_bench(
-            self.model,
-            name=self.name,
-            n_prompt=n_prompt,
-            n_gen=n_gen,
-            repetitions=repetitions,
-            threshold=self.options.threshold,
-            cut_scale=self.options.cut_scale,
-            first_token=self.tokenizer.bos_id or 0,
-            size_bytes=self.path.stat().st_size,
-            numerics=self.options.numerics,
-            **kwargs,
-        )
-
     # --- display
     def __repr__(self) -> str:
         a = self.model.args
@@ -327,7 +176,7 @@ class LLM:
         if not self.sparse_run:
             return "dense"
         blk, o = self.model.weights.blk, self.options
-        gated = sum(b.gated for b in blk)
+        gated = sum(b.sparse_layer for b in blk)
         cut = sum(b.down_tau is not None for b in blk) if o.cut_scale else 0
         parts = [f"threshold {o.threshold:g}"] if gated == len(blk) else []
         if 0 < gated < len(blk):
@@ -390,9 +239,9 @@ def load(
 
     Args:
         path: model file; None loads the default model (SmolLM2-135M-Instruct).
-        threshold: predictor threshold; None reads the environment variable
-            ``LLAMA_SPARSE_PRED_THRESHOLD``, then the file's ``powerinfer.sparse_threshold``,
-            then 0.0 (PowerInfer's order).
+        threshold: predictor threshold; None: the file's ``powerinfer.sparse_threshold``,
+            then 0.0 (PowerInfer's order; the command line's ``--sparse-threshold`` defaults to
+            the environment variable ``LLAMA_SPARSE_PRED_THRESHOLD``).
         dense: run without the predictors (the dense FFN) by default.
         weight_format: "auto", "f32" or "raw" (see ``loader.load_weights``).
         progress: show a progress bar while loading.
@@ -505,26 +354,15 @@ CACHE_TYPES = {"f16": torch.float16, "f32": torch.float32}  # host KV cache type
 
 
 def resolve_threshold(threshold: float | None, file_value: float) -> float:
-    """The predictor threshold: the argument, else env ``LLAMA_SPARSE_PRED_THRESHOLD``, else the
-    file's key (``file_value``, 0.0 when the file has none), as PowerInfer reads it at load.
+    """The predictor threshold: the argument, else the file's key (``file_value``, 0.0 when
+    the file has none), as PowerInfer reads it at load. The environment variable
+    ``LLAMA_SPARSE_PRED_THRESHOLD`` is the command line's default of ``--sparse-threshold``
+    (``powerpy.commands.common``), not read here.
 
     Raises:
-        ValueError: the environment variable is not a number, or the threshold is NaN or +inf.
+        ValueError: the threshold is NaN or +inf.
     """
-    source = "threshold"
-    if threshold is None:
-        env = os.environ.get(THRESHOLD_ENV, "").strip()
-        if env:
-            try:
-                threshold, source = float(env), f"{THRESHOLD_ENV}={env!r}"
-            except ValueError:
-                raise ValueError(f"{THRESHOLD_ENV}={env!r} is not a number") from None
     value = file_value if threshold is None else float(threshold)
     if math.isnan(value) or value == math.inf:
-        raise ValueError(f"{source} {value} is not usable: give a finite number (or -inf)")
+        raise ValueError(f"threshold {value} is not usable: give a finite number (or -inf)")
     return value
-
-
-def bench(llm: LLM, n_prompt: int = 128, n_gen: int = 32, repetitions: int = 1, **kwargs):
-    """``llm.bench(...)``: prompt and generation speed, sparse and dense (a ``BenchResult``)."""
-    return llm.bench(n_prompt, n_gen, repetitions, **kwargs)

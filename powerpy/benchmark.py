@@ -16,9 +16,10 @@ from powerpy._fs import huge_page_buffer
 from powerpy.model import stack_decode
 from powerpy.model.numerics import DEFAULT as DEFAULT_NUMERICS
 from powerpy.model.numerics import Numerics
-from powerpy.model.options import RunOptions, SparsityStats
+from powerpy.model.options import SPARSE, RunOptions, SparsityStats
 from powerpy.model.timing import PhaseTimer
 from powerpy.model.transformer import Model
+from powerpy.pipeline.research import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,13 @@ def attention_weight_bytes(model: Model, first: int = 0) -> int:
     return total
 
 
+def kv_element_size(model: Model) -> int:
+    """Bytes per element of the caches ``model.new_cache()`` makes: the placed KV pool's dtype,
+    else the model's host ``cache_dtype`` (f16 by default)."""
+    dtype = model.kv.dtype if model.kv is not None else model.cache_dtype
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 def bytes_per_token(
     model: Model, n_past: float, active: np.ndarray | None, down_read: np.ndarray | None = None
 ) -> dict[str, float]:
@@ -145,20 +153,21 @@ def bytes_per_token(
                 ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes
             )
             continue
-        if active is not None and b.down_tau is not None and not (b.gated and b.fc1 is not None):
+        gates = active is not None and b.gates(SPARSE)  # the predictor gates it (its own test)
+        if active is not None and b.down_tau is not None and not gates:
             # an ungated layer with a cut reads every gate and up row, and the kept down rows
             out["ffn"] += _nbytes(b.ffn_gate, b.ffn_up) + frac * b.ffn_down_t.nbytes
         elif active is None and down_read is not None:
             out["ffn"] += _nbytes(b.ffn_gate, b.ffn_up) + down_read[l] * b.ffn_down_t.nbytes
         else:
             out["ffn"] += frac * _ffn_layer_bytes(model, l)
-        if active is not None and b.fc1 is not None and b.fc2 is not None and b.gated:
+        if gates:
             out["predictor"] += b.fc1.nbytes + b.fc2.nbytes
     out["output"] = _nbytes(w.output, w.output_norm, w.output_norm_b)
     out["embedding_row"] = w.token_embd.nbytes / a.n_vocab
     if w.position_embd is not None:
         out["embedding_row"] += w.position_embd.nbytes / w.position_embd.shape[0]
-    out["kv"] = 2 * a.n_layer * n_past * a.n_embd_gqa * 4
+    out["kv"] = 2 * a.n_layer * n_past * a.n_embd_gqa * kv_element_size(model)
     return out
 
 
@@ -561,4 +570,25 @@ def run_bench(
         dispatch = dispatch_overhead_ms(model, modes[0] == "sparse", numerics=numerics)
     return BenchResult(
         name, rows, max(probes), torch.get_num_threads(), size_bytes, dispatch, probes, ratios
+    )
+
+
+def bench(
+    llm: Loaded, n_prompt: int = 128, n_gen: int = 32, repetitions: int = 1, **kwargs
+) -> BenchResult:
+    """Prompt and generation speed of a loaded model (``powerpy.load``'s ``LLM``), sparse and
+    dense: :func:`run_bench` with its threshold, cut scale, numerics, name, BOS and file size.
+    ``kwargs``: further keywords of :func:`run_bench` (``modes``, ``floor``)."""
+    return run_bench(
+        llm.model,
+        name=llm.name,
+        n_prompt=n_prompt,
+        n_gen=n_gen,
+        repetitions=repetitions,
+        threshold=llm.options.threshold,
+        cut_scale=llm.options.cut_scale,
+        first_token=llm.tokenizer.bos_id or 0,
+        size_bytes=llm.path.stat().st_size,
+        numerics=llm.options.numerics,
+        **kwargs,
     )

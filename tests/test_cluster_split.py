@@ -167,7 +167,7 @@ def test_per_layer_keys_follow_the_layers(tmp_path):
     assert (b.n_layer, b.dense_layers) == (3, (1,))
     assert b.down_thresholds == pytest.approx((0.01, 0.02, 0.0)) and b.down_thresholds[0] > 0
     assert view.kv[Keys.DENSE_LAYERS] == [1] and view.ends == (False, True)
-    assert powerpy.load(path, layers=range(1, 4)).model.weights.blk[1].gated is False
+    assert powerpy.load(path, layers=range(1, 4)).model.weights.blk[1].sparse_layer is False
     g = tmp_path / "g.gguf"
     extra = {
         "gemma3.attention.sliding_window": (8, U32),

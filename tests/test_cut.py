@@ -18,6 +18,7 @@ from powerpy.formats.constants import GGUFValueType, Keys
 from powerpy.formats.gguf_reader import read_gguf
 from powerpy.model.options import RunOptions
 from powerpy.model.split import split_ffn
+from powerpy.pipeline import research
 from powerpy.testing import TinySpec, write_tiny_model
 
 SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
@@ -192,14 +193,14 @@ def test_cut_sweep(cut_model):
     path, _, _ = cut_model
     llm = load(path, threshold=-np.inf)
     text = TOKENS * 4
-    res = llm.sparsity_sweep(text, cut=[0.0, 1.0, 3.0], ctx=16, chunks=2, progress=False)
+    res = research.sparsity_sweep(llm, text, cut=[0.0, 1.0, 3.0], ctx=16, chunks=2, progress=False)
     skipped = [p.skipped for p in res.points]
     assert res.kind == "cut" and skipped[0] < skipped[1] < skipped[2], skipped
     assert "cut scale" in res.table()
     plain = load(path, threshold=-np.inf)
     plain.model.weights.blk[0].down_tau = plain.model.weights.blk[1].down_tau = None
     with pytest.raises(ValueError, match="no cuts"):
-        plain.sparsity_sweep(text, cut=[1.0], ctx=16, chunks=2, progress=False)
+        research.sparsity_sweep(plain, text, cut=[1.0], ctx=16, chunks=2, progress=False)
 
 
 def test_cut_scale_at_load_and_on_the_command_line(cut_model, capsys):
@@ -245,7 +246,7 @@ def test_the_cut_in_one_command_on_a_qwen2_model(tmp_path, capsys):
     assert gf.kv[Keys.SPARSE_ACTIVATION] == "silu" and len(gf.kv[Keys.FFN_DOWN_THRESHOLD]) == 2
     dense, cut = load(src), load(out)
     assert cut.model.args.ffn_variant is dense.model.args.ffn_variant
-    assert all(not b.gated and b.down_tau is not None for b in cut.model.weights.blk)
+    assert all(not b.sparse_layer and b.down_tau is not None for b in cut.model.weights.blk)
     ids = dense.tokenize(text.read_text(encoding="utf-8"), add_bos=False)[:256]
     off = load(out, cut_scale=0.0)
     # the same values up to the order of the down sums (the dense file's dot products, the PWRI

@@ -29,7 +29,7 @@ SPEC = TinySpec(n_embd=64, n_layer=2, n_ff=256, n_head=4, n_head_kv=2)
 N_CTX = 32
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]
 HOT = 100  # hot neurons per layer
-MATMUL = ("linear", "mm", "bmm", "matmul", "addmm", "rows_sum")
+MATMUL = ("linear", "mm", "bmm", "matmul", "addmm", "block_rows_sum")
 
 
 @pytest.fixture(scope="module", params=[GGMLType.F16, GGMLType.Q4_0])
@@ -138,7 +138,7 @@ def test_prefill_and_decode_run_on_the_device_without_host_syncs(model_path, wha
                 # per layer: q/k/v stacked, output, fc1, fc2 and the stacked hot gate/up rows,
                 # then the output matrix; the hot FFN is one activation and one row sum
                 assert log.kernels["linear"] == 5 * n_layer + 1, log.kernels
-                assert log.kernels["glu"] == log.kernels["rows_sum"] == n_layer, log.kernels
+                assert log.kernels["glu"] == log.kernels["block_rows_sum"] == n_layer, log.kernels
                 assert not any(dev == "cpu" and op in MATMUL for (op, dev) in log.ops)
             if what == "mid-dense":
                 assert log.launches > 0, log.ops

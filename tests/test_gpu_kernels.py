@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from powerpy.config import ModelArgs
 from powerpy.formats.constants import GGMLType
 from powerpy.model import gpu_kernels
-from powerpy.model.gpu_kernels import FusedWeight
+from powerpy.model.gpu_kernels import DeviceQuantWeight
 from powerpy.placement.reserve import (
     ROWS_SUM_SPLIT,
     WORKSPACE_PER_STREAM,
@@ -39,7 +39,7 @@ TYPES = [GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.MXF
 
 
 def _matrix(t: GGMLType, rows: int, cols: int, seed: int = 0):
-    """(FusedWeight, its values as float64 (rows, cols) decoded by gguf.quants)."""
+    """(DeviceQuantWeight, its values as float64 (rows, cols) decoded by gguf.quants)."""
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     if t == GGMLType.F16:
         raw = w.astype(np.float16).view(np.uint8)
@@ -47,7 +47,7 @@ def _matrix(t: GGMLType, rows: int, cols: int, seed: int = 0):
         raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType(int(t)))
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(t))).reshape(rows, cols)
     raw = torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8).reshape(rows, -1)
-    return FusedWeight(raw.to(DEV), t, cols), torch.from_numpy(ref.astype(np.float64))
+    return DeviceQuantWeight(raw.to(DEV), t, cols), torch.from_numpy(ref.astype(np.float64))
 
 
 def _on(*ts):
@@ -68,7 +68,7 @@ def _linear(fw, x, need=None, bucket=None, impl="op"):
 def _rows_sum(fw, h, impl="op"):
     if impl == "op":
         return fw.rows_sum(h)
-    return gpu_kernels.triton_rows_sum(fw.raw, h, fw._code, fw.cols)
+    return gpu_kernels.triton_block_rows_sum(fw.raw, h, fw._code, fw.cols)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -92,7 +92,7 @@ def test_mxfp4_blocks_of_every_code_and_subnormal_scales():
     raw[..., 0] = rng.integers(0, 140, (19, 3), dtype=np.uint8)
     raw[0, :, 0] = [0, 1, 2]
     ref = gguf.quants.dequantize(raw.reshape(19, -1), gguf.GGMLQuantizationType.MXFP4)
-    fw = FusedWeight(torch.from_numpy(raw.reshape(19, -1)).to(DEV), GGMLType.MXFP4, 96)
+    fw = DeviceQuantWeight(torch.from_numpy(raw.reshape(19, -1)).to(DEV), GGMLType.MXFP4, 96)
     x = torch.randn(2, 96)
     want = x.double() @ torch.from_numpy(ref.astype(np.float64)).t()
     torch.testing.assert_close(fw.linear(*_on(x)).cpu().double(), want, atol=1e-3, rtol=1e-5)
@@ -215,7 +215,7 @@ def test_rms_norm(impl):
 
 def test_a_row_length_the_kernels_cannot_read_is_refused():
     with pytest.raises(ValueError, match="multiple of 32 values, not F16 rows of 20"):
-        FusedWeight(torch.zeros(2, 40, dtype=torch.uint8), GGMLType.F16, 20)
+        DeviceQuantWeight(torch.zeros(2, 40, dtype=torch.uint8), GGMLType.F16, 20)
 
 
 # ----------------------------------------------------------------------------------- budget

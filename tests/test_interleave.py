@@ -106,19 +106,19 @@ def _gguf_with(path, raw: np.ndarray) -> None:
 def test_release_keeps_every_byte(tmp_path):
     """A file read into memory (the default load): the released pages become the file's same
     bytes; once the file has changed, they stay as they are."""
-    from powerpy.formats.gguf_reader import GGUFFile, file_range
+    from powerpy.formats.gguf_reader import GGUFFile
 
     raw = random_blocks(np.random.default_rng(6), GGMLType.Q4_K, 256, 4)  # 576 KiB
     _gguf_with(tmp_path / "m.gguf", raw)
     f = GGUFFile(tmp_path / "m.gguf", in_memory=True)
     view = f.raw("w")
     ptr = view.ctypes.data
-    assert file_range(ptr, view.nbytes) is not None
-    interleave.release_pages(ptr, view.nbytes)
+    assert f.pages is not None and f.pages.range(ptr, view.nbytes) is not None
+    interleave.release_pages(ptr, view.nbytes, f.pages)
     assert np.array_equal(view.reshape(raw.shape), raw)
     (tmp_path / "m.gguf").write_bytes((tmp_path / "m.gguf").read_bytes())  # same bytes, new mtime
-    assert file_range(ptr, view.nbytes) is None  # changed since read: pages stay
-    interleave.release_pages(ptr, view.nbytes)
+    assert f.pages.range(ptr, view.nbytes) is None  # changed since read: pages stay
+    interleave.release_pages(ptr, view.nbytes, f.pages)
     assert np.array_equal(view.reshape(raw.shape), raw)
     f.close()
 
@@ -132,7 +132,7 @@ def test_gathered_rows_stay_in_place(lib, tmp_path, monkeypatch):
     from powerpy.testing.synthetic import write_synthetic_model
 
     released = []
-    monkeypatch.setattr(interleave, "release_pages", lambda p, n: released.append(p))
+    monkeypatch.setattr(interleave, "release_pages", lambda p, n, f=None: released.append(p))
     path = write_synthetic_model(tmp_path / "m.powerinfer.gguf", "tiny", "q4_0", stats=False)
     ours, fresh = powerpy.load(path), powerpy.load(path)
     blk = ours.model.weights.blk[0]
@@ -143,7 +143,8 @@ def test_gathered_rows_stay_in_place(lib, tmp_path, monkeypatch):
         return llm.model.forward(tok, llm.model.new_cache(4), RunOptions(sparse=sparse))
 
     step(ours, sparse=False)
-    assert blk.ffn_up._x8 and blk.ffn_gate._x8 and blk.attn_q._x8  # the whole-matrix layouts
+    # the whole-matrix layouts
+    assert blk.ffn_up.interleaved and blk.ffn_gate.interleaved and blk.attn_q.interleaved
     kept = {w.raw.data_ptr() for w in (blk.ffn_up, blk.ffn_gate)}
     assert released and not kept & set(released)  # attention's rows went back, the FFN's stay
     assert torch.equal(step(ours, sparse=True), step(fresh, sparse=True))
@@ -175,5 +176,5 @@ def test_a_sparse_q4_0_step_keeping_every_neuron_is_the_dense_step(lib, tmp_path
         out, k = lib.ffn_decode(rec, spec.norm_eps, -1e30, r)
         assert k == spec.n_ff
         outs.append(out)
-    assert model.weights.blk[1].ffn_up._x8  # the dense record's gate and up are interleaved
+    assert model.weights.blk[1].ffn_up.interleaved  # the dense record's gate and up are interleaved
     assert torch.equal(outs[0], outs[1])

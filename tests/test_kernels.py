@@ -397,28 +397,27 @@ def test_weight_methods(dtype, path, threads) -> None:
 
 @pytest.mark.parametrize("dtype", ["f16", "q4_0", "q8_0"])
 def test_a_batch_row_sum_is_each_token_own_row_sum(dtype, path, threads, monkeypatch) -> None:
-    """A prompt's down pass (``ffn.rows_sum``) over a ReLU FFN's h (most entries exactly 0)
+    """A prompt's down pass (``Weight.rows_sum``) over a ReLU FFN's h (most entries exactly 0)
     and over a dense h: with the kernels each token's row is its one-token sum's bits at 1 and 2
-    threads; without them torch decodes tiles of rows once for the batch. All are h @ W."""
-    from powerpy.model.ffn import rows_sum
-
+    threads (one token streams whole rows, a batch takes ``KernelLibrary.rows_sum``); without
+    them torch decodes tiles of rows once for the batch. All are h @ W."""
     wobj, w = make_weight(dtype, 96, 64, seed=3)
-    tiled, tiles = [], type(wobj).rows_sum
-    monkeypatch.setattr(type(wobj), "rows_sum", lambda *a: tiled.append(1) or tiles(*a))
+    tiled, tiles = [], kernels.KernelLibrary.rows_sum
+    monkeypatch.setattr(kernels.KernelLibrary, "rows_sum", lambda *a: tiled.append(1) or tiles(*a))
     g = torch.Generator().manual_seed(0)
     h = torch.randn(16, 96, generator=g).clamp_(min=1.0) - 1.0  # about 84% exact zeros
     dense = torch.randn(16, 96, generator=g)
     eps = 4 * (EPS if path == "kernel" else fallback_eps(dtype))
     for hb in (h, dense):
         torch.set_num_threads(1)
-        one = [rows_sum(hb[t : t + 1], wobj)[0] for t in range(16)]
+        one = [wobj.rows_sum(hb[t : t + 1])[0] for t in range(16)]
         for nt in (1, 2):
             torch.set_num_threads(nt)
-            got = rows_sum(hb, wobj)
+            got = wobj.rows_sum(hb)
             close(got, hb.double() @ w, hb.double().abs() @ w.abs(), eps)
             if path == "kernel":
                 assert all(torch.equal(got[t], one[t]) for t in range(16))
-        assert tiled == ([1, 1] if path == "kernel" else [1] * 18)  # the batches; torch: all
+        assert tiled == ([1, 1] if path == "kernel" else [])  # the batches; torch: no library
         tiled.clear()
 
 

@@ -167,7 +167,7 @@ def test_generation_does_not_import_training() -> None:
 
 
 def test_load_and_generate_do_not_import_training() -> None:
-    """``LLM.train_predictors`` imports the training code lazily: loading a model and
+    """``pipeline.research.train_predictors`` imports the training code lazily: loading a model and
     generating never do, nor does the ``infer`` command's module (in a fresh interpreter)."""
     import subprocess
     import sys

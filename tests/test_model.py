@@ -209,6 +209,26 @@ def test_threshold_key_precedence(tmp_path):
     assert load(path, threshold=0.25).options.threshold == 0.25
 
 
+def test_the_threshold_env_var_is_the_cli_default_not_the_library(tmp_path, monkeypatch):
+    """``LLAMA_SPARSE_PRED_THRESHOLD`` is read by the command line as the default of
+    ``--sparse-threshold``; ``load`` takes its parameter, then the file's key."""
+    import argparse
+
+    from powerpy.commands.common import sparse_threshold
+
+    path = tmp_path / "thr.powerinfer.gguf"
+    write_tiny_model(path, SPEC, sparse=True, threshold=-1.5)
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "0.75")
+    assert load(path).options.threshold == -1.5  # the library does not read the environment
+    assert sparse_threshold(argparse.Namespace(sparse_threshold=None)) == 0.75
+    assert sparse_threshold(argparse.Namespace(sparse_threshold=0.25)) == 0.25  # the flag wins
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "x")
+    with pytest.raises(ValueError, match="LLAMA_SPARSE_PRED_THRESHOLD='x' is not a number"):
+        sparse_threshold(argparse.Namespace(sparse_threshold=None))
+    monkeypatch.delenv("LLAMA_SPARSE_PRED_THRESHOLD")
+    assert sparse_threshold(argparse.Namespace(sparse_threshold=None)) is None
+
+
 def test_threshold_key_must_be_float32(tmp_path):
     from powerpy.formats.constants import GGMLType, GGUFValueType
 
@@ -421,6 +441,23 @@ def test_a_timed_step_reads_the_native_phase_clock(sparse_path, monkeypatch):
     )
 
 
+def test_bytes_per_token_counts_the_kv_cache_at_its_element_size(sparse_path):
+    """A step's KV bytes are the caches' own: 2 bytes an element by default (f16), 4 with
+    ``cache_type="f32"``; the predictors count where the model's own ``Block.gates`` says."""
+    from powerpy import benchmark
+    from powerpy.model.options import RunOptions
+
+    for cache_type, size in (("f16", 2), ("f32", 4)):
+        model = load(sparse_path[0], cache_type=cache_type).model
+        assert model.new_cache(4).k.element_size() == size
+        a = model.args
+        got = benchmark.bytes_per_token(model, 10.0, None)["kv"]
+        assert got == 2 * a.n_layer * 10.0 * a.n_embd_gqa * size
+    active = np.ones(a.n_layer)
+    pred = sum(b.fc1.nbytes + b.fc2.nbytes for b in model.weights.blk if b.gates(RunOptions()))
+    assert pred > 0 and benchmark.bytes_per_token(model, 10.0, active)["predictor"] == pred
+
+
 def test_bench_runs_the_modes_in_paired_rounds_beside_read_probes(sparse_path, monkeypatch):
     """``run_bench`` runs sparse and dense in turn each round, with a read probe after each:
     a tg row is its fastest run, judged against the best probe next to that run, and the
@@ -502,7 +539,7 @@ def test_dense_layers_run_ungated(tmp_path, monkeypatch, fused):
     write_gguf(keep_all, tiny_kv(SPEC), [(n, x, f32) for n, x in t2.items()], magic=b"PWRI")
     a, b = load(listed, threshold=0.0), load(keep_all, threshold=0.0)
     assert a.model.args.dense_layers == (1,)
-    assert [blk.gated for blk in a.model.weights.blk] == [True, False]
+    assert [blk.sparse_layer for blk in a.model.weights.blk] == [True, False]
     for llm in (a, b):
         llm.sparsity.reset()
     got, want = _logits(a, TOKENS), _logits(b, TOKENS)  # prefill

@@ -11,6 +11,7 @@ import torch
 from powerpy.api import load
 from powerpy.cli import main
 from powerpy.model.options import RunOptions
+from powerpy.pipeline import research
 from powerpy.pipeline.corpus import kjv_text, window_starts
 from powerpy.pipeline.perplexity import compare_dense_sparse, n_chunks_for, perplexity
 from powerpy.testing import TinySpec, write_tiny_model
@@ -119,7 +120,9 @@ def test_sweeps_compute_with_the_handles_numerics(smollm2_path) -> None:
     text = kjv_text("heldout")[:4000]
     exact = load(smollm2_path, exact_activations=True)
     ids = exact.tokenize(text, add_bos=False)
-    got = exact.sparsity_sweep(ids, oracle=[0.5], ctx=64, chunks=1, progress=False).dense_ppl
+    got = research.sparsity_sweep(
+        exact, ids, oracle=[0.5], ctx=64, chunks=1, progress=False
+    ).dense_ppl
     kw = dict(ctx=64, chunks=1, bos_id=exact.tokenizer.bos_id if exact.tokenizer.add_bos else None)
     opts = RunOptions(sparse=False, numerics=exact.options.numerics)
     want = perplexity(exact.model, ids, opts=opts, **kw)

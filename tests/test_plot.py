@@ -13,6 +13,7 @@ import pytest
 
 import powerpy
 from powerpy.cli import main
+from powerpy.pipeline import research
 from powerpy.pipeline.corpus import kjv_text
 
 pytest.importorskip("matplotlib")
@@ -32,14 +33,14 @@ def llm():
 
 @pytest.fixture(scope="module")
 def prof(llm):
-    return llm.profile(kjv_text("train"), tokens=2048, progress=False)
+    return research.profile(llm, kjv_text("train"), tokens=2048, progress=False)
 
 
 @pytest.fixture(scope="module")
 def sweeps(llm):
     held = llm.tokenize(kjv_text("heldout")[:60_000], add_bos=False)
-    pred = llm.sparsity_sweep(held, [-1.0, 0.0, 1.0], chunks=2, progress=False)
-    orc = llm.sparsity_sweep(held, oracle=[0.5, 0.99], chunks=2, progress=False)
+    pred = research.sparsity_sweep(llm, held, [-1.0, 0.0, 1.0], chunks=2, progress=False)
+    orc = research.sparsity_sweep(llm, held, oracle=[0.5, 0.99], chunks=2, progress=False)
     return pred, orc
 
 

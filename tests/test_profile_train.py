@@ -242,7 +242,7 @@ def test_calibration_with_a_cost_writes_dense_layers_into_the_file(
     with read_gguf(out) as gf:
         assert list(gf.kv[Keys.DENSE_LAYERS]) == [0, 1]
     m = load(out)
-    assert not any(b.gated for b in m.model.weights.blk)
+    assert not any(b.sparse_layer for b in m.model.weights.blk)
     m.logits(ids[:20])
     assert np.all(m.sparsity.active_fraction() == 1.0)
     m.file.close()

@@ -118,6 +118,76 @@ def test_the_model_holds_no_run_state(model_path):
     assert set(vars(llm.model)) == attrs and len(llm.model.plans) == 2
 
 
+def _derived_state(llm) -> dict:
+    """Everything a run may leave behind, by owner: the model's attributes, its plans (decode
+    plans and host executors, ``model.plans``), each quantized matrix's interleaved copy (the
+    weight's own, ``QuantWeight.interleaved``) and the file's page registry (``GGUFFile``)."""
+    from powerpy.model.matrices import QuantWeight
+
+    model = llm.model
+    quant = [
+        w for blk in model.weights.blk for w in vars(blk).values() if isinstance(w, QuantWeight)
+    ]
+    return {
+        "attrs": set(vars(model)),
+        "plans": model.plans.keys(),
+        "host": model.plans.host_keys(),
+        "interleaved": [id(w.interleaved) for w in quant],
+        "built": sum(bool(w.interleaved) for w in quant),
+        "pages": llm.file.pages,
+    }
+
+
+def test_runs_leave_no_state_outside_its_owners(tmp_path):
+    """Two sessions on two threads over one quantized model, under the load's options: the
+    model's state after is the state after load (its host plan and the matrices' interleaved
+    rows are built at load, ``stack_decode.prepare``) plus the options' one decode plan, owned
+    by the model (``model.plans``); nothing is kept at module level (no plan cache in
+    ``stack_decode``, no page registry in ``gguf_reader``: the file owns it); and a dense call
+    adds only its own plans to the model's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from powerpy.formats import gguf_reader
+    from powerpy.formats.constants import GGMLType
+    from powerpy.formats.gguf_writer import write_gguf
+    from powerpy.formats.quants import quantize
+    from powerpy.model import stack_decode
+    from powerpy.model.plan import PlanKey
+    from powerpy.testing import tiny_kv, tiny_tensors
+
+    path = tmp_path / "q4.powerinfer.gguf"
+    t = tiny_tensors(SPEC, sparse=True, seed=5)
+    out = [
+        (name, quantize(a, GGMLType.Q4_0), GGMLType.Q4_0, a.shape)
+        if a.ndim == 2
+        else (name, a, GGMLType.F32)
+        for name, a in t.items()
+    ]
+    write_gguf(path, tiny_kv(SPEC), out, magic=b"PWRI")
+    llm = load(path)
+    assert not hasattr(stack_decode, "_PLANS") and not hasattr(gguf_reader, "_FILE_PAGES")
+    before = _derived_state(llm)
+    assert before["host"] and before["built"], "the load's plan and layouts are built at load"
+
+    def run(prompt):
+        cache = llm.model.new_cache(16)
+        llm.model.forward(torch.tensor(prompt), cache, llm.options)
+        return [llm.model.forward(torch.tensor([t]), cache, llm.options) for t in (5, 6, 7)]
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, PROMPTS))
+    after = _derived_state(llm)
+    assert before.pop("plans") == []  # decode plans are built by the first step
+    assert after.pop("plans") == [PlanKey.of(llm.options, 1)]  # one, for both sessions
+    assert after == before
+    cache = llm.model.new_cache(16)
+    llm.model.forward(torch.tensor(PROMPTS[0]), cache, DENSE)
+    llm.model.forward(torch.tensor([5]), cache, DENSE)
+    after = _derived_state(llm)
+    assert after["attrs"] == before["attrs"] and after["pages"] is before["pages"]
+    assert set(after["host"]) == set(before["host"]) | {stack_decode.plan_key(DENSE)}
+
+
 def test_interleaved_sessions_keep_their_own_numerics(smollm2_path):
     """Numerics are per call: three sessions on one quantized model (llama.cpp's rounding,
     exact f32 activations, torch's code paths), stepped token by token in turn, each give the

@@ -270,10 +270,10 @@ def kernel_rates(shape: synth.Shape, dev: torch.device, reps: int) -> list[dict]
         for share in (1.0, 0.1):
             h = torch.randn(1, ff, device=dev) * (torch.rand(1, ff, device=dev) < share)
             add(
-                "rows_sum",
+                "block_rows_sum",
                 f"{name} down {ff}x{d} {share:.0%} nonzero",
                 int(raw.numel() * share),
-                gpu_kernels.rows_sum_op,
+                gpu_kernels.block_rows_sum_op,
                 raw,
                 h,
                 code,

@@ -4,11 +4,36 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 
 from powerpy.config import ACTIVATIONS
 
-THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"
+THRESHOLD_ENV = "LLAMA_SPARSE_PRED_THRESHOLD"  # --sparse-threshold's default, as PowerInfer's
+
+
+def sparse_threshold(args: argparse.Namespace) -> float | None:
+    """``--sparse-threshold``, else the environment variable ``LLAMA_SPARSE_PRED_THRESHOLD``,
+    else None (the library then takes the file's key, then 0).
+
+    Raises:
+        ValueError: the environment variable is not a number.
+    """
+    if args.sparse_threshold is not None:
+        return args.sparse_threshold
+    env = os.environ.get(THRESHOLD_ENV, "").strip()
+    if not env:
+        return None
+    try:
+        value = float(env)
+    except ValueError:
+        raise ValueError(f"{THRESHOLD_ENV}={env!r} is not a number") from None
+    if math.isnan(value) or value == math.inf:
+        raise ValueError(
+            f"{THRESHOLD_ENV}={env!r} {value} is not usable: give a finite number (or -inf)"
+        )
+    return value
 
 
 def add_model_args(p: argparse.ArgumentParser, *, generate: bool = False) -> None:
@@ -23,7 +48,8 @@ def add_model_args(p: argparse.ArgumentParser, *, generate: bool = False) -> Non
         "--sparse-threshold",
         type=float,
         default=None,
-        help=f"predictor threshold (default: env {THRESHOLD_ENV}, then the file's key, then 0)",
+        help=f"predictor threshold (default: the environment variable {THRESHOLD_ENV} when "
+        "set, then the file's powerinfer.sparse_threshold, then 0)",
     )
     p.add_argument(
         "--cut-scale",
@@ -184,7 +210,7 @@ def load_model(args: argparse.Namespace):
         raise ValueError(f"--cut-scale: {e}, e.g. 0 (no cut) or 1") from None
     llm = load(
         args.model,
-        threshold=args.sparse_threshold,  # None: env LLAMA_SPARSE_PRED_THRESHOLD, file, 0
+        threshold=sparse_threshold(args),  # None: the file's key, then 0
         weight_format=getattr(args, "weight_format", "auto"),
         dense=getattr(args, "dense", False),
         ffn_act=args.ffn_act,

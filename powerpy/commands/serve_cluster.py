@@ -120,6 +120,7 @@ def load_pipeline(args: argparse.Namespace):
     only the model's header: its tokenizer and hyperparameters)."""
     from powerpy.cluster.actors import start_pipeline
     from powerpy.cluster.spec import parse_pipeline
+    from powerpy.commands.common import sparse_threshold
     from powerpy.config import ModelArgs
     from powerpy.default_model import default_model_path
     from powerpy.formats.gguf_reader import read_gguf
@@ -144,7 +145,7 @@ def load_pipeline(args: argparse.Namespace):
         specs = parse_pipeline(args.pipeline, model_args.n_layer)
     ctk = getattr(args, "cache_type_k", "f16")
     load_options = dict(
-        threshold=args.sparse_threshold,
+        threshold=sparse_threshold(args),
         weight_format=args.weight_format,
         dense=args.dense,
         ffn_act=args.ffn_act,

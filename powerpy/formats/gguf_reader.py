@@ -51,26 +51,35 @@ log = logging.getLogger(__name__)
 _OPEN_FILES: weakref.WeakSet[GGUFFile] = weakref.WeakSet()
 
 
-# Files read into memory whose pages may become file pages of the same bytes again
-# (powerpy.model.interleave hands back the rows it has copied): id(buffer) -> (address, size,
-# a descriptor of the file, its (size, mtime) when read).
-_FILE_PAGES: dict[int, tuple[int, int, int, tuple[int, int]]] = {}
+class FilePages:
+    """A file read into memory whose pages may become file pages of the same bytes again
+    (``powerpy.model.interleave`` hands back the rows it has copied, with ``mmap(MAP_FIXED)``
+    of the file over them): the buffer's address and size, a descriptor of the file and its
+    (size, mtime) when read.
 
+    The :class:`GGUFFile` that read the file owns it (``GGUFFile.pages``), and so does each
+    weight made of its bytes (``QuantWeight.pages``): the buffer may outlive the file object.
+    The descriptor is closed with the buffer, or by :meth:`GGUFFile.close`.
+    """
 
-def _forget(key: int) -> None:
-    entry = _FILE_PAGES.pop(key, None)
-    if entry is not None:
-        os.close(entry[2])
+    def __init__(self, addr: int, size: int, fd: int, when: tuple[int, int]) -> None:
+        self.addr, self.size, self.when = addr, size, when
+        self.fd: int | None = fd
 
+    def range(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
+        """(file descriptor, file offset of ``ptr``) when ``[ptr, ptr + nbytes)`` lies in this
+        buffer and the file has not changed since it was read, else None."""
+        fd = self.fd
+        if fd is None or not (self.addr <= ptr and ptr + nbytes <= self.addr + self.size):
+            return None
+        st = os.fstat(fd)
+        return (fd, ptr - self.addr) if (st.st_size, st.st_mtime_ns) == self.when else None
 
-def file_range(ptr: int, nbytes: int) -> tuple[int, int] | None:
-    """(file descriptor, file offset of ``ptr``) when ``[ptr, ptr + nbytes)`` lies in a file read
-    into memory that has not changed since, else None."""
-    for addr, size, fd, when in list(_FILE_PAGES.values()):
-        if addr <= ptr and ptr + nbytes <= addr + size:
-            st = os.fstat(fd)
-            return (fd, ptr - addr) if (st.st_size, st.st_mtime_ns) == when else None
-    return None
+    def close(self) -> None:
+        """Close the descriptor: the pages stay as they are from now on."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def mapped_by(path: str | os.PathLike[str]) -> GGUFFile | None:
@@ -117,7 +126,7 @@ class GGUFFile:
         self.path = Path(path)
         self._mm: mmap.mmap | None = None
         self._data: np.ndarray | None = None  # (file_size,) uint8 view of _mm
-        self._pages = 0  # its key in _FILE_PAGES (read into memory)
+        self.pages: FilePages | None = None  # read into memory: the file behind its pages
         self.in_memory = False
         layout = self._open(writable, in_memory, progress)
         self.magic: bytes = layout.magic
@@ -175,14 +184,8 @@ class GGUFFile:
             self._data.flags.writeable = False
             fd = os.open(path, os.O_RDONLY)
             st = os.fstat(fd)
-            self._pages = id(buf)
-            _FILE_PAGES[self._pages] = (
-                self._data.ctypes.data,
-                size,
-                fd,
-                (st.st_size, st.st_mtime_ns),
-            )
-            weakref.finalize(buf, _forget, self._pages)  # with the buffer, not this object
+            self.pages = FilePages(self._data.ctypes.data, size, fd, (st.st_size, st.st_mtime_ns))
+            weakref.finalize(buf, self.pages.close)  # with the buffer, not this object
         return layout
 
     # --- access
@@ -279,7 +282,8 @@ class GGUFFile:
         if mm is not None:
             with contextlib.suppress(BufferError):  # views still exported: freed with them
                 mm.close()
-                _forget(self._pages)
+                if self.pages is not None:
+                    self.pages.close()
         _OPEN_FILES.discard(self)
 
     def __enter__(self) -> GGUFFile:

@@ -79,7 +79,9 @@ def row_slices(
     out, s = [], 0
     for n in sizes:
         if isinstance(w, QuantWeight):
-            out.append(QuantWeight(w.raw[s : s + n], w.ggml_type, w.cols, repack=repack))
+            out.append(
+                QuantWeight(w.raw[s : s + n], w.ggml_type, w.cols, repack=repack, pages=w.pages)
+            )
         else:
             out.append(DenseWeight(w.w[s : s + n]))
         s += n

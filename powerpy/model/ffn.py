@@ -18,8 +18,7 @@ from torch import Tensor
 from powerpy.config import FFNVariant
 from powerpy.model import ggml_numerics, kernels, layer_record
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
-from powerpy.model.gpu_kernels import FusedWeight
-from powerpy.model.matrices import DenseWeight, TransposedWeight, Weight
+from powerpy.model.matrices import Weight
 from powerpy.model.options import RunOptions
 
 
@@ -133,29 +132,11 @@ def glu_rows(
     return glu(g, up.gather_linear(x, idx), variant, inplace=True)
 
 
-def rows_sum(h: Tensor, w: Weight) -> Tensor:
-    """``h @ W`` for a neuron-major W: h (T, n_ff) f32, W (n_ff, n_embd) -> (T, n_embd) f32.
-
-    On the host with the native kernels each token's row has the bits of its own one-token row
-    sum, at any thread count and in any batch: one token sums its nonzero rows
-    (``gather_axpy``), a batch takes the tiled row sums (``KernelLibrary.rows_sum``), which read
-    a row once per tile of tokens and skip rows no token of the tile needs."""
-    if isinstance(w, FusedWeight):
-        return w.rows_sum(h)  # placed rows: one fused op
-    if w.device.type != "cpu" and isinstance(w, DenseWeight):
-        return (h.to(w.w.dtype) @ w.w).float()  # placed float rows: one matmul, no f32 copy
-    if w.device.type != "cpu" and not isinstance(w, TransposedWeight):
-        return h.float() @ w.dequantize()  # placed blocks no fused kernel reads: decoded
-    if h.shape[0] == 1 and not isinstance(w, TransposedWeight) and w.kernel() is not None:
-        return w.gather_axpy(h[0], torch.arange(w.shape[0]))[None]  # whole rows, streamed
-    return w.rows_sum(h)  # a dense file's ffn_down: its linear; else the tiled row sums
-
-
 def ffn_dense(
     x: Tensor, gate: Weight | None, up: Weight, down_t: Weight, variant: FFNVariant
 ) -> Tensor:
     """Dense FFN: x (T, n_embd) normed input -> (T, n_embd)."""
-    return rows_sum(glu(gate_linear(gate, x), up.linear(x), variant, inplace=True), down_t)
+    return down_t.rows_sum(glu(gate_linear(gate, x), up.linear(x), variant, inplace=True))
 
 
 def ffn_cut(
@@ -176,7 +157,7 @@ def ffn_cut(
         return y[None], torch.tensor([kept])
     h = glu(gate_linear(gate, x, act), up.linear(x, act), variant, inplace=True)  # (T, n_ff)
     keep = h.abs() >= tau if act is None else act & (h.abs() >= tau)
-    return rows_sum(h.mul_(keep), down_t), keep.sum(1)
+    return down_t.rows_sum(h.mul_(keep)), keep.sum(1)
 
 
 def _rows_cut(
@@ -212,7 +193,7 @@ def ffn_masked(
     token of a tile needs.
     """
     h = glu(gate_linear(gate, x, act), up.linear(x, act), variant, inplace=True).mul_(act)
-    return rows_sum(cut(h, tau), down_t)
+    return down_t.rows_sum(cut(h, tau))
 
 
 def ffn_rows(
@@ -247,7 +228,7 @@ def ffn_union(
     h = cut(
         glu(g, u, variant, inplace=True).mul_(mask[:, rows]), None if tau is None else tau[rows]
     )
-    return rows_sum(h, down_t.take_rows(rows))
+    return down_t.take_rows(rows).rows_sum(h)
 
 
 def fused_decode(

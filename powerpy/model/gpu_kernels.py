@@ -11,8 +11,8 @@ the VRAM budget charges exactly what is allocated, and a decode step reads each 
 - ``powerpy::glu(gu, tau?, variant)``: a hot layer's activation ``h = act(g, u)`` from the
   stacked gate/up output, with the cut ``|h| < tau -> 0`` in the same pass.
 - ``powerpy::rms_norm(x, w, eps)``: RMSNorm in one launch.
-- ``powerpy::rows_sum(w, h)``: ``y = h @ W`` for neuron-major W (a hot layer's down rows); rows
-  whose ``h`` is 0 for every token are not read. Split over row chunks, then one sum.
+- ``powerpy::block_rows_sum(w, h)``: ``y = h @ W`` for neuron-major W (a hot layer's down
+  rows); rows whose ``h`` is 0 for every token are not read. Split over row chunks, then one sum.
 - ``powerpy::decode_attention(q, k, v, base, pos, ...)``: one query per session over a layer of
   the device KV pool (``cache.py``), each session's rows ``base .. base + pos`` (a window, a
   scale, a soft-cap), split over positions and merged: lengths are data, so a CUDA graph
@@ -26,7 +26,7 @@ under ``FakeTensorMode`` their fake versions give the output shapes, so launch c
 absence of host syncs are checked on a CPU. ``triton_*`` functions launch the Triton kernels on
 any tensors (CPU ones in Triton's interpreter: the tests compare them with the torch versions).
 Without Triton, :func:`available` is False and a CUDA device places quantized matrices with
-torch's block decoding (``matrices.QuantWeight``), many ops per tile. :class:`FusedWeight` is
+torch's block decoding (``matrices.QuantWeight``), many ops per tile. :class:`DeviceQuantWeight` is
 the placed matrix that calls them.
 """
 
@@ -56,9 +56,9 @@ _KERNELS = "powerpy.model.triton_kernels"
 TYPES = {GGMLType.F16: 0, GGMLType.Q8_0: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3, GGMLType.MXFP4: 4}
 _TYPE_OF = {code: t for t, code in TYPES.items()}
 VARIANTS = {FFNVariant.SWIGLU: 0, FFNVariant.REGLU: 1, FFNVariant.DRELU: 2}
-ROWS_SUM_SPLIT = 16  # row chunks of rows_sum (the second launch adds them)
+ROWS_SUM_SPLIT = 16  # row chunks of block_rows_sum (the second launch adds them)
 ATTN_CHUNK = 256  # positions per program of decode_attention (the second launch merges them)
-MAX_TILE_T = 16  # tokens per tile of linear and rows_sum (a larger batch takes several tiles)
+MAX_TILE_T = 16  # tokens per tile of linear and block_rows_sum (a larger batch takes several tiles)
 
 
 @functools.cache
@@ -171,9 +171,9 @@ def _(w, x, qtype, cols, need, bucket):
     return x.new_empty(x.shape[0], w.shape[0])
 
 
-# ----------------------------------------------------------------------------------- rows_sum
-def triton_rows_sum(w, h, qtype: int, cols: int) -> Tensor:
-    """``powerpy::rows_sum`` by the Triton kernels: w (rows, row_bytes) uint8 neuron-major, h
+# ----------------------------------------------------------------------------- block_rows_sum
+def triton_block_rows_sum(w, h, qtype: int, cols: int) -> Tensor:
+    """``powerpy::block_rows_sum`` by the Triton kernels: w (rows, row_bytes) uint8 neuron-major, h
     (T, rows) f32 -> (T, cols) f32."""
     rows, T = w.shape[0], h.shape[0]
     nb = cols // 32
@@ -183,7 +183,7 @@ def triton_rows_sum(w, h, qtype: int, cols: int) -> Tensor:
         return part.new_zeros(T, cols)
     bt = 1 if T == 1 else MAX_TILE_T
     _launch(
-        "_rows_sum_kernel",
+        "_block_rows_sum_kernel",
         (_cdiv(nb, 4), split, _cdiv(T, bt)),
         w,
         h.contiguous(),
@@ -201,18 +201,18 @@ def triton_rows_sum(w, h, qtype: int, cols: int) -> Tensor:
     return part.sum(0)
 
 
-@torch.library.custom_op("powerpy::rows_sum", mutates_args=())
-def rows_sum_op(w: Tensor, h: Tensor, qtype: int, cols: int) -> Tensor:
+@torch.library.custom_op("powerpy::block_rows_sum", mutates_args=())
+def block_rows_sum_op(w: Tensor, h: Tensor, qtype: int, cols: int) -> Tensor:
     """w (rows, row_bytes) uint8 neuron-major, h (T, rows) f32 -> (T, cols) f32."""
-    return triton_rows_sum(w, h, qtype, cols)
+    return triton_block_rows_sum(w, h, qtype, cols)
 
 
-@rows_sum_op.register_kernel("cpu")
+@block_rows_sum_op.register_kernel("cpu")
 def _(w, h, qtype, cols):
     return h.float() @ _decoded(w, qtype, cols)
 
 
-@rows_sum_op.register_fake
+@block_rows_sum_op.register_fake
 def _(w, h, qtype, cols):
     return h.new_empty(h.shape[0], cols)
 
@@ -486,13 +486,15 @@ def _(q, k, v, table, pos, rows, kc, vc, n_rot, neox):
 
 
 # ----------------------------------------------------------------------------------- weight
-class FusedWeight(QuantWeight):
-    """A matrix placed on an accelerator in its file bytes, computed by the fused ops:
-    ``linear`` and ``rows_sum`` are one custom op each.
+class DeviceQuantWeight:
+    """A matrix placed on an accelerator in its file bytes, computed by this module's ops:
+    ``linear`` and ``rows_sum`` are one custom op each (``powerpy::linear``,
+    ``powerpy::block_rows_sum``).
 
-    ``raw`` is ``(rows, row_bytes)`` uint8: ggml blocks of a type the kernels read (F16 values
-    as bytes, Q8_0, Q4_0, Q4_1, MXFP4). Everything else is a ``QuantWeight``'s: row gathers and
-    :meth:`dequantize` decode with torch ops (tests and tools).
+    It holds the file's blocks as a :class:`~powerpy.model.matrices.QuantWeight` (``blocks``)
+    with the host kernels off: ``raw`` is ``(rows, row_bytes)`` uint8, ggml blocks of a type the
+    kernels read (F16 values as bytes, Q8_0, Q4_0, Q4_1, MXFP4). Row gathers, row copies and
+    :meth:`dequantize` are the blocks' torch decoding (tests and tools).
     """
 
     def __init__(self, raw: Tensor, ggml_type: GGMLType, cols: int) -> None:
@@ -501,19 +503,18 @@ class FusedWeight(QuantWeight):
                 f"the fused kernels read {', '.join(t.name for t in TYPES)} rows of "
                 f"a multiple of 32 values, not {ggml_type.name} rows of {cols}"
             )
-        super().__init__(raw, ggml_type, cols)
-        self._kernel_ok = False  # never the host kernels
+        self.blocks = QuantWeight(raw, ggml_type, cols, native=False)  # never the host kernels
         self._code = TYPES[ggml_type]
 
     @classmethod
-    def of(cls, storage: Tensor, ggml_type: GGMLType, cols: int) -> FusedWeight:
+    def of(cls, storage: Tensor, ggml_type: GGMLType, cols: int) -> DeviceQuantWeight:
         """From a weight's storage: raw blocks (uint8) or an F16 matrix (rows, cols)."""
         if storage.dtype == torch.float16:
             storage = storage.contiguous().view(torch.uint8)
         return cls(storage, ggml_type, cols)
 
     @classmethod
-    def stacked(cls, parts: list[FusedWeight]) -> FusedWeight | None:
+    def stacked(cls, parts: list[DeviceQuantWeight]) -> DeviceQuantWeight | None:
         """One matrix of ``parts``' rows in order (q, k and v), or None when their types or
         widths differ. Device memory: the stack is a new copy (the parts are dropped by the
         caller)."""
@@ -522,6 +523,39 @@ class FusedWeight(QuantWeight):
             return None
         (kind, cols) = kinds.pop()
         return cls(torch.cat([p.raw for p in parts]), kind, cols)
+
+    @property
+    def raw(self) -> Tensor:
+        """The blocks, ``(rows, row_bytes)`` uint8 on the device."""
+        return self.blocks.raw
+
+    @property
+    def ggml_type(self) -> GGMLType:
+        return self.blocks.ggml_type
+
+    @property
+    def cols(self) -> int:
+        return self.blocks.cols
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def storage(self) -> Tensor:
+        """The tensor holding the raw blocks."""
+        return self.blocks.raw
+
+    def kernel(self) -> None:
+        return None  # never the host kernels
 
     def linear(self, x: Tensor, need: Tensor | None = None, bucket: Tensor | None = None):
         """``x @ W.T``: x (T, cols) f32 -> (T, rows) f32 (x (cols,) -> (rows,)). With ``need``
@@ -534,11 +568,27 @@ class FusedWeight(QuantWeight):
     def rows_sum(self, h: Tensor) -> Tensor:
         """``h @ W`` for neuron-major W: h (T, rows) f32 -> (T, cols) f32; rows whose ``h`` is
         0 are not read."""
-        return rows_sum_op(self.raw, h.float(), self._code, self.cols)
+        return block_rows_sum_op(self.raw, h.float(), self._code, self.cols)
 
-    def with_storage(self, t: Tensor) -> FusedWeight:
+    def gather_linear(self, x: Tensor, idx: Tensor) -> Tensor:
+        """Rows ``idx`` of ``W @ x`` (the blocks' torch decoding)."""
+        return self.blocks.gather_linear(x, idx)
+
+    def gather_axpy(self, h: Tensor, idx: Tensor, out: Tensor | None = None) -> Tensor:
+        """``sum_j h[j] * W[idx[j]]`` (the blocks' torch decoding)."""
+        return self.blocks.gather_axpy(h, idx, out)
+
+    def take_rows(self, idx: Tensor) -> QuantWeight:
+        """A new weight made of rows ``idx`` (raw blocks copied, not re-quantized)."""
+        return self.blocks.take_rows(idx)
+
+    def dequantize(self) -> Tensor:
+        """The whole matrix as f32 (rows, cols): a full copy, for tests and tools."""
+        return self.blocks.dequantize()
+
+    def with_storage(self, t: Tensor) -> DeviceQuantWeight:
         """The same matrix over another copy of its blocks."""
-        return FusedWeight(t, self.ggml_type, self.cols)
+        return DeviceQuantWeight(t, self.ggml_type, self.cols)
 
 
 def glu(gu: Tensor, tau: Tensor | None, variant: FFNVariant | str) -> Tensor:

@@ -59,7 +59,10 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def interleaved(
-    lib: kernels.KernelLibrary, m: kernels.Matrix, release: bool = True
+    lib: kernels.KernelLibrary,
+    m: kernels.Matrix,
+    release: bool = True,
+    pages: gguf_reader.FilePages | None = None,
 ) -> kernels.Matrix | None:
     """``m``'s rows interleaved 8 at a time, in a new buffer; None where ``m`` is not a Q4_K or
     Q4_0 matrix of 8k rows or the kernels have no interleaved products (no AVX2).
@@ -67,6 +70,7 @@ def interleaved(
     With ``release`` the pages of ``m``'s own rows are handed back to the kernel afterwards (a
     file mapping reads them again if a row gather needs them), so a dense model stays near its
     file's size in memory; a matrix whose rows a sparse FFN gathers keeps them where they are.
+    ``pages``: the file read into memory that holds ``m``'s rows (:func:`release_pages`).
     """
     layout = next((v for t, v in _LAYOUTS.items() if kernels.DTYPE_CODES[t] == m.code), None)
     if layout is None or m.nrows % 8 or m.cols % layout[0]:
@@ -80,7 +84,7 @@ def interleaved(
         return None
     assert code == want, code
     if release:
-        release_pages(m.ptr, m.ld * m.nrows)
+        release_pages(m.ptr, m.ld * m.nrows, pages)
     return kernels.Matrix(out, code, m.nrows, m.cols, gb)
 
 
@@ -107,17 +111,18 @@ def rows_of(lib: kernels.KernelLibrary, m: kernels.Matrix) -> torch.Tensor:
     return out
 
 
-def release_pages(ptr: int, nbytes: int) -> None:
+def release_pages(ptr: int, nbytes: int, pages: gguf_reader.FilePages | None = None) -> None:
     """Hand the whole pages of ``[ptr, ptr + nbytes)`` back to the kernel without changing a
-    byte: in a file read into memory (the default load), the same bytes of the file are mapped
-    over them (read back from the file if a row is needed again); in a file mapping, the kernel
-    reclaims them. Any other memory keeps its pages. A failure is only logged."""
+    byte: in a file read into memory (the default load; ``pages``, the file's
+    ``GGUFFile.pages``), the same bytes of the file are mapped over them (read back from the
+    file if a row is needed again); in a file mapping, the kernel reclaims them. Any other
+    memory keeps its pages. A failure is only logged."""
     start = -(-ptr // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (ptr + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
     libc = _libc()
     if end <= start or libc is None:
         return
-    at = gguf_reader.file_range(start, end - start)
+    at = None if pages is None else pages.range(start, end - start)
     if at is not None:
         got = libc.mmap(start, end - start, _PROT_RW, _MAP_PRIVATE_FIXED, *at)
         if got != start:

@@ -4,13 +4,13 @@
 per-user cache keyed by source, flags, compiler and CPU. When no compiler is found or the build
 fails, :func:`available` returns False and logs the reason once; callers
 (``powerpy.model.matrices``) then use their torch code paths, as they do in calls whose
-numerics turn the kernels off (``powerpy.model.numerics``: ``RunOptions.native_kernels``). Every
+numerics turn the kernels off (``RunOptions.numerics``, ``Numerics(native=False)``). Every
 kernel runs on ``torch.get_num_threads()`` OpenMP threads, so ``torch.set_num_threads`` controls
 them too (the library binds to torch's own ``libgomp.so.1``, so there is one thread pool).
 
 Quantized matrices (:data:`QUANT_TYPES`) are read as raw ggml blocks; their matmuls round the
 activations as llama.cpp does unless the call's numerics say otherwise
-(``RunOptions.exact_activations``).
+(``Numerics(quantized_activations=False)``, ``--exact-activations``).
 
 The wrappers take CPU tensors and check shapes; ``powerpy.model.matrices`` decides when to call
 them. Matrices are ``(rows, row_bytes)`` uint8 views or float tensors with contiguous rows.

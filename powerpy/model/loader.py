@@ -119,7 +119,8 @@ class _TensorSource:
                 return DenseWeight(_torch_view(raw).view(torch.bfloat16))
             return DenseWeight(_torch_view(self.gf.array(name)))
         if t.ggml_type in QUANT_TYPES and self.keep_raw:
-            return QuantWeight(_torch_view(self.gf.raw(name)), t.ggml_type, shape[1], gathered)
+            raw = _torch_view(self.gf.raw(name))
+            return QuantWeight(raw, t.ggml_type, shape[1], gathered, pages=self.gf.pages)
         return DenseWeight(self._dequantized(name))
 
     def stack(self, name: str, shape: tuple[int, int, int], dims: tuple[str, ...]) -> Weight:
@@ -133,7 +134,8 @@ class _TensorSource:
                 return DenseWeight(_torch_view(raw).view(torch.bfloat16))
             return DenseWeight(_torch_view(self.gf.array(name).reshape(rows)))
         if t.ggml_type in QUANT_TYPES and self.keep_raw:
-            return QuantWeight(_torch_view(self.gf.raw(name)), t.ggml_type, shape[2])
+            raw = _torch_view(self.gf.raw(name))
+            return QuantWeight(raw, t.ggml_type, shape[2], pages=self.gf.pages)
         return DenseWeight(self._dequantized(name).reshape(rows))
 
     def transposed(self, name: str, shape: tuple[int, int]) -> Weight:
@@ -265,7 +267,7 @@ def load_weights(
                 ffn_down_b=down_b,
                 fc1=fc1,
                 fc2=fc2,
-                gated=l not in args.dense_layers,
+                sparse_layer=l not in args.dense_layers,
                 down_tau=cut_taus(row_norms(down_t), cuts[l]) if cut else None,
                 native=native,
             )

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from powerpy.formats import gguf_reader
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
 from powerpy.model import interleave, kernels, numerics
 from powerpy.model.block_decode import dequantize_rows_torch
@@ -174,10 +175,17 @@ class DenseWeight:
         return res if out is None else out.add_(res)
 
     def rows_sum(self, h: Tensor) -> Tensor:
-        """``h @ W`` for a batch: h (T, rows) -> (T, cols) f32 (a neuron-major down matrix). With
-        the native kernels each token's row is its own row sum's bits (``KernelLibrary.rows_sum``:
-        the same at any thread count and batch); else BLAS."""
+        """``h @ W``, the rows summed scaled by h: h (T, rows) -> (T, cols) f32 (a neuron-major
+        down matrix). On a device: one matmul in W's dtype (no f32 copy). On the host with the
+        native kernels each token's row has the bits of its own one-token row sum, at any thread
+        count and in any batch: one token sums its nonzero rows (``gather_axpy``), a batch takes
+        the tiled row sums (``KernelLibrary.rows_sum``, ``pp_rows_sum``), which read a row once
+        per tile of tokens and skip rows no token of the tile needs; else BLAS."""
+        if self.w.device.type != "cpu":
+            return (h.to(self.w.dtype) @ self.w).float()
         kern = self.kernel()
+        if kern is not None and h.shape[0] == 1:
+            return self.gather_axpy(h[0], torch.arange(self.w.shape[0]))[None]  # whole rows
         if kern is not None:
             return kern[0].rows_sum(kern[1], h)
         h = h.float()
@@ -219,17 +227,35 @@ class QuantWeight:
     except :meth:`dequantize`.
     """
 
-    def __init__(self, raw: Tensor, ggml_type: GGMLType, cols: int, gathered=False, repack=True):
+    def __init__(
+        self,
+        raw: Tensor,
+        ggml_type: GGMLType,
+        cols: int,
+        gathered=False,
+        repack=True,
+        native=True,
+        pages: gguf_reader.FilePages | None = None,
+    ):
+        """``native`` False: never the host kernels (a device copy's torch decoding, e.g.
+        ``gpu_kernels.DeviceQuantWeight``'s blocks on the emulated device). ``pages``: the file
+        read into memory whose bytes ``raw`` views (``GGUFFile.pages``), so that
+        :meth:`interleave` can hand the copied rows' pages back to it."""
         tr = TYPE_TRAITS[ggml_type]
         assert raw.dtype == torch.uint8 and raw.dim() == 2
         assert raw.shape[1] == cols // tr.block_size * tr.type_size, (raw.shape, cols)
         self.raw = raw  # (rows, row_bytes)
         self.ggml_type = ggml_type
         self.cols = cols
-        self._kernel_ok = ggml_type in _KERNEL_QUANTS and _kernel_ok(raw)
+        self._kernel_ok = native and ggml_type in _KERNEL_QUANTS and _kernel_ok(raw)
         self._mat: kernels.Matrix | None = None
-        self._x8: kernels.Matrix | None | bool = None if repack else False  # (False: rows kept)
+        # The rows interleaved 8 at a time for whole-matrix products (``interleave``): derived
+        # from ``raw``, built once by :meth:`interleave` (at load for the load's options,
+        # ``stack_decode.prepare``; else by the first product that reads the matrix whole).
+        # None: not built; False: none (not a Q4_K/Q4_0 matrix of 8k rows, or ``repack`` off).
+        self.interleaved: kernels.Matrix | None | bool = None if repack else False
         self.gathered = gathered  # also read row by row (a sparse FFN): interleaving keeps rows
+        self.pages = pages  # the file behind raw's pages, or None (a copy, a file mapping)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -253,11 +279,24 @@ class QuantWeight:
             self._mat = kernels.Matrix.of_quant(self.raw, self.ggml_type, self.cols)
         return lib, self._mat
 
+    def interleave(self) -> kernels.Matrix | None:
+        """Build :attr:`interleaved` now if it is not built (once; with the native kernels):
+        the Q4_K/Q4_0 rows interleaved 8 at a time in a new buffer, after which the pages of
+        the file's own rows are handed back to the kernel unless the rows are ``gathered``
+        (``interleave.interleaved``). Returns it, or None where the matrix has none."""
+        if (k := self.kernel()) is not None and self.interleaved is None:
+            release = not self.gathered
+            self.interleaved = interleave.interleaved(*k, release, self.pages) or False
+        return self.interleaved or None
+
     def dense_kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
-        """``kernel()`` for whole-matrix products: Q4_K/Q4_0 rows interleaved (``interleave``)."""
-        if (k := self.kernel()) is not None and self._x8 is None:  # built once
-            self._x8 = interleave.interleaved(*k, release=not self.gathered) or False
-        return k if k is None or not self._x8 else (k[0], self._x8)
+        """``kernel()`` for whole-matrix products: Q4_K/Q4_0 rows interleaved
+        (:meth:`interleave`)."""
+        k = self.kernel()
+        if k is None:
+            return None
+        x8 = self.interleave()
+        return k if x8 is None else (k[0], x8)
 
     def _rows_f32(self, raw: Tensor) -> Tensor:
         # raw (n, row_bytes) -> (n, cols) f32
@@ -325,9 +364,15 @@ class QuantWeight:
         return res if out is None else out.add_(res)
 
     def rows_sum(self, h: Tensor) -> Tensor:
-        """``h @ W`` for a batch: h (T, rows) -> (T, cols) f32 (a neuron-major down matrix),
-        native as :meth:`DenseWeight.rows_sum`, else tiles of decoded rows and BLAS."""
+        """``h @ W``, the rows summed scaled by h: h (T, rows) -> (T, cols) f32 (a neuron-major
+        down matrix). On a device: the matrix decoded, one matmul; on the host native as
+        :meth:`DenseWeight.rows_sum` (one token: whole rows streamed), else tiles of decoded
+        rows and BLAS."""
+        if self.raw.device.type != "cpu":
+            return h.float() @ self.dequantize()
         kern = self.kernel()
+        if kern is not None and h.shape[0] == 1:
+            return self.gather_axpy(h[0], torch.arange(self.raw.shape[0]))[None]  # whole rows
         if kern is not None:
             return kern[0].rows_sum(kern[1], h)
         h = h.float()
@@ -430,10 +475,11 @@ class TransposedWeight:
 @runtime_checkable
 class Weight(Protocol):
     """A ``(rows, cols)`` matrix as the model computes with it, wherever it lives (host or
-    device) and however it is stored: :class:`DenseWeight`, :class:`QuantWeight` (and its
-    ``gpu_kernels.FusedWeight``), :class:`TransposedWeight`, ``biased.BiasedWeight``.
-    ``kernel()`` is (library, matrix) when the running call may compute it with the native
-    kernels, else None."""
+    device) and however it is stored: :class:`DenseWeight`, :class:`QuantWeight` (and
+    ``gpu_kernels.DeviceQuantWeight``, its blocks on a device), :class:`TransposedWeight`,
+    ``biased.BiasedWeight``. ``kernel()`` is (library, matrix) when the running call may compute
+    it with the native kernels, else None. ``rows_sum(h)`` is ``h @ W``: the rows summed scaled
+    by h, each kind by its fastest path (the FFN's down pass)."""
 
     @property
     def shape(self) -> tuple[int, int]: ...

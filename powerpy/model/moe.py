@@ -34,7 +34,7 @@ from powerpy.formats.constants import GGMLType
 from powerpy.model import ggml_numerics, interleave, layer_record, numerics
 from powerpy.model.biased import row_slices
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
-from powerpy.model.ffn import glu, rows_sum, scaled_cut
+from powerpy.model.ffn import glu, scaled_cut
 from powerpy.model.kernels import RECORD_FLAGS, RECORD_SLOTS, Matrix, act_code, as_f32
 from powerpy.model.matrices import DenseWeight, Weight
 from powerpy.model.moe_host import cut_hot, experts_host, swiglu_oai
@@ -315,7 +315,7 @@ def placed_dense(blk, x: Tensor, variant: FFNVariant, accel: Accelerator | None)
     xs = move(accel, x, blk.ffn_up.device)
     g = blk.ffn_gate.linear(move(accel, xs, blk.ffn_gate.device))
     h = glu(move(accel, g, xs.device), blk.ffn_up.linear(xs), variant, inplace=True)
-    y = rows_sum(move(accel, h, blk.ffn_down_t.device), blk.ffn_down_t)
+    y = blk.ffn_down_t.rows_sum(move(accel, h, blk.ffn_down_t.device))
     return move(accel, y, x.device)
 
 
@@ -474,4 +474,4 @@ def _hot(ex: Experts, x: Tensor, ids: Tensor, w: Tensor, tau: Tensor | None) -> 
     h = h.mul_(scale)
     if tau is not None:  # the cut by groups, over the group's hot neurons
         h = cut_hot(h, tau, hot.bucket, ex.cut_group, ex.n_neurons)
-    return rows_sum(h, hot.down_t)
+    return hot.down_t.rows_sum(h)

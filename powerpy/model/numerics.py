@@ -1,11 +1,11 @@
 """The numerics of one forward call: native kernels or torch, llama.cpp's rounding or exact f32.
 
-They are fields of :class:`powerpy.model.options.RunOptions` (``native_kernels``,
-``exact_activations``). ``Model.forward`` installs the call's :class:`Numerics` for its own
-duration (:func:`using`), and the weights' methods and the llama.cpp float steps read them
-with :func:`current`. The state lives in a ``ContextVar``, as torch's autocast state is
-thread-local: two sessions sharing one model, on one thread or several, each compute with their
-own numerics, and nothing is set for the process.
+A call carries them as ``RunOptions.numerics`` (:class:`powerpy.model.options.RunOptions`), a
+:class:`Numerics` (``native=...``, ``quantized_activations=...``). ``Model.forward`` installs
+the call's :class:`Numerics` for its own duration (:func:`using`), and the weights' methods and
+the llama.cpp float steps read them with :func:`current`. The state lives in a ``ContextVar``,
+as torch's autocast state is thread-local: two sessions sharing one model, on one thread or
+several, each compute with their own numerics, and nothing is set for the process.
 """
 
 from __future__ import annotations

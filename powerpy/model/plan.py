@@ -319,8 +319,8 @@ class DecodePlan:
                 log.info("decode step of %d: the per-layer path (%s)", batch, e)
 
     def host(self, opts: RunOptions) -> stack_decode.StackPlan | None:
-        """The host executor of a one-session step (``stack_decode.plan_for``, memoized per
-        model and mode), or None."""
+        """The host executor of a one-session step (``stack_decode.plan_for``, kept by the
+        model's :class:`Plans` per mode), or None."""
         return stack_decode.plan_for(self.model, opts) if self.batch == 1 else None
 
     def run(self, tokens: Tensor, step, opts: RunOptions, ffn_mode: str) -> Tensor:
@@ -335,11 +335,31 @@ class DecodePlan:
 
 class Plans:
     """A model's plans, one per :class:`PlanKey`, built on first use and owned by the model
-    (they hold its device buffers and graphs)."""
+    (they hold its device buffers and graphs), and its host executors
+    (``stack_decode.StackPlan``, one per ``stack_decode.plan_key``). Both are derived from the
+    model's weights and a call's options, and do not change once built: every session over the
+    model reads the same ones, and a run leaves nothing else behind."""
 
     def __init__(self) -> None:
         self._plans: dict[PlanKey, DecodePlan] = {}
         self._lock = threading.Lock()
+        self._host: dict[tuple, stack_decode.StackPlan | None] = {}
+        self._host_lock = threading.Lock()
+
+    def host(self, key: tuple, build) -> stack_decode.StackPlan | None:
+        """The host executor for ``key``, ``build()`` on first use (None: per-layer calls)."""
+        with self._host_lock:
+            if key not in self._host:
+                self._host[key] = build()
+            return self._host[key]
+
+    def host_keys(self) -> list[tuple]:
+        """The keys of the host executors built so far."""
+        return list(self._host)
+
+    def keys(self) -> list[PlanKey]:
+        """The keys of the decode plans built so far."""
+        return list(self._plans)
 
     def get(self, model, opts: RunOptions, n: int) -> DecodePlan | None:
         """The plan of an ``n``-session decode step under ``opts``, or None (observer, oracle,

@@ -30,10 +30,9 @@ from powerpy.model.ffn import (
     glu,
     glu_rows,
     predict,
-    rows_sum,
     scaled_cut,
 )
-from powerpy.model.gpu_kernels import FusedWeight
+from powerpy.model.gpu_kernels import DeviceQuantWeight
 from powerpy.model.matrices import Weight
 from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.timing import phase
@@ -64,7 +63,7 @@ class HotRows:
     cold: Tensor
     cold_idx: Tensor
     tau: Tensor | None = None
-    gate_up: FusedWeight | None = None
+    gate_up: DeviceQuantWeight | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -135,7 +134,7 @@ def ffn(
         opts.stats.record(l, act_host)
     if opts.observer is not None:
         opts.observer(l, move(accel, ffn_inp, HOST), h)
-    y = rows_sum(h if act_host is None else h * act_host, blk.ffn_down_t)
+    y = blk.ffn_down_t.rows_sum(h if act_host is None else h * act_host)
     return move(accel, y, x.device)
 
 
@@ -319,7 +318,7 @@ def _hot(
     h = cut(glu(gate_linear(hot.gate, x), hot.up.linear(x), variant, inplace=True), tau)  # (T, k)
     if act is not None:
         h = h.mul_(act.index_select(1, hot.bucket))  # predictor gating, no host round trip
-    return rows_sum(h, hot.down_t)
+    return hot.down_t.rows_sum(h)
 
 
 def _cold(

@@ -9,7 +9,6 @@ in the same order, so the results are the same bits.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +32,7 @@ class StackPlan:
         lib: the kernel library.
         records: (n_layer, LAYER_RECORD_LEN) int64, the C records (pointers into ``keep``).
         keep: the matrices and f32 vectors the records point into (kept alive here).
-        gated: the layers with predictors, a cut or experts (their counts go to the statistics
+        counted: the layers with predictors, a cut or experts (their counts go to the statistics
             in sparse runs; the experts' in every run, as their routing is never off).
         experts: the layers that are mixtures of experts.
     """
@@ -41,7 +40,7 @@ class StackPlan:
     lib: KernelLibrary
     records: np.ndarray
     keep: list
-    gated: np.ndarray  # (k,) int64 layer ids
+    counted: np.ndarray  # (k,) int64 layer ids (``layer_record.counted``, or experts)
     first: int = 0  # the plan runs layers first.. (a hybrid's host-only layers)
     experts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -63,10 +62,10 @@ class StackPlan:
             return None
         records = np.ascontiguousarray(np.array(recs, dtype=np.int64).reshape(-1, LAYER_RECORD_LEN))
         moe = [b.moe is not None for b in blocks]
-        gated = np.flatnonzero(
+        counted = np.flatnonzero(
             [layer_record.counted(b, opts) or e for b, e in zip(blocks, moe, strict=True)]
         )
-        return StackPlan(lib, records, keep, gated, first, experts=np.flatnonzero(moe))
+        return StackPlan(lib, records, keep, counted, first, experts=np.flatnonzero(moe))
 
     def run(
         self, args, x: Tensor, cache: KVCache, rots: list, thr: float, opts: RunOptions
@@ -114,7 +113,7 @@ class StackPlan:
         if clock is not None:
             for name, secs in zip(PHASES, clock.tolist(), strict=True):
                 opts.timer.add(name, secs)
-        rows = self.gated if opts.sparse else self.experts
+        rows = self.counted if opts.sparse else self.experts
         if opts.stats is not None and rows.size:
             opts.stats.record_step(rows + self.first, counts[rows])
         return out[None]
@@ -125,26 +124,32 @@ class StackPlan:
 # per-layer path times the predictor inside the FFN.
 PHASES = ("attention", "attention_proj", "ffn", "predictor", "ffn_down")
 
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {mode: plan}
+
+def plan_key(opts: RunOptions) -> tuple:
+    """What a host plan depends on in ``opts``: the mode, the cut scale of a sparse run and the
+    activations' rounding (the matrices' layouts)."""
+    return (opts.sparse, opts.sparse and opts.cut_scale, opts.numerics.quantized_activations)
 
 
 def plan_for(model, opts: RunOptions) -> StackPlan | None:
     """The model's plan for ``opts.sparse`` and ``opts.cut_scale``, built on first use (None:
     per-layer calls). It covers the layers from the first one after which every layer is on
     the host: all of a CPU-only model, the host part of a hybrid one (a placement fills the
-    device from layer 0 on)."""
-    plans = _PLANS.setdefault(model, {})
-    key = (opts.sparse, opts.sparse and opts.cut_scale, opts.numerics.quantized_activations)
-    if key not in plans:
-        blocks = model.weights.blk
-        first = len(blocks)
-        while first > 0 and _native(blocks[first - 1], model.args, first - 1, opts):
-            first -= 1
-        plan = None
-        if first < len(blocks):
-            plan = StackPlan.build(blocks[first:], model.args, opts, first)
-        plans[key] = plan
-    return plans[key]
+    device from layer 0 on). The model keeps it with its other decode plans
+    (``model.plans``, ``powerpy.model.plan.Plans.host``): data derived from its weights and
+    the options' :func:`plan_key`, the same for every session."""
+    return model.plans.host(plan_key(opts), lambda: build_plan(model, opts))
+
+
+def build_plan(model, opts: RunOptions) -> StackPlan | None:
+    """A new :func:`plan_for` (not kept)."""
+    blocks = model.weights.blk
+    first = len(blocks)
+    while first > 0 and _native(blocks[first - 1], model.args, first - 1, opts):
+        first -= 1
+    if first == len(blocks):
+        return None
+    return StackPlan.build(blocks[first:], model.args, opts, first)
 
 
 def prepare(model, opts: RunOptions) -> None:

@@ -126,7 +126,7 @@ def _linear_kernel(
 
 
 @triton.jit
-def _rows_sum_kernel(
+def _block_rows_sum_kernel(
     w,
     h,
     part,

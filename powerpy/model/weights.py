@@ -36,7 +36,7 @@ class Block:
     fc1: Weight | None = None  # (H, n_embd) predictor
     fc2: Weight | None = None  # (n_ff, H)
     hot: HotRows | None = None  # hybrid placements: this layer's rows on the accelerator
-    gated: bool = True  # False: in powerpy.dense_layers, the FFN runs ungated in sparse mode
+    sparse_layer: bool = True  # False: in powerpy.dense_layers, no predictor in sparse mode
     down_tau: Tensor | None = None  # (n_ff,) f32 host: the cut (powerpy.ffn_down_threshold)
     attn_norm_b: Tensor | None = None  # (n_embd,) LayerNorm bias
     attn_norm_2: Tensor | None = None  # (n_embd,) attention's own norm (falcon-40B)
@@ -64,7 +64,7 @@ class Block:
 
     def gates(self, opts: RunOptions) -> bool:
         """Whether the predictor gates this layer's FFN in a run with ``opts``."""
-        return opts.sparse and self.gated and self.fc1 is not None and opts.oracle is None
+        return opts.sparse and self.sparse_layer and self.fc1 is not None and opts.oracle is None
 
     def predictor_input(self, ffn_inp: OnDevices, opts: RunOptions) -> Tensor:
         """The FFN's pre-norm input where the predictor reads it (where it was, when the

@@ -1,7 +1,8 @@
 """Device copies of a model's weights, in the form the device computes with: a placed matrix
-of a type the fused kernels read becomes a ``FusedWeight`` over the file's bytes; a layer's hot
-rows ``W[bucket]`` are raw row copies (gate and up stacked in one matrix); q, k and v one matrix
-(``Block.attn_qkv``); a mixture's hot expert neurons their gate and up rows and down columns.
+of a type the device kernels (``gpu_kernels``) read becomes a ``DeviceQuantWeight`` over the
+file's bytes; a layer's hot rows ``W[bucket]`` are raw row copies (gate and up stacked in one
+matrix); q, k and v one matrix (``Block.attn_qkv``); a mixture's hot expert neurons their gate and
+up rows and down columns.
 ``runtime.build_hybrid`` decides what moves; this module makes the copies."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from powerpy.formats.constants import GGMLType
 from powerpy.model import gpu_kernels
 from powerpy.model.biased import BiasedWeight
 from powerpy.model.device import Accelerator
-from powerpy.model.gpu_kernels import FusedWeight
+from powerpy.model.gpu_kernels import DeviceQuantWeight
 from powerpy.model.matrices import DenseWeight, QuantWeight, TransposedWeight, Weight
 from powerpy.model.moe import ExpertHot, Experts
 from powerpy.model.weights import Block
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 def _fused_type(w: Weight) -> GGMLType | None:
     """The block type the fused kernels would read ``w`` as, or None."""
-    if isinstance(w, QuantWeight):
+    if isinstance(w, (QuantWeight, DeviceQuantWeight)):
         t = w.ggml_type
     elif isinstance(w, DenseWeight) and w.w.dtype == torch.float16:
         t = GGMLType.F16
@@ -47,7 +48,7 @@ def to_device(accel: Accelerator, t: Tensor | Weight) -> Tensor | Weight:
         return TransposedWeight(to_device(accel, t.inner))
     kind = _fused_type(t) if accel.fused else None
     if kind is not None:
-        return FusedWeight.of(accel.to_device(t.storage), kind, t.shape[1])
+        return DeviceQuantWeight.of(accel.to_device(t.storage), kind, t.shape[1])
     if isinstance(t, QuantWeight) and not accel.emulated:
         _warn_torch_decode(t.ggml_type)
     return t.with_storage(accel.to_device(t.storage))
@@ -59,15 +60,15 @@ def hot_rows(accel: Accelerator, gate: Weight | None, up: Weight, down_t: Weight
     ungated FFN (gate None) has only up's rows there."""
     if gate is None:
         placed = [to_device(accel, m.take_rows(bucket)) for m in (up, down_t)]
-        fused = placed[0] if isinstance(placed[0], FusedWeight) else None
+        fused = placed[0] if isinstance(placed[0], DeviceQuantWeight) else None
         return None, placed[0], placed[1], fused
     rows = [m.take_rows(bucket) for m in (gate, up, down_t)]  # raw rows, copied on the host
     kind = _fused_type(rows[0]) if accel.fused else None
     if kind is not None and kind == _fused_type(rows[1]) and rows[0].shape == rows[1].shape:
         stacked = torch.cat([m.storage.view(torch.uint8) for m in rows[:2]])  # (2k, row_bytes)
-        gate_up = FusedWeight(accel.to_device(stacked), kind, rows[0].shape[1])
+        gate_up = DeviceQuantWeight(accel.to_device(stacked), kind, rows[0].shape[1])
         k = bucket.numel()
-        g, u = (FusedWeight(gate_up.raw.narrow(0, s, k), kind, gate_up.cols) for s in (0, k))
+        g, u = (DeviceQuantWeight(gate_up.raw.narrow(0, s, k), kind, gate_up.cols) for s in (0, k))
         return g, u, to_device(accel, rows[2]), gate_up
     return (*(to_device(accel, m) for m in rows), None)
 
@@ -79,15 +80,17 @@ def stack_qkv(accel: Accelerator, blk: Block) -> None:
     parts = [blk.attn_q, blk.attn_k, blk.attn_v]
     biased = {isinstance(p, BiasedWeight) for p in parts}
     mats = [p.inner if isinstance(p, BiasedWeight) else p for p in parts]
-    if len(biased) > 1 or not all(isinstance(m, FusedWeight) for m in mats):
+    if len(biased) > 1 or not all(isinstance(m, DeviceQuantWeight) for m in mats):
         return
-    qkv = FusedWeight.stacked(mats)
+    qkv = DeviceQuantWeight.stacked(mats)
     if qkv is None or qkv.device != accel.device:
         return
     accel.adopt(qkv.raw)
     ends = np.cumsum([m.shape[0] for m in mats]).tolist()  # (narrow: fake CUDA has no [a:b])
     spans = [(e - m.shape[0], e) for m, e in zip(mats, ends, strict=True)]
-    views = [FusedWeight(qkv.raw.narrow(0, s, e - s), qkv.ggml_type, qkv.cols) for s, e in spans]
+    views = [
+        DeviceQuantWeight(qkv.raw.narrow(0, s, e - s), qkv.ggml_type, qkv.cols) for s, e in spans
+    ]
     if biased == {True}:
         bias = accel.adopt(torch.cat([p.bias for p in parts]))
         views = [
@@ -101,7 +104,7 @@ def stack_qkv(accel: Accelerator, blk: Block) -> None:
 
 def ggml_type(w: Weight) -> GGMLType:
     """The file type of a loaded matrix (its float dtype's, or its blocks')."""
-    if isinstance(w, QuantWeight):
+    if isinstance(w, (QuantWeight, DeviceQuantWeight)):
         return w.ggml_type
     return {torch.float32: GGMLType.F32, torch.bfloat16: GGMLType.BF16}.get(
         w.storage.dtype, GGMLType.F16
