@@ -14,6 +14,38 @@ from powerpy.testing.tiny import spec_args, vocab_kv
 
 QK_K = 256
 
+# The oracle tests' tiny files of the new families (shared by the MoE, MLA and plan tests).
+# glm4moe: a leading dense layer, two MoE layers, a NextN layer, q/k/v biases, partial RoPE
+GLM = TinySpec(
+    arch="glm4moe",
+    n_layer=3,
+    n_ff=128,
+    n_ff_exp=32,
+    n_expert=8,
+    n_expert_used=2,
+    n_layer_dense=1,
+    n_nextn=1,
+    n_rot=8,
+    biases=True,
+)
+# deepseek2: latent attention with q's low rank, a leading dense layer
+DEEPSEEK = TinySpec(
+    arch="deepseek2",
+    n_embd=64,
+    n_layer=3,
+    n_ff=128,
+    n_head=4,
+    n_ff_exp=32,
+    n_expert=8,
+    n_expert_used=2,
+    n_layer_dense=1,
+    n_rot=16,
+    q_lora_rank=32,
+    kv_lora_rank=64,
+    key_length_mla=48,
+    value_length_mla=32,
+)
+
 
 def _pack_q4_k(x: np.ndarray) -> np.ndarray:
     """A valid Q4_K encoding of x (..., k), k % 256 == 0 (a simple min/scale fit, not ggml's

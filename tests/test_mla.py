@@ -13,7 +13,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from moe_files import write_gguf_py
+from moe_files import DEEPSEEK, write_gguf_py
 
 from powerpy.api import load
 from powerpy.config import ModelArgs
@@ -25,24 +25,9 @@ from powerpy.model import ggml_numerics, numerics, rope_yarn
 from powerpy.model.cache import KVCache
 from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions
-from powerpy.testing import TinySpec, tiny_tensors
+from powerpy.testing import tiny_tensors
 
-SPEC = TinySpec(
-    arch="deepseek2",
-    n_embd=64,
-    n_layer=3,
-    n_ff=128,
-    n_head=4,
-    n_ff_exp=32,
-    n_expert=8,
-    n_expert_used=2,
-    n_layer_dense=1,
-    n_rot=16,
-    q_lora_rank=32,
-    kv_lora_rank=64,
-    key_length_mla=48,
-    value_length_mla=32,
-)
+SPEC = DEEPSEEK
 TOKENS = torch.tensor([1, 72, 101, 108, 108, 111, 44, 32, 119, 111])
 EXACT = RunOptions(numerics=Numerics(quantized_activations=False))
 YARN = {

@@ -27,7 +27,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from moe_files import write_gguf_py
+from moe_files import DEEPSEEK, GLM, write_gguf_py
 
 from powerpy.api import load
 from powerpy.formats.constants import GGMLType, GGUFValueType
@@ -41,34 +41,6 @@ IDS = [1] + [b + 3 for b in PROMPT.encode()]  # the byte tokens of the tiny voca
 N_GREEDY = 16
 TIE = 2e-3  # routing probabilities closer than this: f16 rounding may swap the experts
 
-DEEPSEEK = TinySpec(
-    arch="deepseek2",
-    n_embd=64,
-    n_layer=3,
-    n_ff=128,
-    n_head=4,
-    n_ff_exp=32,
-    n_expert=8,
-    n_expert_used=2,
-    n_layer_dense=1,
-    n_rot=16,
-    q_lora_rank=32,
-    kv_lora_rank=64,
-    key_length_mla=48,
-    value_length_mla=32,
-)
-GLM = TinySpec(
-    arch="glm4moe",
-    n_layer=3,
-    n_ff=128,
-    n_ff_exp=32,
-    n_expert=8,
-    n_expert_used=2,
-    n_layer_dense=1,
-    n_nextn=1,
-    n_rot=8,
-    biases=True,
-)
 OSS = TinySpec(
     arch="gpt-oss",
     n_layer=3,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from fake_cuda import FakeCuda, run_prefill_and_decode
-from moe_files import write_gguf_py
+from moe_files import DEEPSEEK, GLM, write_gguf_py
 
 from powerpy.api import load
 from powerpy.cli import main
@@ -29,34 +29,6 @@ from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
 from powerpy.testing import TinySpec
 
-GLM = TinySpec(
-    arch="glm4moe",
-    n_layer=3,
-    n_ff=128,
-    n_ff_exp=32,
-    n_expert=8,
-    n_expert_used=2,
-    n_layer_dense=1,
-    n_nextn=1,
-    n_rot=8,
-    biases=True,
-)
-DEEPSEEK = TinySpec(
-    arch="deepseek2",
-    n_embd=64,
-    n_layer=3,
-    n_ff=128,
-    n_head=4,
-    n_ff_exp=32,
-    n_expert=8,
-    n_expert_used=2,
-    n_layer_dense=1,
-    n_rot=16,
-    q_lora_rank=32,
-    kv_lora_rank=64,
-    key_length_mla=48,
-    value_length_mla=32,
-)
 SPECS = {"glm4moe": GLM, "deepseek2": DEEPSEEK}
 TOKENS = torch.tensor([1, 72, 101, 108, 108, 111, 44, 32, 119, 111])
 N_CTX = 32

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from fake_cuda import FakeCuda, FakeCudaOps, StepTrace
+from moe_files import GLM
 
 from powerpy.api import load
 from powerpy.formats.constants import GGMLType, GGUFValueType, Keys
@@ -295,18 +296,7 @@ MOE_SPECS = {
         n_expert_used=2,
         n_ff_exp=64,
     ),
-    "glm4moe": TinySpec(
-        arch="glm4moe",
-        n_layer=3,
-        n_ff=128,
-        n_ff_exp=32,
-        n_expert=8,
-        n_expert_used=2,
-        n_layer_dense=1,
-        n_nextn=1,
-        n_rot=8,
-        biases=True,
-    ),
+    "glm4moe": GLM,
 }
 MOE_BUDGETS = {"router only": 0.0, "a third hot": 1 / 3, "most hot": 0.8, "all hot": 1.0}
 
