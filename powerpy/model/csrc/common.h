@@ -19,7 +19,7 @@
 #endif
 
 // Bumped whenever an export or its meaning changes; kernels.py refuses a library with another.
-#define PP_ABI_VERSION 26
+#define PP_ABI_VERSION 27
 
 // Code that is part of its caller (compile-time loops, the arch headers' block decoders).
 #define PP_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -72,7 +72,13 @@ enum LayerFlags {
   LF_Q_SCALED = 32, LF_MOE = 64, LF_MLA = 128
 };
 
-int64_t g_prefetch_bytes = 8192;  // how far ahead (at least) the next-row prefetch reaches
+// How far ahead (at least) the next-row prefetch reaches, in bytes: a build constant (-D), as
+// the threads' floor below; it changes only speed. Before ABI 27 pp_set_tuning set it at run time,
+// a process-wide variable that every call read.
+#ifndef PP_PREFETCH_BYTES
+#define PP_PREFETCH_BYTES 8192
+#endif
+constexpr int64_t PREFETCH_BYTES = PP_PREFETCH_BYTES;
 // Below this much work per thread, a kernel starts fewer threads. It changes only speed: no
 // kernel's bits depend on how many threads run it. Tests build a library with 1 (-D) so that
 // tiny inputs take several threads.
@@ -320,9 +326,9 @@ inline int team_threads() {
 #endif
 }
 
-// Rows to prefetch ahead: at least 2, enough to cover g_prefetch_bytes.
+// Rows to prefetch ahead: at least 2, enough to cover PREFETCH_BYTES.
 inline int64_t prefetch_dist(int64_t rb) {
-  int64_t d = rb > 0 ? (g_prefetch_bytes + rb - 1) / rb : 2;
+  int64_t d = rb > 0 ? (PREFETCH_BYTES + rb - 1) / rb : 2;
   if (d < 2) d = 2;
   if (d > 16) d = 16;
   return d;

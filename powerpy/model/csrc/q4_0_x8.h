@@ -108,7 +108,7 @@ struct X8Q40 {
   static void dot(const uint8_t* g, const QAct* const* a, int64_t nb, float* out, int64_t ldo) {
     __m256 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
-    const int64_t pf = g_prefetch_bytes;  // the stream ahead, into L2 (a group's blocks follow on)
+    const int64_t pf = PREFETCH_BYTES;  // the stream ahead, into L2 (a group's blocks follow on)
     for (int64_t i = 0; i < nb; ++i, g += X8Q40_B) {
       prefetch_l2(g + pf);
       prefetch_l2(g + pf + 64);

@@ -15,7 +15,7 @@
 //
 // The main speed lever is a software prefetch of the row `dist` indices ahead into L2, spread
 // over the current row's loop (docs/kernels.md#prefetch); `dist` covers at least
-// g_prefetch_bytes and is at least 2 rows.
+// PREFETCH_BYTES (a build constant, common.h) and is at least 2 rows.
 //
 // SIMD is chosen at compile time (simd.h): AVX-512F (16 lanes), AVX2+FMA+F16C (8 lanes), or
 // scalar. Return codes: 0 ok, 1 an index was out of range (that output is NaN / that row skipped),
@@ -396,11 +396,6 @@ int pp_dtype_code(int ggml_type) {
 
 // 2 = AVX-512F, 1 = AVX2+FMA+F16C, 0 = scalar.
 int pp_simd_level(void) { return PP_SIMD; }
-
-// The prefetch reach in bytes (process-wide, for tools/bench_kernels.py; speed only).
-void pp_set_tuning(int64_t prefetch_bytes) {
-  if (prefetch_bytes >= 0) g_prefetch_bytes = prefetch_bytes;
-}
 
 // out[j] = dot(W[idx[j]], x) for j < k; idx == NULL means rows 0..k-1 (dense GEMV).
 int pp_gather_gemv(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
