@@ -1,3 +1,4 @@
+#pragma once
 // One token's decode blocks (CPU-only decode): a layer's attention block and its FFN block, one
 // call each, for every family's layout. What differs between families is data, the layer's
 // record (common.h LayerRecord, built by powerpy.model.kernels.layer_record): which norm (RMS, or
@@ -8,6 +9,8 @@
 // the one the per-op path (powerpy.model.transformer) takes, in its order, with the same
 // functions, so the two paths give the same bits where their numerics agree. A mixture of
 // experts' FFN runs moe.h's block. Included by sparse_ffn.cpp after the Mat helpers and moe.h.
+
+#include "moe.h"
 
 namespace {
 

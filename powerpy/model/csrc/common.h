@@ -1,3 +1,4 @@
+#pragma once
 // Shared by every kernel file: the codes Python mirrors (dtypes, variants, statuses, the decode
 // layer record), the tuning knobs, scalar conversions, fixed summation orders, prefetching and
 // the thread partitioning.

@@ -1,3 +1,4 @@
+#pragma once
 // A hybrid layer's cold FFN rows as a task that a CUDA stream hands to the host and waits for,
 // inside a captured graph: the stream copies the layer's normed input and the predictor's mask
 // into fixed pinned buffers, then calls pp_host_submit (cudaLaunchHostFunc), which only queues
@@ -13,6 +14,8 @@
 // task's rows with the kernels' thread team of task->nthreads. Tasks run in the order they were
 // submitted. A task that fails sets its status, and the step that read it raises; a wait that
 // would outlast PP_TASK_TIMEOUT_MS returns with PP_ERR_TIMEOUT instead of hanging the stream.
+
+#include "blocks.h"
 
 #include <chrono>
 #include <condition_variable>

@@ -1,3 +1,4 @@
+#pragma once
 // DeepSeek-2's latent attention (powerpy/model/mla.py): one token's attention block over the
 // cache of the latent, in one call, from a layer record flagged LF_MLA (built by mla.mla_part).
 // Its matrices: REC_ATTN's q slot holds attn_q (or attn_q_a), k's attn_kv_a_mqa, v's attn_q_b
@@ -6,6 +7,8 @@
 // attn_q_a_norm and attn_kv_a_norm, the score scale kq_scale. Each step is the per-op path's
 // (mla.attention) with its functions, so the two give the same bits. Included by sparse_ffn.cpp
 // after blocks.h.
+
+#include "blocks.h"
 
 namespace {
 

@@ -1,6 +1,9 @@
+#pragma once
 // Mixtures of experts (powerpy/model/moe.py, docs/moe.md): the router as llama.cpp computes it
 // (f32 logits in tinyBLAS's order, ggml's soft_max), and one token's whole MoE FFN block in one
-// call. Included by sparse_ffn.cpp after the Mat helpers.
+// call.
+
+#include "mat.h"
 
 namespace {
 

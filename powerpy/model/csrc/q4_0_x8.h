@@ -1,3 +1,4 @@
+#pragma once
 // Q4_0 matrices with their rows interleaved 8 at a time (DT_Q4_0X8), the layout a dense Q4_0
 // matrix of 8k rows takes at load (pp_repack_x8), multiplied in the order of llama.cpp's own
 // repacked Q4_0 kernels (its CPU backend repacks every such matrix on AVX2 hosts): the same
@@ -14,6 +15,8 @@
 // Float steps (ggml's GEMV and GEMM alike): per row, token and block, I = sum (q - 8) y is an
 // integer (sum q y - 8 sum y), and acc += I (d_w d_x) is one FMA, block after block; that is the
 // row's result.
+
+#include "q4_k_x8.h"  // X8_KERNELS
 
 namespace {
 
