@@ -2,11 +2,12 @@
 
 The library is compiled with the system C++ compiler into a per-user cache,
 ``$XDG_CACHE_HOME/powerpy/kernels`` (default ``~/.cache/powerpy/kernels``), under a name that
-hashes the sources (``csrc/sparse_ffn.cpp`` is a unity build that includes the other files of
-``csrc/``: every file there is hashed, so editing any header rebuilds), the flags, the compiler
-version and the CPU flags, so a cache shared between machines never hands a binary to a CPU it
-was not built for. Builds go to a temporary file that is renamed into place, under a file lock,
-so concurrent processes neither race nor see half-written files.
+hashes the sources (every file of ``csrc/``, headers included, so editing any of them
+rebuilds), the flags, the compiler version and the CPU flags, so a cache shared between
+machines never hands a binary to a CPU it was not built for. Builds go to a temporary file that
+is renamed into place, under a file lock, so concurrent processes neither race nor see
+half-written files. The library is several translation units (``csrc/*.cpp``), compiled side by
+side and linked into one file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from powerpy._fs import atomic_write, file_lock
@@ -25,7 +28,7 @@ from powerpy.formats.constants import GGMLType
 
 logger = logging.getLogger("powerpy.model.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "sparse_ffn.cpp"  # includes the rest of csrc/
+SOURCE = Path(__file__).parent / "csrc"  # every .cpp there, one library
 DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
@@ -78,8 +81,8 @@ def compile_library(
     """Compile ``source`` into the cache (or find the cached build) and return its path.
 
     Args:
-        source: the C++ file; it and every other file in its folder (the headers it includes)
-            are hashed.
+        source: a folder (every ``.cpp`` in it is a translation unit of the library) or one
+            C++ file; every file of the folder (with the headers) is hashed.
         flags: compiler flags; ``-march=...`` selects the SIMD level (tests build
             ``-march=x86-64-v3`` and ``-march=x86-64`` variants to cover AVX2 and scalar code).
         cache_dir: where builds are kept (default :func:`default_cache_dir`).
@@ -102,7 +105,8 @@ def compile_library(
         key.update(part)
         key.update(b"\0")
     cache_dir = cache_dir or default_cache_dir()
-    target = cache_dir / f"{source.stem}-{key.hexdigest()[:20]}.so"
+    name = "powerpy_kernels" if source.is_dir() else source.stem
+    target = cache_dir / f"{name}-{key.hexdigest()[:20]}.so"
     if not target.exists():
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
@@ -134,11 +138,17 @@ def check_codes(
             raise KernelBuildError(f"{path}: dtype code {code} for {t.name}, not {want}")
 
 
+def _units(source: Path) -> list[Path]:
+    """The translation units of ``source``: its ``.cpp`` files if it is a folder, else itself."""
+    return sorted(source.glob("*.cpp")) if source.is_dir() else [source]
+
+
 def _sources_digest(source: Path) -> bytes:
     """A digest of ``source`` and the other files in its folder, by name, in sorted order."""
     h = hashlib.sha256()
+    folder = source if source.is_dir() else source.parent
     try:
-        files = sorted({source, *(p for p in source.parent.iterdir() if p.is_file())})
+        files = sorted({*_units(source), *(p for p in folder.iterdir() if p.is_file())})
         for path in files:
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     except OSError as e:
@@ -147,14 +157,28 @@ def _sources_digest(source: Path) -> bytes:
 
 
 def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
-    cmd = [compiler, *flags, "-o", "<tmp>", str(source)]
-    try:
+    """Compile each translation unit to an object (side by side, one per CPU), then link them."""
+    units = _units(source)
+    if not units:
+        raise KernelBuildError(f"no C++ sources in {source}")
+    with tempfile.TemporaryDirectory(prefix="powerpy-kernels-") as tmpdir:
+        objs = [Path(tmpdir) / f"{u.stem}.o" for u in units]
+        jobs = [
+            [compiler, *flags, "-c", "-o", str(o), str(u)] for u, o in zip(units, objs, strict=True)
+        ]
+        with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            for _ in pool.map(_run, jobs):
+                pass
         with atomic_write(target) as tmp:  # readers see the old name or a complete file
-            cmd[-2] = str(tmp)  # the -o argument
-            logger.info("building powerpy kernels: %s", " ".join(cmd))
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-            if res.returncode != 0:
-                tail = "\n".join(res.stderr.strip().splitlines()[-20:])
-                raise KernelBuildError(f"{' '.join(cmd)} failed ({res.returncode}):\n{tail}")
+            _run([compiler, *flags, "-o", str(tmp), *map(str, objs)])
+
+
+def _run(cmd: list[str]) -> None:
+    try:
+        logger.info("building powerpy kernels: %s", " ".join(cmd))
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
+    if res.returncode != 0:
+        tail = "\n".join(res.stderr.strip().splitlines()[-20:])
+        raise KernelBuildError(f"{' '.join(cmd)} failed ({res.returncode}):\n{tail}")

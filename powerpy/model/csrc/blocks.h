@@ -221,7 +221,7 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
   return st;
 }
 
-// A mixture of experts' FFN block (moe.h pp_moe_decode, llama.cpp's build_moe_ffn) from a record:
+// A mixture of experts' FFN block (moe.h moe_decode, llama.cpp's build_moe_ffn) from a record:
 // RMSNorm, a sequential block, no biases or post norm.
 static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, int act,
                          int nthreads) {
@@ -235,9 +235,8 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
     mats[15 + i] = L.rec[REC_FFN + 20 + i];
   }
   for (int i = 0; i < 20; ++i) mats[20 + i] = L.rec[REC_SHEXP + i];  // a shared expert, or zeros
-  return pp_moe_decode(mats, L.rec[REC_MOE], (int)L.rec[REC_MOE + 1], rec_f32(L.rec[REC_MOE + 2]),
-                       L.rec + REC_ROUTE, L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act,
-                       nthreads);
+  return moe_decode(mats, L.rec[REC_MOE], (int)L.rec[REC_MOE + 1], rec_f32(L.rec[REC_MOE + 2]),
+                    L.rec + REC_ROUTE, L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act, nthreads);
 }
 
 // Whether a record's FFN matrices fit together: a variant of its kind (gated or not), a gate of
@@ -334,3 +333,7 @@ static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, c
 }
 
 }  // namespace
+
+// The latent attention block (declared above, for attn_block): every file that sees the decode
+// blocks sees its definition.
+#include "mla.h"

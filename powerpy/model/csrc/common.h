@@ -54,7 +54,7 @@ enum Status { PP_OK = 0, PP_ERR_INDEX = 1, PP_ERR_ARG = 2 };
 // every key), the q·k scale and the score soft-cap (f32 bit patterns; a cap of 0: none); then a
 // mixture of experts' routing (LF_MOE): experts per token, renormalised weights, the weights'
 // scale (f32 bits). An MoE layer's FFN matrices are the router (fc1's slot), the gate, up and
-// down stacks (moe.h pp_moe_decode); a shared expert's 4 matrices (its gate row, gate, up, down;
+// down stacks (moe.h moe_decode); a shared expert's 4 matrices (its gate row, gate, up, down;
 // zeros: none; a gate row of zeros: an unscaled shared expert) follow at REC_SHEXP, then the
 // routing beyond top-k and the experts' biases at REC_ROUTE (moe.h Route); a latent
 // attention's (LF_MLA) per-head stacks and widths at REC_MLA (mla.h); a pointer to the heads'
