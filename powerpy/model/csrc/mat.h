@@ -50,85 +50,23 @@ struct Mat {  // one matrix as Python describes it: 5 int64s (dtype, data, ld, n
       : dtype(dt), w((const uint8_t*)p), ld(ld_), nrows(n), cols(c) {}
 };
 
-// An interleaved matrix takes whole-matrix products only: every row, in order.
-static int x8_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
-                   int act, int nt) {
-  if (idx || k != m.nrows) return PP_ERR_ARG;
-  return x8_layout(m.dtype, [&](auto X) {
-    return x8_gemm<decltype(X)>(m.w, m.nrows, m.cols, x, m.cols, 1, out, m.nrows, act, nt, true);
-  });
-}
-
 // Gathered (or need-masked) Q4_0 rows under llama.cpp's rounding are multiplied in the
 // interleaved layout's order (x8.h x8_rows_*), so a sparse step's gate and up products carry the
 // bits of the dense step's interleaved ones, and a sparse prompt's those of its decode.
 inline bool rows_as_x8(int dtype, int act) { return dtype == DT_Q4_0 && act && X8_KERNELS; }
 
-static int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
-                    int act, int nt) {
-  if (m.dtype == DT_MXFP4)
-    return mx_gemm(m.w, m.ld, m.nrows, m.cols, x, 0, 1, idx, k, out, 0, act, nt);
-  if (is_x8(m.dtype)) return x8_gemv(m, x, idx, k, out, act, nt);
-  if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
-  if (idx && rows_as_x8(m.dtype, act))
-    return x8_rows_gemv<X8Q40>(m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt);
-  PP_DISPATCH(m.dtype, gemv_impl, m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt)
-}
-
-// out[i] = m[i] x for matrices of one type and width (see gemv_multi_impl).
-static int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* out, int act,
-                          int nt) {
-  const uint8_t* w[4];
-  int64_t ld[4], nrows[4];
-  if (nm < 1 || nm > 4) return PP_ERR_ARG;
-  if (m[0].dtype == DT_MXFP4) {  // one matrix at a time
-    int st = 0;
-    for (int i = 0; i < nm && !st; ++i) st = mat_gemv(m[i], x, nullptr, m[i].nrows, out[i], act, nt);
-    return st;
-  }
-  for (int i = 0; i < nm; ++i) {
-    if (m[i].dtype != m[0].dtype || m[i].cols != m[0].cols) return PP_ERR_ARG;
-    w[i] = m[i].w;
-    ld[i] = m[i].ld;
-    nrows[i] = m[i].nrows;
-  }
-  if (is_x8(m[0].dtype))
-    return x8_layout(m[0].dtype, [&](auto X) {
-      return x8_gemv_multi<decltype(X)>(w, nrows, nm, m[0].cols, x, out, act, nt);
-    });
-  if (!valid_shape(m[0].dtype, m[0].cols)) return PP_ERR_ARG;
-  PP_DISPATCH(m[0].dtype, gemv_multi_impl, w, ld, nrows, nm, m[0].cols, x, out, act, nt)
-}
-
-// Every row's act(gate . x, up . x) for interleaved gate and up matrices.
-static int x8_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
-                  int variant, float* out, int act, int nt) {
-  if (g.dtype != u.dtype || g.nrows != u.nrows || g.cols != u.cols) return PP_ERR_ARG;
-  float* gv = (float*)std::malloc(sizeof(float) * (size_t)(k > 0 ? k : 1));
-  if (!gv) return PP_ERR_ARG;
-  int st = mat_gemv(g, x, idx, k, gv, act, nt);  // (an MXFP4 GLU's too)
-  if (!st) st = mat_gemv(u, x, idx, k, out, act, nt);
-  const uint16_t* gt = variant == V_GEGLU ? gelu_lut(act) : nullptr;
-  for (int64_t j = 0; j < k && !st; ++j) out[j] = activate(variant, gv[j], out[j], gt);
-  std::free(gv);
-  return st;
-}
-
-static int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
-                   int variant, float* out, int act, int nt) {
-  if (is_x8(u.dtype) || u.dtype == DT_MXFP4) return x8_glu(g, u, x, idx, k, variant, out, act, nt);
-  if (!valid_shape(u.dtype, u.cols) || g.dtype != u.dtype) return PP_ERR_ARG;
-  if (idx && rows_as_x8(u.dtype, act))
-    return x8_rows_glu<X8Q40>(g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out, act,
-                              nt);
-  PP_DISPATCH(u.dtype, glu_impl, g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out,
-              act, nt)
-}
-
-static int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k, float* out,
-                    int nt, const float* tau = nullptr, int64_t* kept = nullptr) {
-  if (m.dtype == DT_MXFP4)
-    return mx_axpy(m.w, m.ld, m.nrows, m.cols, h, 0, 1, idx, k, out, 0, nt, tau, kept);
-  if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
-  PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt, tau, kept)
-}
+// The products of a Mat whatever its layout. rows.cpp defines them, once for the library: the
+// decode blocks, the experts and the host tasks call them there (one call per matrix, never in an
+// inner loop), so that the row kernels of every dtype are compiled once. Each returns 0 or a
+// status.
+// out[j] = m[idx[j]] . x for j < k (idx null: rows 0..k-1).
+int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out, int act,
+             int nt);
+// out[i] = m[i] x for nm (1 to 4) matrices of one type and width.
+int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* out, int act, int nt);
+// out[j] = act(g[idx[j]] . x, u[idx[j]] . x) for the FFN variant.
+int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
+            int variant, float* out, int act, int nt);
+// out = sum_j h[j] * m[idx[j]] (the row sums; tau and kept: the cut, as axpy_impl takes them).
+int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k, float* out, int nt,
+             const float* tau = nullptr, int64_t* kept = nullptr);

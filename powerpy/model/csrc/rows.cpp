@@ -1,5 +1,6 @@
-// The products over matrix rows: gathered GEMV, gate/up GLU, row sums (axpy), GEMM, dequantized
-// and interleaved rows, for every weight type (the predictor-gated sparse FFN and the dense one).
+// One token's products over matrix rows: gathered GEMV, gate/up GLU, row sums (axpy), and
+// dequantized and interleaved rows, for every weight type (the predictor-gated sparse FFN and the
+// dense one); the products of a Mat that the decode blocks call (mat.h). A prompt's: gemm.cpp.
 //
 // Built by powerpy/model/kernel_build.py with `g++ -O3 -march=native -fopenmp -shared` and called
 // through ctypes with tensor data pointers. Everything exported is extern "C" (this file); no torch
@@ -24,6 +25,86 @@
 
 #include "mat.h"  // every kernel, and Mat: a matrix as Python describes it
 
+// ---- the products of a Mat (mat.h) ---------------------------------------------------------
+
+// An interleaved matrix takes whole-matrix products only: every row, in order.
+static int x8_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
+                   int act, int nt) {
+  if (idx || k != m.nrows) return PP_ERR_ARG;
+  return x8_layout(m.dtype, [&](auto X) {
+    return x8_gemm<decltype(X)>(m.w, m.nrows, m.cols, x, m.cols, 1, out, m.nrows, act, nt, true);
+  });
+}
+
+int mat_gemv(const Mat& m, const float* x, const int64_t* idx, int64_t k, float* out,
+                    int act, int nt) {
+  if (m.dtype == DT_MXFP4)
+    return mx_gemm(m.w, m.ld, m.nrows, m.cols, x, 0, 1, idx, k, out, 0, act, nt);
+  if (is_x8(m.dtype)) return x8_gemv(m, x, idx, k, out, act, nt);
+  if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
+  if (idx && rows_as_x8(m.dtype, act))
+    return x8_rows_gemv<X8Q40>(m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt);
+  PP_DISPATCH(m.dtype, gemv_impl, m.w, m.ld, m.nrows, m.cols, x, idx, k, out, act, nt)
+}
+
+// out[i] = m[i] x for matrices of one type and width (see gemv_multi_impl).
+int mat_gemv_multi(const Mat* m, int nm, const float* x, float* const* out, int act,
+                          int nt) {
+  const uint8_t* w[4];
+  int64_t ld[4], nrows[4];
+  if (nm < 1 || nm > 4) return PP_ERR_ARG;
+  if (m[0].dtype == DT_MXFP4) {  // one matrix at a time
+    int st = 0;
+    for (int i = 0; i < nm && !st; ++i) st = mat_gemv(m[i], x, nullptr, m[i].nrows, out[i], act, nt);
+    return st;
+  }
+  for (int i = 0; i < nm; ++i) {
+    if (m[i].dtype != m[0].dtype || m[i].cols != m[0].cols) return PP_ERR_ARG;
+    w[i] = m[i].w;
+    ld[i] = m[i].ld;
+    nrows[i] = m[i].nrows;
+  }
+  if (is_x8(m[0].dtype))
+    return x8_layout(m[0].dtype, [&](auto X) {
+      return x8_gemv_multi<decltype(X)>(w, nrows, nm, m[0].cols, x, out, act, nt);
+    });
+  if (!valid_shape(m[0].dtype, m[0].cols)) return PP_ERR_ARG;
+  PP_DISPATCH(m[0].dtype, gemv_multi_impl, w, ld, nrows, nm, m[0].cols, x, out, act, nt)
+}
+
+// Every row's act(gate . x, up . x) for interleaved gate and up matrices.
+static int x8_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
+                  int variant, float* out, int act, int nt) {
+  if (g.dtype != u.dtype || g.nrows != u.nrows || g.cols != u.cols) return PP_ERR_ARG;
+  float* gv = (float*)std::malloc(sizeof(float) * (size_t)(k > 0 ? k : 1));
+  if (!gv) return PP_ERR_ARG;
+  int st = mat_gemv(g, x, idx, k, gv, act, nt);  // (an MXFP4 GLU's too)
+  if (!st) st = mat_gemv(u, x, idx, k, out, act, nt);
+  const uint16_t* gt = variant == V_GEGLU ? gelu_lut(act) : nullptr;
+  for (int64_t j = 0; j < k && !st; ++j) out[j] = activate(variant, gv[j], out[j], gt);
+  std::free(gv);
+  return st;
+}
+
+int mat_glu(const Mat& g, const Mat& u, const float* x, const int64_t* idx, int64_t k,
+                   int variant, float* out, int act, int nt) {
+  if (is_x8(u.dtype) || u.dtype == DT_MXFP4) return x8_glu(g, u, x, idx, k, variant, out, act, nt);
+  if (!valid_shape(u.dtype, u.cols) || g.dtype != u.dtype) return PP_ERR_ARG;
+  if (idx && rows_as_x8(u.dtype, act))
+    return x8_rows_glu<X8Q40>(g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out, act,
+                              nt);
+  PP_DISPATCH(u.dtype, glu_impl, g.w, g.ld, u.w, u.ld, u.nrows, u.cols, x, idx, k, variant, out,
+              act, nt)
+}
+
+int mat_axpy(const Mat& m, const float* h, const int64_t* idx, int64_t k, float* out,
+                    int nt, const float* tau, int64_t* kept) {
+  if (m.dtype == DT_MXFP4)
+    return mx_axpy(m.w, m.ld, m.nrows, m.cols, h, 0, 1, idx, k, out, 0, nt, tau, kept);
+  if (!valid_shape(m.dtype, m.cols)) return PP_ERR_ARG;
+  PP_DISPATCH(m.dtype, axpy_impl, m.w, m.ld, m.nrows, m.cols, h, idx, k, out, 0, nt, tau, kept)
+}
+
 extern "C" {
 
 // out[j] = dot(W[idx[j]], x) for j < k; idx == NULL means rows 0..k-1 (dense GEMV).
@@ -44,16 +125,6 @@ int pp_gather_axpy(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t 
               nthreads)
 }
 
-// out[t] = sum_{j: h[t][j] != 0} h[t][j] * W[j] for T tokens: h (T, nrows), out (T, cols).
-int pp_rows_sum(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* h,
-                int64_t T, float* out, int nthreads) {
-  if (dtype == DT_MXFP4)
-    return mx_axpy((const uint8_t*)W, ld, nrows, cols, h, nrows, T, nullptr, nrows, out, 0,
-                   nthreads);
-  if (!valid_shape(dtype, cols) || T < 0) return PP_ERR_ARG;
-  PP_DISPATCH(dtype, rows_gemm_impl, (const uint8_t*)W, ld, nrows, cols, h, T, out, nthreads)
-}
-
 // out[j] = act(G[idx[j]]·x, U[idx[j]]·x) (variant 0 reglu, 1 drelu, 2 swiglu, 3 geglu).
 int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ldu, int64_t nrows,
                 int64_t cols, const float* x, const int64_t* idx, int64_t k, int variant,
@@ -61,28 +132,6 @@ int pp_glu_gemv(int dtype, const void* G, int64_t ldg, const void* U, int64_t ld
   if (variant < V_REGLU || variant > V_GEGLU || !G) return PP_ERR_ARG;
   return mat_glu(Mat(dtype, G, ldg, nrows, cols), Mat(dtype, U, ldu, nrows, cols), x, idx, k,
                  variant, out, act, nthreads);
-}
-
-// out[t * ldo + r] = dot(W[r], x[t * ldx : t * ldx + cols]) for r < nrows, t < T. need (may be
-// null) is (T, nrows) bytes: where need[t * nrows + r] is 0 the caller ignores out[t * ldo + r],
-// and the Q4_0 integer GEMM skips (writes 0 to) the row pairs and 8-token tiles no token needs.
-int pp_gemm(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
-            int64_t ldx, int64_t T, float* out, int64_t ldo, const uint8_t* need, int act,
-            int nthreads) {
-  if (dtype == DT_MXFP4)
-    return mx_gemm((const uint8_t*)W, ld, nrows, cols, x, ldx, T, nullptr, nrows, out, ldo, act,
-                   nthreads);
-  if (is_x8(dtype))
-    return x8_layout(dtype, [&](auto X) {
-      return x8_gemm<decltype(X)>((const uint8_t*)W, nrows, cols, x, ldx, T, out, ldo, act,
-                                  nthreads, dtype == DT_Q4_KX8V);
-    });
-  if (!valid_shape(dtype, cols)) return PP_ERR_ARG;
-  if (need && rows_as_x8(dtype, act))
-    return x8_rows_gemm<X8Q40>((const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need, act,
-                               nthreads);
-  PP_DISPATCH(dtype, gemm_impl, (const uint8_t*)W, ld, nrows, cols, x, ldx, T, out, ldo, need,
-              act, nthreads)
 }
 
 // Reads `bytes` of p (64-byte aligned) with `nthreads` threads, as the GEMV kernels read weights;
