@@ -25,6 +25,7 @@ from pathlib import Path
 
 from powerpy._fs import atomic_write, file_lock
 from powerpy.formats.constants import GGMLType
+from powerpy.model import kernel_abi
 
 logger = logging.getLogger("powerpy.model.kernels")
 
@@ -122,8 +123,19 @@ def check_codes(
     cdll, path: Path, dtype_codes: dict, record_len: int, layout: tuple[int, ...] = ()
 ) -> None:
     """Raise KernelBuildError unless the loaded library ``cdll`` has Python's dtype codes
-    (``kernels.DTYPE_CODES``, for every GGMLType; -1: not read), decode layer record length
-    and record layout (``kernels.RECORD_LAYOUT``: slots, flags, variant codes)."""
+    (``kernels.DTYPE_CODES``, for every GGMLType; -1: not read), decode layer record fields by
+    name (``kernel_abi.RECORD_SLOTS`` and ``RECORD_FLAGS``: the error names the one that
+    differs), length and layout (``kernels.RECORD_LAYOUT``: slots, flags, variant codes)."""
+    fields = {f"slot.{k}": v for k, v in kernel_abi.RECORD_SLOTS.items()}
+    fields |= {f"flag.{k}": v for k, v in kernel_abi.RECORD_FLAGS.items()}
+    theirs = record_fields(cdll)
+    for name in sorted(fields.keys() | theirs.keys()):
+        have, want = theirs.get(name), fields.get(name)
+        if have != want:
+            raise KernelBuildError(
+                f"{path}: decode layer record field {name}: {have} in the library, {want} in "
+                "kernel_abi (None: not there)"
+            )
     n = cdll.pp_layer_record_len()
     if n != record_len:
         raise KernelBuildError(f"{path}: a decode layer record of {n} int64, not {record_len}")
@@ -136,6 +148,19 @@ def check_codes(
         code, want = cdll.pp_dtype_code(int(t)), dtype_codes.get(t, -1)
         if code != want:
             raise KernelBuildError(f"{path}: dtype code {code} for {t.name}, not {want}")
+
+
+def record_fields(cdll) -> dict[str, int]:
+    """The library's named decode layer record fields (pp_layer_record_field)."""
+    fn = cdll.pp_layer_record_field
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int64)]
+    fn.restype = ctypes.c_int
+    name, value = ctypes.c_char_p(), ctypes.c_int64()
+    out = {}
+    for i in range(fn(-1, ctypes.byref(name), ctypes.byref(value))):
+        fn(i, ctypes.byref(name), ctypes.byref(value))
+        out[(name.value or b"").decode()] = value.value
+    return out
 
 
 def _units(source: Path) -> list[Path]:

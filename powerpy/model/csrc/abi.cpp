@@ -1,5 +1,5 @@
 // What Python checks at load (kernels.py, kernel_build.check_codes): the ABI version, the decode
-// layer record's length and layout, the dtype codes and the SIMD level of the build.
+// layer record's length, layout and named fields, the dtype codes and the SIMD level of the build.
 
 #include "simd.h"  // (common.h: the codes; PP_SIMD)
 
@@ -22,6 +22,35 @@ void pp_layer_record_layout(int64_t* out) {
                        LF_NEOX, LF_PARALLEL, LF_DOWN_STORED, LF_Q_SCALED, LF_MOE, LF_MLA, V_GEGLU,
                        V_RELU, V_GELU, V_COUNT};
   for (size_t i = 0; i < sizeof v / sizeof v[0]; ++i) out[i] = v[i];
+}
+
+// The record's fields by name, for kernel_build.check_codes to compare with Python's one by one
+// and name the field that differs: "slot.<name>", the first int64 of a part of a LayerRecord, and
+// "flag.<name>", an LF_* bit of REC_FLAGS. Returns the number of fields; for 0 <= i < that,
+// *name and *value receive field i's.
+int pp_layer_record_field(int i, const char** name, int64_t* value) {
+  static const struct {
+    const char* name;
+    int64_t value;
+  } f[] = {{"slot.attn", REC_ATTN},           {"slot.ffn", REC_FFN},
+           {"slot.attn_norm", REC_ATTN_NORM}, {"slot.ffn_norm", REC_FFN_NORM},
+           {"slot.post_norm", REC_POST_NORM}, {"slot.qk_norm", REC_QK_NORM},
+           {"slot.bias", REC_BIAS},           {"slot.tau", REC_TAU},
+           {"slot.flags", REC_FLAGS},         {"slot.variant", REC_VARIANT},
+           {"slot.window", REC_WINDOW},       {"slot.scale", REC_SCALE},
+           {"slot.softcap", REC_SOFTCAP},     {"slot.moe", REC_MOE},
+           {"slot.shexp", REC_SHEXP},         {"slot.route", REC_ROUTE},
+           {"slot.mla", REC_MLA},             {"slot.sinks", REC_SINKS},
+           {"flag.layer_norm", LF_LAYER_NORM}, {"flag.rope", LF_ROPE},
+           {"flag.neox", LF_NEOX},            {"flag.parallel", LF_PARALLEL},
+           {"flag.down_stored", LF_DOWN_STORED}, {"flag.q_scaled", LF_Q_SCALED},
+           {"flag.moe", LF_MOE},              {"flag.mla", LF_MLA}};
+  const int n = (int)(sizeof f / sizeof f[0]);
+  if (i >= 0 && i < n) {
+    *name = f[i].name;
+    *value = f[i].value;
+  }
+  return n;
 }
 
 // The dtype code (enum DType) of ggml type id ggml_type, or -1 when the kernels do not read it

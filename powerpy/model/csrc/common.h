@@ -20,7 +20,7 @@
 #endif
 
 // Bumped whenever an export or its meaning changes; kernels.py refuses a library with another.
-#define PP_ABI_VERSION 27
+#define PP_ABI_VERSION 28
 
 // Code that is part of its caller (compile-time loops, the arch headers' block decoders).
 #define PP_ALWAYS_INLINE inline __attribute__((always_inline))
