@@ -19,7 +19,7 @@ CXX=${CXX:-g++}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 git archive "$REV" powerpy/model/csrc | tar -x -C "$TMP"
-build() { # OUT SOURCES...: every .cpp of a csrc/ (one before the split, sparse_ffn.cpp), in one
+build() { # OUT SOURCES...: every .cpp of a csrc/ (older revisions: the one sparse_ffn.cpp), in one
     # command; tiny matrices take every thread asked for (a build constant since ABI 20)
     out=$1
     shift

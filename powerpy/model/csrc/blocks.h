@@ -8,7 +8,7 @@
 // outputs (gemma), a gated or ungated FFN, and a sequential or parallel residual. Each step is
 // the one the per-op path (powerpy.model.transformer) takes, in its order, with the same
 // functions, so the two paths give the same bits where their numerics agree. A mixture of
-// experts' FFN runs moe.h's block. Included by sparse_ffn.cpp after the Mat helpers and moe.h.
+// experts' FFN runs moe.h's block (decode.cpp exports them).
 
 #include "moe.h"
 

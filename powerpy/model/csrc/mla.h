@@ -5,8 +5,8 @@
 // (zeros: a plain attn_q), o's attn_output; REC_MLA holds the per-head stacks attn_k_b (n_head *
 // r, d_n) and attn_v_b (n_head * d_v, r), then r, d_n and d_v. The q/k norm slots hold
 // attn_q_a_norm and attn_kv_a_norm, the score scale kq_scale. Each step is the per-op path's
-// (mla.attention) with its functions, so the two give the same bits. Included by sparse_ffn.cpp
-// after blocks.h.
+// (mla.attention) with its functions, so the two give the same bits. blocks.h, which declares
+// mla_block, includes it at its end.
 
 #include "blocks.h"
 

@@ -8,7 +8,7 @@
 // d_x * d_w with one FMA; the two are added lane by lane and summed as hsum_float_8; an odd last
 // block adds d * (its integer sum) after. The rows keep the file's layout (no repacking), so a
 // row gather, a GEMV and a prompt's GEMM have the same bits token by token. With f32
-// activations (act 0) the values are exact and sum in f32. Included by sparse_ffn.cpp.
+// activations (act 0) the values are exact and sum in f32.
 
 #include "ops.h"
 
