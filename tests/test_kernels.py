@@ -550,6 +550,14 @@ def test_library_codes_are_checked(monkeypatch) -> None:
     with pytest.raises(kernels.KernelBuildError, match="Q4_0"):
         kernels.KernelLibrary(lib.path)
     monkeypatch.undo()
+    monkeypatch.setitem(kernels.RECORD_SLOTS, "tau", 58)
+    with pytest.raises(kernels.KernelBuildError, match="field slot.tau: 59 in the library, 58"):
+        kernels.KernelLibrary(lib.path)
+    monkeypatch.undo()
+    monkeypatch.setitem(kernels.RECORD_FLAGS, "new", 256)
+    with pytest.raises(kernels.KernelBuildError, match="field flag.new: None in the library"):
+        kernels.KernelLibrary(lib.path)
+    monkeypatch.undo()
     monkeypatch.setattr(kernels, "LAYER_RECORD_LEN", 48)
     with pytest.raises(kernels.KernelBuildError, match="record"):
         kernels.KernelLibrary(lib.path)

@@ -181,13 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     lib = kernels.library()
+    if lib is not None and args.prefetch >= 0:  # a build constant since ABI 27: its own build
+        flags = (*kernels.DEFAULT_FLAGS, f"-DPP_PREFETCH_BYTES={args.prefetch}")
+        lib = kernels._library = kernels.build(flags=flags)
     if lib is None:
         print("native kernels unavailable: only torch methods run")
         args.methods = [m for m in args.methods if m not in ("kernel", "dense-k")]
     else:
         print(f"kernels: {lib.simd}, {lib.path.name}")
-        if args.prefetch >= 0:
-            lib.set_tuning(prefetch_bytes=args.prefetch)
     print(f"timing: {args.stat} of up to {args.iters} calls; ms per layer and GB/s of touched rows")
     gen = torch.Generator().manual_seed(0)
     head = " ".join(f"{m + ' ms':>9} {'GB/s':>5}" for m in args.methods)

@@ -16,6 +16,7 @@
 #include <string>
 #include <map>
 #include <cstdlib>
+#include <algorithm>
 
 typedef int (*gemv_t)(int, const void*, int64_t, int64_t, int64_t, const float*, const int64_t*, int64_t, float*, int, int);
 typedef int (*axpy_t)(int, const void*, int64_t, int64_t, int64_t, const float*, const int64_t*, int64_t, float*, int, int);
@@ -30,7 +31,8 @@ typedef int (*layers18_t)(int64_t, const int64_t*, const int64_t*, int64_t, int6
 typedef void (*ropet_t)(const int64_t*, int64_t, int64_t, float, float*);
 typedef void (*rope_t)(float*, int64_t, int64_t, int64_t, int64_t, const float*, int);
 typedef int (*attn_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float*, int);
-typedef int (*attn_ext_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, float, int64_t, float*, int);
+// the heads' sinks (null here) before out since the GPT-OSS ABI
+typedef int (*attn_ext_t)(const float*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, float, int64_t, const float*, float*, int);
 typedef void (*gelut_t)(uint16_t*);
 typedef void (*softcap_t)(float*, int64_t, float);
 typedef void (*rms_t)(const float*, const float*, int64_t, int64_t, float, float*, int);
@@ -62,10 +64,11 @@ struct Lib {
     S(gemv, "pp_gather_gemv") S(axpy, "pp_gather_axpy") S(glu, "pp_glu_gemv") S(gemm, "pp_gemm")
     S(deq, "pp_dequant_rows") S(attn_dec, "pp_attn_decode") S(ffn_dec, "pp_ffn_decode")
     S(layers, "pp_decode_layers") S(ropet, "pp_rope_table") S(rope, "pp_rope") S(attn, "pp_attn")
-    S(rms, "pp_rms_norm") S(swiglu, "pp_swiglu") S(tune, "pp_set_tuning") S(stream, "pp_stream_read")
+    S(rms, "pp_rms_norm") S(swiglu, "pp_swiglu") S(stream, "pp_stream_read")
     S(simd, "pp_simd_level") S(lnorm, "pp_layer_norm") S(gelu, "pp_gelu") S(attn_ext, "pp_attn_ext")
     S(gelut, "pp_gelu_table") S(softcap, "pp_softcap") S(rec_len, "pp_layer_record_len")
     S(abi, "pp_abi_version")
+    tune = (tune_t)dlsym(h, "pp_set_tuning");  // gone in ABI 27 (the prefetch reach is a -D)
   }
 };
 
@@ -125,7 +128,7 @@ int main(int argc, char** argv) {
   Lib A(argv[1]), B(argv[2]);
   const bool quick = argc > 3;
   printf("simd A %d B %d\n", A.simd(), B.simd());
-  for (Lib* L : {&A, &B}) L->tune(-1, 1);  // threads even on tiny matrices
+  for (Lib* L : {&A, &B}) if (L->tune) L->tune(-1, 1);  // threads even on tiny matrices
   const int thr_opts[2] = {1, 3};
   for (int dt = 0; dt < 11; ++dt) {
     std::vector<int64_t> colsv;
@@ -211,8 +214,8 @@ int main(int argc, char** argv) {
               sa = A.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, oa.data(), nt);
               sb = B.attn(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, ob.data(), nt);
             } else {
-              sa = A.attn_ext(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, o == 3, cap, window, oa.data(), nt);
-              sb = B.attn_ext(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, o == 3, cap, window, ob.data(), nt);
+              sa = A.attn_ext(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, o == 3, cap, window, nullptr, oa.data(), nt);
+              sb = B.attn_ext(q.data(), kc.data(), vc.data(), p0, T, n_head, n_kv, hd, scale, o == 3, cap, window, nullptr, ob.data(), nt);
             }
             char tag[96]; snprintf(tag, sizeof tag, "hd=%ld T=%ld p0=%ld nt=%d o=%d", (long)hd, (long)T, (long)p0, nt, o);
             check("attn", sa == 0 && sa == sb && same(oa.data(), ob.data(), 4 * oa.size()), tag);
@@ -271,7 +274,8 @@ int main(int argc, char** argv) {
   }
   // ---- fused decode blocks, one layer record per layout (csrc/common.h LayerRecord)
   enum { R_ATTN_NORM = 45, R_FFN_NORM = 47, R_POST = 49, R_QK = 51, R_BIAS = 53, R_TAU = 59,
-         R_FLAGS = 60, R_VARIANT = 61, R_WINDOW = 62, R_SCALE = 63, R_SOFTCAP = 64, R_LEN = 68 };
+         R_FLAGS = 60, R_VARIANT = 61, R_WINDOW = 62, R_SCALE = 63, R_SOFTCAP = 64, R_LEN = 128 };
+  // (R_LEN: room for any ABI's record, REC_LEN 111 since GPT-OSS; the slots past 65 stay zero)
   enum { F_LN = 1, F_ROPE = 2, F_NEOX = 4, F_PAR = 8, F_DS = 16, F_QS = 32 };
   auto bits = [](float f) { uint32_t u; memcpy(&u, &f, 4); return (int64_t)u; };
   auto P = [](const void* p) { return (int64_t)(intptr_t)p; };
@@ -355,7 +359,7 @@ int main(int argc, char** argv) {
                 std::vector<int64_t> one(R_LEN), v(2 * n);
                 for (int l = 0; l < 2; ++l) {
                   record(l == 1, l == 1, false, variants.back(), one.data());
-                  std::copy(one.begin(), one.end(), v.begin() + l * n);
+                  std::copy(one.begin(), one.begin() + std::min<int64_t>(n, R_LEN), v.begin() + l * n);
                 }
                 return v;
               };

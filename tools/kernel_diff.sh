@@ -19,14 +19,16 @@ CXX=${CXX:-g++}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 git archive "$REV" powerpy/model/csrc | tar -x -C "$TMP"
-build() { # OUT SOURCE; tiny matrices take every thread asked for (a build constant since ABI
-    # 20, pp_set_tuning's second argument before)
+build() { # OUT SOURCES...: every .cpp of a csrc/ (older revisions: the one sparse_ffn.cpp), in one
+    # command; tiny matrices take every thread asked for (a build constant since ABI 20)
+    out=$1
+    shift
     # shellcheck disable=SC2086 # FLAGS are words
-    $CXX $FLAGS -DPP_MIN_BYTES_PER_THREAD=1 -fopenmp -shared -fPIC -std=c++17 -o "$1" "$2"
+    $CXX $FLAGS -DPP_MIN_BYTES_PER_THREAD=1 -fopenmp -shared -fPIC -std=c++17 -o "$out" "$@"
 }
-build "$TMP/old.so" "$TMP/powerpy/model/csrc/sparse_ffn.cpp" &
+build "$TMP/old.so" "$TMP"/powerpy/model/csrc/*.cpp &
 p1=$!
-build "$TMP/new.so" powerpy/model/csrc/sparse_ffn.cpp &
+build "$TMP/new.so" powerpy/model/csrc/*.cpp &
 p2=$!
 $CXX -O1 -std=c++17 -o "$TMP/kernel_diff" tools/kernel_diff.cpp -ldl
 wait $p1

@@ -1,5 +1,5 @@
 """llama.cpp's float numerics on the CPU: RMSNorm, SwiGLU, RoPE and attention over an f16 KV
-cache, computed step by step as ggml computes them (native kernels, ``csrc/sparse_ffn.cpp``).
+cache, computed step by step as ggml computes them (native kernels, ``csrc/numerics.cpp``).
 
 They are on in calls whose numerics keep the native kernels and llama.cpp's activation rounding
 (the default; ``powerpy.model.numerics``). Together with llama.cpp's activation

@@ -11,7 +11,7 @@ import torch
 from powerpy.config import FFNVariant
 from powerpy.formats.constants import GGMLType
 
-ABI_VERSION = 26
+ABI_VERSION = 28
 
 # dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {
@@ -87,7 +87,11 @@ SIGNATURES = {
     "pp_simd_level": ([], _i32),
     "pp_layer_record_len": ([], _i32),
     "pp_dtype_code": ([_i32], _i32),  # ggml type id -> dtype code, or -1
-    "pp_set_tuning": ([_i64], None),
+    # i, &name, &value -> the number of named record fields (kernel_build.check_codes)
+    "pp_layer_record_field": (
+        [_i32, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int64)],
+        _i32,
+    ),
     # dtype, W, ld, nrows, cols, x, idx, k, out, act, nthreads
     "pp_gather_gemv": ([_i32, _p, _i64, _i64, _i64, _p, _p, _i64, _p, _i32, _i32], _i32),
     # dtype, W, ld, nrows, cols, h, idx, k, out, accumulate, nthreads

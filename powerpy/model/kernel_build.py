@@ -2,11 +2,12 @@
 
 The library is compiled with the system C++ compiler into a per-user cache,
 ``$XDG_CACHE_HOME/powerpy/kernels`` (default ``~/.cache/powerpy/kernels``), under a name that
-hashes the sources (``csrc/sparse_ffn.cpp`` is a unity build that includes the other files of
-``csrc/``: every file there is hashed, so editing any header rebuilds), the flags, the compiler
-version and the CPU flags, so a cache shared between machines never hands a binary to a CPU it
-was not built for. Builds go to a temporary file that is renamed into place, under a file lock,
-so concurrent processes neither race nor see half-written files.
+hashes the sources (every file of ``csrc/``, headers included, so editing any of them
+rebuilds), the flags, the compiler version and the CPU flags, so a cache shared between
+machines never hands a binary to a CPU it was not built for. Builds go to a temporary file that
+is renamed into place, under a file lock, so concurrent processes neither race nor see
+half-written files. The library is several translation units (``csrc/*.cpp``), compiled side by
+side and linked into one file.
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from powerpy._fs import atomic_write, file_lock
 from powerpy.formats.constants import GGMLType
+from powerpy.model import kernel_abi
 
 logger = logging.getLogger("powerpy.model.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "sparse_ffn.cpp"  # includes the rest of csrc/
+SOURCE = Path(__file__).parent / "csrc"  # every .cpp there, one library
 DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
@@ -78,8 +82,8 @@ def compile_library(
     """Compile ``source`` into the cache (or find the cached build) and return its path.
 
     Args:
-        source: the C++ file; it and every other file in its folder (the headers it includes)
-            are hashed.
+        source: a folder (every ``.cpp`` in it is a translation unit of the library) or one
+            C++ file; every file of the folder (with the headers) is hashed.
         flags: compiler flags; ``-march=...`` selects the SIMD level (tests build
             ``-march=x86-64-v3`` and ``-march=x86-64`` variants to cover AVX2 and scalar code).
         cache_dir: where builds are kept (default :func:`default_cache_dir`).
@@ -102,7 +106,8 @@ def compile_library(
         key.update(part)
         key.update(b"\0")
     cache_dir = cache_dir or default_cache_dir()
-    target = cache_dir / f"{source.stem}-{key.hexdigest()[:20]}.so"
+    name = "powerpy_kernels" if source.is_dir() else source.stem
+    target = cache_dir / f"{name}-{key.hexdigest()[:20]}.so"
     if not target.exists():
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
@@ -118,8 +123,19 @@ def check_codes(
     cdll, path: Path, dtype_codes: dict, record_len: int, layout: tuple[int, ...] = ()
 ) -> None:
     """Raise KernelBuildError unless the loaded library ``cdll`` has Python's dtype codes
-    (``kernels.DTYPE_CODES``, for every GGMLType; -1: not read), decode layer record length
-    and record layout (``kernels.RECORD_LAYOUT``: slots, flags, variant codes)."""
+    (``kernels.DTYPE_CODES``, for every GGMLType; -1: not read), decode layer record fields by
+    name (``kernel_abi.RECORD_SLOTS`` and ``RECORD_FLAGS``: the error names the one that
+    differs), length and layout (``kernels.RECORD_LAYOUT``: slots, flags, variant codes)."""
+    fields = {f"slot.{k}": v for k, v in kernel_abi.RECORD_SLOTS.items()}
+    fields |= {f"flag.{k}": v for k, v in kernel_abi.RECORD_FLAGS.items()}
+    theirs = record_fields(cdll)
+    for name in sorted(fields.keys() | theirs.keys()):
+        have, want = theirs.get(name), fields.get(name)
+        if have != want:
+            raise KernelBuildError(
+                f"{path}: decode layer record field {name}: {have} in the library, {want} in "
+                "kernel_abi (None: not there)"
+            )
     n = cdll.pp_layer_record_len()
     if n != record_len:
         raise KernelBuildError(f"{path}: a decode layer record of {n} int64, not {record_len}")
@@ -134,11 +150,30 @@ def check_codes(
             raise KernelBuildError(f"{path}: dtype code {code} for {t.name}, not {want}")
 
 
+def record_fields(cdll) -> dict[str, int]:
+    """The library's named decode layer record fields (pp_layer_record_field)."""
+    fn = cdll.pp_layer_record_field
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int64)]
+    fn.restype = ctypes.c_int
+    name, value = ctypes.c_char_p(), ctypes.c_int64()
+    out = {}
+    for i in range(fn(-1, ctypes.byref(name), ctypes.byref(value))):
+        fn(i, ctypes.byref(name), ctypes.byref(value))
+        out[(name.value or b"").decode()] = value.value
+    return out
+
+
+def _units(source: Path) -> list[Path]:
+    """The translation units of ``source``: its ``.cpp`` files if it is a folder, else itself."""
+    return sorted(source.glob("*.cpp")) if source.is_dir() else [source]
+
+
 def _sources_digest(source: Path) -> bytes:
     """A digest of ``source`` and the other files in its folder, by name, in sorted order."""
     h = hashlib.sha256()
+    folder = source if source.is_dir() else source.parent
     try:
-        files = sorted({source, *(p for p in source.parent.iterdir() if p.is_file())})
+        files = sorted({*_units(source), *(p for p in folder.iterdir() if p.is_file())})
         for path in files:
             h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     except OSError as e:
@@ -147,14 +182,28 @@ def _sources_digest(source: Path) -> bytes:
 
 
 def _compile(compiler: str, source: Path, flags: tuple[str, ...], target: Path) -> None:
-    cmd = [compiler, *flags, "-o", "<tmp>", str(source)]
-    try:
+    """Compile each translation unit to an object (side by side, one per CPU), then link them."""
+    units = _units(source)
+    if not units:
+        raise KernelBuildError(f"no C++ sources in {source}")
+    with tempfile.TemporaryDirectory(prefix="powerpy-kernels-") as tmpdir:
+        objs = [Path(tmpdir) / f"{u.stem}.o" for u in units]
+        jobs = [
+            [compiler, *flags, "-c", "-o", str(o), str(u)] for u, o in zip(units, objs, strict=True)
+        ]
+        with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+            for _ in pool.map(_run, jobs):
+                pass
         with atomic_write(target) as tmp:  # readers see the old name or a complete file
-            cmd[-2] = str(tmp)  # the -o argument
-            logger.info("building powerpy kernels: %s", " ".join(cmd))
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-            if res.returncode != 0:
-                tail = "\n".join(res.stderr.strip().splitlines()[-20:])
-                raise KernelBuildError(f"{' '.join(cmd)} failed ({res.returncode}):\n{tail}")
+            _run([compiler, *flags, "-o", str(tmp), *map(str, objs)])
+
+
+def _run(cmd: list[str]) -> None:
+    try:
+        logger.info("building powerpy kernels: %s", " ".join(cmd))
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     except (OSError, subprocess.SubprocessError) as e:
         raise KernelBuildError(f"{' '.join(cmd)}: {e}") from e
+    if res.returncode != 0:
+        tail = "\n".join(res.stderr.strip().splitlines()[-20:])
+        raise KernelBuildError(f"{' '.join(cmd)} failed ({res.returncode}):\n{tail}")

@@ -147,10 +147,6 @@ class KernelLibrary:
         self._axpy = self.cdll.pp_gather_axpy
         self._glu = self.cdll.pp_glu_gemv
 
-    def set_tuning(self, prefetch_bytes: int = -1) -> None:
-        """The prefetch reach in bytes (process-wide; it changes speed, never a result)."""
-        self.cdll.pp_set_tuning(prefetch_bytes)
-
     def gather_gemv(self, w: Matrix, x: Tensor, idx: Tensor | None) -> Tensor:
         """``out[j] = W[idx[j]] · x``: x (cols,) -> (k,) f32; ``idx=None`` means all rows."""
         x = as_f32(x)

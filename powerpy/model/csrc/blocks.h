@@ -1,3 +1,4 @@
+#pragma once
 // One token's decode blocks (CPU-only decode): a layer's attention block and its FFN block, one
 // call each, for every family's layout. What differs between families is data, the layer's
 // record (common.h LayerRecord, built by powerpy.model.kernels.layer_record): which norm (RMS, or
@@ -7,7 +8,9 @@
 // outputs (gemma), a gated or ungated FFN, and a sequential or parallel residual. Each step is
 // the one the per-op path (powerpy.model.transformer) takes, in its order, with the same
 // functions, so the two paths give the same bits where their numerics agree. A mixture of
-// experts' FFN runs moe.h's block. Included by sparse_ffn.cpp after the Mat helpers and moe.h.
+// experts' FFN runs moe.h's block (decode.cpp exports them).
+
+#include "moe.h"
 
 namespace {
 
@@ -218,7 +221,7 @@ static int attn_block(const Layer& L, const Heads& H, const float* rot, const fl
   return st;
 }
 
-// A mixture of experts' FFN block (moe.h pp_moe_decode, llama.cpp's build_moe_ffn) from a record:
+// A mixture of experts' FFN block (moe.h moe_decode, llama.cpp's build_moe_ffn) from a record:
 // RMSNorm, a sequential block, no biases or post norm.
 static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, int act,
                          int nthreads) {
@@ -232,9 +235,8 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
     mats[15 + i] = L.rec[REC_FFN + 20 + i];
   }
   for (int i = 0; i < 20; ++i) mats[20 + i] = L.rec[REC_SHEXP + i];  // a shared expert, or zeros
-  return pp_moe_decode(mats, L.rec[REC_MOE], (int)L.rec[REC_MOE + 1], rec_f32(L.rec[REC_MOE + 2]),
-                       L.rec + REC_ROUTE, L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act,
-                       nthreads);
+  return moe_decode(mats, L.rec[REC_MOE], (int)L.rec[REC_MOE + 1], rec_f32(L.rec[REC_MOE + 2]),
+                    L.rec + REC_ROUTE, L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act, nthreads);
 }
 
 // Whether a record's FFN matrices fit together: a variant of its kind (gated or not), a gate of
@@ -331,3 +333,7 @@ static int64_t ffn_block(const Layer& L, float eps, float thr, const float* r, c
 }
 
 }  // namespace
+
+// The latent attention block (declared above, for attn_block): every file that sees the decode
+// blocks sees its definition.
+#include "mla.h"

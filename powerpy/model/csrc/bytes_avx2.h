@@ -1,7 +1,14 @@
+#pragma once
 // Byte vectors with AVX2 (also under AVX-512): the 32 weight bytes of a chunk (U8x32), the nibble
 // and high-bit assembly of the quant types, and the u8 x s8 integer dot products in ggml's orders
 // (idot32 per half; lanes8: ggml's eight 4-product lanes, F8). VNNI and AVX-512BW/VL forms where
 // the build has them. bytes_scalar.h has the same names.
+
+#if !(defined(__AVX2__))
+#error "bytes_avx2.h is for builds with AVX2 (simd.h chooses the arch headers)"
+#endif
+
+#include "common.h"
 
 #define PP_ISIMD 1
 

@@ -1,6 +1,9 @@
+#pragma once
 // Byte vectors without AVX2: the same names as bytes_avx2.h (U8x32, the nibble and high-bit
 // assembly, idot32, ggml's eight 4-product lanes F8) as plain loops with the same integers and the
 // same f32 operations in the same order.
+
+#include "common.h"
 
 #define PP_ISIMD 0
 

@@ -1,3 +1,4 @@
+#pragma once
 // Shared by every kernel file: the codes Python mirrors (dtypes, variants, statuses, the decode
 // layer record), the tuning knobs, scalar conversions, fixed summation orders, prefetching and
 // the thread partitioning.
@@ -19,7 +20,7 @@
 #endif
 
 // Bumped whenever an export or its meaning changes; kernels.py refuses a library with another.
-#define PP_ABI_VERSION 26
+#define PP_ABI_VERSION 28
 
 // Code that is part of its caller (compile-time loops, the arch headers' block decoders).
 #define PP_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -53,7 +54,7 @@ enum Status { PP_OK = 0, PP_ERR_INDEX = 1, PP_ERR_ARG = 2 };
 // every key), the q·k scale and the score soft-cap (f32 bit patterns; a cap of 0: none); then a
 // mixture of experts' routing (LF_MOE): experts per token, renormalised weights, the weights'
 // scale (f32 bits). An MoE layer's FFN matrices are the router (fc1's slot), the gate, up and
-// down stacks (moe.h pp_moe_decode); a shared expert's 4 matrices (its gate row, gate, up, down;
+// down stacks (moe.h moe_decode); a shared expert's 4 matrices (its gate row, gate, up, down;
 // zeros: none; a gate row of zeros: an unscaled shared expert) follow at REC_SHEXP, then the
 // routing beyond top-k and the experts' biases at REC_ROUTE (moe.h Route); a latent
 // attention's (LF_MLA) per-head stacks and widths at REC_MLA (mla.h); a pointer to the heads'
@@ -72,7 +73,13 @@ enum LayerFlags {
   LF_Q_SCALED = 32, LF_MOE = 64, LF_MLA = 128
 };
 
-int64_t g_prefetch_bytes = 8192;  // how far ahead (at least) the next-row prefetch reaches
+// How far ahead (at least) the next-row prefetch reaches, in bytes: a build constant (-D), as
+// the threads' floor below; it changes only speed. Before ABI 27 pp_set_tuning set it at run time,
+// a process-wide variable that every call read.
+#ifndef PP_PREFETCH_BYTES
+#define PP_PREFETCH_BYTES 8192
+#endif
+constexpr int64_t PREFETCH_BYTES = PP_PREFETCH_BYTES;
 // Below this much work per thread, a kernel starts fewer threads. It changes only speed: no
 // kernel's bits depend on how many threads run it. Tests build a library with 1 (-D) so that
 // tiny inputs take several threads.
@@ -320,9 +327,9 @@ inline int team_threads() {
 #endif
 }
 
-// Rows to prefetch ahead: at least 2, enough to cover g_prefetch_bytes.
+// Rows to prefetch ahead: at least 2, enough to cover PREFETCH_BYTES.
 inline int64_t prefetch_dist(int64_t rb) {
-  int64_t d = rb > 0 ? (g_prefetch_bytes + rb - 1) / rb : 2;
+  int64_t d = rb > 0 ? (PREFETCH_BYTES + rb - 1) / rb : 2;
   if (d < 2) d = 2;
   if (d > 16) d = 16;
   return d;

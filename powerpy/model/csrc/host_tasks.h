@@ -1,3 +1,4 @@
+#pragma once
 // A hybrid layer's cold FFN rows as a task that a CUDA stream hands to the host and waits for,
 // inside a captured graph: the stream copies the layer's normed input and the predictor's mask
 // into fixed pinned buffers, then calls pp_host_submit (cudaLaunchHostFunc), which only queues
@@ -13,6 +14,8 @@
 // task's rows with the kernels' thread team of task->nthreads. Tasks run in the order they were
 // submitted. A task that fails sets its status, and the step that read it raises; a wait that
 // would outlast PP_TASK_TIMEOUT_MS returns with PP_ERR_TIMEOUT instead of hanging the stream.
+
+#include "blocks.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -198,46 +201,3 @@ struct Worker {
 };
 
 }  // namespace
-
-extern "C" {
-
-// A worker thread for cold tasks (freed by pp_worker_free, which waits for the queued ones).
-void* pp_worker_new(void) { return new (std::nothrow) Worker(); }
-void pp_worker_free(void* w) { delete (Worker*)w; }
-
-// Host functions of a CUDA stream (cudaHostFn_t: void (*)(void*)): queue the task, and wait for
-// it. Called in stream order by the driver's thread, or by the emulated stream.
-void pp_host_submit(void* task) {
-  ColdTask* t = (ColdTask*)task;
-  ((Worker*)t->worker)->submit(t);
-}
-void pp_host_wait(void* task) {
-  ColdTask* t = (ColdTask*)task;
-  ((Worker*)t->worker)->wait(t);
-}
-
-// The task on the calling thread (tests; a device without host functions). Returns its status.
-int pp_cold_run(void* task) {
-  ColdTask* t = (ColdTask*)task;
-  t->status = run_task(t);
-  t->ran_on = (uint64_t)std::hash<std::thread::id>()(std::this_thread::get_id());
-  t->state = TASK_DONE;
-  return t->status;
-}
-
-// The byte offsets of ColdTask's fields, then its size (Python checks its own against them).
-void pp_cold_task_layout(int64_t* out) {
-  const int64_t v[] = {
-      (int64_t)offsetof(ColdTask, worker), (int64_t)offsetof(ColdTask, rec),
-      (int64_t)offsetof(ColdTask, x),      (int64_t)offsetof(ColdTask, mask),
-      (int64_t)offsetof(ColdTask, cold),   (int64_t)offsetof(ColdTask, y),
-      (int64_t)offsetof(ColdTask, kept),   (int64_t)offsetof(ColdTask, ids),
-      (int64_t)offsetof(ColdTask, wts),    (int64_t)offsetof(ColdTask, T),
-      (int64_t)offsetof(ColdTask, k),
-      (int64_t)offsetof(ColdTask, act),    (int64_t)offsetof(ColdTask, nthreads),
-      (int64_t)offsetof(ColdTask, status), (int64_t)offsetof(ColdTask, state),
-      (int64_t)offsetof(ColdTask, ran_on), (int64_t)sizeof(ColdTask)};
-  for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); ++i) out[i] = v[i];
-}
-
-}  // extern "C"

@@ -1,3 +1,4 @@
+#pragma once
 // Q4_K's, Q5_K's and Q6_K's dot products on AVX2, a 256-element super-block at a time in
 // ggml's order (vec_dot_q4_K_q8_K and its Q5_K and Q6_K forms: the same float bits,
 // tests/test_ggml_vec_dot.py): the sub-block scales multiply 16-bit integer sums (u8 x s8
@@ -6,6 +7,8 @@
 // hsum_float_8). The per-chunk
 // path (vec.h's QChunks: an f32 sum per 32 elements, with two horizontal adds each) ran Q4_K_M
 // decode at about a fifth of llama.cpp's speed.
+
+#include "ops.h"
 
 namespace {
 

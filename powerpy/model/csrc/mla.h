@@ -1,11 +1,14 @@
+#pragma once
 // DeepSeek-2's latent attention (powerpy/model/mla.py): one token's attention block over the
 // cache of the latent, in one call, from a layer record flagged LF_MLA (built by mla.mla_part).
 // Its matrices: REC_ATTN's q slot holds attn_q (or attn_q_a), k's attn_kv_a_mqa, v's attn_q_b
 // (zeros: a plain attn_q), o's attn_output; REC_MLA holds the per-head stacks attn_k_b (n_head *
 // r, d_n) and attn_v_b (n_head * d_v, r), then r, d_n and d_v. The q/k norm slots hold
 // attn_q_a_norm and attn_kv_a_norm, the score scale kq_scale. Each step is the per-op path's
-// (mla.attention) with its functions, so the two give the same bits. Included by sparse_ffn.cpp
-// after blocks.h.
+// (mla.attention) with its functions, so the two give the same bits. blocks.h, which declares
+// mla_block, includes it at its end.
+
+#include "blocks.h"
 
 namespace {
 

@@ -1,6 +1,9 @@
+#pragma once
 // Mixtures of experts (powerpy/model/moe.py, docs/moe.md): the router as llama.cpp computes it
 // (f32 logits in tinyBLAS's order, ggml's soft_max), and one token's whole MoE FFN block in one
-// call. Included by sparse_ffn.cpp after the Mat helpers.
+// call.
+
+#include "mat.h"
 
 namespace {
 
@@ -276,66 +279,6 @@ static int down_runs(const Mat& m, const float* h, float* out, int act, int nt) 
   PP_DISPATCH(m.dtype, kept_impl, m.w, m.ld, m.nrows, m.cols, h, ch.data(), nc, out, act, nt)
 }
 
-}  // namespace
-
-extern "C" {
-
-// The MoE cut of T tokens' h (T, n) of one expert (tau: its n neurons', or with idx (n) the
-// layer's): cut_groups with each token's weight w[t], groups of g.
-void pp_moe_cut(float* h, int64_t T, int64_t n, int64_t g, const float* w, const float* tau,
-                const int64_t* idx) {
-  for (int64_t t = 0; t < T; ++t) cut_groups(h + t * n, n, g, w[t], tau, idx);
-}
-
-// out[t] = W · h[t] for T tokens of a stored down matrix (nrows, cols), by down_runs.
-int pp_down_runs(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols,
-                 const float* h, int64_t T, float* out, int act, int nthreads) {
-  if (dtype < 0 || dtype >= DT_COUNT || T < 0) return PP_ERR_ARG;
-  const Mat m(dtype, W, ld, nrows, cols);
-  for (int64_t t = 0; t < T; ++t) {
-    const int st = down_runs(m, h + t * cols, out + t * nrows, act, nthreads);
-    if (st) return st;
-  }
-  return 0;
-}
-
-// out[t * nrows + r] = dot(W[r], x[t]) for f32 W (nrows, cols; rows ld floats apart) and T
-// tokens x (T, cols), in the order of llama.cpp's f32 matmuls (gemv_f32_gw): tinyBLAS's where
-// llama.cpp takes it (T >= 2, nrows % 4 == 0, cols % GW == 0), else ggml_vec_dot_f32's. The MoE
-// router and a shared expert's gate: their values decide the routing and the gate, so they
-// follow llama.cpp's bits.
-int pp_gemm_f32_gw(const float* W, int64_t ld, int64_t nrows, int64_t cols, const float* x,
-                   int64_t T, float* out, int nthreads) {
-  if (nrows < 1 || T < 1 || cols < 1) return PP_ERR_ARG;
-  const bool one = T < 2 || nrows % 4 || cols % GW;
-  const int nt = team_size(nthreads, nrows * cols * 4);
-  return run_partitioned(nt, nrows, [&](int64_t a, int64_t b) -> int {
-    for (int64_t t = 0; t < T; ++t)
-      gemv_f32_gw(W, ld, a, b, cols, x + t * cols, out + t * nrows, 1, one);
-    return 0;
-  });
-}
-
-// y[i] = silu_div(x[i]): the shared expert's gate of n tokens.
-void pp_silu_div(const float* x, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; ++i) y[i] = silu_div(x[i]);
-}
-
-// out[i] = swiglu_oai(g[i], u[i]): GPT-OSS's experts' activation (ggml's swiglu_oai).
-void pp_swiglu_oai(const float* g, const float* u, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = swiglu_oai(g[i], u[i]);
-}
-
-// y[i] = 1 / (1 + expf(-x[i])): ggml's sigmoid (the routing of glm4moe and DeepSeek-V3).
-void pp_sigmoid(const float* x, int64_t n, float* y) {
-  for (int64_t i = 0; i < n; ++i) y[i] = 1.f / (1.f + expf(-x[i]));
-}
-
-// ggml's soft_max of `rows` rows of n (soft_max_row).
-void pp_soft_max(const float* x, int64_t rows, int64_t n, float* y) {
-  for (int64_t r = 0; r < rows; ++r) soft_max_row(x + r * n, n, y + r * n);
-}
-
 // One token's mixture-of-experts FFN block in one call (CPU decode, llama.cpp's build_moe_ffn):
 // xn = rms_norm(r) * norm_w; logits = router · xn (logits_gemv); p and the selection scores s
 // by `route` (Route, route_scores; null: p = soft_max(logits) = s); the k experts of largest s,
@@ -350,9 +293,9 @@ void pp_soft_max(const float* x, int64_t rows, int64_t n, float* y) {
 // shared expert's gate row (1, n_embd; zeros: none), gate and up (n_ff_s, n_embd) and down
 // (n_embd, n_ff_s), all zeros without one: 8 x 5 int64. ids and wts (k, or null) receive the
 // routing. Returns the routed neurons whose down column was added (their h nonzero), or -status.
-int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, const int64_t* route,
-                      const float* tau, const float* r, const float* norm_w, float eps,
-                      float* out, int64_t* ids, float* wts, int act, int nthreads) {
+int64_t moe_decode(const int64_t* mats, int64_t k, int norm, float scale, const int64_t* route,
+                   const float* tau, const float* r, const float* norm_w, float eps, float* out,
+                   int64_t* ids, float* wts, int act, int nthreads) {
   const Mat router(mats), gate(mats + 5), up(mats + 10), down(mats + 15);
   const Mat s_inp(mats + 20), s_gate(mats + 25), s_up(mats + 30), s_down(mats + 35);
   const int64_t E = router.nrows, d = router.cols, ffs = s_up.nrows;
@@ -465,4 +408,4 @@ int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, con
   return st ? -st : kept;
 }
 
-}  // extern "C"
+}  // namespace

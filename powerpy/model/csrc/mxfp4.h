@@ -1,3 +1,4 @@
+#pragma once
 // MXFP4 (ggml type 39, GPT-OSS's experts): blocks of 32 values in 17 bytes, an E8M0 scale e and
 // 16 bytes of 4-bit E2M1 codes (element j < 16 in byte j's low nibble, j + 16 in its high one);
 // element = MX_VALUES[code] * 2^(e - 128) (the values are doubled, the scale halved, as ggml's).
@@ -7,7 +8,9 @@
 // d_x * d_w with one FMA; the two are added lane by lane and summed as hsum_float_8; an odd last
 // block adds d * (its integer sum) after. The rows keep the file's layout (no repacking), so a
 // row gather, a GEMV and a prompt's GEMM have the same bits token by token. With f32
-// activations (act 0) the values are exact and sum in f32. Included by sparse_ffn.cpp.
+// activations (act 0) the values are exact and sum in f32.
+
+#include "ops.h"
 
 namespace {
 

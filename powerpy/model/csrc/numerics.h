@@ -1,3 +1,4 @@
+#pragma once
 // Attention and the float steps around it. kv_dot / kv_axpy: the f32 attention of the decode block
 // with f32 activations. The rest is llama.cpp's float numerics (RMSNorm, SwiGLU, f16 dots, softmax,
 // f16-cache attention): with quantized activations and an f16 KV cache, powerpy follows ggml's CPU
@@ -6,6 +7,8 @@
 // GW lanes: ggml's vector width on this CPU (16 with AVX-512, 8 with AVX2), which sets its
 // summation orders. The 16-lane hooks (kq_cells16, ...) are numerics_avx512.h's; swiglu_vec is
 // also simd_avx2.h's (8 lanes).
+
+#include "ops.h"
 
 // y = x / sqrt(mean(x^2) + eps) * w, in ggml's order (squares summed in double).
 static void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {

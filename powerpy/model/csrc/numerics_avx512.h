@@ -1,7 +1,14 @@
+#pragma once
 // The 16-lane (AVX-512) pieces of llama.cpp's float numerics (numerics.h): ggml's exp on 16 lanes,
 // SwiGLU, the softmax's scale, exp and f16 rounding, and f16-cache attention with 16 cells or 16
 // dims in registers. Each hook does its part and returns where it stopped (or true when it did
 // all); simd_no16.h has the same hooks for the other builds.
+
+#if !(defined(__AVX512F__))
+#error "numerics_avx512.h is for builds with AVX-512F (simd.h chooses the arch headers)"
+#endif
+
+#include "simd_avx512.h"
 
 // ggml_expf on 16 lanes at once: the same operations (scalef is j * 2^n with one rounding).
 inline __m512 ggml_expf16(__m512 x) {

@@ -1,6 +1,9 @@
+#pragma once
 // The kernels over (gathered) rows, written once for every dtype: GEMV, gate/up GLU, row sums
 // (axpy), GEMM and dequantization. They read rows through the dtype's row engine Rows<DT>:
 // RowsBase below for every type (a specialization may give an ISA a kernel of its own).
+
+#include "vec.h"
 
 namespace {
 
@@ -487,3 +490,10 @@ inline bool valid_shape(int dtype, int64_t cols) {
 }
 
 }  // namespace
+
+// The ISA's own kernels for this engine: qgemm_wide (declared above) and the Rows and RowSum
+// specializations. Included here so that every file that sees the templates above sees them too
+// (a file without them would instantiate the portable kernels instead).
+#include "wide_avx512.h"     // AVX-512 VNNI prompt tiles
+#include "q4_0_avx512.h"     // Q4_0's AVX-512 row sums
+#include "k_quants_avx2.h"   // Q4_K, Q5_K and Q6_K dots in ggml's order

@@ -1,8 +1,11 @@
+#pragma once
 // Q4_0's own kernel on AVX-512F, a specialization of vec.h's RowSum: row sums through a
 // 16-entry table. (Its dot products take the one-block kernels of every AVX2 build, and WideDot
 // in prompts: llama.cpp's AVX-512 build keeps ggml_vec_dot_q4_0_q8_0's 8 lanes, block after
 // block, and so do they. A four-block kernel summed 16 lanes, about 1.5x (GEMV) to 2.4x (64-token
 // GEMM) faster on a Zen 4 host, but not in llama.cpp's order: tests/test_ggml_vec_dot.py.)
+
+#include "ops.h"
 
 namespace {
 

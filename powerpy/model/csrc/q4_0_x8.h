@@ -1,3 +1,4 @@
+#pragma once
 // Q4_0 matrices with their rows interleaved 8 at a time (DT_Q4_0X8), the layout a dense Q4_0
 // matrix of 8k rows takes at load (pp_repack_x8), multiplied in the order of llama.cpp's own
 // repacked Q4_0 kernels (its CPU backend repacks every such matrix on AVX2 hosts): the same
@@ -14,6 +15,8 @@
 // Float steps (ggml's GEMV and GEMM alike): per row, token and block, I = sum (q - 8) y is an
 // integer (sum q y - 8 sum y), and acc += I (d_w d_x) is one FMA, block after block; that is the
 // row's result.
+
+#include "q4_k_x8.h"  // X8_KERNELS
 
 namespace {
 
@@ -108,7 +111,7 @@ struct X8Q40 {
   static void dot(const uint8_t* g, const QAct* const* a, int64_t nb, float* out, int64_t ldo) {
     __m256 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
-    const int64_t pf = g_prefetch_bytes;  // the stream ahead, into L2 (a group's blocks follow on)
+    const int64_t pf = PREFETCH_BYTES;  // the stream ahead, into L2 (a group's blocks follow on)
     for (int64_t i = 0; i < nb; ++i, g += X8Q40_B) {
       prefetch_l2(g + pf);
       prefetch_l2(g + pf + 64);

@@ -1,3 +1,4 @@
+#pragma once
 // Q4_K matrices with their rows interleaved 8 at a time (DT_Q4_KX8), the layout a dense Q4_K
 // matrix of 8k rows takes at load (pp_repack_x8), and its GEMV and GEMM in the order of
 // llama.cpp's own repacked Q4_K kernels: the same float bits (tests/test_ggml_vec_dot.py).
@@ -17,6 +18,8 @@
 // sum(y_k) over the sub-blocks k are integers; the GEMM (4 tokens) takes them per 64 elements,
 // the GEMV (1 token, and a prompt's last T % 4 tokens) per super-block, and each is scaled by
 // one FMA: acc += I (d_w d_x), acc_m += M (dmin_w d_x); the result is acc - acc_m.
+
+#include "ops.h"
 
 namespace {
 

@@ -1,3 +1,4 @@
+#pragma once
 // The weight types' block layouts and decoders, and llama.cpp's rounding of the activations.
 //
 // Dec<DT> decodes a row's 32-element chunk c to NV f32 vectors (the float path: exact values, f32
@@ -6,6 +7,8 @@
 // one rounding, as in ggml), so the f32 decode equals ggml's dequantization; the same bytes feed
 // the integer dot products against quantized activations (QAct). q is unsigned except for Q8_0
 // (SIGNED: the bytes are int8 values).
+
+#include "simd.h"
 
 namespace {
 

@@ -1,4 +1,5 @@
-// The ISA, chosen here at compile time and nowhere else: byte vectors for the integer dot
+#pragma once
+// The ISA, chosen here at compile time: byte vectors for the integer dot
 // products (bytes_avx2.h or bytes_scalar.h), float vectors with their block decoders and
 // reductions (simd_avx512.h: 16 lanes, simd_avx2.h: 8, simd_scalar.h: 1), and the 16-lane
 // pieces of llama.cpp's numerics (numerics_avx512.h, or simd_no16.h: none). Each arch header
@@ -6,12 +7,9 @@
 // (2 / 1 / 0) is what pp_simd_level reports; PP_WIDE (0 / 1) switches on the AVX-512 VNNI
 // prompt tiles (wide_avx512.h).
 
-#if defined(__AVX2__)
-#include "bytes_avx2.h"
-#else
-#include "bytes_scalar.h"
-#endif
+#include "common.h"
 
+// Each float vector header includes its byte vectors (AVX2's, or simd_scalar.h's choice).
 #if defined(__AVX512F__)
 #include "simd_avx512.h"
 #include "numerics_avx512.h"

@@ -1,6 +1,13 @@
+#pragma once
 // AVX2 + FMA + F16C float vectors (8 lanes): the vector operations, the 32-element block decoders
 // of the float and byte types and ggml's 8-lane reductions. simd_avx512.h and simd_scalar.h have
 // the same names.
+
+#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#error "simd_avx2.h is for builds with AVX2, FMA and F16C (simd.h chooses the arch headers)"
+#endif
+
+#include "bytes_avx2.h"
 
 #define PP_SIMD 1
 

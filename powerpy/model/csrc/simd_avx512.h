@@ -1,6 +1,13 @@
+#pragma once
 // AVX-512F float vectors (16 lanes): the vector operations, the 32-element block decoders of the
 // float and byte types, ggml's 16-lane reductions and the vector rounding of Q8_0/Q8_1
 // activations (AVX-512BW/VL). simd_avx2.h and simd_scalar.h have the same names.
+
+#if !(defined(__AVX512F__))
+#error "simd_avx512.h is for builds with AVX-512F (simd.h chooses the arch headers)"
+#endif
+
+#include "bytes_avx2.h"  // (AVX-512 builds have AVX2)
 
 #define PP_SIMD 2
 

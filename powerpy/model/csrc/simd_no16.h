@@ -1,5 +1,13 @@
+#pragma once
 // Builds without AVX-512: no 16-lane pieces. Each hook says it did nothing (returns its start, or
 // false), and its caller's portable loop does the work (numerics_avx512.h has the real ones).
+
+// The float vectors of the build that takes these hooks (simd.h's choice).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "simd_avx2.h"
+#else
+#include "simd_scalar.h"
+#endif
 
 // ggml's GW lanes held in GW / VL vectors, reduced as hsum_gw and vreduce_gw do (AVX-512 holds
 // them in one vector: simd_avx512.h).

@@ -1,5 +1,12 @@
+#pragma once
 // Scalar "vectors" (1 lane) for builds without AVX2 + FMA + F16C: the same names as simd_avx2.h,
 // with ggml's 16-lane reductions (llama.cpp's generic build sums as its AVX-512 one does).
+
+#if defined(__AVX2__)  // AVX2 without FMA or F16C: AVX2's byte vectors, scalar floats
+#include "bytes_avx2.h"
+#else
+#include "bytes_scalar.h"
+#endif
 
 #define PP_SIMD 0
 

@@ -1,9 +1,12 @@
+#pragma once
 // The row kernels, written once: tile<K, R, NT, U> (R rows x NT tokens, tinyBLAS's gemm<RM, RN>)
 // is the one loop over a row's chunks for every dot product, with the kernel K saying how a chunk
 // is decoded, how a token's activations are read and how they meet: FDot (f32 activations), QDot
 // (quantized activations: ggml's 8-lane block order, or K-quant chunk sums), and the AVX-512 ones
 // (WideDot in wide_avx512.h). axpy_rows is the one loop of the row sums.
 // token_tiles cuts a run of tokens into the tiles' sizes.
+
+#include "quants.h"
 
 namespace {
 

@@ -1,8 +1,11 @@
+#pragma once
 // Prompt batches of the 32-element block types with AVX-512 VNNI (PP_WIDE builds): two blocks per
 // 512-bit integer dot, activations as separate int8 rows (qs: T x cols), scales d and Q8_1 sums s
 // (T x nch). The block terms then join one 8-lane accumulator block by block, in the one-token
 // order (QBlocks in vec.h), so a token's result is bit for bit the one-token result (and
 // llama.cpp's). Chosen by RowsBase::qgemm (ops.h) for 8 tokens or more.
+
+#include "ops.h"
 
 #if PP_WIDE
 namespace {

@@ -1,8 +1,12 @@
+#pragma once
 // Matrices with their rows interleaved 8 at a time: the products over the layouts of q4_k_x8.h
 // (DT_Q4_KX8, and DT_Q4_KX8V whose every token takes the GEMV's order) and q4_0_x8.h
 // (DT_Q4_0X8). A layout X describes itself: its row type (ROW), activation type (ACT), code,
 // columns per block (QK), a row's bytes per block (RB), a group's bytes per block (GB), pack and
 // unpack, and dot<N>(group, N tokens' activations, blocks, out, ldo).
+
+#include "q4_k_x8.h"
+#include "q4_0_x8.h"
 
 namespace {
 
