@@ -6,7 +6,7 @@
 #   bash tools/kernel_diff.sh REV [FLAGS...]
 #
 # REV: the revision to compare with (e.g. the commit before a csrc change). FLAGS (default
-# -O3 -march=native, the production build; the tests also build -O2 -march=x86-64-v3 and
+# -O3 -march=native -flto, the production build; the tests also build -O2 -march=x86-64-v3 and
 # -O2 -march=x86-64). CXX picks the compiler (default g++). Prints one line per export and
 # "ALL IDENTICAL" or "FAIL"; exit status 0 only when identical.
 set -eu
@@ -14,7 +14,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." # the repository root
 [ $# -ge 1 ] || { sed -n '2,11p' "$0"; exit 2; }
 REV=$1
 shift
-FLAGS=${*:--O3 -march=native}
+FLAGS=${*:--O3 -march=native -flto}
 CXX=${CXX:-g++}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT

@@ -30,7 +30,7 @@ from powerpy.model import kernel_abi
 logger = logging.getLogger("powerpy.model.kernels")
 
 SOURCE = Path(__file__).parent / "csrc"  # every .cpp there, one library
-DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+DEFAULT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-flto")
 
 
 class KernelBuildError(RuntimeError):
