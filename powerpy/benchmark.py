@@ -99,12 +99,9 @@ def attention_weight_bytes(model: Model, first: int = 0) -> int:
     """Bytes of the q, k, v and output matrices (the attention projections) of layers first.."""
     total = 0
     for b in model.weights.blk[first:]:
-        lat = b.mla  # DeepSeek-2's latent attention: its own projections (attn_q/k/v None)
-        mats = (b.attn_q, b.attn_k, b.attn_v, b.attn_output)
-        if lat is not None:
-            heads = (*lat.k_b, *lat.v_b) if lat.stacks is None else lat.stacks
-            mats = (lat.q, lat.q_a, lat.q_b, lat.kv_a, *heads, b.attn_output)
-        total += _nbytes(*mats)
+        # DeepSeek-2's latent attention has its own projections (attn_q/k/v None)
+        mats = (b.attn_q, b.attn_k, b.attn_v) if b.mla is None else b.mla.projections()
+        total += _nbytes(*mats, b.attn_output)
     return total
 
 

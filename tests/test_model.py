@@ -590,12 +590,13 @@ def test_the_dispatch_floor_is_a_tiny_model_of_the_same_family(tmp_path, spec):
     llm = load(path)
     ms = benchmark.dispatch_overhead_ms(llm.model, sparse=False, n_gen=2)
     assert 0.0 < ms < 1e4
-    blk = llm.model.weights.blk
-    mats = [blk[0].attn_output]
-    if blk[0].mla is not None:  # the latent projections, not the absent attn_q/k/v
-        lat = blk[0].mla
-        mats += [lat.q, lat.q_a, lat.q_b, lat.kv_a, *(lat.stacks or (*lat.k_b, *lat.v_b))]
-    else:
-        mats += [blk[0].attn_q, blk[0].attn_k, blk[0].attn_v]
-    one = sum(m.nbytes for m in mats if m is not None)
-    assert benchmark.attention_weight_bytes(llm.model) == one * len(blk)
+    # the file's projection matrices and biases (deepseek2: its latent ones; attn_q/k/v absent)
+    projections = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_a", "attn_q_b")
+    projections += ("attn_kv_a_mqa", "attn_k_b", "attn_v_b")
+    with read_gguf(path) as gf:
+        want = sum(
+            t.nbytes
+            for name, t in gf.tensors.items()
+            if name.startswith("blk.") and name.split(".")[2] in projections  # biases too
+        )
+    assert benchmark.attention_weight_bytes(llm.model) == want

@@ -18,6 +18,23 @@ from powerpy.config import ModelArgs
 from powerpy.model.device import Accelerator
 
 
+def _kv_tensors(
+    args: ModelArgs, rows: int, dtype: torch.dtype, accel: Accelerator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed keys and values ``(n_layer, rows, n_head_kv, head_dim)`` on the host (``accel``
+    None) or the accelerator. A latent cache (DeepSeek-2's MLA) is one tensor: its values are a
+    view of the keys' first ``kv_lora_rank`` dims."""
+    shape = (args.n_layer, rows, args.n_head_kv, args.head_dim)
+
+    def zeros() -> torch.Tensor:
+        if accel is None:
+            return torch.zeros(shape, dtype=dtype)
+        return accel.zeros(*shape, dtype=dtype)
+
+    k = zeros()
+    return k, (k.narrow(-1, 0, args.kv_lora_rank) if args.kv_lora_rank else zeros())
+
+
 class KVCache:
     """Per-layer keys and values for ``n_ctx`` positions.
 
@@ -38,18 +55,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         accel: Accelerator | None = None,
     ) -> None:
-        shape = (args.n_layer, n_ctx, args.n_head_kv, args.head_dim)
-        if args.kv_lora_rank:  # a latent cache (DeepSeek-2's MLA): its values are key dims
-            self.k = (
-                torch.zeros(shape, dtype=dtype)
-                if accel is None
-                else accel.zeros(*shape, dtype=dtype)
-            )
-            self.v = self.k.narrow(-1, 0, args.kv_lora_rank)
-        elif accel is None:
-            self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-        else:
-            self.k, self.v = accel.zeros(*shape, dtype=dtype), accel.zeros(*shape, dtype=dtype)
+        self.k, self.v = _kv_tensors(args, n_ctx, dtype, accel)
         self.n_ctx = n_ctx
         self.pos = 0
         self.base = 0
@@ -118,14 +124,7 @@ class KVPlacement:
             self._free[at] = (start + n_ctx, n - n_ctx)
             self._free = [r for r in self._free if r[1]]
             if self._pool is None:
-                shape = (args.n_layer, self.max_ctx + 1, args.n_head_kv, args.head_dim)
-                k = accel.zeros(*shape, dtype=self.dtype)
-                v = (
-                    k.narrow(-1, 0, args.kv_lora_rank)
-                    if args.kv_lora_rank
-                    else accel.zeros(*shape, dtype=self.dtype)
-                )  # a latent cache: its values are key dims
-                self._pool = (k, v)
+                self._pool = _kv_tensors(args, self.max_ctx + 1, self.dtype, accel)
         cache = KVCache.in_pool(self._pool, start, n_ctx)
         weakref.finalize(cache, self._release, start, n_ctx)
         return cache

@@ -85,6 +85,12 @@ class Latent:
     def device(self) -> torch.device:
         return self.kv_a.device
 
+    def projections(self) -> list[Weight]:
+        """The matrices a token reads (q or q_a and q_b, kv_a, the heads' k_b and v_b: the
+        whole stacks where the file has them), without attn_output and the norms."""
+        heads = list(self.stacks) if self.stacks is not None else [*self.k_b, *self.v_b]
+        return [w for w in (self.q, self.q_a, self.q_b, self.kv_a) if w is not None] + heads
+
     def part(self, blk, a, l: int) -> layer_record.Part | None:
         """The layer record's attention half (``layer_record.attention_part``): mla_part."""
         return mla_part(blk, a, l)
