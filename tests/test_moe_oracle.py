@@ -137,18 +137,7 @@ CASES = {  # name: (spec, matrix type, bit-identical)
     # expert groups (DeepSeek-V3's routing, read for every family), two shared experts,
     # renormalized and scaled weights
     "glm4moe-groups-q8_0": (
-        TinySpec(
-            arch="glm4moe",
-            n_layer=3,
-            n_ff=128,
-            n_ff_exp=32,
-            n_expert=8,
-            n_expert_used=3,
-            n_layer_dense=1,
-            n_rot=8,
-            biases=True,
-            n_expert_shared=2,
-        ),
+        replace(GLM, n_expert_used=3, n_expert_shared=2, n_nextn=0),
         GGMLType.Q8_0,
         True,
     ),

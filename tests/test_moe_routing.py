@@ -8,9 +8,12 @@ The logits against llama.cpp are in ``test_moe_oracle.py``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
+from moe_files import GLM as ORACLE_GLM
 from moe_files import refused, write_gguf_py
 
 from powerpy.api import load
@@ -20,21 +23,9 @@ from powerpy.formats.constants import GGUFValueType as V
 from powerpy.model import moe, numerics, routing, stack_decode
 from powerpy.model.numerics import Numerics
 from powerpy.model.options import RunOptions, SparsityStats
-from powerpy.testing import TinySpec
 
-GLM = TinySpec(
-    arch="glm4moe",
-    n_layer=3,
-    n_ff=128,
-    n_ff_exp=32,
-    n_expert=8,
-    n_expert_used=3,
-    n_layer_dense=1,
-    n_nextn=1,
-    n_rot=8,
-    biases=True,
-    n_expert_shared=2,
-)
+# three of eight experts, two shared experts
+GLM = replace(ORACLE_GLM, n_expert_used=3, n_expert_shared=2)
 GROUPS = {
     "glm4moe.expert_group_count": (4, V.UINT32),
     "glm4moe.expert_group_used_count": (2, V.UINT32),
