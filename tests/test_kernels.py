@@ -7,6 +7,7 @@ compiled as separate variants (x86-64 only) so that all three SIMD branches are 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import platform
 import threading
@@ -504,6 +505,30 @@ def test_build_failure_raises(tmp_path: Path) -> None:
     with pytest.raises(kernels.KernelBuildError, match="failed"):
         kernels.build(source=bad, cache_dir=tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").iterdir() if p.suffix in (".so", ".tmp")]
+
+
+def test_a_compiler_without_lto_builds_without_it(tmp_path: Path, caplog) -> None:
+    """-flto is the default; a compiler or linker that refuses it (clang without its LTO
+    plugin) gets the same library built without it, with one warning, not the torch fallback."""
+    real = kernels.find_compiler()
+    if real is None:
+        pytest.skip("no C++ compiler")
+    cxx = tmp_path / "no-lto-c++"
+    cxx.write_text(
+        '#!/bin/sh\nfor a in "$@"; do case "$a" in -flto*) echo "no LTO plugin" >&2; exit 1;; '
+        f'esac; done\nexec {real} "$@"\n'
+    )
+    cxx.chmod(0o755)
+    src = tmp_path / "k.cpp"
+    src.write_text('extern "C" int g() { return 7; }\n')
+    with caplog.at_level(logging.WARNING, logger="powerpy.model.kernels"):
+        lib = kernels.compile_library(src, ("-O0", "-shared", "-fPIC", "-flto"), tmp_path, str(cxx))
+    assert ctypes.CDLL(str(lib)).g() == 7
+    assert [r for r in caplog.records if "without it" in r.getMessage()]
+    with pytest.raises(kernels.KernelBuildError):  # other failures still fail
+        kernels.compile_library(
+            src, ("-O0", "-shared", "-fPIC", "-no-such-flag"), tmp_path, str(cxx)
+        )
 
 
 def test_no_compiler(tmp_path: Path) -> None:

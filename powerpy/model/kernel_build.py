@@ -95,6 +95,21 @@ def compile_library(
     compiler = compiler or find_compiler()
     if compiler is None:
         raise KernelBuildError("no C++ compiler (g++, c++ or clang++) on PATH")
+    try:
+        return _cached_build(source, flags, cache_dir, compiler)
+    except KernelBuildError as e:
+        plain = tuple(f for f in flags if not f.startswith("-flto"))
+        if plain == flags:
+            raise
+        # a compiler or linker without link-time optimization (clang without its LTO plugin)
+        logger.warning("kernel build with -flto failed, building without it: %s", e)
+        return _cached_build(source, plain, cache_dir, compiler)
+
+
+def _cached_build(
+    source: Path, flags: tuple[str, ...], cache_dir: Path | None, compiler: str
+) -> Path:
+    """The cached build of ``source`` with ``flags`` and ``compiler``, compiled if missing."""
     key = hashlib.sha256()
     for part in (
         _sources_digest(source),
