@@ -7,6 +7,7 @@ run cannot check is anything CUDA-specific (the profiler's CUDA events, memory f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,6 +25,8 @@ SECTIONS = (
     "budgets",
     "kernels",
     "targets",
+    # llama.cpp's build here (the CPU oracle) runs the anchor's code path, offloading nothing
+    *(("llamacpp",) if importlib.util.find_spec("llama_cpp") else ()),
 )
 KEYS = (
     "env",
@@ -35,6 +38,7 @@ KEYS = (
     "model",
     "full",
     "kernels",
+    "llamacpp",
     "timing",
     "profile",
     "targets",
@@ -69,9 +73,78 @@ def test_dry_run_writes_every_section(tmp_path):
     assert all(r["ok"] for r in data["correctness"])
     assert [r["key"] for r in data["timing"]] == ["cpu", "4", "all", "8", "12"]
     assert all(r["tok_s"] > 0 and r["phase_ms"] for r in data["timing"])
+    if "llamacpp" in SECTIONS:
+        anchor = data["llamacpp"]
+        assert [r["budget_key"] for r in anchor] == ["cpu", "4", "all", "8", "12"]
+        assert all(r["tok_s"] > 0 and r["n_gpu_layers"] == 0 for r in anchor), anchor
     assert all(r["peak"] is None for r in data["memory"]["rows"])  # no CUDA: no figures
     assert set(data["targets"]) >= {"hybrid_4_2.5x_cpu", "full_within_2x_roofline", "q4_0_300"}
 
     md = (out / "device_check.md").read_text()
     assert "## Steps" in md and "## Decode timing" in md
     assert "| cpu-only |" in md and md.count("\n|") > 20
+
+
+def _llama_tool():
+    spec = importlib.util.spec_from_file_location("device_llama", ROOT / "tools/device_llama.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_anchor_offloads_the_layers_a_budget_holds():
+    tool = _llama_tool()
+    mib, reserve = 2**20, tool.RESERVE
+    layers, output, kv = [100 * mib] * 4, 50 * mib, 8 * mib
+    assert tool.fit_layers(layers, output, kv, None) == 0  # CPU-only
+    assert tool.fit_layers(layers, output, kv, reserve + 107 * mib) == 0
+    assert tool.fit_layers(layers, output, kv, reserve + 108 * mib) == 1
+    assert tool.fit_layers(layers, output, kv, reserve + 4 * 108 * mib) == 4  # not the output
+    assert tool.fit_layers(layers, output, kv, reserve + 4 * 108 * mib + output) == 5
+
+
+def test_the_anchor_refuses_a_build_this_cpu_cannot_run():
+    tool = _llama_tool()
+    info = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 1 | "
+    zen3 = "flags\t\t: fpu sse3 avx avx2 fma f16c\n"
+    assert tool.missing_cpu_features(info, zen3) == [
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512dq",
+        "avx512cd",
+    ]
+    zen4 = "flags\t\t: avx avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512cd\n"
+    assert tool.missing_cpu_features(info, zen4) == []
+    assert tool.missing_cpu_features(info.replace("AVX512 = 1", "AVX512 = 0"), zen3) == []
+
+
+def test_the_moe_comparison_dry_run(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "device_moe.py"),
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    head, *rows = json.loads((tmp_path / "device_moe.json").read_text())
+    assert head["budget_bytes"] < head["model_bytes"]
+    configs = [(r["engine"], r["config"].split()[0]) for r in rows]
+    assert configs[:3] == [
+        ("powerpy", "cpu-only"),
+        ("powerpy", "experts"),
+        ("powerpy", "--n-cpu-moe"),
+    ]
+    assert (
+        rows[1]["graph_plan"] == "device step" and rows[1]["placed_bytes"] <= head["budget_bytes"]
+    )
+    if importlib.util.find_spec("llama_cpp"):
+        assert [c for c in configs[3:]] == [("llama.cpp", "cpu-only"), ("llama.cpp", "--n-cpu-moe")]
+    assert all(r["tok_s"] > 0 for r in rows), rows

@@ -33,6 +33,9 @@ timeout still leaves what it measured:
   steps vs the budget), ``timing`` (tok/s with graphs and eagerly, host ms per step, seconds per
   phase per token) and ``profile`` (kernels, copies and host syncs per decode step, the GPU's
   busy share).
+- ``llamacpp``: llama.cpp's CUDA build (``tools/device_llama.py``) on the dense twin of the
+  same model at the same budgets: as many layers offloaded as each holds, decode tok/s and the
+  VRAM it took.
 - ``kernels``: each fused op alone at the 7B sizes: microseconds and GB/s.
 - ``targets``: the issue's targets as booleans.
 
@@ -97,6 +100,7 @@ def _import_tool(name: str):
 
 
 bench = _import_tool("bench_hybrid")  # calibrate, decode_tps
+llama_tool = _import_tool("device_llama")  # anchor: llama.cpp's CUDA build per budget
 step_tool = _import_tool("device_step")  # roofline, step_rates, write_q4_0, kernel_rates
 
 # ----------------------------------------------------------------------------------- shapes
@@ -144,6 +148,7 @@ class Report:
             "model": None,
             "full": [],
             "kernels": [],
+            "llamacpp": [],
             "timing": [],
             "profile": [],
             "targets": {},
@@ -610,6 +615,30 @@ def sec_full(ctx: Ctx) -> list[dict]:
     return rows
 
 
+def sec_llamacpp(ctx: Ctx) -> list[dict]:
+    """llama.cpp's CUDA build on the dense twin of the 7B-shape model at each budget of
+    ``sec_budgets`` (``device_llama.anchor``: as many layers offloaded as the budget holds), in
+    processes of their own; the ``targets`` compare them with powerpy's timing rows."""
+    assert ctx.big is not None
+    ctx.free()
+    rows = ctx.report.data["llamacpp"]
+    rows += llama_tool.anchor(
+        ctx.big.path,
+        big_budgets(ctx),
+        ctx.tmp,
+        threads=ctx.args.threads or torch.get_num_threads(),
+        prompt=ctx.big.prompt,
+        tokens=ctx.args.tokens,
+        repeats=ctx.args.repeats,
+        deadline=ctx.report.left() - 10,
+        log=say,
+    )
+    failed = [r["budget"] for r in rows if r.get("error")]
+    if failed:
+        raise RuntimeError(f"llama.cpp failed or was skipped at: {failed}")
+    return rows
+
+
 def sec_kernels(ctx: Ctx) -> list[dict]:
     rows = step_tool.kernel_rates(_big_shape(ctx), ctx.dev, 20 if ctx.cuda else 1)
     ctx.report.data["kernels"] = rows
@@ -1032,6 +1061,11 @@ def render_markdown(data: dict) -> str:
             "phase_ms",
         ],
     )
+    md += ["## llama.cpp's CUDA build at the same VRAM (dense twin)", ""]
+    md += _table(
+        data.get("llamacpp", []),
+        ["budget", "bytes", "n_gpu_layers", "n_layer", "tok_s", "vram_bytes", "within_budget"],
+    )
     md += ["## Fused kernels alone", ""]
     md += _table(data.get("kernels", []), ["op", "case", "us", "gb_s"])
     mem = data.get("memory") or {}
@@ -1149,6 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
         report.run("model", lambda: sec_model(ctx), need=big_s)
         report.run("full", lambda: sec_full(ctx), need=big_s)
         report.run("budgets", lambda: sec_budgets(ctx), need=big_s / 2)
+        report.run("llamacpp", lambda: sec_llamacpp(ctx), need=big_s / 2)
         report.run("kernels", lambda: sec_kernels(ctx), need=big_s / 6)
         report.run("targets", lambda: sec_targets(ctx))
         ctx.big = None

@@ -5,8 +5,11 @@
 #
 # Steps: env (versions, GPU, compiler, Triton), install (gguf and pulp, and pytest if missing,
 # from .device-wheels, offline), kernels (build the native CPU kernels, timed), measure
-# (tools/device_check.py), pytest_cuda (-m "cuda or triton": tests/test_hybrid.py, the fused
-# kernels' tests and any other test file with CUDA-marked tests), pytest_fake (tests/test_fake_cuda.py, if time is left). Each step
+# (tools/device_check.py, with llama.cpp's CUDA build as the anchor when its wheel is there:
+# tools/device_llama_wheel.sh), moe (tools/device_moe.py: a mixture beyond the GPU against
+# llama.cpp's --n-cpu-moe), pytest_cuda (-m "cuda or triton": tests/test_hybrid.py, the
+# fused kernels' tests and any other test file with CUDA-marked tests), pytest_fake
+# (tests/test_fake_cuda.py, if time is left). Each step
 # has its own timeout, capped by the time left of DEVICE_CHECK_SECONDS; a step that fails or
 # times out is recorded and the next one runs. OUTDIR (default $OUT, else ./device-check-out)
 # gets device_check.json (the measurements plus each step's status, rc and seconds),
@@ -16,7 +19,7 @@
 # fake-CUDA test instead of both test files (the whole file takes ~30 s on 2 cores); ~30 s.
 #
 # Environment: PYTHON (default: python, else python3), DEVICE_WHEELS (default .device-wheels),
-# DEVICE_CHECK_SECONDS (default 450; 120 with --dry-run), DEVICE_CHECK_LAYERS (cut the 7B
+# DEVICE_CHECK_SECONDS (default 450; 150 with --dry-run), DEVICE_CHECK_LAYERS (cut the 7B
 # shape to N layers when time is short), DEVICE_CHECK_ARGS (more device_check.py arguments).
 # Exit status: 0 when every step that ran succeeded.
 set -u
@@ -27,7 +30,7 @@ for arg in "$@"; do
     case $arg in
         --dry-run) DRY=1 ;;
         -h | --help)
-            sed -n '2,21p' "$0"
+            sed -n '2,23p' "$0"
             exit 0
             ;;
         -*)
@@ -43,7 +46,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2 # the repository root
 
 PY=${PYTHON:-$(command -v python || command -v python3)}
 WHEELS=${DEVICE_WHEELS:-.device-wheels}
-TOTAL=${DEVICE_CHECK_SECONDS:-$((DRY ? 120 : 450))}
+TOTAL=${DEVICE_CHECK_SECONDS:-$((DRY ? 150 : 450))}
 SITE=${TMPDIR:-/tmp}/powerpy-device-site # pip --target fallback of the install step
 export PY WHEELS SITE PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" # works without an install too
@@ -128,6 +131,17 @@ install_step() {
         offline_install gguf "pulp>=3.3,<3.4"
     fi
     "$PY" -c "import pytest" 2>/dev/null || offline_install pytest
+    # llama.cpp's CUDA build, the anchor (tools/device_llama_wheel.sh), with diskcache, which
+    # llama_cpp imports; its numpy, jinja2 and typing-extensions come with torch
+    local llama
+    llama=$(ls "$WHEELS"/llama_cpp_python-*.whl 2>/dev/null | head -1)
+    if [[ -n $llama ]]; then
+        "$PY" -c "import diskcache" 2>/dev/null || offline_install diskcache
+        PIP_BREAK_SYSTEM_PACKAGES=1 "$PY" -m pip install --no-index --no-deps "$llama" ||
+            "$PY" -m pip install --no-index --no-deps --target "$SITE" "$llama"
+    else
+        echo "no llama.cpp CUDA wheel in $WHEELS: the llamacpp section will say so"
+    fi
     "$PY" -m pip install --no-index --no-deps --no-build-isolation -e . ||
         echo "editable install failed: powerpy runs from PYTHONPATH=$PWD"
     "$PY" -c "import gguf, pulp, powerpy, pytest
@@ -181,8 +195,18 @@ else
     step pytest_cuda 150 "$PY" -m pytest -m "cuda or triton" -q -rA --durations=5 \
         -p no:cacheprovider \
         --continue-on-collection-errors "${cuda_tests[@]:-tests/test_hybrid.py}"
-    step pytest_fake 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_fake_cuda.py
 fi
+# the DeepSeek-like mixture beyond the GPU: powerpy's expert placement against llama.cpp's
+# --n-cpu-moe at the same VRAM (tools/device_moe.py; a 27 GB model, about two and a half
+# minutes: with less time left it is skipped, and `python tools/device_moe.py --out DIR` runs
+# it as a call of its own)
+if ((DRY || $(left) >= 160)); then
+    step moe $((DRY ? 60 : 160)) "$PY" tools/device_moe.py "${DRY_FLAG[@]}" --out "$OUTDIR"
+else
+    echo "== moe: skipped, $(left) s left (run tools/device_moe.py as a call of its own)"
+    record moe skipped "" 0 0
+fi
+((DRY)) || step pytest_fake 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_fake_cuda.py
 
 # merge the steps into the JSON and put their table at the top of the markdown
 "$PY" - "$OUTDIR" "$DRY" <<'EOF'

@@ -11,7 +11,8 @@
 # iniconfig, pygments; packaging comes with transformers), for the CUDA tests: installed only
 # when `import pytest` fails. The folder is carried to the machine (`carry: [".device-wheels"]`,
 # 64 MiB at most for everything carried), so this fails above 60 MiB. tools/device_check.sh
-# installs from it with `pip install --no-index`.
+# installs from it with `pip install --no-index`. llama.cpp's CUDA build, the hybrid's speed
+# anchor, is built into the same folder by tools/device_llama_wheel.sh (about an hour).
 set -euo pipefail
 
 DIR=${1:-.device-wheels}
@@ -24,6 +25,7 @@ PACKAGES=(
     "pulp>=3.3,<3.4"
     requests charset-normalizer idna urllib3 certifi  # gguf's requests (lazy import)
     pytest pluggy iniconfig pygments                  # only installed where pytest is missing
+    diskcache                                         # llama_cpp's (tools/device_llama_wheel.sh)
 )
 
 mkdir -p "$DIR"

@@ -32,6 +32,19 @@ def _values(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.n
     return rng.standard_normal(shape, dtype=np.float32) / np.float32(math.sqrt(shape[-1]))
 
 
+def _drawn(shape: tuple[int, ...], kind: str, t: GGMLType, device: str, seed: int) -> np.ndarray:
+    """``_values``'s distributions drawn by torch on ``device``, as ``t`` (F32 or F16)."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(shape, generator=gen, device=device)
+    if kind in ("norm", "bias"):
+        a = 1.0 + 0.1 * a if kind == "norm" else 0.1 * a
+    else:
+        a.mul_(shape[-1] ** -0.5)
+    return a.to(torch.float16 if t == GGMLType.F16 else torch.float32).cpu().numpy()
+
+
 def _type(name: str, shape: tuple, kind: str, dtype: GGMLType, experts: GGMLType) -> GGMLType:
     """A tensor's type: vectors, biases and routers f32 (as converters write them), the experts'
     stacks ``experts``, other matrices ``dtype``."""
@@ -53,17 +66,23 @@ def write_moe_model(
     *,
     experts: GGMLType | None = None,
     seed: int = 0,
+    device: str | None = None,
 ) -> Path:
     """Write a random MoE model of ``spec`` (``spec.n_expert`` > 0) to ``path``, matrices in
     ``dtype`` (F32, F16, or a type ``formats.quants.quantize`` writes), the experts' stacks in
     ``experts`` (None: ``dtype``; MXFP4 as GPT-OSS ships them), one tensor at a time.
+    ``device``: draw the values with torch on this device instead of numpy (the same
+    distributions, other values; F32 and F16 only), for files of tens of gigabytes.
 
     Raises:
         ValueError: a spec without experts, or a type the quantizers do not write.
     """
     if spec.n_expert <= 0:
         raise ValueError("write_moe_model needs a spec with experts (n_expert > 0)")
-    kv = spec_args(spec, sparse=False).to_gguf_kv(name="powerpy-synthetic-moe") | vocab_kv()
+    if device is not None and {dtype, experts or dtype} - {GGMLType.F32, GGMLType.F16}:
+        raise ValueError("write_moe_model draws on a device in F32 and F16 only")
+    kv = spec_args(spec, sparse=False).to_gguf_kv(name="powerpy-synthetic-moe")
+    kv |= vocab_kv(spec.n_vocab)
     rows = tensor_table(spec, sparse=False)
     table = [
         (name, shape, _type(name, shape, kind, dtype, experts or dtype))
@@ -71,6 +90,9 @@ def write_moe_model(
     ]
     with GGUFStreamWriter(path, kv, table) as w:
         for i, ((name, shape, kind), (_, _, t)) in enumerate(zip(rows, table, strict=True)):
+            if device is not None:
+                w.write(name, _drawn(shape, kind, t, device, seed * 100_003 + i), shape)
+                continue
             a = _encoded(_values(shape, kind, np.random.default_rng([seed, i])), t)
             w.write(name, a.reshape(-1).view(np.uint8) if a.dtype == np.uint8 else a, shape)
     return Path(path)
