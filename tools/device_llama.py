@@ -163,6 +163,8 @@ def run_child(args: argparse.Namespace) -> dict:
         verbose=False,
     )
     out["load_s"] = round(time.perf_counter() - t0, 2)
+    # compare_llama_cpp's decode loop, not imported: it imports torch, whose OpenMP runtime
+    # beside llama.cpp's makes both spin (a tiny model decodes at 2 tok/s instead of 2000)
     prompt = [int(t) for t in args.prompt.split(",")]
     best = 0.0
     for _ in range(args.repeats):
@@ -295,7 +297,9 @@ def anchor(
     as the device check's timing rows name them."""
     start = time.perf_counter()
     probe = check_build(threads)
-    compare = _import_tool("compare_llama_cpp")
+    sys.path.insert(0, str(TOOLS))
+    import compare_llama_cpp as compare
+
     dense = work / (pwri.name.replace(".powerinfer", "") + ".dense.gguf")
     t0 = time.perf_counter()
     compare.dense_gguf_from_pwri(pwri, dense)
@@ -327,16 +331,6 @@ def anchor(
     finally:
         dense.unlink(missing_ok=True)
     return rows
-
-
-def _import_tool(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main(argv: list[str] | None = None) -> int:

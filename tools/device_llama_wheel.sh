@@ -11,7 +11,7 @@
 # legacy pool serves the same buffers); without the FlashAttention kernels (decode at a short
 # context does not need them, and they double the build and the size); with the CPU backend at
 # AVX-512, not -march=native, since the device's CPU is not this one (device_llama.py refuses
-# to run it on a CPU without AVX-512). Two cores take about an hour; a wheel already in DIR is
+# to run it on a CPU without AVX-512). Two cores take about 25 minutes; a wheel already in DIR is
 # kept (delete it to rebuild). The libraries are stripped; the script says what the wheels weigh,
 # since everything carried to the device must fit 64 MiB.
 set -euo pipefail
@@ -54,6 +54,19 @@ fi
 wheel=$(ls "$WORK"/wheel/llama_cpp_python-*.whl)
 rm -rf "$WORK/unpacked" && mkdir -p "$WORK/unpacked" && (cd "$WORK/unpacked" && unzip -q "$wheel")
 find "$WORK/unpacked" -name '*.so*' -exec strip --strip-unneeded {} +
+# the wheel holds each library three times (lib.so, its SONAME lib.so.0 and lib.so.0.x.y, copies
+# where the build had links): keep the names llama_cpp opens (libllama.so, libggml.so; libmtmd.so
+# where built) and the SONAMEs the libraries need
+# (and not again at the wheel's root, with the headers: llama_cpp reads its own folder)
+rm -rf "$WORK"/unpacked/lib "$WORK"/unpacked/include "$WORK"/unpacked/bin
+(
+    cd "$WORK"/unpacked/llama_cpp/lib
+    rm -f ./*.so.*.* libllama.so.0
+    for f in lib*.so; do
+        case $f in libllama.so | libggml.so | libmtmd.so) ;; *) [[ -e $f.0 ]] && rm -f "$f" ;; esac
+    done
+    ls -l
+)
 python - "$WORK/unpacked" "$wheel" <<'EOF'
 import base64, hashlib, pathlib, sys, zipfile
 root, wheel = pathlib.Path(sys.argv[1]), sys.argv[2]

@@ -12,7 +12,7 @@
 # when `import pytest` fails. The folder is carried to the machine (`carry: [".device-wheels"]`,
 # 64 MiB at most for everything carried), so this fails above 60 MiB. tools/device_check.sh
 # installs from it with `pip install --no-index`. llama.cpp's CUDA build, the hybrid's speed
-# anchor, is built into the same folder by tools/device_llama_wheel.sh (about an hour).
+# anchor, is built into the same folder by tools/device_llama_wheel.sh (about 25 minutes).
 set -euo pipefail
 
 DIR=${1:-.device-wheels}
