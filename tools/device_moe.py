@@ -67,9 +67,18 @@ SHAPE = TinySpec(
     n_ctx=4096,
 )
 SHAPE_DRY = dataclasses.replace(
-    SHAPE, n_embd=128, n_layer=4, n_ff=512, n_head=4, n_head_kv=2, n_expert=8, n_expert_used=2,
-    n_ff_exp=128, n_vocab=512, n_ctx=256,
-)  # fmt: skip
+    SHAPE,
+    n_embd=128,
+    n_layer=4,
+    n_ff=512,
+    n_head=4,
+    n_head_kv=2,
+    n_expert=8,
+    n_expert_used=2,
+    n_ff_exp=128,
+    n_vocab=512,
+    n_ctx=256,
+)
 BUDGET_GIB = 16.0
 N_CTX = 512
 PROMPT = [1, 72, 101, 108, 108, 111, 44, 32]
@@ -151,8 +160,13 @@ def _run(args, dev: torch.device, shape: TinySpec, work: Path) -> list[dict]:
 
     cpu = load(path, use_mmap=True)
     t0 = time.perf_counter()
-    res = profile(cpu, list(range(3, 3 + args.profile_tokens)), args.profile_tokens,
-                  ctx=min(64, args.profile_tokens), progress=False)  # fmt: skip
+    res = profile(
+        cpu,
+        list(range(3, 3 + args.profile_tokens)),
+        args.profile_tokens,
+        ctx=min(64, args.profile_tokens),
+        progress=False,
+    )
     stats = work / "activation"
     save_activation_stats(stats, [torch.from_numpy(c) for c in res.counts])
     say(f"profiled {args.profile_tokens} tokens in {time.perf_counter() - t0:.0f} s")
@@ -180,8 +194,16 @@ def _run(args, dev: torch.device, shape: TinySpec, work: Path) -> list[dict]:
         rows.append({"engine": "llama.cpp", "error": str(e)})
         return rows
     for name, ngl, n in (("cpu-only", 0, None), (f"--n-cpu-moe {n_cpu_moe}", 999, n_cpu_moe)):
-        r = device_llama.child(path, ngl if probe["gpu_offload"] else 0, threads, PROMPT,
-                               args.tokens, args.repeats, 300, n_cpu_moe=n)  # fmt: skip
+        r = device_llama.child(
+            path,
+            ngl if probe["gpu_offload"] else 0,
+            threads,
+            PROMPT,
+            args.tokens,
+            args.repeats,
+            300,
+            n_cpu_moe=n,
+        )
         r.pop("system_info", None)
         rows.append({"engine": "llama.cpp", "config": name, **r})
         say(str(rows[-1]))
@@ -196,8 +218,14 @@ def render(rows: list[dict]) -> str:
     md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in body:
         cells = [r.get(c) for c in cols]
-        md.append("| " + " | ".join("" if v is None else f"{v:.4g}" if isinstance(v, float)
-                                    else str(v)[:200] for v in cells) + " |")  # fmt: skip
+        md.append(
+            "| "
+            + " | ".join(
+                "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)[:200]
+                for v in cells
+            )
+            + " |"
+        )
     return "\n".join(md) + "\n"
 
 
