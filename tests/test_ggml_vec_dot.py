@@ -321,18 +321,18 @@ def _ggml_repacked_mul_mat(ggml, raw: np.ndarray, qtype: GGMLType, x: np.ndarray
     return y.reshape(x.shape[0], raw.shape[0])
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_K])
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.MXFP4])
 def test_interleaved_matmuls_equal_ggmls_repacked(ggml, qtype):
-    """A Q4_0 or Q4_K matrix of 8k rows, interleaved (``interleave``), against llama.cpp's
-    repacked kernels at every token count: the same bits (Q4_0: one FMA per block of each row
-    and token; Q4_K: the GEMM's order 4 tokens at a time, the GEMV's for the rest). The row
-    layout's products differ from them."""
+    """A Q4_0, Q4_K or MXFP4 matrix of 8k rows, interleaved (``interleave``), against
+    llama.cpp's repacked kernels at every token count: the same bits (Q4_0 and MXFP4: one FMA
+    per block of each row and token; Q4_K: the GEMM's order 4 tokens at a time, the GEMV's for
+    the rest). The row layout's products differ from them."""
     lib = kernels.library()
     if lib is None or lib.simd not in ("AVX2", "AVX-512"):
         pytest.skip("needs the native kernels on an AVX2 (or wider) build")
     rng = np.random.default_rng(int(qtype) + 50)
-    cols, rows = (512, 40) if qtype == GGMLType.Q4_0 else (768, 40)
-    qk = 32 if qtype == GGMLType.Q4_0 else 256
+    cols, rows = (768, 40) if qtype == GGMLType.Q4_K else (512, 40)
+    qk = 256 if qtype == GGMLType.Q4_K else 32
     raw = np.ascontiguousarray(random_blocks(rng, qtype, rows, cols // qk))
     m = interleave.interleaved(lib, Matrix.of_quant(torch.from_numpy(raw.copy()), qtype, cols))
     assert m is not None and m.code in interleave.STACKS

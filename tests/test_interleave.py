@@ -1,7 +1,8 @@
-"""Q4_K and Q4_0 matrices with their rows interleaved 8 at a time (``powerpy.model.interleave``,
-``csrc/q4_k_x8.h``, ``csrc/q4_0_x8.h``): the layout holds the same blocks, its products are the
-ones llama.cpp's repacked kernels compute (``test_ggml_vec_dot``, and the oracle tests: every
-Q4_K_M and Q4_0 file is bit-identical), and the rows they were built from stay readable.
+"""Q4_K, Q4_0 and MXFP4 matrices with their rows interleaved 8 at a time
+(``powerpy.model.interleave``, ``csrc/q4_k_x8.h``, ``csrc/q4_0_x8.h``, ``csrc/mxfp4_x8.h``): the
+layout holds the same blocks, its products are the ones llama.cpp's repacked kernels compute
+(``test_ggml_vec_dot``, and the oracle tests: every Q4_K_M and Q4_0 file, and GPT-OSS's MXFP4
+experts, are bit-identical), and the rows they were built from stay readable.
 
 - Packing and unpacking give back every byte of random blocks (all scale bit patterns).
 - The GEMM's token groups: 4 tokens in the GEMM's order, the last T % 4 each in the GEMV's, so a
@@ -14,6 +15,8 @@ Q4_K_M and Q4_0 file is bit-identical), and the rows they were built from stay r
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +25,8 @@ from quant_fixtures import random_blocks
 from powerpy.formats.constants import TYPE_TRAITS, GGMLType
 from powerpy.model import interleave, kernels, numerics
 from powerpy.model.matrices import QuantWeight
+
+AVX2_FLAGS = ("-O2", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,12 @@ def _weight(rows: int, cols: int, seed: int = 0, t: GGMLType = GGMLType.Q4_K) ->
 
 
 @pytest.mark.parametrize(
-    ("t", "ld"), [(GGMLType.Q4_K, 3 * interleave.X8_SB), (GGMLType.Q4_0, 24 * interleave.X8Q40_B)]
+    ("t", "ld"),
+    [
+        (GGMLType.Q4_K, 3 * interleave.X8_SB),
+        (GGMLType.Q4_0, 24 * interleave.X8Q40_B),
+        (GGMLType.MXFP4, 24 * interleave.X8MX_B),
+    ],
 )
 def test_pack_unpack_round_trip(lib, t, ld):
     w = _weight(48, 768, t=t)
@@ -63,7 +73,7 @@ def test_token_groups_and_agreement(lib):
     assert not torch.equal(got, want)  # two orders: the last bits differ somewhere
 
 
-@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q4_0])
+@pytest.mark.parametrize("t", [GGMLType.Q4_K, GGMLType.Q4_0, GGMLType.MXFP4])
 def test_f32_activations_are_the_row_layouts(lib, t):
     w = _weight(32, 512, seed=2, t=t)
     x = torch.randn(512)
@@ -72,6 +82,21 @@ def test_f32_activations_are_the_row_layouts(lib, t):
         got = lib.gather_gemv(w.dense_kernel()[1], x, None)
         assert torch.equal(got, want)
         assert torch.equal(w.linear(x[None])[0], want)  # linear keeps the rows for f32
+
+
+def test_mxfp4_products_are_the_same_bits_without_vnni(lib):
+    """MXFP4's interleaved products sum each block's integers in 32-bit lanes (VNNI) or in
+    16-bit pairs first (AVX2 alone): the same integers, so the AVX2 build's bits are the native
+    build's, every token count."""
+    if kernels.find_compiler() is None or platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("needs a compiler on x86-64")
+    avx2 = kernels.build(flags=AVX2_FLAGS)  # test_kernels' AVX2 variant (cached)
+    raw = random_blocks(np.random.default_rng(9), GGMLType.MXFP4, 24, 1024 // 32)
+    rows = kernels.Matrix.of_quant(torch.from_numpy(raw), GGMLType.MXFP4, 1024)
+    mats = [interleave.interleaved(k, rows, release=False) for k in (lib, avx2)]
+    for T in (1, 3, 6):
+        x = 3 * torch.randn(T, 1024, generator=torch.Generator().manual_seed(T))
+        assert torch.equal(lib.gemm(mats[0], x), avx2.gemm(mats[1], x)), T
 
 
 def test_only_whole_matrix_products(lib):

@@ -14,7 +14,9 @@ closer than that rounding), where the engines may pick different experts; the te
 every larger difference sits on such a tie. Q4_K and Q4_0 files are bit-identical: llama.cpp
 interleaves their stacks of experts as it does 2-D matrices, and multiplies every (token,
 expert) pair in its one-token GEMV's order, prompts included; powerpy does the same
-(``Experts.interleaved``). MXFP4 experts (GPT-OSS's) are bit-identical beside Q8_0 matrices;
+(``Experts.interleaved``). MXFP4 experts (GPT-OSS's) are interleaved so too, and are
+bit-identical beside Q8_0 matrices (one case with sums that round, where ggml's vec_dot order
+would part from llama.cpp's repacked GEMV);
 beside F16 ones, llama.cpp's f16 rounding of the attention's activations is amplified by the
 experts' Q8_0 rounding (a logit moves by 0.5% of the spread, a routing flips now and then), so
 the F16 case keeps F16 experts.
@@ -174,8 +176,25 @@ CASES = {  # name: (spec, matrix type, bit-identical)
     # GPT-OSS: MXFP4 experts (EXPERT_TYPES), the prompt past the window, YaRN
     "gpt-oss-mxfp4": (OSS, GGMLType.Q8_0, True),
     "gpt-oss-f16": (OSS, GGMLType.F16, False),
+    # 1024 columns and 4 experts a token: sums that round, where llama.cpp's repacked MXFP4
+    # GEMV (one FMA per block) and ggml's vec_dot order part (mxfp4_x8.h)
+    "gpt-oss-mxfp4-1024": (
+        replace(
+            OSS,
+            n_embd=1024,
+            n_layer=1,
+            n_head=16,
+            n_head_kv=4,
+            n_ff=512,
+            n_ff_exp=512,
+            n_expert_used=4,
+            key_length=64,
+        ),
+        GGMLType.Q8_0,
+        True,
+    ),
 }
-EXPERT_TYPES = {"gpt-oss-mxfp4": GGMLType.MXFP4}  # the experts' stacks, where not the matrices'
+EXPERT_TYPES = {"gpt-oss-mxfp4": GGMLType.MXFP4, "gpt-oss-mxfp4-1024": GGMLType.MXFP4}
 _YARN = {
     "rope.scaling.type": ("yarn", GGUFValueType.STRING),
     "rope.scaling.factor": (4.0, GGUFValueType.FLOAT32),

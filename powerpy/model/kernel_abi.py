@@ -11,7 +11,7 @@ import torch
 from powerpy.config import FFNVariant
 from powerpy.formats.constants import GGMLType
 
-ABI_VERSION = 28
+ABI_VERSION = 29
 
 # dtype codes of the C library (enum DType in csrc/common.h; checked at load: pp_dtype_code)
 DTYPE_CODES: dict[torch.dtype | GGMLType, int] = {

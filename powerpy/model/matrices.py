@@ -252,7 +252,7 @@ class QuantWeight:
         # The rows interleaved 8 at a time for whole-matrix products (``interleave``): derived
         # from ``raw``, built once by :meth:`interleave` (at load for the load's options,
         # ``stack_decode.prepare``; else by the first product that reads the matrix whole).
-        # None: not built; False: none (not a Q4_K/Q4_0 matrix of 8k rows, or ``repack`` off).
+        # None: not built; False: none (not a Q4_K/Q4_0/MXFP4 matrix of 8k rows, or ``repack`` off).
         self.interleaved: kernels.Matrix | None | bool = None if repack else False
         self.gathered = gathered  # also read row by row (a sparse FFN): interleaving keeps rows
         self.pages = pages  # the file behind raw's pages, or None (a copy, a file mapping)
@@ -281,7 +281,7 @@ class QuantWeight:
 
     def interleave(self) -> kernels.Matrix | None:
         """Build :attr:`interleaved` now if it is not built (once; with the native kernels):
-        the Q4_K/Q4_0 rows interleaved 8 at a time in a new buffer, after which the pages of
+        the Q4_K/Q4_0/MXFP4 rows interleaved 8 at a time in a new buffer, after which the pages of
         the file's own rows are handed back to the kernel unless the rows are ``gathered``
         (``interleave.interleaved``). Returns it, or None where the matrix has none."""
         if (k := self.kernel()) is not None and self.interleaved is None:
@@ -290,7 +290,7 @@ class QuantWeight:
         return self.interleaved or None
 
     def dense_kernel(self) -> tuple[kernels.KernelLibrary, kernels.Matrix] | None:
-        """``kernel()`` for whole-matrix products: Q4_K/Q4_0 rows interleaved
+        """``kernel()`` for whole-matrix products: Q4_K/Q4_0/MXFP4 rows interleaved
         (:meth:`interleave`)."""
         k = self.kernel()
         if k is None:

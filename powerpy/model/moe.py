@@ -187,8 +187,9 @@ class Experts:
         return slice(e * self.n_ff, (e + 1) * self.n_ff)
 
     def interleaved(self) -> tuple:
-        """(library, gate, up, down): the Q4_K and Q4_0 stacks interleaved as llama.cpp repacks
-        them (``interleave``; None: a stack that keeps its rows, gate and up alike), built once."""
+        """(library, gate, up, down): the Q4_K, Q4_0 and MXFP4 stacks interleaved as llama.cpp
+        repacks them (``interleave``; None: a stack that keeps its rows, gate and up alike),
+        built once."""
         if self._x8 is None and (k := self.gate.kernel()) is not None:
             mats = []
             # a cut's down stack keeps its rows: its products skip the cut groups' blocks

@@ -5,8 +5,8 @@ up products (plus their biases, GPT-OSS's), the activation (SwiGLU, or GPT-OSS's
 routing order.
 
 A decode step reads exactly the routed experts' rows (one fused gate/up call where the experts
-are plain SwiGLU); a prompt groups its tokens by expert. Interleaved Q4_K/Q4_0 stacks run every
-token by their GEMV (``Experts.x8``), as llama.cpp multiplies them.
+are plain SwiGLU); a prompt groups its tokens by expert. Interleaved Q4_K/Q4_0/MXFP4 stacks run
+every token by their GEMV (``Experts.x8``), as llama.cpp multiplies them.
 """
 
 from __future__ import annotations

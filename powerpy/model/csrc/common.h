@@ -20,7 +20,7 @@
 #endif
 
 // Bumped whenever an export or its meaning changes; kernels.py refuses a library with another.
-#define PP_ABI_VERSION 28
+#define PP_ABI_VERSION 29
 
 // Code that is part of its caller (compile-time loops, the arch headers' block decoders).
 #define PP_ALWAYS_INLINE inline __attribute__((always_inline))
@@ -31,13 +31,15 @@ namespace {
 enum DType {
   DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q8_0 = 3, DT_Q4_0 = 4,
   DT_Q4_1 = 5, DT_Q5_0 = 6, DT_Q5_1 = 7, DT_Q4_K = 8, DT_Q5_K = 9, DT_Q6_K = 10,
-  DT_Q4_KX8 = 11, DT_Q4_KX8V = 12, DT_Q4_0X8 = 13, DT_MXFP4 = 14, DT_COUNT = 15
+  DT_Q4_KX8 = 11, DT_Q4_KX8V = 12, DT_Q4_0X8 = 13, DT_MXFP4 = 14, DT_MXFP4X8 = 15,
+  DT_COUNT = 16
 };  // Q4_KX8: Q4_K rows interleaved 8 at a time (q4_k_x8.h); V: every token in its GEMV's order;
-// Q4_0X8: Q4_0 rows interleaved 8 at a time (q4_0_x8.h); MXFP4: mxfp4.h's own kernels
+// Q4_0X8: Q4_0 rows interleaved 8 at a time (q4_0_x8.h); MXFP4: mxfp4.h's own kernels;
+// MXFP4X8: MXFP4 rows interleaved 8 at a time (mxfp4_x8.h)
 // ggml's type id of each DType (powerpy.formats.constants.GGMLType), by DType code.
-constexpr int GGML_TYPE_OF[DT_COUNT] = {0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14, -1, -1, -1, 39};
+constexpr int GGML_TYPE_OF[DT_COUNT] = {0, 1, 30, 8, 2, 3, 6, 7, 12, 13, 14, -1, -1, -1, 39, -1};
 inline bool is_x8(int dtype) {
-  return dtype == DT_Q4_KX8 || dtype == DT_Q4_KX8V || dtype == DT_Q4_0X8;
+  return dtype == DT_Q4_KX8 || dtype == DT_Q4_KX8V || dtype == DT_Q4_0X8 || dtype == DT_MXFP4X8;
 }
 // FFN activations: the gated ones h = act(gate·x, up·x), then the ungated h = act(up·x).
 enum Variant {

@@ -6,9 +6,10 @@
 // ggml's AVX2 ggml_vec_dot_mxfp4_q8_0 (its x86 builds take that path): blocks alternate between
 // two 8-lane f32 accumulators, lane l holding the integer sum of elements 4l .. 4l + 3 times
 // d_x * d_w with one FMA; the two are added lane by lane and summed as hsum_float_8; an odd last
-// block adds d * (its integer sum) after. The rows keep the file's layout (no repacking), so a
-// row gather, a GEMV and a prompt's GEMM have the same bits token by token. With f32
-// activations (act 0) the values are exact and sum in f32.
+// block adds d * (its integer sum) after. These rows keep the file's layout, so a row gather, a
+// GEMV and a prompt's GEMM have the same bits token by token; matrices and stacks of 8k rows,
+// which llama.cpp repacks, take the interleaved layout and its GEMV's order instead
+// (mxfp4_x8.h). With f32 activations (act 0) the values are exact and sum in f32.
 
 #include "ops.h"
 

@@ -170,13 +170,17 @@ int pp_dequant_rows(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t
   PP_DISPATCH(dtype, dequant_impl, (const uint8_t*)W, ld, nrows, cols, idx, k, out, nthreads)
 }
 
-// Rows of dtype Q4_K or Q4_0 (raw, ld bytes apart; nrows a multiple of 8) interleaved 8 at a time
-// into out (q4_k_x8.h, q4_0_x8.h); back with unpack != 0 (dtype then the interleaved code, W the
-// interleaved matrix and out the rows). Returns the layout's dtype code, or -1 where the kernels
-// have no interleaved products (no AVX2), the dtype has no layout or the shape does not fit.
+// Rows of dtype Q4_K, Q4_0 or MXFP4 (raw, ld bytes apart; nrows a multiple of 8) interleaved 8
+// at a time into out (q4_k_x8.h, q4_0_x8.h, mxfp4_x8.h); back with unpack != 0 (dtype then the
+// interleaved code, W the interleaved matrix and out the rows). Returns the layout's dtype code,
+// or -1 where the kernels have no interleaved products (no AVX2), the dtype has no layout or the
+// shape does not fit.
 int pp_repack_x8(int dtype, const void* W, int64_t ld, int64_t nrows, int64_t cols, void* out,
                  int unpack, int nthreads) {
-  const int of_rows = dtype == DT_Q4_K ? DT_Q4_KX8 : dtype == DT_Q4_0 ? DT_Q4_0X8 : -1;
+  const int of_rows = dtype == DT_Q4_K   ? DT_Q4_KX8
+                      : dtype == DT_Q4_0 ? DT_Q4_0X8
+                      : dtype == DT_MXFP4 ? DT_MXFP4X8
+                                          : -1;
   const int code = unpack ? dtype : of_rows;  // the layout's
   if (!is_x8(code)) return -1;
   return x8_layout(code, [&](auto X) {

@@ -1,12 +1,13 @@
 #pragma once
 // Matrices with their rows interleaved 8 at a time: the products over the layouts of q4_k_x8.h
-// (DT_Q4_KX8, and DT_Q4_KX8V whose every token takes the GEMV's order) and q4_0_x8.h
-// (DT_Q4_0X8). A layout X describes itself: its row type (ROW), activation type (ACT), code,
-// columns per block (QK), a row's bytes per block (RB), a group's bytes per block (GB), pack and
-// unpack, and dot<N>(group, N tokens' activations, blocks, out, ldo).
+// (DT_Q4_KX8, and DT_Q4_KX8V whose every token takes the GEMV's order), q4_0_x8.h (DT_Q4_0X8)
+// and mxfp4_x8.h (DT_MXFP4X8). A layout X describes itself: its row type (ROW), activation type
+// (ACT), code, columns per block (QK), a row's bytes per block (RB), a group's bytes per block
+// (GB), pack and unpack, and dot<N>(group, N tokens' activations, blocks, out, ldo).
 
 #include "q4_k_x8.h"
 #include "q4_0_x8.h"
+#include "mxfp4_x8.h"
 
 namespace {
 
@@ -15,6 +16,7 @@ template <class F>
 inline int x8_layout(int dtype, F f) {
   if (dtype == DT_Q4_KX8 || dtype == DT_Q4_KX8V) return f(X8K4());
   if (dtype == DT_Q4_0X8) return f(X8Q40());
+  if (dtype == DT_MXFP4X8) return f(X8MX());
   return PP_ERR_ARG;
 }
 
@@ -28,10 +30,24 @@ inline bool x8_shape(int64_t nrows, int64_t cols) {
   return nrows % 8 == 0 && cols % X::QK == 0 && cols > 0;
 }
 
+// A layout that multiplies two groups side by side (X::dot2, 16 rows in the lanes of a wider
+// register, each row's bits dot's) where its ISA allows: X::PAIRS. A prompt's products take
+// them (compute-bound: each group's bytes serve every token of a tile), its drivers handing out
+// groups in pairs (x8_grain); one token's GEMV streams the groups one by one (reading two
+// streams side by side was slower from memory).
+template <class X, class = void>
+struct x8_pairs : std::false_type {};
+template <class X>
+struct x8_pairs<X, std::void_t<decltype(X::PAIRS)>> : std::bool_constant<X::PAIRS> {};
+template <class X>
+constexpr int64_t x8_grain() {
+  return x8_pairs<X>::value ? 2 : 1;
+}
+
 // The groups [a, b) of G times T tokens of quantized activations (xa, nch chunks each): 4 tokens
 // at a time, the last T % 4 together in the GEMV's order (every token there with gemv: a
 // mixture's experts, as llama.cpp's MUL_MAT_ID runs them), in tiles of 32 tokens (their int8 rows
-// stay in cache).
+// stay in cache); two groups at a time where the layout pairs them.
 template <class X>
 inline void x8_groups(const uint8_t* G, int64_t gb, int64_t nb, int64_t a, int64_t b,
                       const QAct* xa, int64_t nch, int64_t T, float* out, int64_t ldo, bool gemv) {
@@ -39,16 +55,22 @@ inline void x8_groups(const uint8_t* G, int64_t gb, int64_t nb, int64_t a, int64
     for (int64_t t0 = 0; t0 < T; t0 += 32) {
       const int64_t t1 = t0 + 32 < T ? t0 + 32 : T;
       for (int64_t g = a; g < b; ++g) {
+        const bool pair = x8_pairs<X>::value && g + 1 < b && T > 1;
         auto tile = [&](auto NT, int64_t t) {
           constexpr int N = decltype(NT)::value;
           const QAct* ap[N];
           for (int i = 0; i < N; ++i) ap[i] = xa + (t + i) * nch;
+          if constexpr (x8_pairs<X>::value)
+            if (pair)
+              return X::template dot2<N>(G + g * gb, G + (g + 1) * gb, ap, nb,
+                                         out + t * ldo + 8 * g, ldo);
           X::template dot<N>(G + g * gb, ap, nb, out + t * ldo + 8 * g, ldo);
         };
         if (gemv)
           token_tiles(TileSizes<3, 2, 1>(), t0, t1, tile);
         else
           token_tiles(TileSizes<4, 3, 2, 1>(), t0, t1, tile);
+        g += pair;
       }
     }
 }
@@ -66,25 +88,39 @@ inline int x8_gemm(const uint8_t* G, int64_t nrows, int64_t cols, const float* x
   if (act && X8_KERNELS) {
     ActBuf<X::ACT> xa(act, x, ldx, T, cols, nthreads);
     if (xa.failed(act)) return PP_ERR_ARG;
-    return run_dynamic(nt, ng, 1, [&](int64_t a, int64_t b) -> int {
+    return run_dynamic(nt, ng, x8_grain<X>(), [&](int64_t a, int64_t b) -> int {
       x8_groups<X>(G, gb, nb, a, b, xa.p, nch, T, out, ldo, gemv);
       return 0;
     });
   }
-  ActBuf<X::ROW> xf(0, x, ldx, T, cols);
-  return run_partitioned(nt, ng, [&](int64_t a, int64_t b) -> int {
-    uint8_t* rows = (uint8_t*)std::malloc((size_t)(8 * nb * X::RB));
-    if (!rows) return PP_ERR_ARG;
-    for (int64_t g = a; g < b; ++g) {
-      X::unpack(G + g * gb, nb, rows);
-      for (int64_t t = 0; t < T; ++t)
-        for (int r = 0; r < 8; ++r)
-          out[t * ldo + 8 * g + r] =
-              Rows<X::ROW>::dot(rows + r * nb * X::RB, x + t * ldx, xf, cols, nullptr);
-    }
-    std::free(rows);
-    return 0;
-  });
+  if constexpr (X::ROW == DT_MXFP4) {  // MXFP4's own row products (mxfp4.h)
+    return run_partitioned(nt, ng, [&](int64_t a, int64_t b) -> int {
+      uint8_t* rows = (uint8_t*)std::malloc((size_t)(8 * nb * X::RB));
+      if (!rows) return PP_ERR_ARG;
+      int st = 0;
+      for (int64_t g = a; g < b && !st; ++g) {
+        X::unpack(G + g * gb, nb, rows);
+        st = mx_gemm(rows, nb * X::RB, 8, cols, x, ldx, T, nullptr, 8, out + 8 * g, ldo, act, 1);
+      }
+      std::free(rows);
+      return st;
+    });
+  } else {
+    ActBuf<X::ROW> xf(0, x, ldx, T, cols);
+    return run_partitioned(nt, ng, [&](int64_t a, int64_t b) -> int {
+      uint8_t* rows = (uint8_t*)std::malloc((size_t)(8 * nb * X::RB));
+      if (!rows) return PP_ERR_ARG;
+      for (int64_t g = a; g < b; ++g) {
+        X::unpack(G + g * gb, nb, rows);
+        for (int64_t t = 0; t < T; ++t)
+          for (int r = 0; r < 8; ++r)
+            out[t * ldo + 8 * g + r] =
+                Rows<X::ROW>::dot(rows + r * nb * X::RB, x + t * ldx, xf, cols, nullptr);
+      }
+      std::free(rows);
+      return 0;
+    });
+  }
 }
 
 // out[i] = W_i x for nm (at most 4) interleaved matrices of one layout and width, each in the
@@ -109,7 +145,7 @@ inline int x8_gemv_multi(const uint8_t* const* W, const int64_t* nrows, int nm, 
   ActBuf<X::ACT> xa(act, x, cols, 1, cols);
   if (xa.failed(act)) return PP_ERR_ARG;
   const int nt = team_size(nthreads, 8 * start[nm] * nb * X::RB);
-  return run_dynamic(nt, start[nm], 1, [&](int64_t a, int64_t b) -> int {
+  return run_dynamic(nt, start[nm], x8_grain<X>(), [&](int64_t a, int64_t b) -> int {
     for (int i = 0; i < nm; ++i) {  // [a, b) cut at the matrices' bounds
       const int64_t lo = a > start[i] ? a : start[i], hi = b < start[i + 1] ? b : start[i + 1];
       if (lo < hi)
@@ -275,7 +311,11 @@ inline int x8_dequant(const uint8_t* G, int64_t nrows, int64_t cols, const int64
         continue;
       }
       if (r / 8 != have) X::unpack(G + (r / 8) * gb, nb, rows), have = r / 8;
-      row_decode<X::ROW>(rows + (r % 8) * rb, out + j * cols, cols);
+      if constexpr (X::ROW == DT_MXFP4)
+        for (int64_t c = 0; c < nb; ++c)
+          mx_block(rows + (r % 8) * rb + c * MX_TS, out + j * cols + 32 * c);
+      else
+        row_decode<X::ROW>(rows + (r % 8) * rb, out + j * cols, cols);
     }
     std::free(rows);
     return err;
