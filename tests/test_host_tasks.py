@@ -116,8 +116,8 @@ def test_a_failed_task_is_reported_not_hung(hybrid):
     tasks = _tasks(llm, model)
     c = tasks.layers[1]
     _fill(c, 1, seed=9)
-    bad = (ctypes.c_int64 * len(c.record))(*c.record)
-    bad[kernels.RECORD_SLOTS["variant"]] = 99  # no such FFN variant
+    bad = kernels.LayerRecord.from_buffer_copy(c.record)
+    bad.variant = 99  # no such FFN variant
     c.task.rec = ctypes.addressof(bad)
     lib = tasks.lib.cdll
     lib.pp_host_submit(c.ptr)

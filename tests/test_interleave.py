@@ -181,11 +181,8 @@ def test_a_sparse_q4_0_step_keeping_every_neuron_is_the_dense_step(lib, tmp_path
     ``x8_rows_*``), so the block's output is the dense block's bits (gate and up interleaved).
     The blocks are compared, not the logits: each next product rounds its input to 8 bits,
     which hides a last-bit difference."""
-    import ctypes
-
     import powerpy
     from powerpy.model import stack_decode
-    from powerpy.model.kernels import LAYER_RECORD_LEN
     from powerpy.model.options import RunOptions
     from powerpy.testing import TinySpec, write_tiny_model
 
@@ -196,7 +193,7 @@ def test_a_sparse_q4_0_step_keeping_every_neuron_is_the_dense_step(lib, tmp_path
     outs = []
     for sparse in (True, False):
         plan = stack_decode.plan_for(model, RunOptions(sparse=sparse))
-        rec = (ctypes.c_int64 * LAYER_RECORD_LEN)(*plan.records[1].tolist())
+        rec = plan.records[1]
         r = torch.randn(spec.n_embd, generator=torch.Generator().manual_seed(1))
         out, k = lib.ffn_decode(rec, spec.norm_eps, -1e30, r)
         assert k == spec.n_ff

@@ -20,6 +20,7 @@ import pytest
 import torch
 from quant_fixtures import random_blocks
 
+from powerpy.config import FFNVariant
 from powerpy.formats.constants import GGMLType
 from powerpy.model import kernels, numerics
 from powerpy.model import matrices as weights
@@ -575,17 +576,54 @@ def test_library_codes_are_checked(monkeypatch) -> None:
     with pytest.raises(kernels.KernelBuildError, match="Q4_0"):
         kernels.KernelLibrary(lib.path)
     monkeypatch.undo()
-    monkeypatch.setitem(kernels.RECORD_SLOTS, "tau", 58)
-    with pytest.raises(kernels.KernelBuildError, match="field slot.tau: 59 in the library, 58"):
-        kernels.KernelLibrary(lib.path)
-    monkeypatch.undo()
     monkeypatch.setitem(kernels.RECORD_FLAGS, "new", 256)
-    with pytest.raises(kernels.KernelBuildError, match="field flag.new: None in the library"):
+    with pytest.raises(kernels.KernelBuildError, match="field flag.new: not there in the library"):
         kernels.KernelLibrary(lib.path)
     monkeypatch.undo()
-    monkeypatch.setattr(kernels, "LAYER_RECORD_LEN", 48)
-    with pytest.raises(kernels.KernelBuildError, match="record"):
+    monkeypatch.setitem(kernels.VARIANTS, FFNVariant.GELU, 6)
+    with pytest.raises(kernels.KernelBuildError, match="field variant.gelu: code 5 in the library"):
         kernels.KernelLibrary(lib.path)
+    monkeypatch.undo()
+
+    class Longer(ctypes.Structure):  # one more field at the end
+        _fields_ = [*kernels.LayerRecord._fields_, ("more", ctypes.c_int64)]
+
+    monkeypatch.setattr(kernels, "LayerRecord", Longer)
+    with pytest.raises(kernels.KernelBuildError, match="field more: not there in the library"):
+        kernels.KernelLibrary(lib.path)
+
+
+def test_a_record_field_at_another_offset_is_refused(monkeypatch) -> None:
+    """The load-time check compares every field of kernel_abi.LayerRecord by name with the
+    library's table (csrc/layer_record.h): a ctypes mirror whose field sits elsewhere, or whose
+    sub-record's member does, or which is longer, is refused, naming that field."""
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("native kernels unavailable")
+    from powerpy.model import kernel_abi
+
+    def mirror(swap: tuple[str, str], of=kernel_abi.LayerRecord) -> type[ctypes.Structure]:
+        f = list(of._fields_)
+        names = [n for n, _ in f]
+        i, j = names.index(swap[0]), names.index(swap[1])
+        f[i], f[j] = f[j], f[i]
+        return type("Mirror", (ctypes.Structure,), {"_fields_": f})
+
+    swapped = mirror(("scale", "softcap"))  # the same size, the two f32 swapped
+    assert ctypes.sizeof(swapped) == ctypes.sizeof(kernel_abi.LayerRecord)
+    monkeypatch.setattr(kernels, "LayerRecord", swapped)
+    with pytest.raises(
+        kernels.KernelBuildError,
+        match=r"field softcap: offset 512, size 4 in the library, offset 504, size 4 in kernel_abi",
+    ):
+        kernels.KernelLibrary(lib.path)
+    route = mirror(("groups", "used"), kernel_abi.RecRoute)  # a sub-record's members swapped
+    fields = [(n, route if n == "route" else t) for n, t in kernel_abi.LayerRecord._fields_]
+    rec = type("Mirror", (ctypes.Structure,), {"_fields_": fields})
+    monkeypatch.setattr(kernels, "LayerRecord", rec)
+    with pytest.raises(kernels.KernelBuildError, match=r"field route\.used: offset 728, size 8 in"):
+        kernels.KernelLibrary(lib.path)
+    assert lib.cdll.pp_layer_record_len() == ctypes.sizeof(kernel_abi.LayerRecord) == 111 * 8
 
 
 def test_editing_a_header_rebuilds(tmp_path: Path) -> None:
@@ -674,3 +712,34 @@ def test_scratch_rows_work_in_and_out_of_inference_mode() -> None:
     out = _scratch_rows(3, 16, torch.float32)  # then a notebook, outside inference mode
     rows = torch.index_select(src, 0, idx, out=out)
     torch.testing.assert_close(rows, src[idx])
+
+
+def test_a_layer_record_puts_each_name_in_its_field() -> None:
+    """``layer_record.Part`` names what it puts by the file's tensor names or the record's own
+    paths; ``record`` writes each at its place (the old int64 slots: byte offset / 8), and a name
+    the record lacks is refused."""
+    from powerpy.model import layer_record
+
+    p = layer_record.Part(lib=None, flags=kernels.RECORD_FLAGS["rope"])
+    w = kernels.Matrix.of_dense(torch.zeros(3, 4))
+    p.matrix("ffn_gate", w)
+    p.matrix("attn_v_b", w)
+    p.set("attn_q.bias", 1234)
+    p.set("moe.scale", 0.5)
+    p.set("softcap", 30.0)
+    p.set("mla.d_v", 7)
+    with pytest.raises(KeyError, match="nope"):
+        p.set("nope", 1)
+    with pytest.raises(KeyError, match="moe.nope"):
+        p.set("moe.nope", 1)
+    q = layer_record.Part(lib=None, flags=kernels.RECORD_FLAGS["moe"])
+    q.set("route", kernels.RecRoute(gating=2, groups=8))
+    rec = layer_record.record(p, q)
+    slots = np.frombuffer(bytes(rec), dtype=np.int64)
+    assert slots.size == 111
+    assert list(slots[30:35]) == list(w.args)  # ffn_gate: the FFN's third matrix, slot 20 + 10
+    assert list(slots[102:107]) == list(w.args) and slots[109] == 7  # the latent's v_b and d_v
+    assert slots[53] == 1234 and slots[60] == 2 | 64  # attn_q's bias; the flags OR-ed
+    assert slots[67] == np.array([0.5], np.float32).view(np.uint32)[0]  # f32 bits, pad zero
+    assert slots[64] == np.array([30.0], np.float32).view(np.uint32)[0]
+    assert slots[88] == 2 and slots[90] == 8

@@ -272,10 +272,12 @@ int main(int argc, char** argv) {
     double a = A.stream(buf.data(), 4 << 16, 2), b = B.stream(buf.data(), 4 << 16, 2);
     check("stream_read", a == b, "");
   }
-  // ---- fused decode blocks, one layer record per layout (csrc/common.h LayerRecord)
+  // ---- fused decode blocks, one layer record per layout (csrc/layer_record.h LayerRecord)
+  // The record as int64 slots, for a library of any revision: each is a LayerRecord field's byte
+  // offset / 8 (the same bytes since the record was first a list of int64 slots); R_LEN: room for
+  // any ABI's record (111 int64 since GPT-OSS; the slots past 65 stay zero).
   enum { R_ATTN_NORM = 45, R_FFN_NORM = 47, R_POST = 49, R_QK = 51, R_BIAS = 53, R_TAU = 59,
          R_FLAGS = 60, R_VARIANT = 61, R_WINDOW = 62, R_SCALE = 63, R_SOFTCAP = 64, R_LEN = 128 };
-  // (R_LEN: room for any ABI's record, REC_LEN 111 since GPT-OSS; the slots past 65 stay zero)
   enum { F_LN = 1, F_ROPE = 2, F_NEOX = 4, F_PAR = 8, F_DS = 16, F_QS = 32 };
   auto bits = [](float f) { uint32_t u; memcpy(&u, &f, 4); return (int64_t)u; };
   auto P = [](const void* p) { return (int64_t)(intptr_t)p; };
@@ -352,10 +354,10 @@ int main(int argc, char** argv) {
                     }
               // two layers
               // each library's records at its own stride (a later ABI may grow the record with
-              // slots these layouts leave at zero)
+              // slots these layouts leave at zero; ABI 29 on, pp_layer_record_len is in bytes)
               std::vector<int64_t> rots = {P(rp), P(rp)};
               auto stacked = [&](const Lib& L) {
-                const int64_t n = L.rec_len();
+                const int64_t n = L.abi() >= 29 ? L.rec_len() / 8 : L.rec_len();
                 std::vector<int64_t> one(R_LEN), v(2 * n);
                 for (int l = 0; l < 2; ++l) {
                   record(l == 1, l == 1, false, variants.back(), one.data());

@@ -135,46 +135,49 @@ def _cached_build(
 
 
 def check_codes(
-    cdll, path: Path, dtype_codes: dict, record_len: int, layout: tuple[int, ...] = ()
+    cdll, path: Path, dtype_codes: dict, record: type[ctypes.Structure] = kernel_abi.LayerRecord
 ) -> None:
     """Raise KernelBuildError unless the loaded library ``cdll`` has Python's dtype codes
-    (``kernels.DTYPE_CODES``, for every GGMLType; -1: not read), decode layer record fields by
-    name (``kernel_abi.RECORD_SLOTS`` and ``RECORD_FLAGS``: the error names the one that
-    differs), length and layout (``kernels.RECORD_LAYOUT``: slots, flags, variant codes)."""
-    fields = {f"slot.{k}": v for k, v in kernel_abi.RECORD_SLOTS.items()}
-    fields |= {f"flag.{k}": v for k, v in kernel_abi.RECORD_FLAGS.items()}
-    theirs = record_fields(cdll)
-    for name in sorted(fields.keys() | theirs.keys()):
-        have, want = theirs.get(name), fields.get(name)
+    (``kernels.DTYPE_CODES``, for every GGMLType; -1: not read) and decode layer record: the
+    size of ``record`` (``kernel_abi.LayerRecord``) and every field's offset and size, by name
+    (``kernel_abi.record_fields``: its sub-records' members too, and the flags and variant
+    codes), against the library's table; the error names the first field that differs."""
+    ours, theirs = kernel_abi.record_fields(record), record_fields(cdll)
+    for name in [*ours, *(n for n in theirs if n not in ours)]:
+        have, want = theirs.get(name), ours.get(name)
         if have != want:
             raise KernelBuildError(
-                f"{path}: decode layer record field {name}: {have} in the library, {want} in "
-                "kernel_abi (None: not there)"
+                f"{path}: decode layer record field {name}: {_entry(have)} in the library, "
+                f"{_entry(want)} in kernel_abi"
             )
-    n = cdll.pp_layer_record_len()
-    if n != record_len:
-        raise KernelBuildError(f"{path}: a decode layer record of {n} int64, not {record_len}")
-    if layout:
-        got = (ctypes.c_int64 * len(layout))()
-        cdll.pp_layer_record_layout(got)
-        if tuple(got) != tuple(layout):
-            raise KernelBuildError(f"{path}: a decode layer record laid out as {tuple(got)}")
+    n, want = cdll.pp_layer_record_len(), ctypes.sizeof(record)
+    if n != want:
+        raise KernelBuildError(f"{path}: a decode layer record of {n} bytes, not {want}")
     for t in GGMLType:
         code, want = cdll.pp_dtype_code(int(t)), dtype_codes.get(t, -1)
         if code != want:
             raise KernelBuildError(f"{path}: dtype code {code} for {t.name}, not {want}")
 
 
-def record_fields(cdll) -> dict[str, int]:
-    """The library's named decode layer record fields (pp_layer_record_field)."""
+def _entry(e: tuple[int, int] | None) -> str:
+    """A record table entry in words: a field's offset and size, or a code (size 0)."""
+    if e is None:
+        return "not there"
+    return f"offset {e[0]}, size {e[1]}" if e[1] else f"code {e[0]}"
+
+
+def record_fields(cdll) -> dict[str, tuple[int, int]]:
+    """The library's decode layer record table (pp_layer_record_field), in its order: name ->
+    (offset, size), or (code, 0) for a flag or variant."""
     fn = cdll.pp_layer_record_field
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_int64)]
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), i64p, i64p]
     fn.restype = ctypes.c_int
-    name, value = ctypes.c_char_p(), ctypes.c_int64()
+    name, offset, size = ctypes.c_char_p(), ctypes.c_int64(), ctypes.c_int64()
     out = {}
-    for i in range(fn(-1, ctypes.byref(name), ctypes.byref(value))):
-        fn(i, ctypes.byref(name), ctypes.byref(value))
-        out[(name.value or b"").decode()] = value.value
+    for i in range(fn(-1, ctypes.byref(name), ctypes.byref(offset), ctypes.byref(size))):
+        fn(i, ctypes.byref(name), ctypes.byref(offset), ctypes.byref(size))
+        out[(name.value or b"").decode()] = (offset.value, size.value)
     return out
 
 

@@ -33,13 +33,13 @@ from powerpy.model import numerics
 from powerpy.model.kernel_abi import (  # noqa: F401  (re-exported)
     ABI_VERSION,
     DTYPE_CODES,
-    LAYER_RECORD_LEN,
     QUANT_TYPES,
     RECORD_FLAGS,
-    RECORD_LAYOUT,
-    RECORD_SLOTS,
     SIGNATURES,
     VARIANTS,
+    LayerRecord,
+    RecMatrix,
+    RecRoute,
 )
 from powerpy.model.kernel_build import (  # noqa: F401  (re-exported)
     DEFAULT_FLAGS,
@@ -102,13 +102,15 @@ class Matrix:
         """The C functions' matrix arguments: (dtype code, data pointer, ld, nrows, cols)."""
         return self.code, self.ptr, self.ld, self.nrows, self.cols
 
+    @property
+    def rec(self) -> RecMatrix:
+        """The matrix as the C side reads it (a layer record's, ``kernel_abi.RecMatrix``)."""
+        return RecMatrix(*self.args)
+
     @staticmethod
     def pack(mats: list[Matrix | None]) -> ctypes.Array:
-        """Matrices for the C side: 5 int64 each (dtype, data, ld, nrows, cols); None: zeros."""
-        vals: list[int] = []
-        for m in mats:
-            vals += [0] * 5 if m is None else list(m.args)
-        return (ctypes.c_int64 * len(vals))(*vals)
+        """Matrices for the C side: a RecMatrix array (None: zeros)."""
+        return (RecMatrix * len(mats))(*(RecMatrix() if m is None else m.rec for m in mats))
 
     @staticmethod
     def of_dense(w: Tensor) -> Matrix:
@@ -141,7 +143,7 @@ class KernelLibrary:
         version = self.cdll.pp_abi_version()
         if version != ABI_VERSION:
             raise KernelBuildError(f"{path}: ABI version {version}, expected {ABI_VERSION}")
-        check_codes(self.cdll, path, DTYPE_CODES, LAYER_RECORD_LEN, RECORD_LAYOUT)
+        check_codes(self.cdll, path, DTYPE_CODES, LayerRecord)
         self.simd = SIMD_NAMES.get(self.cdll.pp_simd_level(), "?")
         self._gemv = self.cdll.pp_gather_gemv
         self._axpy = self.cdll.pp_gather_axpy
@@ -288,7 +290,7 @@ class KernelLibrary:
 
     def attn_decode(
         self,
-        rec: ctypes.Array,
+        rec: LayerRecord,
         heads: tuple[int, int, int, int, float],
         x: Tensor,
         rot: Tensor | None,
@@ -321,7 +323,7 @@ class KernelLibrary:
         return out
 
     def ffn_decode(
-        self, rec: ctypes.Array, eps: float, thr: float, r: Tensor, src: Tensor | None = None
+        self, rec: LayerRecord, eps: float, thr: float, r: Tensor, src: Tensor | None = None
     ) -> tuple[Tensor, int]:
         """One token's FFN block in one call: ``rec`` the layer's record, r (n_embd,) the
         residual stream it adds to, ``src`` the FFN's input before its norm, where the predictor

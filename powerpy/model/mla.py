@@ -36,7 +36,7 @@ from powerpy.model import ggml_numerics, kernels, layer_record
 from powerpy.model.attention import apply_rope
 from powerpy.model.biased import row_slices
 from powerpy.model.device import OnDevices
-from powerpy.model.kernels import RECORD_FLAGS, RECORD_SLOTS
+from powerpy.model.kernels import RECORD_FLAGS
 from powerpy.model.matrices import Weight
 from powerpy.model.norms import rms_norm
 
@@ -156,30 +156,30 @@ def mla_part(blk, a, l: int) -> layer_record.Part | None:
     if lib is None or m.stacks is None:
         return None
     p = layer_record.Part(lib, flags=RECORD_FLAGS["rope"] | RECORD_FLAGS["mla"])
-    S = RECORD_SLOTS
     mats = [
-        (S["attn"], m.q if m.q is not None else m.q_a),
-        (S["attn"] + 5, m.kv_a),
-        (S["attn"] + 10, m.q_b),
-        (S["attn"] + 15, blk.attn_output),
+        ("attn_q" if m.q is not None else "attn_q_a", m.q if m.q is not None else m.q_a),
+        ("attn_kv_a_mqa", m.kv_a),
+        ("attn_q_b", m.q_b),  # (None: a plain attn_q)
+        ("attn_output", blk.attn_output),
     ]
-    if any(p.mat(slot, w) is not None for slot, w in mats):
+    if any(p.mat(name, w) is not None for name, w in mats):
         return None  # a matrix the kernels cannot read (False) or a bias
-    for slot, w in zip((S["mla"], S["mla"] + 5), m.stacks, strict=True):
+    for name, w in zip(("attn_k_b", "attn_v_b"), m.stacks, strict=True):
         k = w.kernel()  # each head's matrix as stored (3-D tensors: not interleaved)
         if k is None or k[0] is not lib:
             return None
-        p.matrix(slot, k[1])
+        p.matrix(name, k[1])
     vecs = (
-        (S["attn_norm"], blk.attn_norm),
-        (S["qk_norm"], m.q_a_norm),
-        (S["qk_norm"] + 1, m.kv_a_norm),
+        ("attn_norm", blk.attn_norm),
+        ("attn_q_a_norm", m.q_a_norm),
+        ("attn_kv_a_norm", m.kv_a_norm),
     )
-    if not all(p.vec(s, t) for s, t in vecs):
+    if not all(p.vec(n, t) for n, t in vecs):
         return None
-    for i, v in enumerate((a.kv_lora_rank, a.qk_nope, a.value_length_mla)):
-        p.slots[S["mla"] + 10 + i] = v
-    p.f32(S["scale"], m.kq_scale)
+    p.set("mla.rank", a.kv_lora_rank)
+    p.set("mla.d_nope", a.qk_nope)
+    p.set("mla.d_v", a.value_length_mla)
+    p.set("scale", m.kq_scale)
     return p
 
 

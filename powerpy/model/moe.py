@@ -23,7 +23,6 @@ the output is small, ``w_i · |h_j| · ‖down_e[:, j]‖ < t``: ``tau = t / ‖
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +34,7 @@ from powerpy.model import ggml_numerics, interleave, layer_record, numerics
 from powerpy.model.biased import row_slices
 from powerpy.model.device import HOST, Accelerator, OnDevices, move
 from powerpy.model.ffn import glu, scaled_cut
-from powerpy.model.kernels import RECORD_FLAGS, RECORD_SLOTS, Matrix, act_code, as_f32
+from powerpy.model.kernels import RECORD_FLAGS, Matrix, RecRoute, act_code, as_f32
 from powerpy.model.matrices import DenseWeight, Weight
 from powerpy.model.moe_host import cut_hot, experts_host, swiglu_oai
 from powerpy.model.options import RunOptions
@@ -355,8 +354,8 @@ def moe_kernels(blk, opts: RunOptions):
     return kerns[0][0], mats, scaled_cut(ex.tau, opts)
 
 
-def route_args(ex: Experts) -> tuple[list[int], list[Tensor]]:
-    """The native block's routing beyond top-k and the experts' extras (``csrc/moe.h`` Route:
+def route_args(ex: Experts) -> tuple[RecRoute, list[Tensor]]:
+    """The native block's routing beyond top-k and the experts' extras (``kernel_abi.RecRoute``:
     gating code, selection bias, expert groups, groups used, router bias, activation, gate, up
     and down biases) and the host tensors its pointers point into."""
     r = ex.routing
@@ -366,7 +365,22 @@ def route_args(ex: Experts) -> tuple[list[int], list[Tensor]]:
     ]
     ptr = [0 if v is None else v.data_ptr() for v in vecs]
     act = int(ex.act == "swiglu_oai")
-    return [r.code, ptr[0], *r.groups, ptr[1], act, *ptr[2:]], [v for v in vecs if v is not None]
+    route = RecRoute(r.code, ptr[0], *r.groups, ptr[1], act, *ptr[2:])
+    return route, [v for v in vecs if v is not None]
+
+
+# Where a mixture's matrices sit in its layer record (moe_kernels' order): the router in fc1's
+# place, the stacks in the dense FFN's, then a shared expert's
+MOE_MATRICES = (
+    "ffn_gate_inp",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ffn_gate_inp_shexp",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+)
 
 
 def moe_part(blk, a, opts: RunOptions) -> layer_record.Part | None:
@@ -379,21 +393,18 @@ def moe_part(blk, a, opts: RunOptions) -> layer_record.Part | None:
         return None
     lib, mats, tau = kern
     p = layer_record.Part(lib, flags=layer_record.layout_flags(a) | RECORD_FLAGS["moe"])
-    ffn = RECORD_SLOTS["ffn"]
-    sh = RECORD_SLOTS["shexp"]
-    slots = (ffn, ffn + 10, ffn + 15, ffn + 20, sh, sh + 5, sh + 10, sh + 15)
-    for slot, m in zip(slots, mats, strict=True):
+    for name, m in zip(MOE_MATRICES, mats, strict=True):
         if m is not None:
-            p.matrix(slot, m)
-    if not (p.vec(RECORD_SLOTS["ffn_norm"], blk.ffn_norm) and p.vec(RECORD_SLOTS["tau"], tau)):
+            p.matrix(name, m)
+    if not (p.vec("ffn_norm", blk.ffn_norm) and p.vec("tau", tau)):
         return None
-    ex, at = blk.moe, RECORD_SLOTS["moe"]
-    p.slots[at], p.slots[at + 1] = ex.n_used, int(ex.norm)
-    p.f32(at + 2, ex.scale)
+    ex = blk.moe
+    p.set("moe.n_used", ex.n_used)
+    p.set("moe.norm", int(ex.norm))
+    p.set("moe.scale", ex.scale)
     route, biases = route_args(ex)
     p.keep += biases
-    for i, v in enumerate(route):
-        p.slots[RECORD_SLOTS["route"] + i] = v
+    p.set("route", route)
     return p
 
 
@@ -411,9 +422,9 @@ def moe_cold_part(blk, opts: RunOptions) -> layer_record.Part | None:
     x8_down = ex.x8(0)[3] is not None and ex.interleaved()[3]  # numerics as Experts.x8's
     mats = [kerns[0][1], kerns[1][1], x8_down or kerns[2][1]]
     p = layer_record.Part(kerns[0][0], flags=RECORD_FLAGS["moe"])
-    for slot, m in zip((10, 15, 20), mats, strict=True):
-        p.matrix(RECORD_SLOTS["ffn"] + slot, m)
-    return p if p.vec(RECORD_SLOTS["tau"], scaled_cut(ex.tau, opts)) else None
+    for name, m in zip(MOE_MATRICES[1:4], mats, strict=True):
+        p.matrix(name, m)
+    return p if p.vec("tau", scaled_cut(ex.tau, opts)) else None
 
 
 def moe_decode(l: int, blk, x: OnDevices, a, thr: float, opts: RunOptions) -> Tensor | None:
@@ -434,7 +445,7 @@ def moe_decode(l: int, blk, x: OnDevices, a, thr: float, opts: RunOptions) -> Te
         ex.n_used,
         int(ex.norm),
         ex.scale,
-        (ctypes.c_int64 * 9)(*route),
+        route,
         0 if tau is None else tau.data_ptr(),
         r.data_ptr(),
         w.data_ptr(),

@@ -9,6 +9,7 @@ in the same order, so the results are the same bits.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,7 +19,7 @@ from torch import Tensor
 from powerpy.model import interleave, kernels, layer_record, numerics
 from powerpy.model.cache import KVCache
 from powerpy.model.device import HOST
-from powerpy.model.kernels import CACHE_CODES, LAYER_RECORD_LEN, KernelLibrary, as_f32
+from powerpy.model.kernels import CACHE_CODES, KernelLibrary, LayerRecord, as_f32
 from powerpy.model.moe import moe_part
 from powerpy.model.options import RunOptions
 
@@ -30,7 +31,8 @@ class StackPlan:
 
     Attributes:
         lib: the kernel library.
-        records: (n_layer, LAYER_RECORD_LEN) int64, the C records (pointers into ``keep``).
+        records: the C records, one contiguous array (``LayerRecord * n_layer``; pointers
+            into ``keep``).
         keep: the matrices and f32 vectors the records point into (kept alive here).
         counted: the layers with predictors, a cut or experts (their counts go to the statistics
             in sparse runs; the experts' in every run, as their routing is never off).
@@ -38,7 +40,7 @@ class StackPlan:
     """
 
     lib: KernelLibrary
-    records: np.ndarray
+    records: ctypes.Array
     keep: list
     counted: np.ndarray  # (k,) int64 layer ids (``layer_record.counted``, or experts)
     first: int = 0  # the plan runs layers first.. (a hybrid's host-only layers)
@@ -57,10 +59,10 @@ class StackPlan:
                 return None
             lib = att.lib
             keep += att.keep + ffn.keep
-            recs.append(list(layer_record.record(att, ffn)))
+            recs.append(layer_record.record(att, ffn))
         if lib is None:
             return None
-        records = np.ascontiguousarray(np.array(recs, dtype=np.int64).reshape(-1, LAYER_RECORD_LEN))
+        records = (LayerRecord * len(recs))(*recs)
         moe = [b.moe is not None for b in blocks]
         counted = np.flatnonzero(
             [layer_record.counted(b, opts) or e for b, e in zip(blocks, moe, strict=True)]
@@ -76,7 +78,7 @@ class StackPlan:
         (learned positions)."""
         k, v = cache.k[self.first :], cache.v[self.first :]  # (n, n_ctx, n_kv, head_dim), host
         out = as_f32(x[0]).clone()
-        n_layer, rs = self.records.shape[0], rots[self.first :]
+        n_layer, rs = len(self.records), rots[self.first :]
         tables: dict[int, Tensor] = {}  # each distinct table once (one, or gemma3's two)
 
         def table(r) -> int:  # (1, n_rot/2) complex: the kernels read its (cos, sin) pairs
@@ -92,7 +94,7 @@ class StackPlan:
         clock = np.zeros(len(PHASES)) if opts.timer is not None else None
         st = self.lib.cdll.pp_decode_layers(
             n_layer,
-            self.records.ctypes.data,
+            self.records,
             ptrs.ctypes.data,
             *layer_record.heads(args),
             k.data_ptr(),

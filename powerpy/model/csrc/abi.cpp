@@ -1,5 +1,5 @@
 // What Python checks at load (kernels.py, kernel_build.check_codes): the ABI version, the decode
-// layer record's length, layout and named fields, the dtype codes and the SIMD level of the build.
+// layer record's size and its fields by name, the dtype codes and the SIMD level of the build.
 
 #include "simd.h"  // (common.h: the codes; PP_SIMD)
 
@@ -8,47 +8,58 @@ extern "C" {
 // Bumped whenever a signature changes; kernels.py refuses a library with another version.
 int pp_abi_version(void) { return PP_ABI_VERSION; }
 
-// The int64 per layer record of the decode blocks (kernels.py checks its LAYER_RECORD_LEN).
-int pp_layer_record_len(void) { return REC_LEN; }
+// The bytes of one decode layer record (layer_record.h LayerRecord; 111 int64: before ABI 29 this
+// returned that count). kernel_build.check_codes compares it with ctypes.sizeof of its own.
+int pp_layer_record_len(void) { return (int)sizeof(LayerRecord); }
 
-// The record's layout, for kernels.py to check against its own (RECORD_LAYOUT): the slots of
-// LayerRecord, the LF_* flags, then the variant codes, 31 int64 in all.
-void pp_layer_record_layout(int64_t* out) {
-  const int64_t v[] = {REC_ATTN, REC_FFN, REC_ATTN_NORM, REC_FFN_NORM, REC_POST_NORM,
-                       REC_QK_NORM, REC_BIAS, REC_TAU, REC_FLAGS, REC_VARIANT, REC_WINDOW,
-                       REC_SCALE, REC_SOFTCAP, REC_MOE, REC_SHEXP, REC_ROUTE, REC_MLA, REC_SINKS,
-                       REC_LEN,
-                       LF_LAYER_NORM, LF_ROPE,
-                       LF_NEOX, LF_PARALLEL, LF_DOWN_STORED, LF_Q_SCALED, LF_MOE, LF_MLA, V_GEGLU,
-                       V_RELU, V_GELU, V_COUNT};
-  for (size_t i = 0; i < sizeof v / sizeof v[0]; ++i) out[i] = v[i];
-}
-
-// The record's fields by name, for kernel_build.check_codes to compare with Python's one by one
-// and name the field that differs: "slot.<name>", the first int64 of a part of a LayerRecord, and
-// "flag.<name>", an LF_* bit of REC_FLAGS. Returns the number of fields; for 0 <= i < that,
-// *name and *value receive field i's.
-int pp_layer_record_field(int i, const char** name, int64_t* value) {
-  static const struct {
+// The decode layer record's fields, for kernel_build.check_codes to compare with kernel_abi's
+// ctypes mirror one by one and name the field that differs: each field of LayerRecord by its
+// name ("attn", ...), each member of its sub-records by "sub.member" ("moe.n_used", ...) and of
+// RecMatrix by "matrix.member", with its byte offset (in LayerRecord; a RecMatrix member's, in
+// RecMatrix) and size; then the codes the record holds, with the code as the offset and size 0:
+// "flag.<name>", an LF_* bit of flags, and "variant.<name>", an enum Variant. Returns the number
+// of entries; for 0 <= i < that, *name, *offset and *size receive entry i's.
+int pp_layer_record_field(int i, const char** name, int64_t* offset, int64_t* size) {
+  struct Entry {
     const char* name;
-    int64_t value;
-  } f[] = {{"slot.attn", REC_ATTN},           {"slot.ffn", REC_FFN},
-           {"slot.attn_norm", REC_ATTN_NORM}, {"slot.ffn_norm", REC_FFN_NORM},
-           {"slot.post_norm", REC_POST_NORM}, {"slot.qk_norm", REC_QK_NORM},
-           {"slot.bias", REC_BIAS},           {"slot.tau", REC_TAU},
-           {"slot.flags", REC_FLAGS},         {"slot.variant", REC_VARIANT},
-           {"slot.window", REC_WINDOW},       {"slot.scale", REC_SCALE},
-           {"slot.softcap", REC_SOFTCAP},     {"slot.moe", REC_MOE},
-           {"slot.shexp", REC_SHEXP},         {"slot.route", REC_ROUTE},
-           {"slot.mla", REC_MLA},             {"slot.sinks", REC_SINKS},
-           {"flag.layer_norm", LF_LAYER_NORM}, {"flag.rope", LF_ROPE},
-           {"flag.neox", LF_NEOX},            {"flag.parallel", LF_PARALLEL},
-           {"flag.down_stored", LF_DOWN_STORED}, {"flag.q_scaled", LF_Q_SCALED},
-           {"flag.moe", LF_MOE},              {"flag.mla", LF_MLA}};
+    int64_t offset, size;
+  };
+#define PP_FIELD(f) {#f, (int64_t)offsetof(LayerRecord, f), (int64_t)sizeof(LayerRecord::f)}
+#define PP_MEMBER(s, T, f) \
+  {#s "." #f, (int64_t)(offsetof(LayerRecord, s) + offsetof(T, f)), (int64_t)sizeof(T::f)}
+#define PP_MATRIX(f) {"matrix." #f, (int64_t)offsetof(RecMatrix, f), (int64_t)sizeof(RecMatrix::f)}
+#define PP_CODE(prefix, n, v) {prefix #n, (int64_t)(v), 0}
+  static const Entry f[] = {
+      PP_FIELD(attn), PP_FIELD(ffn), PP_FIELD(attn_norm), PP_FIELD(ffn_norm),
+      PP_FIELD(post_norm), PP_FIELD(qk_norm), PP_FIELD(bias), PP_FIELD(tau), PP_FIELD(flags),
+      PP_FIELD(variant), PP_FIELD(window), PP_FIELD(scale), PP_FIELD(scale_pad),
+      PP_FIELD(softcap), PP_FIELD(softcap_pad), PP_FIELD(moe), PP_MEMBER(moe, RecMoe, n_used),
+      PP_MEMBER(moe, RecMoe, norm), PP_MEMBER(moe, RecMoe, scale),
+      PP_MEMBER(moe, RecMoe, scale_pad), PP_FIELD(shexp), PP_FIELD(route),
+      PP_MEMBER(route, RecRoute, gating), PP_MEMBER(route, RecRoute, bias),
+      PP_MEMBER(route, RecRoute, groups), PP_MEMBER(route, RecRoute, used),
+      PP_MEMBER(route, RecRoute, router_b), PP_MEMBER(route, RecRoute, act),
+      PP_MEMBER(route, RecRoute, gate_b), PP_MEMBER(route, RecRoute, up_b),
+      PP_MEMBER(route, RecRoute, down_b), PP_FIELD(mla), PP_MEMBER(mla, RecMla, k_b),
+      PP_MEMBER(mla, RecMla, v_b), PP_MEMBER(mla, RecMla, rank), PP_MEMBER(mla, RecMla, d_nope),
+      PP_MEMBER(mla, RecMla, d_v), PP_FIELD(sinks),
+      PP_MATRIX(dtype), PP_MATRIX(data), PP_MATRIX(ld), PP_MATRIX(nrows), PP_MATRIX(cols),
+      PP_CODE("flag.", layer_norm, LF_LAYER_NORM), PP_CODE("flag.", rope, LF_ROPE),
+      PP_CODE("flag.", neox, LF_NEOX), PP_CODE("flag.", parallel, LF_PARALLEL),
+      PP_CODE("flag.", down_stored, LF_DOWN_STORED), PP_CODE("flag.", q_scaled, LF_Q_SCALED),
+      PP_CODE("flag.", moe, LF_MOE), PP_CODE("flag.", mla, LF_MLA),
+      PP_CODE("variant.", reglu, V_REGLU), PP_CODE("variant.", drelu, V_DRELU),
+      PP_CODE("variant.", swiglu, V_SWIGLU), PP_CODE("variant.", geglu, V_GEGLU),
+      PP_CODE("variant.", relu, V_RELU), PP_CODE("variant.", gelu, V_GELU)};
+#undef PP_FIELD
+#undef PP_MEMBER
+#undef PP_MATRIX
+#undef PP_CODE
   const int n = (int)(sizeof f / sizeof f[0]);
   if (i >= 0 && i < n) {
     *name = f[i].name;
-    *value = f[i].value;
+    *offset = f[i].offset;
+    *size = f[i].size;
   }
   return n;
 }

@@ -1,7 +1,7 @@
 #pragma once
 // One token's decode blocks (CPU-only decode): a layer's attention block and its FFN block, one
 // call each, for every family's layout. What differs between families is data, the layer's
-// record (common.h LayerRecord, built by powerpy.model.kernels.layer_record): which norm (RMS, or
+// record (layer_record.h LayerRecord, built by powerpy.model.layer_record): which norm (RMS, or
 // LayerNorm with a bias), which norm each half reads (attention's own in falcon-40B), row biases
 // of q, k, v, output, up and down, per-head q/k RMSNorm, RoPE (adjacent or NEOX pairs, or none:
 // learned positions), the q·k scale, score soft-cap and sliding window, post norms of both
@@ -14,37 +14,24 @@
 
 namespace {
 
-inline const float* rec_ptr(int64_t v) { return (const float*)(intptr_t)v; }
-
-inline float rec_f32(int64_t v) {  // an f32 bit pattern in the low 32 bits
-  const uint32_t b = (uint32_t)v;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
 // One layer's record, decoded.
 struct Layer {
-  const int64_t* rec;  // the record itself
+  const LayerRecord* rec;  // the record itself
   Mat q, k, v, o, fc1, fc2, gate, up, down;
   const float *attn_w, *attn_b, *ffn_w, *ffn_b, *post_attn, *post_ffn, *q_norm, *k_norm;
   const float *bq, *bk, *bv, *bo, *bu, *bd, *tau, *sinks;
   int flags, variant;
   int64_t window;
   float scale, softcap;
-  explicit Layer(const int64_t* r)
-      : rec(r), q(r + REC_ATTN), k(r + REC_ATTN + 5), v(r + REC_ATTN + 10), o(r + REC_ATTN + 15),
-        fc1(r + REC_FFN), fc2(r + REC_FFN + 5), gate(r + REC_FFN + 10), up(r + REC_FFN + 15),
-        down(r + REC_FFN + 20), attn_w(rec_ptr(r[REC_ATTN_NORM])),
-        attn_b(rec_ptr(r[REC_ATTN_NORM + 1])), ffn_w(rec_ptr(r[REC_FFN_NORM])),
-        ffn_b(rec_ptr(r[REC_FFN_NORM + 1])), post_attn(rec_ptr(r[REC_POST_NORM])),
-        post_ffn(rec_ptr(r[REC_POST_NORM + 1])), q_norm(rec_ptr(r[REC_QK_NORM])),
-        k_norm(rec_ptr(r[REC_QK_NORM + 1])), bq(rec_ptr(r[REC_BIAS])),
-        bk(rec_ptr(r[REC_BIAS + 1])), bv(rec_ptr(r[REC_BIAS + 2])), bo(rec_ptr(r[REC_BIAS + 3])),
-        bu(rec_ptr(r[REC_BIAS + 4])), bd(rec_ptr(r[REC_BIAS + 5])), tau(rec_ptr(r[REC_TAU])),
-        sinks(rec_ptr(r[REC_SINKS])),
-        flags((int)r[REC_FLAGS]), variant((int)r[REC_VARIANT]), window(r[REC_WINDOW]),
-        scale(rec_f32(r[REC_SCALE])), softcap(rec_f32(r[REC_SOFTCAP])) {}
+  explicit Layer(const LayerRecord* r)
+      : rec(r), q(r->attn[0]), k(r->attn[1]), v(r->attn[2]), o(r->attn[3]), fc1(r->ffn[0]),
+        fc2(r->ffn[1]), gate(r->ffn[2]), up(r->ffn[3]), down(r->ffn[4]),
+        attn_w(r->attn_norm[0]), attn_b(r->attn_norm[1]), ffn_w(r->ffn_norm[0]),
+        ffn_b(r->ffn_norm[1]), post_attn(r->post_norm[0]), post_ffn(r->post_norm[1]),
+        q_norm(r->qk_norm[0]), k_norm(r->qk_norm[1]), bq(r->bias[0]), bk(r->bias[1]),
+        bv(r->bias[2]), bo(r->bias[3]), bu(r->bias[4]), bd(r->bias[5]), tau(r->tau),
+        sinks(r->sinks), flags((int)r->flags), variant((int)r->variant), window(r->window),
+        scale(r->scale), softcap(r->softcap) {}
 
   // y = the layer's norm of x (n): RMSNorm, or LayerNorm with its bias b (may be null).
   void norm(const float* x, const float* w, const float* b, int64_t n, float eps, float* y) const {
@@ -227,16 +214,12 @@ static int64_t moe_block(const Layer& L, float eps, const float* r, float* out, 
                          int nthreads) {
   if (L.flags & (LF_LAYER_NORM | LF_PARALLEL) || L.ffn_b || L.post_ffn || L.bu || L.bd || !L.ffn_w)
     return -PP_ERR_ARG;
-  int64_t mats[40];
-  for (int i = 0; i < 5; ++i) {
-    mats[i] = L.rec[REC_FFN + i];           // the router
-    mats[5 + i] = L.rec[REC_FFN + 10 + i];  // the gate, up and down stacks
-    mats[10 + i] = L.rec[REC_FFN + 15 + i];
-    mats[15 + i] = L.rec[REC_FFN + 20 + i];
-  }
-  for (int i = 0; i < 20; ++i) mats[20 + i] = L.rec[REC_SHEXP + i];  // a shared expert, or zeros
-  return moe_decode(mats, L.rec[REC_MOE], (int)L.rec[REC_MOE + 1], rec_f32(L.rec[REC_MOE + 2]),
-                    L.rec + REC_ROUTE, L.tau, r, L.ffn_w, eps, out, nullptr, nullptr, act, nthreads);
+  const LayerRecord& R = *L.rec;
+  // the router, the gate, up and down stacks, then a shared expert's 4 matrices (or zeros)
+  const RecMatrix mats[8] = {R.ffn[0],   R.ffn[2],   R.ffn[3],   R.ffn[4],
+                             R.shexp[0], R.shexp[1], R.shexp[2], R.shexp[3]};
+  return moe_decode(mats, R.moe.n_used, (int)R.moe.norm, R.moe.scale, &R.route, L.tau, r, L.ffn_w,
+                    eps, out, nullptr, nullptr, act, nthreads);
 }
 
 // Whether a record's FFN matrices fit together: a variant of its kind (gated or not), a gate of

@@ -1,7 +1,7 @@
 #pragma once
-// Shared by every kernel file: the codes Python mirrors (dtypes, variants, statuses, the decode
-// layer record), the tuning knobs, scalar conversions, fixed summation orders, prefetching and
-// the thread partitioning.
+// Shared by every kernel file: the codes Python mirrors (dtypes, variants, statuses; the decode
+// layer record: layer_record.h), the tuning knobs, scalar conversions, fixed summation orders,
+// prefetching and the thread partitioning.
 
 #include <cmath>
 #include <cstdint>
@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <type_traits>
 #include <utility>
+
+#include "layer_record.h"  // the decode blocks' layer record and its LF_* flags
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -46,34 +48,6 @@ enum Variant {
   V_REGLU = 0, V_DRELU = 1, V_SWIGLU = 2, V_GEGLU = 3, V_RELU = 4, V_GELU = 5, V_COUNT = 6
 };
 enum Status { PP_OK = 0, PP_ERR_INDEX = 1, PP_ERR_ARG = 2 };
-// The decode block kernels' record of one layer, int64 each (Python: kernels.LAYER_RECORD_LEN,
-// checked at load through pp_layer_record_len; built by powerpy.model.kernels.layer_record):
-// 4 attention matrices q, k, v, output and 5 FFN matrices fc1, fc2, gate, up, down of 5 (Mat;
-// zeros: absent), then pointers to f32 vectors (0: absent): the norm attention reads and the
-// norm the FFN reads (weight, bias each), the post norms of attention's and the FFN's outputs,
-// the per-head q and k RMSNorm weights, the row biases of q, k, v, output, up and down, and the
-// FFN's cut tau; then the layout as data: LF_* flags, the FFN variant, the sliding window (0:
-// every key), the q·k scale and the score soft-cap (f32 bit patterns; a cap of 0: none); then a
-// mixture of experts' routing (LF_MOE): experts per token, renormalised weights, the weights'
-// scale (f32 bits). An MoE layer's FFN matrices are the router (fc1's slot), the gate, up and
-// down stacks (moe.h moe_decode); a shared expert's 4 matrices (its gate row, gate, up, down;
-// zeros: none; a gate row of zeros: an unscaled shared expert) follow at REC_SHEXP, then the
-// routing beyond top-k and the experts' biases at REC_ROUTE (moe.h Route); a latent
-// attention's (LF_MLA) per-head stacks and widths at REC_MLA (mla.h); a pointer to the heads'
-// attention sinks (GPT-OSS; 0: none) at REC_SINKS.
-enum LayerRecord {
-  REC_ATTN = 0, REC_FFN = 20, REC_ATTN_NORM = 45, REC_FFN_NORM = 47, REC_POST_NORM = 49,
-  REC_QK_NORM = 51, REC_BIAS = 53, REC_TAU = 59, REC_FLAGS = 60, REC_VARIANT = 61,
-  REC_WINDOW = 62, REC_SCALE = 63, REC_SOFTCAP = 64, REC_MOE = 65, REC_SHEXP = 68,
-  REC_ROUTE = 88, REC_MLA = 97, REC_SINKS = 110, REC_LEN = 111
-};
-// REC_FLAGS: LayerNorm (else RMSNorm); RoPE, in NEOX pairs (i, i + n_rot / 2) or adjacent ones;
-// a parallel block (the FFN reads the block's input); the down matrix as a dense file stores it
-// (n_embd, n_ff); q scaled before q·k (else the scores, in the softmax); a mixture of experts.
-enum LayerFlags {
-  LF_LAYER_NORM = 1, LF_ROPE = 2, LF_NEOX = 4, LF_PARALLEL = 8, LF_DOWN_STORED = 16,
-  LF_Q_SCALED = 32, LF_MOE = 64, LF_MLA = 128
-};
 
 // How far ahead (at least) the next-row prefetch reaches, in bytes: a build constant (-D), as
 // the threads' floor below; it changes only speed. Before ABI 27 pp_set_tuning set it at run time,

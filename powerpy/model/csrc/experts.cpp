@@ -64,9 +64,10 @@ void pp_soft_max(const float* x, int64_t rows, int64_t n, float* y) {
 }
 
 // One token's MoE FFN block in one call (moe.h moe_decode: its arguments and result).
-int64_t pp_moe_decode(const int64_t* mats, int64_t k, int norm, float scale, const int64_t* route,
-                      const float* tau, const float* r, const float* norm_w, float eps,
-                      float* out, int64_t* ids, float* wts, int act, int nthreads) {
+int64_t pp_moe_decode(const RecMatrix* mats, int64_t k, int norm, float scale,
+                      const RecRoute* route, const float* tau, const float* r,
+                      const float* norm_w, float eps, float* out, int64_t* ids, float* wts,
+                      int act, int nthreads) {
   return moe_decode(mats, k, norm, scale, route, tau, r, norm_w, eps, out, ids, wts, act,
                     nthreads);
 }

@@ -39,7 +39,7 @@ extern "C" {
 // Laid out as powerpy.model.host_tasks.ColdTask (checked at load: pp_cold_task_layout).
 struct ColdTask {
   void* worker;           // the Worker that runs it
-  const int64_t* rec;     // the layer's record: its FFN half (gate, up, down, cut, variant)
+  const LayerRecord* rec; // the layer's record: its FFN half (gate, up, down, cut, variant)
   const float* x;         // (T, n_embd) the FFN's normed input
   const uint8_t* mask;    // (T, n_ff) the predictor's mask (nonzero: active), or null: every row
   const uint8_t* cold;    // (n_ff) nonzero where the row stays on the host (a mixture: per neuron

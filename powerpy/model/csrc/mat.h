@@ -40,12 +40,12 @@
       return PP_ERR_ARG;                       \
   }
 
-struct Mat {  // one matrix as Python describes it: 5 int64s (dtype, data, ld, nrows, cols)
+struct Mat {  // one matrix as Python describes it (layer_record.h RecMatrix)
   int dtype;
   const uint8_t* w;
   int64_t ld, nrows, cols;
-  explicit Mat(const int64_t* p)
-      : dtype((int)p[0]), w((const uint8_t*)(intptr_t)p[1]), ld(p[2]), nrows(p[3]), cols(p[4]) {}
+  explicit Mat(const RecMatrix& m)
+      : dtype((int)m.dtype), w((const uint8_t*)m.data), ld(m.ld), nrows(m.nrows), cols(m.cols) {}
   Mat(int dt, const void* p, int64_t ld_, int64_t n, int64_t c)
       : dtype(dt), w((const uint8_t*)p), ld(ld_), nrows(n), cols(c) {}
 };

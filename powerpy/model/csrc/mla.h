@@ -1,10 +1,10 @@
 #pragma once
 // DeepSeek-2's latent attention (powerpy/model/mla.py): one token's attention block over the
 // cache of the latent, in one call, from a layer record flagged LF_MLA (built by mla.mla_part).
-// Its matrices: REC_ATTN's q slot holds attn_q (or attn_q_a), k's attn_kv_a_mqa, v's attn_q_b
-// (zeros: a plain attn_q), o's attn_output; REC_MLA holds the per-head stacks attn_k_b (n_head *
-// r, d_n) and attn_v_b (n_head * d_v, r), then r, d_n and d_v. The q/k norm slots hold
-// attn_q_a_norm and attn_kv_a_norm, the score scale kq_scale. Each step is the per-op path's
+// Its matrices: the record's attn q holds attn_q (or attn_q_a), k attn_kv_a_mqa, v attn_q_b
+// (zeros: a plain attn_q), o attn_output; its mla (layer_record.h RecMla) the per-head stacks
+// attn_k_b (n_head * r, d_n) and attn_v_b (n_head * d_v, r), then r, d_n and d_v. The q/k norms
+// are attn_q_a_norm and attn_kv_a_norm, the score scale kq_scale. Each step is the per-op path's
 // (mla.attention) with its functions, so the two give the same bits. blocks.h, which declares
 // mla_block, includes it at its end.
 
@@ -17,9 +17,9 @@ namespace {
 // table of n_rot / 2 pairs (adjacent pairs). Returns 0 or a status.
 static int mla_block(const Layer& L, const Heads& H, const float* rot, const float* x, void* kc,
                      int cdt, int64_t pos, float* out, int act, int nthreads, double* ph) {
-  const int64_t* m = L.rec + REC_MLA;
-  const Mat k_b(m), v_b(m + 5);
-  const int64_t r = m[10], dn = m[11], dv = m[12], nh = H.n_head, nr = H.n_rot;
+  const RecMla& m = L.rec->mla;
+  const Mat k_b(m.k_b), v_b(m.v_b);
+  const int64_t r = m.rank, dn = m.d_nope, dv = m.d_v, nh = H.n_head, nr = H.n_rot;
   const int64_t dk = dn + nr, row = r + nr, d = L.q.cols, S = pos + 1;
   const Mat& q_last = L.v.w ? L.v : L.q;  // attn_q_b, or a plain attn_q
   if (H.n_kv != 1 || H.hd != row || !rot || !L.attn_w || !L.k_norm || L.k.nrows != row ||

@@ -84,31 +84,6 @@ inline int logits_gemv(const Mat& m, const float* x, float* out, int act, int nt
 // that form is 0/0.
 inline float silu_div(float g) { return g == 0.0f ? 0.5f : (g / (1.0f + expf(-g))) / g; }
 
-// The routing beyond top-k and the experts' extras (moe.py route_args; 9 int64, null: plain
-// softmax, SwiGLU): the gating (0 softmax, 1 sigmoid, 2 the chosen logits' softmax), a pointer to
-// the n_expert selection biases (0: none), the expert groups and how many a token uses (groups
-// <= 1: none), the router's bias (n_expert), the experts' activation (0 SwiGLU, 1 GPT-OSS's
-// clamped one: swiglu_oai) and their gate, up and down biases ((n_expert, n_ff), (n_expert,
-// n_ff), (n_expert, n_embd); 0: none).
-struct Route {
-  int gating = 0, act = 0;
-  const float *bias = nullptr, *router_b = nullptr, *gate_b = nullptr, *up_b = nullptr;
-  const float* down_b = nullptr;
-  int64_t groups = 0, used = 0;
-  explicit Route(const int64_t* r) {
-    if (!r) return;
-    gating = (int)r[0];
-    bias = (const float*)(intptr_t)r[1];
-    groups = r[2];
-    used = r[3];
-    router_b = (const float*)(intptr_t)r[4];
-    act = (int)r[5];
-    gate_b = (const float*)(intptr_t)r[6];
-    up_b = (const float*)(intptr_t)r[7];
-    down_b = (const float*)(intptr_t)r[8];
-  }
-};
-
 // GPT-OSS's SwiGLU (ggml's swiglu_oai, alpha 1.702, limit 7): the gate capped at 7, the up
 // clamped to [-7, 7], then (x / (1 + expf(-1.702 x))) * (y + 1).
 inline float swiglu_oai(float g, float u) {
@@ -116,10 +91,11 @@ inline float swiglu_oai(float g, float u) {
   return (x / (1.f + expf(1.702f * (-x)))) * (y + 1.f);
 }
 
-// p = the routing probabilities of logits z (n); s = the scores the top k is taken of: p plus
-// the bias, -inf outside the `used` groups whose two best scores sum highest (ties: the lower
-// group), as llama.cpp's build_moe_ffn. Returns false for groups that do not split n.
-inline bool route_scores(const Route& R, const float* z, int64_t n, float* p, float* s) {
+// p = the routing probabilities of logits z (n) by R's gating (layer_record.h RecRoute); s = the
+// scores the top k is taken of: p plus R's bias, -inf outside the `used` groups whose two best
+// scores sum highest (ties: the lower group), as llama.cpp's build_moe_ffn. Returns false for
+// groups that do not split n.
+inline bool route_scores(const RecRoute& R, const float* z, int64_t n, float* p, float* s) {
   if (R.gating == 0) soft_max_row(z, n, p);
   for (int64_t e = 0; e < n && R.gating == 1; ++e) p[e] = 1.f / (1.f + expf(-z[e]));
   for (int64_t e = 0; e < n && R.gating == 2; ++e) p[e] = z[e];
@@ -162,8 +138,7 @@ inline bool route_scores(const Route& R, const float* z, int64_t n, float* p, fl
 // A matrix of rows [r0, r0 + n) of m, as a Mat.
 inline Mat sub_rows(const Mat& m, int64_t r0, int64_t n) {  // interleaved: r0 % 8 == 0
   const uint8_t* w = is_x8(m.dtype) ? m.w + r0 / 8 * m.ld : m.w + r0 * m.ld;
-  const int64_t p[5] = {m.dtype, (int64_t)(intptr_t)w, m.ld, n, m.cols};
-  return Mat(p);
+  return Mat(m.dtype, w, m.ld, n, m.cols);
 }
 
 // The MoE cut works on groups of neurons, one block of the down stack's type (K-quants 256,
@@ -281,7 +256,7 @@ static int down_runs(const Mat& m, const float* h, float* out, int act, int nt) 
 
 // One token's mixture-of-experts FFN block in one call (CPU decode, llama.cpp's build_moe_ffn):
 // xn = rms_norm(r) * norm_w; logits = router · xn (logits_gemv); p and the selection scores s
-// by `route` (Route, route_scores; null: p = soft_max(logits) = s); the k experts of largest s,
+// by `route` (RecRoute, route_scores; null: p = soft_max(logits) = s); the k experts of largest s,
 // largest first (ties: lower id); w_i = p[e_i] (gating 2: the soft_max of the k logits);
 // w_i /= max(sum_i w_i (in double), 2^-14) when `norm`, then w_i *= scale unless scale is 0 or
 // 1; h = silu(gate · xn) *
@@ -291,15 +266,15 @@ static int down_runs(const Mat& m, const float* h, float* out, int act, int nt) 
 // silu_div(gate_inp_s · xn) where it has that gate row (qwen2moe). out = r + acc. mats: router,
 // gate and up stacks (n_expert * n_ff, n_embd), down stack (n_expert * n_embd, n_ff), then the
 // shared expert's gate row (1, n_embd; zeros: none), gate and up (n_ff_s, n_embd) and down
-// (n_embd, n_ff_s), all zeros without one: 8 x 5 int64. ids and wts (k, or null) receive the
+// (n_embd, n_ff_s), all zeros without one: 8 RecMatrix. ids and wts (k, or null) receive the
 // routing. Returns the routed neurons whose down column was added (their h nonzero), or -status.
-int64_t moe_decode(const int64_t* mats, int64_t k, int norm, float scale, const int64_t* route,
+int64_t moe_decode(const RecMatrix* mats, int64_t k, int norm, float scale, const RecRoute* route,
                    const float* tau, const float* r, const float* norm_w, float eps, float* out,
                    int64_t* ids, float* wts, int act, int nthreads) {
-  const Mat router(mats), gate(mats + 5), up(mats + 10), down(mats + 15);
-  const Mat s_inp(mats + 20), s_gate(mats + 25), s_up(mats + 30), s_down(mats + 35);
+  const Mat router(mats[0]), gate(mats[1]), up(mats[2]), down(mats[3]);
+  const Mat s_inp(mats[4]), s_gate(mats[5]), s_up(mats[6]), s_down(mats[7]);
   const int64_t E = router.nrows, d = router.cols, ffs = s_up.nrows;
-  const Route R(route);
+  const RecRoute R = route ? *route : RecRoute{};
   if (E < 1 || k < 1 || k > E || gate.nrows % E || up.nrows != gate.nrows ||
       down.nrows != E * d || gate.cols != d || down.cols != gate.nrows / E || R.gating < 0 ||
       R.gating > 2)
