@@ -148,3 +148,24 @@ def test_the_moe_comparison_dry_run(tmp_path):
     if importlib.util.find_spec("llama_cpp"):
         assert [c for c in configs[3:]] == [("llama.cpp", "cpu-only"), ("llama.cpp", "--n-cpu-moe")]
     assert all(r["tok_s"] > 0 for r in rows), rows
+
+
+def test_a_skipped_section_does_not_run(tmp_path):
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "tools/device_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_check"] = module  # (its dataclasses look their module up)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["device_check"]
+    report = module.Report(tmp_path, True, 100.0, frozenset({"full"}))
+    ran = []
+    assert report.run("full", lambda: ran.append(1)) is None
+    assert report.run("kernels", lambda: ran.append(2) or 7) == 7
+    assert ran == [2]
+    assert report.data["sections"]["full"] == {
+        "ok": False,
+        "seconds": 0.0,
+        "error": "skipped: --skip",
+    }
+    assert report.data["sections"]["kernels"]["ok"]

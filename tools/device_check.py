@@ -130,8 +130,11 @@ def say(msg: str) -> None:
 class Report:
     """The results as one JSON-able dict, rewritten with its markdown after every section."""
 
-    def __init__(self, out: Path, dry_run: bool, deadline: float) -> None:
+    def __init__(
+        self, out: Path, dry_run: bool, deadline: float, skip: frozenset[str] = frozenset()
+    ) -> None:
         self.out = out
+        self.skip = skip  # sections not to run (--skip)
         self.t0 = time.monotonic()
         self.deadline = deadline
         self.data: dict[str, Any] = {
@@ -162,6 +165,10 @@ class Report:
         """Run section ``fn``; its exception is recorded, not raised. Returns its result."""
         info: dict[str, Any] = {"ok": False, "seconds": 0.0, "error": None}
         self.data["sections"][name] = info
+        if name in self.skip:
+            info["error"] = "skipped: --skip"
+            say(f"{name}: {info['error']}")
+            return None
         if self.left() < need:
             info["error"] = f"skipped: {self.left():.0f} s left, it needs ~{need:.0f} s"
             say(f"{name}: {info['error']}")
@@ -1161,13 +1168,19 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=0, help="CPU threads (0: torch's default; 1 with --dry-run)"
     )
     ap.add_argument("--no-q4-0", action="store_true", help="skip the Q4_0 model (section full)")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="sections not to run, comma-separated (a second call for what the first had no "
+        "time for; model is needed by full, budgets and llamacpp)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.dry_run:  # the code path only: few tokens, one thread (no OpenMP spinning on CI)
         args.tokens, args.repeats, args.threads = min(args.tokens, 2), 1, args.threads or 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = Report(args.out, args.dry_run, args.deadline)
+    report = Report(args.out, args.dry_run, args.deadline, frozenset(args.skip.split(",")) - {""})
     dev = torch.device(args.device or ("cpu" if args.dry_run else "cuda"))
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())  # tensors say cuda:0, not cuda
