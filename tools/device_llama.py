@@ -157,6 +157,7 @@ def run_child(args: argparse.Namespace) -> dict:
         model_path=args.model,
         n_gpu_layers=args.ngl,
         n_ctx=args.n_ctx,
+        n_batch=64,  # small compute buffers: the prompt is 16 tokens, then one at a time
         n_threads=args.threads,
         n_threads_batch=args.threads,
         logits_all=False,
