@@ -20,7 +20,8 @@
 #
 # Environment: PYTHON (default: python, else python3), DEVICE_WHEELS (default .device-wheels),
 # DEVICE_CHECK_SECONDS (default 450; 150 with --dry-run), DEVICE_CHECK_LAYERS (cut the 7B
-# shape to N layers when time is short), DEVICE_CHECK_ARGS (more device_check.py arguments).
+# shape to N layers when time is short), DEVICE_CHECK_ARGS (more device_check.py arguments),
+# DEVICE_CHECK_STEPS (the steps to run, e.g. "env install kernels moe" for a second call).
 # Exit status: 0 when every step that ran succeeded.
 set -u
 
@@ -30,7 +31,7 @@ for arg in "$@"; do
     case $arg in
         --dry-run) DRY=1 ;;
         -h | --help)
-            sed -n '2,23p' "$0"
+            sed -n '2,24p' "$0"
             exit 0
             ;;
         -*)
@@ -64,6 +65,11 @@ record() { # NAME STATUS RC SECONDS TIMEOUT
 step() { # NAME LIMIT CMD...: run CMD with a timeout capped by the time left; log and record
     local name=$1 limit=$2 t rc status t0 dt
     shift 2
+    if [[ -n ${DEVICE_CHECK_STEPS:-} && " $DEVICE_CHECK_STEPS " != *" $name "* ]]; then
+        echo "== $name: skipped (DEVICE_CHECK_STEPS)"
+        record "$name" skipped "" 0 0
+        return
+    fi
     t=$(left)
     ((limit < t)) && t=$limit
     if ((t < 5)); then
@@ -200,7 +206,7 @@ fi
 # --n-cpu-moe at the same VRAM (tools/device_moe.py; a 27 GB model, about two and a half
 # minutes: with less time left it is skipped, and `python tools/device_moe.py --out DIR` runs
 # it as a call of its own)
-if ((DRY || $(left) >= 160)); then
+if [[ -n ${DEVICE_CHECK_STEPS:-} ]] || ((DRY || $(left) >= 160)); then
     step moe $((DRY ? 60 : 160)) "$PY" tools/device_moe.py "${DRY_FLAG[@]}" --out "$OUTDIR"
 else
     echo "== moe: skipped, $(left) s left (run tools/device_moe.py as a call of its own)"
