@@ -364,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [("cpu", "cpu-only", None)]
     for b in args.budget:
         key, _, size = b.partition("=")
+        if not key or not size.isdigit():
+            ap.error(f"--budget {b!r}: give KEY=BYTES, e.g. 4=4294967296")
         budgets.append((key, key, int(size)))
+    if args.model and not Path(args.model).is_file():
+        ap.error(f"--model {args.model}: no such file")
     with tempfile.TemporaryDirectory(prefix="device_llama_") as tmp:
         model = Path(args.model) if args.model else None
         if args.dry_run:
