@@ -125,20 +125,10 @@ def test_hybrid_q4_0_raw_rows(tmp_path, hot_mode):
     """Q4_0 matrices: hot copies are raw quantized rows (QuantWeight.take_rows), not re-encoded.
     The device multiplies them by f32 activations (as a GPU does), so both runs keep exact
     activations (llama.cpp's int8 rounding is a CPU numerics)."""
-    from powerpy.formats.gguf_writer import write_gguf
-    from powerpy.formats.quants import quantize
     from powerpy.model.matrices import QuantWeight
-    from powerpy.testing import tiny_kv, tiny_tensors
 
     path = tmp_path / "q4.powerinfer.gguf"
-    t = tiny_tensors(SPEC, sparse=True, seed=5)
-    out = [
-        (name, quantize(a, GGMLType.Q4_0), GGMLType.Q4_0, a.shape)
-        if a.ndim == 2
-        else (name, a, GGMLType.F32)
-        for name, a in t.items()
-    ]
-    write_gguf(path, tiny_kv(SPEC), out, magic=b"PWRI")
+    write_tiny_model(path, SPEC, sparse=True, seed=5, dtype=GGMLType.Q4_0)
     ref = load(path, weight_format="raw", exact_activations=True)  # raw blocks, no kernels too
     llm, rt = hybrid(
         path, index_of("random"), hot_mode=hot_mode, weight_format="raw", exact_activations=True

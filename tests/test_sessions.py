@@ -149,21 +149,11 @@ def test_runs_leave_no_state_outside_its_owners(tmp_path):
 
     from powerpy.formats import gguf_reader
     from powerpy.formats.constants import GGMLType
-    from powerpy.formats.gguf_writer import write_gguf
-    from powerpy.formats.quants import quantize
     from powerpy.model import stack_decode
     from powerpy.model.plan import PlanKey
-    from powerpy.testing import tiny_kv, tiny_tensors
 
     path = tmp_path / "q4.powerinfer.gguf"
-    t = tiny_tensors(SPEC, sparse=True, seed=5)
-    out = [
-        (name, quantize(a, GGMLType.Q4_0), GGMLType.Q4_0, a.shape)
-        if a.ndim == 2
-        else (name, a, GGMLType.F32)
-        for name, a in t.items()
-    ]
-    write_gguf(path, tiny_kv(SPEC), out, magic=b"PWRI")
+    write_tiny_model(path, SPEC, sparse=True, seed=5, dtype=GGMLType.Q4_0)
     llm = load(path)
     assert not hasattr(stack_decode, "_PLANS") and not hasattr(gguf_reader, "_FILE_PAGES")
     before = _derived_state(llm)
