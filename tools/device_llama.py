@@ -233,16 +233,12 @@ def child(
 def layer_sizes(dense: Path) -> tuple[list[int], int, int]:
     """(bytes of each repeating layer, bytes of the output matrix and norm, KV bytes per layer
     at N_CTX positions in f16) of a GGUF."""
+    from powerpy.config import ModelArgs
     from powerpy.formats.gguf_reader import read_gguf
 
     with read_gguf(dense) as gf:
-        a = gf.kv
-        arch = a["general.architecture"]
-        n_layer = int(a[f"{arch}.block_count"])
-        n_embd = int(a[f"{arch}.embedding_length"])
-        n_head = int(a[f"{arch}.attention.head_count"])
-        n_kv = int(a.get(f"{arch}.attention.head_count_kv", n_head))
-        layers = [0] * n_layer
+        args = ModelArgs.from_gguf(gf)
+        layers = [0] * args.n_layer
         out = 0
         for name, t in gf.tensors.items():
             if name.startswith("blk."):
@@ -251,8 +247,7 @@ def layer_sizes(dense: Path) -> tuple[list[int], int, int]:
                 out += t.nbytes
         if "output.weight" not in gf.tensors:  # tied: llama.cpp offloads a copy of the embedding
             out += gf.tensors["token_embd.weight"].nbytes
-    kv = 2 * N_CTX * (n_embd // n_head) * n_kv * 2
-    return layers, out, kv
+    return layers, out, 2 * N_CTX * args.n_embd_gqa * 2  # K and V, f16
 
 
 def fit_layers(layers: list[int], output: int, kv: int, budget: int | None) -> int:
@@ -392,7 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     text = json.dumps(rows, indent=1)
     if args.out:
-        args.out.write_text(text)
+        from powerpy._fs import atomic_write
+
+        with atomic_write(args.out) as tmp_out:
+            tmp_out.write_text(text)
     print(text)
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -39,6 +39,7 @@ import torch
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS.parent))
 
+from powerpy._fs import atomic_write  # noqa: E402
 from powerpy.api import load  # noqa: E402
 from powerpy.formats.constants import GGMLType  # noqa: E402
 from powerpy.formats.stats import save_activation_stats  # noqa: E402
@@ -248,8 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.workdir is None and shm.is_dir() and shutil.disk_usage(shm).free > 40 * GIB:
         args.workdir = str(shm)  # memory-backed: writing 27 GB costs no disk
     rows = run(args)
-    (args.out / "device_moe.json").write_text(json.dumps(rows, indent=1, default=str))
-    (args.out / "device_moe.md").write_text(render(rows))
+    for name, text in (
+        ("device_moe.json", json.dumps(rows, indent=1, default=str)),
+        ("device_moe.md", render(rows)),
+    ):
+        with atomic_write(args.out / name) as tmp:
+            tmp.write_text(text)
     print(render(rows))
     return 0 if not any("error" in r for r in rows) else 1
 
