@@ -232,6 +232,7 @@ def load(
     exact_activations: bool = False,
     native_kernels: bool = True,
     cuda_graphs: bool = True,
+    defer_cold: bool = False,
     layers: range | None = None,
     **placement_options,
 ) -> LLM:
@@ -277,6 +278,9 @@ def load(
             code paths only).
         cuda_graphs: replay a fully placed model's decode step as a captured graph (False: run
             the same step eagerly; ``RunOptions.graphs``).
+        defer_cold: a hybrid decode step adds each layer's host rows to the residual stream a
+            layer late, overlapping the CPU's part with the next layer's device work; it
+            changes the computation (``RunOptions.defer_cold``).
         layers: load only these layers, as one stage of a model split by layer range
             (``powerpy.model.stage``; ``powerpy.cluster`` chains stages): the model then takes
             the residual stream instead of token ids unless it holds layer 0, and returns it
@@ -321,6 +325,7 @@ def load(
         cut_scale=cut_scale,
         numerics=num,
         graphs=cuda_graphs,
+        defer_cold=defer_cold,
     )
     llm = LLM(model, tokenizer, gf, path, options=opts)
     if vram_budget is not None or placement_options.get("n_cpu_moe") is not None:

@@ -73,6 +73,9 @@ def test_dry_run_writes_every_section(tmp_path):
     assert all(r["ok"] for r in data["correctness"])
     assert [r["key"] for r in data["timing"]] == ["cpu", "4", "all", "8", "12"]
     assert all(r["tok_s"] > 0 and r["phase_ms"] for r in data["timing"])
+    hybrid = {r["key"]: r for r in data["timing"] if r.get("graph_hybrid")}
+    assert set(hybrid) >= {"8", "12"}, [(r["key"], r.get("graph_plan")) for r in data["timing"]]
+    assert all(r["deferred_tok_s"] > 0 and r["deferred_deferred"] for r in hybrid.values())
     if "llamacpp" in SECTIONS:
         anchor = data["llamacpp"]
         assert [r["budget_key"] for r in anchor] == ["cpu", "4", "all", "8", "12"]
@@ -148,6 +151,7 @@ def test_the_moe_comparison_dry_run(tmp_path):
     if importlib.util.find_spec("llama_cpp"):
         assert [c for c in configs[3:]] == [("llama.cpp", "cpu-only"), ("llama.cpp", "--n-cpu-moe")]
     assert all(r["tok_s"] > 0 for r in rows), rows
+    assert rows[1]["deferred_tok_s"] > 0  # the experts' cold neurons a layer late
 
 
 def test_a_skipped_section_does_not_run(tmp_path):

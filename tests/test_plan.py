@@ -30,7 +30,7 @@ from powerpy.formats.gpuidx import GpuIndex
 from powerpy.model import plan as plan_mod
 from powerpy.model.device import Accelerator
 from powerpy.model.graphs import EmulatedStepGraph
-from powerpy.model.options import RunOptions
+from powerpy.model.options import SPARSE, RunOptions
 from powerpy.model.step import Step
 from powerpy.placement.placement import Placement
 from powerpy.placement.runtime import build_hybrid
@@ -254,18 +254,21 @@ def test_a_hybrid_batch_pads_to_its_bucket(model_path):
     assert model.plans.get(model, llm.options, 3).device.cold.layers[0].task.T == 3
 
 
-def test_two_fake_cuda_hybrid_steps_trace_alike(model_path):
-    """Capture safety of a hybrid step: the same ops on the same memory in steps 2 and 3,
-    nothing on the host inside the step, two host functions and three copies (the input and
-    the mask out, the cold sum in) per layer, one wait per step."""
+@pytest.mark.parametrize("defer", [False, True])
+def test_two_fake_cuda_hybrid_steps_trace_alike(model_path, defer):
+    """Capture safety of a hybrid step (its cold rows deferred or not): the same ops on the
+    same memory in steps 2 and 3, nothing on the host inside the step, two host functions and
+    three copies (the input and the mask out, the cold sum in) per layer, one wait per step."""
     llm, model = placed_hybrid(model_path, FakeCuda(), SPEC.n_ff // 3)
     accel = model.accel
     cache = model.new_cache(N_CTX)
+    opts = dataclasses.replace(llm.options, defer_cold=defer)
     traces: list[StepTrace] = []
     with FakeCudaOps():
-        model.forward(torch.tensor(PROMPT), cache, llm.options)
-        model.forward(torch.tensor([STEPS[0]]), cache, llm.options)
-        step = model.plans.get(model, llm.options, 1).device
+        model.forward(torch.tensor(PROMPT), cache, opts)
+        model.forward(torch.tensor([STEPS[0]]), cache, opts)
+        step = model.plans.get(model, opts, 1).device
+        assert step.deferred is defer
         body = step.body
 
         def traced():
@@ -276,7 +279,7 @@ def test_two_fake_cuda_hybrid_steps_trace_alike(model_path):
         step.body = traced
         for tok in STEPS[1:3]:
             accel.reset_counts()
-            model.forward(torch.tensor([tok]), cache, llm.options)
+            model.forward(torch.tensor([tok]), cache, opts)
             n = SPEC.n_layer
             assert (accel.n_in, accel.n_out, accel.waits) == (3 + n, 2 + 2 * n, 1)
             assert accel.host_calls == 2 * n
@@ -414,3 +417,127 @@ def test_two_fake_cuda_mixture_steps_trace_alike(moe_path):
             model.forward(torch.tensor([tok]), cache, llm.options)
             assert accel.waits == 1 and accel.host_calls == 2 * len(_moe_hosted(model))
     assert traces[0].ops == traces[1].ops and traces[0].host_ops == []
+
+
+# ------------------------------------------------------------------- deferred cold rows
+def deferred_reference(model, opts, monkeypatch, steps=STEPS):
+    """What ``RunOptions.defer_cold`` computes, by the per-layer path (no plan): the prompt
+    as usual; then each decode step's hot/cold splits (``split.run_split``, the FFN's and a
+    mixture's) return their hot part alone, and each cold part joins the residual stream after
+    the next layer's block, or before the head after the last."""
+    from powerpy.model import moe, split
+    from powerpy.model.transformer import Model
+
+    run_split, block, head = split.run_split, Model._block, Model.head
+    on, layer, pending = [False], [0], []
+
+    def deferring_split(accel, x, sel, hot, cold, o=SPARSE, *, keep=()):
+        if not on[0]:
+            return run_split(accel, x, sel, hot, cold, o, keep=keep)
+
+        def stash(x_host, sel_host):
+            pending.append((layer[0], cold(x_host, sel_host)))
+            return torch.zeros_like(pending[-1][1])
+
+        return run_split(accel, x, sel, hot, stash, o, keep=keep)
+
+    def deferring_block(self, l, *args, **kw):
+        layer[0] = l
+        y = block(self, l, *args, **kw)
+        while on[0] and pending and pending[0][0] < l:
+            y = y + pending.pop(0)[1].to(y.device)
+        return y
+
+    def deferring_head(self, x, o):
+        while pending:
+            x = x + pending.pop(0)[1].to(x.device)
+        return head(self, x, o)
+
+    monkeypatch.setattr(split, "run_split", deferring_split)
+    monkeypatch.setattr(moe, "run_split", deferring_split)
+    monkeypatch.setattr(Model, "_block", deferring_block)
+    monkeypatch.setattr(Model, "head", deferring_head)
+    monkeypatch.setattr(model.plans, "get", lambda *a: None)  # the per-layer path
+    cache = model.new_cache(N_CTX)
+    rows = [model.forward(torch.tensor(PROMPT), cache, opts)]
+    on[0] = True
+    rows += [model.forward(torch.tensor([t]), cache, opts) for t in steps]
+    monkeypatch.undo()
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("budget", ["attention only", "a third hot"])
+def test_deferred_cold_rows_join_the_stream_a_layer_late(model_path, budget, monkeypatch):
+    """``defer_cold``: the replay equals its eager run bit for bit and the deferred
+    computation done by the per-layer path up to f32 rounding, and it is not the undeferred
+    step (the check could fail): each layer's task is waited for after the next layer."""
+    llm, model = placed_hybrid(
+        model_path, Accelerator("cpu"), HYBRID[budget], exact_activations=True
+    )
+    base = RunOptions(threshold=0.0, numerics=llm.options.numerics)
+    opts = dataclasses.replace(base, defer_cold=True)
+    got = decode(model, opts)
+    step = model.plans.get(model, opts, 1).device
+    assert step.deferred and isinstance(step.graph, EmulatedStepGraph)
+    calls = [args[1:3] for op, args, *_ in step.graph.ops if op.__name__ == "host_call.default"]
+    c0, c1 = step.cold.layers[0].ptr, step.cold.layers[1].ptr
+    sub, wait = step.cold.submit, step.cold.wait
+    assert calls == [(sub, c0), (sub, c1), (wait, c0), (wait, c1)]  # layer 1 submitted first
+    assert torch.equal(got, decode(model, dataclasses.replace(opts, graphs=False)))
+    ref = deferred_reference(model, base, monkeypatch)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    undeferred = decode(model, base)
+    assert (got - undeferred)[1:].abs().max() > 100 * 1e-4  # the prompt's row is not deferred
+    assert torch.equal(got[0], undeferred[0])
+
+
+def test_a_mixtures_deferred_step_and_its_counts(moe_path, monkeypatch):
+    """A mixture's routed cold neurons deferred: the per-layer path's deferred computation,
+    with the same sparsity counts (the host's neurons counted when their task is waited for)."""
+    arch, path = moe_path
+    spec = MOE_SPECS[arch]
+    llm, model = placed_moe(path, spec, Accelerator("cpu"), 1 / 3, exact_activations=True)
+    opts = dataclasses.replace(llm.options, defer_cold=True)
+    got = decode(model, opts)
+    counted = opts.stats.active.copy()
+    step = model.plans.get(model, model._options(opts), 1).device
+    assert step.deferred and set(step.cold.layers) == _moe_hosted(model)
+    opts.stats.reset()
+    ref = deferred_reference(model, llm.options, monkeypatch)
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert np.array_equal(counted, opts.stats.active)
+    assert counted.sum() > 0
+
+
+def test_a_normed_ffn_output_is_not_deferred(model_path, caplog):
+    """A hosted layer whose FFN output is normalized (``post_ffw_norm``) cannot add its cold
+    part apart: the step warns once and runs undeferred, the same bits as without the option."""
+    llm, model = placed_hybrid(model_path, Accelerator("cpu"), SPEC.n_ff // 3)
+    model.weights.blk[1].post_ffw_norm = model.accel.to_device(torch.full((SPEC.n_embd,), 0.5))
+    base = RunOptions(threshold=0.0, numerics=llm.options.numerics)
+    with caplog.at_level(logging.WARNING, logger="powerpy.model.plan"):
+        got = decode(model, dataclasses.replace(base, defer_cold=True))
+    assert "layer 1 normalizes its FFN's output" in caplog.text
+    assert not model.plans.get(model, dataclasses.replace(base, defer_cold=True), 1).device.deferred
+    assert torch.equal(got, decode(model, base))
+
+
+def test_the_deferral_quality_script_measures_real_rows(tmp_path):
+    """``tools/defer_quality.py`` on kjv-relu, briefly: a CPU-only row and a hybrid one whose
+    step deferred, with perplexities near the CPU-only one."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("defer_quality", root / "tools/defer_quality.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "rows.json"
+    assert tool.main(["--tokens", "24", "--budgets", "3", "--json", str(out)]) == 0
+    cpu, row = json.loads(out.read_text())["rows"]
+    assert row["device_step"] and row["deferred"] and 0 < row["hot_share"] < 1
+    assert abs(row["nll"] - cpu["nll"]) < 1e-3  # the hybrid is the CPU-only model
+    assert 0 < row["max_dlogit"] and abs(row["nll_deferred"] - cpu["nll"]) < 0.5

@@ -30,7 +30,8 @@ timeout still leaves what it measured:
   host ms a step takes to queue its work and to wait for its logits.
 - ``budgets``: CPU-only, then 4, 8, 12 GiB (scaled by the model's size when it is not the full
   7B) and the whole model. Per budget: ``memory`` (peak allocation over a prefill and 8 decode
-  steps vs the budget), ``timing`` (tok/s with graphs and eagerly, host ms per step, seconds per
+  steps vs the budget), ``timing`` (tok/s with graphs and eagerly, and at a hybrid budget with
+  the cold rows deferred a layer (``--defer-cold``); host ms per step, seconds per
   phase per token) and ``profile`` (kernels, copies and host syncs per decode step, the GPU's
   busy share).
 - ``llamacpp``: llama.cpp's CUDA build (``tools/device_llama.py``) on the dense twin of the
@@ -767,6 +768,9 @@ def measure_timing(ctx: Ctx, llm: LLM, row: dict) -> None:
     row |= {f"{k}_{f}": v for k, fig in r.items() for f, v in fig.items()}
     row["tok_s"] = max(r["graph"]["tok_s"], r["eager"]["tok_s"])
     row["ms_per_token"] = 1e3 / row["tok_s"]
+    if r["graph"]["hybrid"]:  # the cold rows a layer late (--defer-cold): its own figure
+        d = step_tool.step_rates(llm, prompt, n, ctx.args.repeats, ("graph",), defer_cold=True)
+        row |= {f"deferred_{f}": v for f, v in d["graph"].items()}
     timer = PhaseTimer()
     steps = greedy_steps(
         llm, prompt, len(prompt) + n + 4, dataclasses.replace(llm.options, timer=timer)
@@ -1062,8 +1066,10 @@ def render_markdown(data: dict) -> str:
             "active",
             "graph_tok_s",
             "eager_tok_s",
+            "deferred_tok_s",
             "graph_host_ms",
             "graph_cpu_busy",
+            "deferred_cpu_busy",
             "graph_plan",
             "phase_ms",
         ],

@@ -132,6 +132,11 @@ def powerpy_row(name: str, path: Path, dev: torch.device, args, **placement) -> 
     r = device_step.step_rates(llm, PROMPT, args.tokens, args.repeats)
     row["tok_s"] = max(r["graph"]["tok_s"], r["eager"]["tok_s"])
     row |= {f"{k}_{f}": r[k][f] for k in ("graph", "eager") for f in ("tok_s", "plan")}
+    if r["graph"]["hybrid"]:  # the experts' cold neurons a layer late (--defer-cold)
+        d = device_step.step_rates(
+            llm, PROMPT, args.tokens, args.repeats, ("graph",), defer_cold=True
+        )
+        row["deferred_tok_s"] = d["graph"]["tok_s"]
     used = _used(dev)
     row["vram_bytes"] = used - base if used is not None and base is not None else None
     if llm.runtime is not None:
@@ -214,7 +219,8 @@ def _run(args, dev: torch.device, shape: TinySpec, work: Path) -> list[dict]:
 def render(rows: list[dict]) -> str:
     head, body = rows[0], rows[1:]
     md = ["# A DeepSeek-like mixture beyond the GPU", "", f"model {head}", ""]
-    cols = ["engine", "config", "tok_s", "graph_tok_s", "eager_tok_s", "graph_plan", "vram_bytes"]
+    cols = ["engine", "config", "tok_s", "graph_tok_s", "eager_tok_s", "deferred_tok_s"]
+    cols += ["graph_plan", "vram_bytes"]
     cols += ["placed_bytes", "n_gpu_layers", "error"]
     md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in body:

@@ -33,6 +33,7 @@ from powerpy.formats.constants import GGMLType, Names
 from powerpy.formats.gguf_writer import GGUFStreamWriter
 from powerpy.generate import generate_step
 from powerpy.model import gpu_kernels
+from powerpy.model.device import HOST
 from powerpy.model.graphs import CaptureError, StepGraph
 from powerpy.sampling import SamplingParams, make_sampler
 from powerpy.testing import synthetic as synth
@@ -119,11 +120,14 @@ def roofline(shape: synth.Shape, dev: torch.device, dtype: torch.dtype, n_tok: i
 
 
 # ----------------------------------------------------------------------------------- a model's step
-def step_rates(llm, prompt: list[int], n_tok: int, repeats: int, **opts) -> dict:
+def step_rates(
+    llm, prompt: list[int], n_tok: int, repeats: int, modes=("graph", "eager"), **opts
+) -> dict:
     """Decode tok/s of ``llm`` (RunOptions fields ``opts`` on top of its own) with graphs and
-    without, and the host ms of the last step's queueing and waiting."""
+    without (``modes``), and the host ms of the last step's queueing and waiting."""
     out: dict[str, Any] = {}
-    for graphs, key in ((True, "graph"), (False, "eager")):
+    for key in modes:
+        graphs = key == "graph"
         options = dataclasses.replace(llm.options, graphs=graphs, **opts)
         best, host, cpu_busy = 0.0, {}, 0.0
         for _ in range(repeats):
@@ -145,6 +149,8 @@ def step_rates(llm, prompt: list[int], n_tok: int, repeats: int, **opts) -> dict
                 "plan": "device step" if step is not None else (plan and plan.refusal),
                 "captured": step is not None and step.graph is not None,
                 "capture_error": None if step is None else step.reason,
+                "hybrid": step is not None and step.cold is not None,
+                "deferred": step is not None and step.deferred,
                 "host_ms": None if step is None else 1e3 * step.host_s,
                 "wait_ms": None if step is None else 1e3 * step.wait_s,
             }
@@ -297,4 +303,45 @@ def kernel_rates(shape: synth.Shape, dev: torch.device, reps: int) -> list[dict]
             scale=hd**-0.5,
             span=length,
         )
+    rows += predictor_rates(shape, dev, reps)
     return rows
+
+
+def predictor_rates(shape: synth.Shape, dev: torch.device, reps: int) -> list[dict]:
+    """A layer's predictor (``fc2 · relu(fc1 · x)``, F16, one token) on the device and in the
+    native CPU kernels with this process's threads: which side it pays to run on
+    (docs/gpu.md, "Where the predictor runs"). Each call reads the next of enough copies to
+    exceed the caches (256 MiB), as a step reads every layer's once."""
+    from powerpy.model import kernels
+
+    d, ff, H = shape.n_embd, shape.n_ff, shape.hidden
+    nbytes = 2 * (H * d + ff * H)
+    n_copies = max(1, -(-(256 << 20) // nbytes))
+    fcs = [(torch.randn(H, d).half(), torch.randn(ff, H).half()) for _ in range(n_copies)]
+    code = gpu_kernels.TYPES[GGMLType.F16]
+    x = torch.randn(1, d)
+    x_dev = x.to(dev)
+    on_dev = [tuple(w.to(dev).view(torch.uint8) for w in pair) for pair in fcs]
+    lib = kernels.library()
+    on_host = [] if lib is None else [tuple(map(kernels.Matrix.of_dense, p)) for p in fcs]
+    turn = iter(range(1 << 62))
+
+    def device_call() -> torch.Tensor:
+        w1, w2 = on_dev[next(turn) % n_copies]
+        z = F.relu(gpu_kernels.linear_op(w1, x_dev, code, d, None, None))
+        return gpu_kernels.linear_op(w2, z, code, H, None, None)
+
+    def host_call() -> torch.Tensor:
+        m1, m2 = on_host[next(turn) % n_copies]
+        return lib.gather_gemv(m2, lib.gather_gemv(m1, x[0], None).relu_(), None)
+
+    out = []
+    what = f"f16 {H}x{d} + {ff}x{H}"
+    sides = [("device", device_call, dev)] + ([("host", host_call, HOST)] if lib else [])
+    for side, fn, where in sides:
+        for _ in range(n_copies):  # compiles, warms (and faults every copy in)
+            fn()
+        s = timed(where, fn, max(reps, n_copies))
+        row = {"op": "predictor", "case": f"{what} on the {side}", "us": 1e6 * s}
+        out.append(row | {"gb_s": nbytes / s / 1e9, "threads": torch.get_num_threads()})
+    return out

@@ -131,6 +131,12 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run each decode step eagerly instead of replaying it as a captured CUDA graph",
     )
+    p.add_argument(
+        "--defer-cold",
+        action="store_true",
+        help="hybrid decode: add each layer's CPU rows to the residual stream one layer late, "
+        "so the CPU works while the GPU runs the next layer (changes the output slightly)",
+    )
     p.add_argument(  # dev/test: "cpu" emulates the accelerator on the CPU
         "--accel-device", default=None, help=argparse.SUPPRESS
     )
@@ -219,6 +225,7 @@ def load_model(args: argparse.Namespace):
         cut_scale=cut_scale,
         exact_activations=getattr(args, "exact_activations", False),
         cuda_graphs=getattr(args, "cuda_graphs", True),
+        defer_cold=getattr(args, "defer_cold", False),
         progress=sys.stderr.isatty(),
     )
     if llm.model.args.sparse and getattr(args, "n_gpu_layers", 0) > 0:

@@ -164,9 +164,13 @@ class ColdLayer:
 
 class ColdTasks:
     """A plan's cold tasks: one :class:`ColdLayer` per layer with FFN rows on the host, the
-    worker that runs them and the two host functions' addresses."""
+    worker that runs them and the two host functions' addresses.
 
-    def __init__(self, model, opts: RunOptions, batch: int) -> None:
+    ``defer`` (``RunOptions.defer_cold``): a layer's FFN returns its hot rows alone and its
+    task stays in flight; :meth:`settle`, after the next layer's block, waits for it and adds
+    its sum to the residual stream, and :meth:`flush` adds what is left before the head."""
+
+    def __init__(self, model, opts: RunOptions, batch: int, defer: bool = False) -> None:
         lib = kernels.library()
         if lib is None:
             raise HostRowsError("the native kernels are unavailable")
@@ -174,6 +178,10 @@ class ColdTasks:
         self.lib, self.accel = lib, model.accel
         self.worker = Worker(lib)
         self.submit, self.wait = entry(lib, "pp_host_submit"), entry(lib, "pp_host_wait")
+        self.defer = defer
+        # deferred tasks of the step being built, in submission order:
+        # (layer, its ColdLayer, tokens, statistics, routed hot neurons (T,) or None)
+        self.pending: list[tuple[int, ColdLayer, int, object, Tensor | None]] = []
         self.layers: dict[int, ColdLayer] = {}
         for l, blk in enumerate(model.weights.blk):
             if hosted(blk, model.accel):
@@ -199,30 +207,59 @@ class ColdTasks:
     def run(self, l: int, x: Tensor, act: Tensor | None, hot_part) -> Tensor:
         """Layer ``l``'s FFN in the stream: x (T, n_embd) the normed input and act (T, n_ff)
         the mask on the device; ``hot_part()`` queues the hot rows (None: no hot rows) ->
-        (T, n_embd) f32 on the device, the cold rows' sum added."""
-        c, accel, T = self.layers[l], self.accel, x.shape[0]
-        accel.copy_out(c.x[:T], x)
+        (T, n_embd) f32 on the device, the cold rows' sum added (deferred: not yet)."""
+        c, T = self.layers[l], x.shape[0]
+        self.accel.copy_out(c.x[:T], x)
         if c.masked and act is not None:
-            accel.copy_out(c.mask[:T], act)
-        accel.host_func(self.submit, c.ptr, c.x)
-        y_hot = hot_part()
-        accel.host_func(self.wait, c.ptr, c.y)
-        accel.copy_in(c.y_dev[:T], c.y[:T])
-        return c.y_dev[:T] if y_hot is None else y_hot + c.y_dev[:T]
+            self.accel.copy_out(c.mask[:T], act)
+        return self._finish(l, c, x, hot_part, None, None)
 
-    def run_moe(self, l: int, x: Tensor, ids: Tensor, w: Tensor, hot_part) -> tuple[Tensor, Tensor]:
+    def run_moe(
+        self, l: int, x: Tensor, ids: Tensor, w: Tensor, hot_part, stats=None, routed=None
+    ) -> Tensor:
         """A mixture's layer ``l`` in the stream: x (T, n_embd) the normed input, ids and w
         (T, k) its router's choice, on the device; ``hot_part()`` queues the hot neurons (None:
-        none) -> ((T, n_embd) f32 the routed experts' sum, (T,) int64 the cold neurons the host
-        added), on the device."""
-        c, accel, T = self.layers[l], self.accel, x.shape[0]
-        accel.copy_out(c.x[:T], x)
-        accel.copy_out(c.ids[:T], ids)
-        accel.copy_out(c.wts[:T], w)
-        accel.host_func(self.submit, c.ptr, c.x)
+        none) -> (T, n_embd) f32 the routed experts' sum, on the device (deferred: its hot
+        neurons' alone). ``stats`` (or None) is given the neurons added per token, the host's
+        plus ``routed`` (T,) (the hot ones), once the host's are known."""
+        c, T = self.layers[l], x.shape[0]
+        self.accel.copy_out(c.x[:T], x)
+        self.accel.copy_out(c.ids[:T], ids)
+        self.accel.copy_out(c.wts[:T], w)
+        return self._finish(l, c, x, hot_part, stats, routed)
+
+    def _finish(self, l: int, c: ColdLayer, x: Tensor, hot_part, stats, routed) -> Tensor:
+        """Submit ``c``, queue the hot part, and wait for ``c`` unless deferring."""
+        T = x.shape[0]
+        self.accel.host_func(self.submit, c.ptr, c.x)
         y_hot = hot_part()
-        accel.host_func(self.wait, c.ptr, c.y)
-        accel.copy_in(c.y_dev[:T], c.y[:T])
-        accel.copy_in(c.kept_dev[:T], c.kept[:T])
-        y = c.y_dev[:T] if y_hot is None else y_hot + c.y_dev[:T]
-        return y, c.kept_dev[:T]
+        if self.defer:
+            self.pending.append((l, c, T, stats, routed))
+            return x.new_zeros((T, c.y.shape[1]), dtype=torch.float32) if y_hot is None else y_hot
+        y = self._collect(l, c, T, stats, routed)
+        return y if y_hot is None else y_hot + y
+
+    def _collect(self, l: int, c: ColdLayer, T: int, stats, routed) -> Tensor:
+        """Wait for ``c``'s task in the stream: its sum (T, n_embd) f32 on the device (and its
+        counts given to ``stats``)."""
+        self.accel.host_func(self.wait, c.ptr, c.y)
+        self.accel.copy_in(c.y_dev[:T], c.y[:T])
+        if c.kept_dev is not None:
+            self.accel.copy_in(c.kept_dev[:T], c.kept[:T])
+            if stats is not None:
+                kept = c.kept_dev[:T]
+                stats.record_counts(l, kept if routed is None else kept + routed)
+        return c.y_dev[:T]
+
+    def settle(self, l: int, x: Tensor) -> Tensor:
+        """After layer ``l``'s block: x (T, n_embd) the residual stream plus the sums of the
+        deferred tasks of earlier layers (none when not deferring)."""
+        while self.pending and self.pending[0][0] < l:
+            x = x + self._collect(*self.pending.pop(0))
+        return x
+
+    def flush(self, x: Tensor) -> Tensor:
+        """Before the head: x plus every deferred sum still in flight."""
+        while self.pending:
+            x = x + self._collect(*self.pending.pop(0))
+        return x

@@ -263,21 +263,19 @@ def moe_ffn(
     if in_plan or (hot is not None and hot.n_cold == 0 and ex.down_b is None):
         assert accel is not None
         x_d, ids_d, w_d = (accel.move(t, accel.device) for t in (x, ids, w))
-        counts = None
 
         def on_device() -> Tensor | None:
             return None if hot is None else _hot(ex, x_d, ids_d, w_d, hot_tau)
 
-        if in_plan:
-            y, counts = cold.run_moe(l, x_d, ids_d, w_d, on_device)
+        # the neurons added, as the host counts them: the routed hot ones, and the host's
+        routed = None if opts.stats is None or hot is None else _routed_hot(hot, ids_d)
+        if in_plan:  # the task gives the statistics its count with the hot ones
+            y = cold.run_moe(l, x_d, ids_d, w_d, on_device, opts.stats, routed)
         else:  # every neuron on the device: no host part, no wait
             with phase(opts.timer, "ffn_hot"):
                 y = on_device()
-        if opts.stats is not None:  # the neurons added, as the host counts them
-            routed = None if hot is None else _routed_hot(hot, ids_d)
-            opts.stats.record_counts(
-                l, routed if counts is None else counts if routed is None else counts + routed
-            )
+            if opts.stats is not None:
+                opts.stats.record_counts(l, routed)
         return move(accel, y, x.device)
 
     def hot_part(x_d: Tensor, sel: list[Tensor]) -> Tensor:

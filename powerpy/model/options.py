@@ -113,6 +113,13 @@ class RunOptions:
         graphs: a fully placed model's decode step is replayed as a captured graph where the
             device can capture one (``powerpy.model.plan``); False (``--no-cuda-graphs``) runs
             the same step eagerly.
+        defer_cold: a hybrid decode step adds each layer's cold rows (the host's share of its
+            FFN or experts) to the residual stream one layer later, after the next layer's
+            FFN, so that the CPU's task runs while the device computes the next layer's
+            attention and hot rows ("expert deferral"). It changes what the model
+            computes (the next layer reads the stream without them); a step that cannot defer
+            (a layer normalizes its FFN's output) runs undeferred, with a warning. Only the
+            device step of a decode plan defers (``powerpy.model.plan``).
     """
 
     sparse: bool = True
@@ -124,6 +131,7 @@ class RunOptions:
     cut_scale: float = 1.0
     numerics: Numerics = DEFAULT_NUMERICS
     graphs: bool = True
+    defer_cold: bool = False
 
     def __post_init__(self) -> None:
         if not (self.cut_scale >= 0 and self.cut_scale < float("inf")):

@@ -63,6 +63,7 @@ class PlanKey:
     numerics: numerics.Numerics
     counts: bool  # sparsity statistics are kept
     eager: bool  # no graph: asked for, or a phase timer (its phases are host times)
+    defer_cold: bool
     batch: int
 
     @classmethod
@@ -74,6 +75,7 @@ class PlanKey:
             opts.numerics,
             opts.stats is not None,
             opts.timer is not None or not opts.graphs,
+            opts.defer_cold,
             batch,
         )
 
@@ -174,6 +176,16 @@ def _moe_refusal(accel, blk) -> str | None:
     return None
 
 
+def defer_refusal(model) -> str | None:
+    """Why ``model``'s cold rows cannot be added a layer late (``RunOptions.defer_cold``), or
+    None: a layer with host rows whose FFN output is normalized before it joins the residual
+    stream (the hot and the cold parts cannot then be added apart)."""
+    for l, blk in enumerate(model.weights.blk):
+        if hosted(blk, model.accel) and blk.post_ffw_norm is not None:
+            return f"layer {l} normalizes its FFN's output (post_ffw_norm)"
+    return None
+
+
 def _hybrid(model) -> bool:
     """Some layer keeps FFN rows on the host."""
     return any(hosted(b, model.accel) for b in model.weights.blk)
@@ -196,7 +208,14 @@ class DeviceStep:
         self.pos = accel.zeros(batch, dtype=torch.int64)
         self.base = accel.zeros(batch, dtype=torch.int64)
         self.counts = DeviceCounts(accel, a.n_layer, batch) if opts.stats is not None else None
-        self.cold = ColdTasks(model, opts, batch) if _hybrid(model) else None
+        self.cold = None
+        self.deferred = False  # the cold rows are added a layer late (RunOptions.defer_cold)
+        if _hybrid(model):
+            why = defer_refusal(model) if opts.defer_cold else None
+            if why is not None:
+                log.warning("decode step of %d: cold rows not deferred (%s)", batch, why)
+            self.deferred = opts.defer_cold and why is None
+            self.cold = ColdTasks(model, opts, batch, defer=self.deferred)
         kv = model.kv
         self.span = kv.max_ctx
         self.scratch = kv.scratch
@@ -231,6 +250,8 @@ class DeviceStep:
         if self.counts is not None:  # learned anew by each run (a graph keeps its capture's)
             self.counts.masked.clear()
             self.counts.dense.clear()
+        if self.cold is not None:
+            self.cold.pending.clear()  # (a run that raised may have left some)
         accel.copy_in(self.x, self.x_in)
         accel.copy_in(self.pos, self.pos_in)
         accel.copy_in(self.base, self.base_in)
@@ -248,6 +269,8 @@ class DeviceStep:
                     for t in self.tables
                 ]
             x = m.layers(self.x, step, rots, opts, "batch")
+            if self.cold is not None:
+                x = self.cold.flush(x)
             accel.copy_out(self.out, m.head(x, opts))
         if self.counts is not None:
             self.counts.copy_out()

@@ -348,6 +348,8 @@ class Model:
                 if blk.post_ffw_norm is not None:
                     f = self.norm(f, blk.post_ffw_norm)
                 y = h + f
+        if step.cold is not None:  # a plan's step: the earlier layers' deferred cold rows
+            y = step.cold.settle(l, y)
         if check:
             _check_finite(y, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
         return y
@@ -387,6 +389,8 @@ class Model:
                 xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
                 f = self._ffn(l, blk, xn, blk.predictor_input(src, opts), step, thr, opts, ffn_mode)
                 y = (att + self._down_bias(blk, self._to(f, x.device))) + x
+        if step.cold is not None:
+            y = step.cold.settle(l, y)
         if check:
             _check_finite(y, f"blk.{l}", "the FFN (attn_norm, ffn_up/down, fc1/fc2)")
         return y
