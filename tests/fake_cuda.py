@@ -264,6 +264,10 @@ class FakeCuda(Accelerator):
         self._check_pinned(dep)
         self.host_calls += 1
 
+    @property
+    def host_funcs_elsewhere(self) -> bool:
+        return False  # counted, never run: nothing to serve
+
     def graph_kind(self) -> str | None:
         return None  # fake tensors replay nothing: plans run their step eagerly
 

@@ -111,6 +111,47 @@ def test_the_host_functions_run_from_another_thread_in_flight(hybrid):
     torch.testing.assert_close(c.y[:2].double(), want[0], atol=1e-5, rtol=1e-5)
 
 
+def test_a_served_worker_runs_the_tasks_on_the_serving_thread(hybrid):
+    """On CUDA the driver's thread calls the host functions and the step's own thread serves
+    the tasks (``pp_worker_serve``): here a thread plays the driver (submit, submit, wait,
+    wait, as a deferred step orders them) while this one serves; the sums are the cold rows',
+    and this thread ran them."""
+    from powerpy.model import numerics
+
+    llm, model = hybrid
+    opts = RunOptions(threshold=0.0, numerics=llm.options.numerics)
+    with numerics.using(opts.numerics):
+        tasks = ColdTasks(model, opts, 2)
+    tasks.worker = type(tasks.worker)(tasks.lib, served=True)
+    for c in tasks.layers.values():
+        c.task.worker = tasks.worker.ptr
+    lib = tasks.lib.cdll
+    want, got = {}, {}
+    for l, c in tasks.layers.items():
+        x, mask = _fill(c, 2, seed=l)
+        want[l] = _want(model.weights.blk[l], x, mask)
+
+    def driver():
+        for c in tasks.layers.values():
+            lib.pp_host_submit(c.ptr)
+        for l, c in tasks.layers.items():
+            lib.pp_host_wait(c.ptr)
+            got[l] = c.y[:2].clone()
+
+    th = threading.Thread(target=driver)
+    th.start()
+    tasks.worker.serve(len(tasks.layers))
+    th.join(timeout=30)
+    assert not th.is_alive()
+    tasks.check()
+    for l in tasks.layers:
+        torch.testing.assert_close(got[l].double(), want[l], atol=1e-5, rtol=1e-5)
+    c = tasks.layers[0]
+    ran = {t.task.ran_on for t in tasks.layers.values()}
+    assert lib.pp_cold_run(c.ptr) == 0 and ran == {c.task.ran_on}  # this thread's
+    assert lib.pp_worker_serve(_tasks(llm, model).worker.ptr, 1) == 2  # a threaded one: refused
+
+
 def test_a_failed_task_is_reported_not_hung(hybrid):
     llm, model = hybrid
     tasks = _tasks(llm, model)

@@ -152,6 +152,7 @@ def step_rates(
                 "hybrid": step is not None and step.cold is not None,
                 "deferred": step is not None and step.deferred,
                 "host_ms": None if step is None else 1e3 * step.host_s,
+                "serve_ms": None if step is None else 1e3 * step.serve_s,
                 "wait_ms": None if step is None else 1e3 * step.wait_s,
             }
         out[key] = {"tok_s": best, "ms_per_token": 1e3 / best, "cpu_busy": cpu_busy, **host}

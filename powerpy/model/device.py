@@ -91,6 +91,12 @@ class Accelerator:
         """The accelerator is the CPU itself (for tests and demos)."""
         return self.device.type == "cpu"
 
+    @property
+    def host_funcs_elsewhere(self) -> bool:
+        """:meth:`host_func`'s functions run on a thread of the device driver's, when the
+        stream reaches them (CUDA), not inline on the caller's (the emulated device)."""
+        return not self.emulated
+
     # --- choice
     @staticmethod
     def choose(device: str | torch.device | None = None) -> Accelerator | None:

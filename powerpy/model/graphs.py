@@ -58,14 +58,21 @@ class StepGraph:
         raise NotImplementedError
 
     @staticmethod
-    def capture(kind: str, body: Callable[[], None], device: torch.device) -> StepGraph:
-        """Capture ``body`` on a device of ``kind`` ("cuda" or "emulated").
+    def capture(
+        kind: str,
+        body: Callable[[], None],
+        device: torch.device,
+        after: Callable[[], None] | None = None,
+    ) -> StepGraph:
+        """Capture ``body`` on a device of ``kind`` ("cuda" or "emulated"). ``after``: called
+        after each run of ``body`` that is not the capture's (CUDA's warm-ups; a decode
+        plan serves the host tasks such a run submitted), even when it raised.
 
         Raises:
             CaptureError: the body cannot be captured (why, in one line).
         """
         if kind == "cuda":
-            return CudaStepGraph(body, device)
+            return CudaStepGraph(body, device, after)
         if kind == "emulated":
             return EmulatedStepGraph(body)
         raise CaptureError(f"no graphs on this device ({kind})")
@@ -75,14 +82,20 @@ _pool = None  # the memory pool of every CUDA graph of the process
 
 
 class CudaStepGraph(StepGraph):
-    def __init__(self, body: Callable[[], None], device: torch.device) -> None:
+    def __init__(
+        self, body: Callable[[], None], device: torch.device, after: Callable[[], None] | None
+    ) -> None:
         global _pool
         try:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # compile, make handles and workspaces, outside the capture
-                    body()
+                    try:
+                        body()
+                    finally:
+                        if after is not None:
+                            after()
             torch.cuda.current_stream(device).wait_stream(side)
             if _pool is None:
                 _pool = torch.cuda.graph_pool_handle()

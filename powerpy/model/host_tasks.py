@@ -62,8 +62,9 @@ class ColdTask(ctypes.Structure):
 
 # the library's exports of this module (set on first use; kernels.py binds the others)
 _SIGNATURES = {
-    "pp_worker_new": ([], _p),
+    "pp_worker_new": ([_i32], _p),
     "pp_worker_free": ([_p], None),
+    "pp_worker_serve": ([_p, _i64], _i32),
     "pp_host_submit": ([_p], None),
     "pp_host_wait": ([_p], None),
     "pp_cold_run": ([_p], _i32),
@@ -90,13 +91,22 @@ def entry(lib: kernels.KernelLibrary, name: str) -> int:
 
 
 class Worker:
-    """The native worker thread of a plan's cold tasks (freed with this object)."""
+    """The native queue of a plan's cold tasks (freed with this object), run by a thread of its
+    own, or (``served``) by the thread that calls :meth:`serve` (``csrc/host_tasks.h``)."""
 
-    def __init__(self, lib: kernels.KernelLibrary) -> None:
-        self.ptr = lib.cdll.pp_worker_new()
+    def __init__(self, lib: kernels.KernelLibrary, served: bool = False) -> None:
+        self.lib, self.served = lib, served
+        self.ptr = lib.cdll.pp_worker_new(int(served))
         if not self.ptr:
-            raise MemoryError("pp_worker_new: no worker thread")
+            raise MemoryError("pp_worker_new: no worker")
         weakref.finalize(self, lib.cdll.pp_worker_free, self.ptr)
+
+    def serve(self, n: int) -> None:
+        """Run the next ``n`` tasks on this thread as the stream submits them."""
+        st = self.lib.cdll.pp_worker_serve(self.ptr, n)
+        if st:
+            what = "did not come" if st == 7 else f"status {st}"
+            raise RuntimeError(f"the step's cold tasks {what}")
 
 
 def hosted(blk, accel) -> bool:
@@ -168,7 +178,12 @@ class ColdTasks:
 
     ``defer`` (``RunOptions.defer_cold``): a layer's FFN returns its hot rows alone and its
     task stays in flight; :meth:`settle`, after the next layer's block, waits for it and adds
-    its sum to the residual stream, and :meth:`flush` adds what is left before the head."""
+    its sum to the residual stream, and :meth:`flush` adds what is left before the head.
+
+    Where the device's host functions run on a thread of the driver's (CUDA), the worker is
+    served: the step's caller runs the tasks (:meth:`serve`) once the step is queued, with the
+    thread team of its other native calls. Elsewhere (the emulated device, whose stream calls
+    them inline) the worker has a thread of its own."""
 
     def __init__(self, model, opts: RunOptions, batch: int, defer: bool = False) -> None:
         lib = kernels.library()
@@ -176,7 +191,9 @@ class ColdTasks:
             raise HostRowsError("the native kernels are unavailable")
         check_layout(lib)
         self.lib, self.accel = lib, model.accel
-        self.worker = Worker(lib)
+        self.worker = Worker(lib, served=model.accel.host_funcs_elsewhere)
+        self.served = self.worker.served
+        self.submitted = 0  # tasks the step being built has submitted
         self.submit, self.wait = entry(lib, "pp_host_submit"), entry(lib, "pp_host_wait")
         self.defer = defer
         # deferred tasks of the step being built, in submission order:
@@ -191,6 +208,11 @@ class ColdTasks:
                     )
                 except HostRowsError as e:
                     raise HostRowsError(f"layer {l}: {e}") from None
+
+    def serve(self, n: int) -> None:
+        """Run a step's ``n`` submitted tasks on this thread (a served worker; else nothing)."""
+        if self.served and n:
+            self.worker.serve(n)
 
     def set_tokens(self, n: int) -> None:
         """The next step's sessions (the rows its tasks sum; padded ones are not)."""
@@ -232,6 +254,7 @@ class ColdTasks:
         """Submit ``c``, queue the hot part, and wait for ``c`` unless deferring."""
         T = x.shape[0]
         self.accel.host_func(self.submit, c.ptr, c.x)
+        self.submitted += 1
         y_hot = hot_part()
         if self.defer:
             self.pending.append((l, c, T, stats, routed))

@@ -225,8 +225,9 @@ class DeviceStep:
         self._pool_cache = None  # the pool's scratch row (holding no session's cache alive)
         self._want_graph = graph
         # the last step's host seconds: until its work was queued (the embedding, the inputs'
-        # copies, the replay or the eager launches), then waiting for its logits
-        self.host_s = self.wait_s = 0.0
+        # copies, the replay or the eager launches), running its host tasks (a served worker's),
+        # then waiting for its logits
+        self.host_s = self.serve_s = self.wait_s = 0.0
 
     def _tables(self) -> list[Tensor | None] | None:
         """Each layer's RoPE of every position of the pool's longest cache, on the device:
@@ -252,6 +253,7 @@ class DeviceStep:
             self.counts.dense.clear()
         if self.cold is not None:
             self.cold.pending.clear()  # (a run that raised may have left some)
+            self.cold.submitted = 0
         accel.copy_in(self.x, self.x_in)
         accel.copy_in(self.pos, self.pos_in)
         accel.copy_in(self.base, self.base_in)
@@ -297,11 +299,18 @@ class DeviceStep:
             self._capture()
         if self.graph is not None:
             self.graph.replay()
+            t1 = time.perf_counter()
+            self._serve()
         else:
-            self.body()
-        t1 = time.perf_counter()
+            try:
+                self.body()
+            finally:
+                t1 = time.perf_counter()
+                self._serve()
+        t2 = time.perf_counter()
         self.accel.wait(self.accel.record())
-        self.host_s, self.wait_s = t1 - t0, time.perf_counter() - t1  # the last step's
+        # the last step's host seconds: queueing, running its host tasks, waiting for the logits
+        self.host_s, self.serve_s, self.wait_s = t1 - t0, t2 - t1, time.perf_counter() - t2
         if self.cold is not None:
             self.cold.check()
         logits = self.out[:n].clone()
@@ -310,13 +319,20 @@ class DeviceStep:
         step.advance()
         return logits
 
+    def _serve(self) -> None:
+        """Run the host tasks the last run of the body submitted (or the graph replays), when
+        this thread serves them (``host_tasks.ColdTasks.serve``): the stream's host functions
+        hand them over as it reaches them."""
+        if self.cold is not None:
+            self.cold.serve(self.cold.submitted)
+
     def _capture(self) -> None:
         kind = self.accel.graph_kind()
         if kind is None:
             self.reason = "this device replays no graphs"
             return
         try:
-            self.graph = StepGraph.capture(kind, self.body, self.accel.device)
+            self.graph = StepGraph.capture(kind, self.body, self.accel.device, self._serve)
         except CaptureError as e:
             self.reason = str(e)
             log.warning(

@@ -5,9 +5,18 @@
 
 extern "C" {
 
-// A worker thread for cold tasks (freed by pp_worker_free, which waits for the queued ones).
-void* pp_worker_new(void) { return new (std::nothrow) Worker(); }
+// A worker for cold tasks: with its own thread (served 0), or run by pp_worker_serve's caller
+// (served 1). Freed by pp_worker_free, which waits for a threaded worker's queued tasks.
+void* pp_worker_new(int32_t served) { return new (std::nothrow) Worker(served != 0); }
 void pp_worker_free(void* w) { delete (Worker*)w; }
+
+// A served worker's next n tasks, run on the calling thread as they are submitted (one decode
+// step's). Returns 0, PP_ERR_TIMEOUT when a task did not come in time, PP_ERR_ARG when the
+// worker has its own thread.
+int pp_worker_serve(void* w, int64_t n) {
+  Worker* wk = (Worker*)w;
+  return wk->served ? wk->serve(n) : PP_ERR_ARG;
+}
 
 // Host functions of a CUDA stream (cudaHostFn_t: void (*)(void*)): queue the task, and wait for
 // it. Called in stream order by the driver's thread, or by the emulated stream.

@@ -10,13 +10,30 @@
 // experts: the stream copies the router's choice (ids and weights, T x k) beside the input, and
 // the worker sums each routed expert's cold neurons (moe_cold_rows).
 //
-// A Worker is one thread with a queue (pp_worker_new; the decode plan owns it), which runs each
-// task's rows with the kernels' thread team of task->nthreads. Tasks run in the order they were
-// submitted. A task that fails sets its status, and the step that read it raises; a wait that
-// would outlast PP_TASK_TIMEOUT_MS returns with PP_ERR_TIMEOUT instead of hanging the stream.
+// A Worker is a queue of tasks (pp_worker_new; the decode plan owns it), run in the order they
+// were submitted, each with the kernels' thread team of task->nthreads, by one of:
+// - its own thread (threaded): the emulated device, whose stream calls the host functions
+//   inline on the thread that runs the step;
+// - the thread that ran the step (served): on CUDA, once the step is queued (its graph
+//   replayed), the caller runs pp_worker_serve, which runs the step's tasks as the driver's
+//   thread submits them. The tasks then use the caller's OpenMP team, the one its other native
+//   calls use: a second team would have as many threads as cores beside the first, and GNU
+//   OpenMP throttles the spinning of idle team threads when its threads outnumber the cores,
+//   so that every parallel region of a task would wake its team from sleep.
+// A task that fails sets its status, and the step that read it raises; a wait that would
+// outlast PP_TASK_TIMEOUT_MS returns with PP_ERR_TIMEOUT instead of hanging the stream, as does
+// a serve whose tasks do not come.
+//
+// A hand-off through a condition variable costs a thread wake-up (tens of microseconds on a
+// virtual machine). So the side that runs tasks polls its queue for PP_SPIN_WORKER_NS before it
+// sleeps (the next layer's task comes after the device's attention and hot rows, while the cores
+// are idle). A wait does not poll: while it waits the task's team has every core, and a task done
+// before its wait (the device's hot rows took longer) is seen at once.
+// tools/bench_host_tasks.py measures the hand-offs.
 
 #include "blocks.h"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -30,7 +47,27 @@ namespace {
 
 constexpr int PP_ERR_TIMEOUT = 7;
 constexpr int64_t PP_TASK_TIMEOUT_MS = 60000;
+constexpr int64_t PP_SPIN_WORKER_NS = 1000000;  // the worker's poll for its next task
 enum TaskState { TASK_IDLE = 0, TASK_QUEUED = 1, TASK_DONE = 2 };
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Poll done() for up to ns nanoseconds; true when it held.
+template <class F>
+inline bool poll_for(F done, int64_t ns) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= end) return done();
+  }
+}
 
 }  // namespace
 
@@ -150,45 +187,76 @@ struct Worker {
   std::mutex m;
   std::condition_variable queued, done;
   std::deque<ColdTask*> q;
-  bool stop = false;
+  std::atomic<int64_t> n_queued{0};  // q.size(), read without the lock by the polls
+  std::atomic<bool> stop{false};
+  const bool served;  // pp_worker_serve runs the tasks, on its caller's thread
   std::thread th;
 
-  Worker() : th([this] { loop(); }) {}
+  explicit Worker(bool served_) : served(served_) {
+    if (!served) th = std::thread([this] { loop(); });
+  }
   ~Worker() {
     {
       std::lock_guard<std::mutex> g(m);
-      stop = true;
+      stop.store(true);
     }
     queued.notify_all();
-    th.join();
+    if (th.joinable()) th.join();
+  }
+  // The next queued task, after a poll of poll_ns; null when stopped or after timeout_ms
+  // (negative: none).
+  ColdTask* next(int64_t poll_ns, int64_t timeout_ms) {
+    if (poll_ns > 0)
+      poll_for([&] { return n_queued.load(std::memory_order_acquire) > 0 || stop.load(); },
+               poll_ns);
+    std::unique_lock<std::mutex> g(m);
+    const auto ready = [&] { return stop.load() || !q.empty(); };
+    if (timeout_ms < 0)
+      queued.wait(g, ready);
+    else if (!queued.wait_for(g, std::chrono::milliseconds(timeout_ms), ready))
+      return nullptr;
+    if (q.empty()) return nullptr;
+    ColdTask* t = q.front();
+    q.pop_front();
+    n_queued.fetch_sub(1, std::memory_order_relaxed);
+    return t;
+  }
+  void run(ColdTask* t, uint64_t me) {
+    const int st = run_task(t);
+    {
+      std::lock_guard<std::mutex> g(m);
+      t->status = st;
+      t->ran_on = me;
+      t->state = TASK_DONE;
+    }
+    done.notify_all();
   }
   void loop() {
     const uint64_t me = (uint64_t)std::hash<std::thread::id>()(std::this_thread::get_id());
-    for (;;) {
-      ColdTask* t;
-      {
-        std::unique_lock<std::mutex> g(m);
-        queued.wait(g, [&] { return stop || !q.empty(); });
-        if (q.empty()) return;
-        t = q.front();
-        q.pop_front();
-      }
-      const int st = run_task(t);
-      {
-        std::lock_guard<std::mutex> g(m);
-        t->status = st;
-        t->ran_on = me;
-        t->state = TASK_DONE;
-      }
-      done.notify_all();
+    for (int64_t poll = 0;; poll = PP_SPIN_WORKER_NS) {  // polls once a task has run
+      ColdTask* t = next(poll, -1);
+      if (!t) return;
+      run(t, me);
     }
+  }
+  // Run the next n tasks on the calling thread (a served worker); 0, or PP_ERR_TIMEOUT when one
+  // did not come within PP_TASK_TIMEOUT_MS.
+  int serve(int64_t n) {
+    const uint64_t me = (uint64_t)std::hash<std::thread::id>()(std::this_thread::get_id());
+    for (int64_t i = 0; i < n; ++i) {
+      ColdTask* t = next(PP_SPIN_WORKER_NS, PP_TASK_TIMEOUT_MS);
+      if (!t) return PP_ERR_TIMEOUT;
+      run(t, me);
+    }
+    return 0;
   }
   void submit(ColdTask* t) {
     {
       std::lock_guard<std::mutex> g(m);
-      t->state = TASK_QUEUED;
       t->status = 0;
+      t->state = TASK_QUEUED;
       q.push_back(t);
+      n_queued.fetch_add(1, std::memory_order_release);
     }
     queued.notify_one();
   }
