@@ -167,3 +167,23 @@ def test_a_failed_task_is_reported_not_hung(hybrid):
     with pytest.raises(RuntimeError, match=r"layer 1: the cold rows' task failed \(status 2\)"):
         tasks.check()
     lib.pp_host_wait(tasks.layers[0].ptr)  # never submitted: returns at once
+
+
+def test_the_hand_off_benchmark_runs(tmp_path):
+    """``tools/bench_host_tasks.py`` on a tiny layer: every figure measured, the served and the
+    threaded hand-offs computing the same task (its status stays 0)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("bench_tasks", root / "tools/bench_host_tasks.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "r.json"
+    assert tool.main(["--shape", "tiny", "--calls", "20", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["cold_rows"] > 0
+    for key in ("empty_us", "in_place_us", "handed_us", "after_gap_us", "served_us"):
+        assert r[key] > 0, key
+    assert r["after_gap_us"] >= r["gap_us"]
