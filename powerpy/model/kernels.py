@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +135,6 @@ class KernelLibrary:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        openmp_defaults()
         self.cdll = ctypes.CDLL(str(path))  # the raw functions (ggml_numerics calls some)
         for name, (argtypes, restype) in SIGNATURES.items():
             fn = getattr(self.cdll, name)
@@ -404,23 +402,6 @@ _failure: str | None = None  # why the build failed (logged once)
 def act_code() -> int:
     """1 when the running call rounds quantized matmuls' activations like llama.cpp, else 0."""
     return int(numerics.current().quantized_activations)
-
-
-# The OpenMP runtime's wait policy, set for the library's runtime when the user has not set one
-# (the runtime reads it once, when the library first loads it). A hybrid plan's worker thread
-# runs its tasks with a thread team of its own beside the calling thread's; by default, with
-# more of the runtime's threads than cores, GNU OpenMP has them spin only ~1000 iterations
-# before sleeping, so each parallel region of a cold task wakes its team (tens of µs, several
-# times a layer). "active" with GNU's default spin count keeps the unthrottled spin, then sleeps
-# (tools/bench_host_tasks.py: +95-196 µs per 20 MB task handed to the worker on 2 cores against
-# +12-23 µs so).
-OPENMP_ENV = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
-
-
-def openmp_defaults() -> None:
-    """Set :data:`OPENMP_ENV` in the environment unless the user set any of it."""
-    if not any(k in os.environ for k in OPENMP_ENV):
-        os.environ.update(OPENMP_ENV)
 
 
 def library() -> KernelLibrary | None:
