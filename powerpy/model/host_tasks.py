@@ -180,18 +180,21 @@ class ColdTasks:
     task stays in flight; :meth:`settle`, after the next layer's block, waits for it and adds
     its sum to the residual stream, and :meth:`flush` adds what is left before the head.
 
-    Where the device's host functions run on a thread of the driver's (CUDA), the worker is
-    served: the step's caller runs the tasks (:meth:`serve`) once the step is queued, with the
-    thread team of its other native calls. Elsewhere (the emulated device, whose stream calls
-    them inline) the worker has a thread of its own."""
+    ``served`` (a step replayed as a graph on a device whose host functions run on a thread of
+    the driver's, CUDA): the step's caller runs the tasks (:meth:`serve`) once the step is
+    queued, with the thread team of its other native calls. Otherwise the worker has a thread
+    of its own: the emulated device's stream calls the host functions inline, and an eager
+    step's caller is busy queueing the step's work while the stream reaches them."""
 
-    def __init__(self, model, opts: RunOptions, batch: int, defer: bool = False) -> None:
+    def __init__(
+        self, model, opts: RunOptions, batch: int, defer: bool = False, served: bool = False
+    ) -> None:
         lib = kernels.library()
         if lib is None:
             raise HostRowsError("the native kernels are unavailable")
         check_layout(lib)
         self.lib, self.accel = lib, model.accel
-        self.worker = Worker(lib, served=model.accel.host_funcs_elsewhere)
+        self.worker = Worker(lib, served=served and model.accel.host_funcs_elsewhere)
         self.served = self.worker.served
         self.submitted = 0  # tasks the step being built has submitted
         self.submit, self.wait = entry(lib, "pp_host_submit"), entry(lib, "pp_host_wait")

@@ -215,7 +215,7 @@ class DeviceStep:
             if why is not None:
                 log.warning("decode step of %d: cold rows not deferred (%s)", batch, why)
             self.deferred = opts.defer_cold and why is None
-            self.cold = ColdTasks(model, opts, batch, defer=self.deferred)
+            self.cold = ColdTasks(model, opts, batch, defer=self.deferred, served=graph)
         kv = model.kv
         self.span = kv.max_ctx
         self.scratch = kv.scratch
