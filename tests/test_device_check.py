@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import tool_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = (
     "env",
@@ -88,15 +90,8 @@ def test_dry_run_writes_every_section(tmp_path):
     assert "| cpu-only |" in md and md.count("\n|") > 20
 
 
-def _llama_tool():
-    spec = importlib.util.spec_from_file_location("device_llama", ROOT / "tools/device_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_anchor_offloads_the_layers_a_budget_holds():
-    tool = _llama_tool()
+    tool = tool_modules.tool("device_llama")
     mib, reserve = 2**20, tool.RESERVE
     layers, output, kv = [100 * mib] * 4, 50 * mib, 8 * mib
     assert tool.fit_layers(layers, output, kv, None) == 0  # CPU-only
@@ -107,7 +102,7 @@ def test_the_anchor_offloads_the_layers_a_budget_holds():
 
 
 def test_the_anchor_refuses_a_build_this_cpu_cannot_run():
-    tool = _llama_tool()
+    tool = tool_modules.tool("device_llama")
     info = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 1 | "
     zen3 = "flags\t\t: fpu sse3 avx avx2 fma f16c\n"
     assert tool.missing_cpu_features(info, zen3) == [
@@ -155,13 +150,7 @@ def test_the_moe_comparison_dry_run(tmp_path):
 
 
 def test_a_skipped_section_does_not_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("device_check", ROOT / "tools/device_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["device_check"] = module  # (its dataclasses look their module up)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules["device_check"]
+    module = tool_modules.tool("device_check")
     report = module.Report(tmp_path, True, 100.0, frozenset({"full"}))
     ran = []
     assert report.run("full", lambda: ran.append(1)) is None

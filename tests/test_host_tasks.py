@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 import pytest
+import tool_modules
 import torch
 
 from powerpy.api import load
@@ -71,6 +72,15 @@ def _fill(c, T: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, mask
 
 
+def _fill_layers(tasks: ColdTasks, model) -> dict[int, torch.Tensor]:
+    """Two tokens' inputs and masks in every layer's task; each layer's expected sum."""
+    want = {}
+    for l, c in tasks.layers.items():
+        x, mask = _fill(c, 2, seed=l)
+        want[l] = _want(model.weights.blk[l], x, mask)
+    return want
+
+
 def test_the_task_layout_is_the_libraries():
     check_layout(kernels.library())
     assert ctypes.sizeof(ColdTask) == 112
@@ -82,10 +92,7 @@ def test_the_host_functions_run_from_another_thread_in_flight(hybrid):
     llm, model = hybrid
     tasks = _tasks(llm, model)
     lib = tasks.lib.cdll
-    want, got = {}, {}
-    for l, c in tasks.layers.items():
-        x, mask = _fill(c, 2, seed=l)
-        want[l] = _want(model.weights.blk[l], x, mask)
+    want, got = _fill_layers(tasks, model), {}
 
     def submit():
         for c in tasks.layers.values():
@@ -126,10 +133,7 @@ def test_a_served_worker_runs_the_tasks_on_the_serving_thread(hybrid):
     for c in tasks.layers.values():
         c.task.worker = tasks.worker.ptr
     lib = tasks.lib.cdll
-    want, got = {}, {}
-    for l, c in tasks.layers.items():
-        x, mask = _fill(c, 2, seed=l)
-        want[l] = _want(model.weights.blk[l], x, mask)
+    want, got = _fill_layers(tasks, model), {}
 
     def driver():
         for c in tasks.layers.values():
@@ -172,14 +176,9 @@ def test_a_failed_task_is_reported_not_hung(hybrid):
 def test_the_hand_off_benchmark_runs(tmp_path):
     """``tools/bench_host_tasks.py`` on a tiny layer: every figure measured, the served and the
     threaded hand-offs computing the same task (its status stays 0)."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("bench_tasks", root / "tools/bench_host_tasks.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = tool_modules.tool("bench_host_tasks")
     out = tmp_path / "r.json"
     assert tool.main(["--shape", "tiny", "--calls", "20", "--json", str(out)]) == 0
     r = json.loads(out.read_text())

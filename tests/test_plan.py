@@ -20,6 +20,7 @@ import logging
 
 import numpy as np
 import pytest
+import tool_modules
 import torch
 from fake_cuda import FakeCuda, FakeCudaOps, StepTrace
 from moe_files import GLM
@@ -527,14 +528,9 @@ def test_a_normed_ffn_output_is_not_deferred(model_path, caplog):
 def test_the_deferral_quality_script_measures_real_rows(tmp_path):
     """``tools/defer_quality.py`` on kjv-relu, briefly: a CPU-only row and a hybrid one whose
     step deferred, with perplexities near the CPU-only one."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("defer_quality", root / "tools/defer_quality.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = tool_modules.tool("defer_quality")
     out = tmp_path / "rows.json"
     assert tool.main(["--tokens", "24", "--budgets", "3", "--json", str(out)]) == 0
     cpu, row = json.loads(out.read_text())["rows"]
