@@ -1068,6 +1068,7 @@ def render_markdown(data: dict) -> str:
             "eager_tok_s",
             "deferred_tok_s",
             "graph_host_ms",
+            "graph_serve_ms",
             "graph_cpu_busy",
             "deferred_cpu_busy",
             "graph_plan",
