@@ -407,3 +407,34 @@ def test_cuda_quantized_hybrid_agrees_with_the_cpu(tmp_path, dtype):
     got = run_logits(llm)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("defer", [False, True])
+def test_cuda_hybrid_step_served_replay_equals_eager(tmp_path, defer):
+    """The hybrid decode step on CUDA: replayed as a graph, its cold tasks served by the
+    calling thread (``pp_worker_serve``), it equals the same step run eagerly with a worker
+    thread; deferred too (``defer_cold``)."""
+    import dataclasses
+
+    path = tmp_path / "f16.powerinfer.gguf"
+    write_tiny_model(path, SPEC, sparse=True, seed=5, dtype=GGMLType.F16)
+    llm, rt = hybrid(path, index_of("random"), device="cuda", kv_elem_bytes=2, threshold=-1e30)
+    model, opts = llm.model, dataclasses.replace(llm.options, defer_cold=defer)
+
+    def decode(o):
+        cache = model.new_cache(N_CTX)
+        rows = [model.forward(torch.tensor(PROMPT), cache, o)]
+        rows += [model.forward(torch.tensor([t]), cache, o) for t in DECODE]
+        return torch.cat(rows)
+
+    got = decode(opts)
+    step = model.plans.get(model, model._options(opts), 1).device
+    assert step is not None and step.graph is not None, step and step.reason
+    assert step.cold.served and step.deferred is defer and step.serve_s > 0
+    eager_opts = dataclasses.replace(opts, graphs=False)
+    want = decode(eager_opts)
+    assert not model.plans.get(model, model._options(eager_opts), 1).device.cold.served
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
