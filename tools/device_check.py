@@ -768,9 +768,6 @@ def measure_timing(ctx: Ctx, llm: LLM, row: dict) -> None:
     row |= {f"{k}_{f}": v for k, fig in r.items() for f, v in fig.items()}
     row["tok_s"] = max(r["graph"]["tok_s"], r["eager"]["tok_s"])
     row["ms_per_token"] = 1e3 / row["tok_s"]
-    if r["graph"]["hybrid"]:  # the cold rows a layer late (--defer-cold): its own figure
-        d = step_tool.step_rates(llm, prompt, n, ctx.args.repeats, ("graph",), defer_cold=True)
-        row |= {f"deferred_{f}": v for f, v in d["graph"].items()}
     timer = PhaseTimer()
     steps = greedy_steps(
         llm, prompt, len(prompt) + n + 4, dataclasses.replace(llm.options, timer=timer)

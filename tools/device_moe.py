@@ -132,11 +132,8 @@ def powerpy_row(name: str, path: Path, dev: torch.device, args, **placement) -> 
     r = device_step.step_rates(llm, PROMPT, args.tokens, args.repeats)
     row["tok_s"] = max(r["graph"]["tok_s"], r["eager"]["tok_s"])
     row |= {f"{k}_{f}": r[k][f] for k in ("graph", "eager") for f in ("tok_s", "plan")}
-    if r["graph"]["hybrid"]:  # the experts' cold neurons a layer late (--defer-cold)
-        d = device_step.step_rates(
-            llm, PROMPT, args.tokens, args.repeats, ("graph",), defer_cold=True
-        )
-        row["deferred_tok_s"] = d["graph"]["tok_s"]
+    if "deferred" in r:  # the experts' cold neurons a layer late (--defer-cold)
+        row["deferred_tok_s"] = r["deferred"]["tok_s"]
     used = _used(dev)
     row["vram_bytes"] = used - base if used is not None and base is not None else None
     if llm.runtime is not None:

@@ -6,8 +6,10 @@ model's graph against its eager step, a 7B Q4_0 model, and the fused kernels' ra
   gpt-fast's layout: run eagerly, then captured once as a graph (``powerpy.model.graphs``) and
   replayed. The graph's rate is what a step of these bytes can reach here.
 - :func:`step_rates`: decode tok/s of a loaded model with its decode plan replayed as a graph and
-  run eagerly (``RunOptions.graphs``), with the host milliseconds a step takes to queue its work
-  and to wait for its logits (``DeviceStep.host_s``, ``wait_s``), and the CPU's busy share
+  run eagerly (``RunOptions.graphs``), and a hybrid step replayed with its cold rows deferred
+  (``RunOptions.defer_cold``), with the host milliseconds a step takes to queue its work, to run
+  its served cold tasks and to wait for its logits (``DeviceStep.host_s``, ``serve_s``,
+  ``wait_s``), and the CPU's busy share
   (this process's CPU seconds over every core's wall seconds: the cold rows' worker, spinning
   waits included).
 - :func:`write_q4_0`: a random 7B-shape PWRI model in Q4_0 (the output in Q8_0, the predictors
@@ -120,15 +122,21 @@ def roofline(shape: synth.Shape, dev: torch.device, dtype: torch.dtype, n_tok: i
 
 
 # ----------------------------------------------------------------------------------- a model's step
-def step_rates(
-    llm, prompt: list[int], n_tok: int, repeats: int, modes=("graph", "eager"), **opts
-) -> dict:
-    """Decode tok/s of ``llm`` (RunOptions fields ``opts`` on top of its own) with graphs and
-    without (``modes``), and the host ms of the last step's queueing and waiting."""
+def step_rates(llm, prompt: list[int], n_tok: int, repeats: int, **opts) -> dict:
+    """Decode tok/s of ``llm`` (RunOptions fields ``opts`` on top of its own) with graphs
+    ("graph") and without ("eager"), and, where the replayed step has host tasks, replayed with
+    its cold rows deferred a layer ("deferred", ``--defer-cold``); with each, the host ms of the
+    last step's queueing, served tasks and waiting."""
     out: dict[str, Any] = {}
-    for key in modes:
-        graphs = key == "graph"
-        options = dataclasses.replace(llm.options, graphs=graphs, **opts)
+    modes = {
+        "graph": {"graphs": True},
+        "eager": {"graphs": False},
+        "deferred": {"graphs": True, "defer_cold": True},
+    }
+    for key, mode in modes.items():
+        if key == "deferred" and not out["graph"]["hybrid"]:
+            break
+        options = dataclasses.replace(llm.options, **(opts | mode))
         best, host, cpu_busy = 0.0, {}, 0.0
         for _ in range(repeats):
             cache = llm.model.new_cache(len(prompt) + n_tok + 4)

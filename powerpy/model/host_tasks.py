@@ -178,7 +178,7 @@ class ColdTasks:
 
     ``defer`` (``RunOptions.defer_cold``): a layer's FFN returns its hot rows alone and its
     task stays in flight; :meth:`settle`, after the next layer's block, waits for it and adds
-    its sum to the residual stream, and :meth:`flush` adds what is left before the head.
+    its sum to the residual stream (and, given no layer, what is left before the head).
 
     ``served`` (a step replayed as a graph on a device whose host functions run on a thread of
     the driver's, CUDA): the step's caller runs the tasks (:meth:`serve`) once the step is
@@ -277,15 +277,10 @@ class ColdTasks:
                 stats.record_counts(l, kept if routed is None else kept + routed)
         return c.y_dev[:T]
 
-    def settle(self, l: int, x: Tensor) -> Tensor:
+    def settle(self, l: int | None, x: Tensor) -> Tensor:
         """After layer ``l``'s block: x (T, n_embd) the residual stream plus the sums of the
-        deferred tasks of earlier layers (none when not deferring)."""
-        while self.pending and self.pending[0][0] < l:
-            x = x + self._collect(*self.pending.pop(0))
-        return x
-
-    def flush(self, x: Tensor) -> Tensor:
-        """Before the head: x plus every deferred sum still in flight."""
-        while self.pending:
+        deferred tasks of earlier layers (none when not deferring; ``l`` None: of every layer,
+        before the head)."""
+        while self.pending and (l is None or self.pending[0][0] < l):
             x = x + self._collect(*self.pending.pop(0))
         return x

@@ -272,7 +272,7 @@ class DeviceStep:
                 ]
             x = m.layers(self.x, step, rots, opts, "batch")
             if self.cold is not None:
-                x = self.cold.flush(x)
+                x = self.cold.settle(None, x)  # the last deferred sums
             accel.copy_out(self.out, m.head(x, opts))
         if self.counts is not None:
             self.counts.copy_out()

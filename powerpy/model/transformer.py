@@ -288,6 +288,8 @@ class Model:
                 return host.run(self.args, self._to(x, HOST), step.caches[0], rots, thr, opts)
             last = tail and l == len(blocks) - 1
             x = self._block(l, blk, x, step, rots[l], thr, opts, ffn_mode, check, last)
+            if step.cold is not None:  # a plan's step: the earlier layers' deferred cold rows
+                x = step.cold.settle(l, x)
         return x
 
     def head(self, x: Tensor, opts: RunOptions) -> Tensor:
@@ -348,8 +350,6 @@ class Model:
                 if blk.post_ffw_norm is not None:
                     f = self.norm(f, blk.post_ffw_norm)
                 y = h + f
-        if step.cold is not None:  # a plan's step: the earlier layers' deferred cold rows
-            y = step.cold.settle(l, y)
         if check:
             _check_finite(y, f"blk.{l}", "the FFN (ffn_norm, ffn_gate/up/down, fc1/fc2)")
         return y
@@ -389,8 +389,6 @@ class Model:
                 xn = self.norm(x, blk.attn_norm, blk.attn_norm_b)
                 f = self._ffn(l, blk, xn, blk.predictor_input(src, opts), step, thr, opts, ffn_mode)
                 y = (att + self._down_bias(blk, self._to(f, x.device))) + x
-        if step.cold is not None:
-            y = step.cold.settle(l, y)
         if check:
             _check_finite(y, f"blk.{l}", "the FFN (attn_norm, ffn_up/down, fc1/fc2)")
         return y
