@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from powerpy._fs import atomic_write
 from powerpy.api import load
 from powerpy.formats.constants import GGMLType
 from powerpy.formats.gpuidx import GpuIndex
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="the task's threads (0: torch's)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
+    if a.calls < 1 or a.gap < 0 or not 0 <= a.hot_share < 1 or not 0 < a.active <= 1:
+        ap.error("--calls >= 1, --gap >= 0, 0 <= --hot-share < 1 and 0 < --active <= 1")
     if a.threads > 0:
         torch.set_num_threads(a.threads)
     r = measure(a.shape, a.calls, a.gap, a.hot_share, a.active)
@@ -170,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         f"  served by this thread:    {r['served_us']:8.1f} us  (+{r['served_added_us']:.1f})"
     )
     if a.json:
-        a.json.write_text(json.dumps(r, indent=1))
+        with atomic_write(a.json) as tmp:
+            tmp.write_text(json.dumps(r, indent=1))
     return 0
 
 

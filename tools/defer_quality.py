@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args(argv)
+    if not a.model.is_file():
+        ap.error(f"--model {a.model}: no such file")
+    if a.tokens < 1 or not all(b > 0 for b in a.budgets):
+        ap.error("--tokens must be >= 1 and every budget > 0 MiB")
     res = measure(a.model, a.budgets, a.tokens)
     print(table(res))
     if a.json:
